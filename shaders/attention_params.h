@@ -1,0 +1,65 @@
+// The contract between the host (ffi/) and the attention kernels (shaders/*.metal).
+// Valid both as Metal Shading Language and as C++: the host includes it directly, and the
+// shader source embedded for run-time Metal compilation has it inlined at build time.
+#ifndef JAX_FLASH_METAL_ATTENTION_PARAMS_H_
+#define JAX_FLASH_METAL_ATTENTION_PARAMS_H_
+
+#ifndef __METAL_VERSION__
+#include <cstdint>
+namespace jfm {
+typedef uint32_t uint;
+#endif
+
+// Window bound meaning "no bound on this side".
+#define JFM_UNBOUNDED (-1)
+
+// Buffer indices ([[buffer(n)]]), one table for every kernel; each kernel binds a subset.
+#define JFM_BUFFER_Q 0
+#define JFM_BUFFER_K 1
+#define JFM_BUFFER_V 2
+#define JFM_BUFFER_O 3
+#define JFM_BUFFER_LSE 4
+#define JFM_BUFFER_DO 5
+#define JFM_BUFFER_DELTA 6
+#define JFM_BUFFER_G_LSE 7
+#define JFM_BUFFER_Q_LENGTHS 8
+#define JFM_BUFFER_KV_LENGTHS 9
+#define JFM_BUFFER_DQ 10
+#define JFM_BUFFER_DK 11
+#define JFM_BUFFER_DV 12
+#define JFM_BUFFER_PARAMS 13
+
+// Dispatch shape shared by all kernels: a threadgroup has JFM_THREADS_PER_GROUP threads and
+// covers JFM_ROWS_PER_GROUP consecutive rows of one (batch, head). The grid is
+// (ceil(rows / JFM_ROWS_PER_GROUP), heads, batch) threadgroups, where rows/heads are
+// q_len/num_heads for fwd, bwd_preprocess and bwd_dq, and kv_len/num_kv_heads for bwd_dkdv.
+// Kernels declare all threadgroup memory statically (no [[threadgroup(n)]] arguments).
+#define JFM_SIMD_WIDTH 32
+#define JFM_ROWS_PER_GROUP 4
+#define JFM_THREADS_PER_GROUP (JFM_ROWS_PER_GROUP * JFM_SIMD_WIDTH)
+
+// Bound at JFM_BUFFER_PARAMS as `constant AttentionParams&`. Layout is plain 4-byte fields so
+// host C++ and MSL agree on it without padding rules.
+struct AttentionParams {
+  uint batch;
+  uint q_len;         // allocated query length Tq
+  uint kv_len;        // allocated key/value length Tkv
+  uint num_heads;     // H
+  uint num_kv_heads;  // HKV, divides H (grouped-query attention)
+  uint head_dim;      // D, equal to the kernel's template head dim
+  float scale;        // softmax scale, used literally
+  float scale_log2;   // scale * log2(e): scores feed exp2 directly
+  int window_left;    // local window, inclusive; JFM_UNBOUNDED = none
+  int window_right;
+  uint causal;        // 1: key j visible only if j <= i + off
+  uint bottom_right;  // causal/window alignment: off = kv_len_b - q_len_b (else 0)
+  uint has_q_lengths;   // 1: int32 [batch] bound at JFM_BUFFER_Q_LENGTHS
+  uint has_kv_lengths;  // 1: int32 [batch] bound at JFM_BUFFER_KV_LENGTHS
+};
+
+#ifndef __METAL_VERSION__
+static_assert(sizeof(AttentionParams) == 56, "AttentionParams layout must match the shaders");
+}  // namespace jfm
+#endif
+
+#endif  // JAX_FLASH_METAL_ATTENTION_PARAMS_H_
