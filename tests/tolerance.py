@@ -1,0 +1,82 @@
+"""DESIGN.md section 8 tolerances against the float64 oracle.
+
+float32: max error <= 1e-5 x max|oracle| on outputs (O, LSE), 1e-4 x max|oracle| on gradients
+(plus a 1e-6 floor for all-zero references). float16/bfloat16: max error <= 2 x the error of plain
+same-dtype `jnp` attention (computed here by `baseline`) + 1e-5.
+Non-finite oracle entries must match: -inf/+inf exactly, NaN by any non-finite value.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import oracle
+
+FLOAT32_RTOL = {"o": 1e-5, "lse": 1e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4}
+
+
+def baseline(q, k, v, do, g_lse=None, **mask_kwargs):
+    """Plain attention computed in the inputs' dtype with jnp, and its autodiff gradients.
+
+    Returns a dict with o, lse, dq, dk, dv (as float64 NumPy) — the error yardstick for
+    half-precision results. Invisible keys are masked in the dtype; empty rows give 0.
+    """
+    q, k, v, do = (jnp.asarray(x) for x in (q, k, v, do))
+    dtype = q.dtype
+    b, tq, h, d = q.shape
+    hkv = k.shape[2]
+    scale = mask_kwargs.pop("scale", None)
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    mask = jnp.asarray(oracle.visibility(b, tq, k.shape[1], **mask_kwargs)[:, None])
+    # Keys no row may see are zeroed so padded garbage cannot reach the baseline.
+    key_used = mask.any(axis=(1, 2))[:, :, None, None]
+
+    def attend(q, k, v):
+        k = jnp.repeat(jnp.where(key_used, k, 0), h // hkv, axis=2)
+        v = jnp.repeat(jnp.where(key_used, v, 0), h // hkv, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(scale, dtype)
+        s = jnp.where(mask, s, jnp.asarray(-jnp.inf, dtype))
+        m = jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))
+        m = jnp.where(jnp.isfinite(m), m, 0)
+        p = jnp.where(mask, jnp.exp(s - m), 0)
+        denom = p.sum(axis=-1, keepdims=True)
+        safe = jnp.where(denom == 0, jnp.ones_like(denom), denom)
+        o = jnp.einsum("bhqk,bkhd->bqhd", p / safe, v)
+        lse = jnp.where(denom[..., 0] == 0, -jnp.inf, (m + jnp.log(safe))[..., 0])
+        return o, lse.astype(jnp.float32)
+
+    (o, lse), vjp = jax.vjp(attend, q, k, v)
+    g = jnp.zeros(lse.shape, jnp.float32) if g_lse is None else jnp.asarray(g_lse, jnp.float32)
+    g = jnp.where(jnp.isfinite(lse), g, 0)
+    dq, dk, dv = vjp((do.astype(dtype), g))
+    out = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+    return {name: np.asarray(x, dtype=np.float64) for name, x in out.items()}
+
+
+def assert_matches_oracle(name, actual, expected, baseline_value=None, kind=None):
+    """Asserts `actual` (any dtype) is within DESIGN.md tolerance of the float64 `expected`.
+
+    kind: one of o, lse, dq, dk, dv (defaults to `name`), selecting the float32 tolerance.
+    baseline_value: the same quantity from `baseline(...)`; required when `actual` is f16/bf16.
+    """
+    kind = kind or name
+    actual_dtype = np.asarray(actual).dtype
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    assert a.shape == e.shape, f"{name}: shape {a.shape} != oracle {e.shape}"
+    finite = np.isfinite(e)
+    assert np.array_equal(a[np.isinf(e)], e[np.isinf(e)]), f"{name}: infinities differ from oracle"
+    assert not np.isfinite(a[np.isnan(e)]).any(), f"{name}: NaN in oracle not propagated"
+    assert np.isfinite(a[finite]).all(), f"{name}: non-finite values where the oracle is finite"
+    if not finite.any():
+        return
+    err = np.abs(a[finite] - e[finite]).max()
+    if actual_dtype == np.float32 or actual_dtype == np.float64:
+        tol = FLOAT32_RTOL[kind] * np.abs(e[finite]).max() + 1e-6
+    else:
+        assert baseline_value is not None, f"{name}: half-precision check needs the baseline"
+        b = np.asarray(baseline_value, dtype=np.float64)
+        base_err = np.abs(b[finite] - e[finite])
+        base_err = base_err[np.isfinite(base_err)].max(initial=0.0)
+        tol = 2.0 * base_err + 1e-5
+    assert err <= tol, f"{name}: max error {err:.3e} exceeds tolerance {tol:.3e}"
