@@ -1,0 +1,14 @@
+"""jax_flash_metal: fused (flash) attention for JAX with Metal kernels for Apple-silicon GPUs.
+
+``flash_attention`` is the fused primitive pair (forward + FlashAttention-2 backward);
+``reference_attention`` is the plain ``jax.numpy`` version with identical semantics.
+``implementations.available()`` lists the implementations that can run here.
+"""
+
+from . import implementations
+from .attention import flash_attention
+from .reference import reference_attention
+
+__version__ = "0.1.0"
+
+__all__ = ["flash_attention", "reference_attention", "implementations", "__version__"]

@@ -1,0 +1,87 @@
+"""Which implementation runs a flash_attention call: "xla", "emulator" or "metal".
+
+- "xla": the ``jax.numpy`` reference lowering (reference.py). Runs on every platform.
+- "metal": the fused Metal kernels via an XLA FFI custom call on the ``cpu`` platform; needs the
+  native extension and an Apple GPU.
+- "emulator": the same FFI handler driving the MSL-on-CPU emulator (testing; slow).
+
+``implementation=None`` means: $JAX_FLASH_METAL_IMPLEMENTATION if set, else "metal" when lowering
+for ``cpu`` on a machine where Metal is available, else "xla". The choice is made at lowering time,
+so a compiled function keeps the implementation it was compiled with.
+
+The fused implementations are provided by ``ffi_lowering`` (the FFI side of the package); it reports
+which of them can run here through ``ffi_lowering.available_implementations()``.
+"""
+
+from __future__ import annotations
+
+from . import validation
+
+FUSED = ("emulator", "metal")
+
+
+def _ffi_lowering():
+    """The ffi_lowering module, or (None, reason) when the fused side cannot be imported."""
+    try:
+        from . import ffi_lowering
+    except ImportError as e:
+        return None, f"the FFI lowering could not be imported ({e})"
+    return ffi_lowering, None
+
+
+def _fused_available():
+    module, reason = _ffi_lowering()
+    if module is None:
+        return [], reason
+    report = getattr(module, "available_implementations", None)
+    if report is None:
+        return [], "ffi_lowering does not report any available implementation"
+    names = [n for n in report() if n in FUSED]
+    return names, None
+
+
+def available(platform: str = "cpu") -> list[str]:
+    """Names of the implementations that can run for ``platform`` here, "xla" first.
+
+    Tests parametrise over ``available()``; "emulator" and "metal" appear only when the native
+    extension is importable (and, for "metal", a Metal device exists).
+    """
+    names = ["xla"]
+    if platform == "cpu":
+        names += [n for n in FUSED if n in _fused_available()[0]]
+    return names
+
+
+def resolve(implementation: str | None, platform: str) -> str:
+    """The implementation to lower with for ``platform`` (a JAX platform name such as "cpu").
+
+    Raises:
+      ValueError: unknown name (argument or environment variable).
+      NotImplementedError: a fused implementation was asked for explicitly where it cannot run.
+    """
+    implementation = validation.check_implementation(implementation)
+    source = "implementation"
+    if implementation is None:
+        implementation = validation.env_implementation()
+        source = f"${validation.ENV_IMPLEMENTATION}"
+        if implementation is None:
+            return "metal" if platform == "cpu" and "metal" in available("cpu") else "xla"
+    if implementation == "xla":
+        return "xla"
+    if platform != "cpu":
+        raise NotImplementedError(
+            f"flash_attention {source}={implementation!r} runs only when lowering for the 'cpu' "
+            f"platform (an XLA FFI call on the host), but this computation lowers for "
+            f"{platform!r}; use implementation=None or 'xla' there"
+        )
+    names, reason = _fused_available()
+    if implementation not in names:
+        why = reason or (
+            "no Metal device was found" if implementation == "metal"
+            else "the native extension does not provide it"
+        )
+        raise NotImplementedError(
+            f"flash_attention {source}={implementation!r} is not available here: {why}. "
+            f"Available: {available(platform)}"
+        )
+    return implementation
