@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from . import validation
-from .primitives import bwd_p, fwd_p
+from .primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
 
 
 def _bind_fwd(params, q, k, v, q_lengths, kv_lengths):
@@ -80,5 +80,12 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, local_win
         implementation=implementation)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
-    out, lse = _attention(params, q, k, v, q_lengths, kv_lengths)
+    try:
+        out, lse = _attention(params, q, k, v, q_lengths, kv_lengths)
+    except TypeError as e:
+        # JAX's own message ("can't apply forward-mode autodiff (jvp) to a custom_vjp function")
+        # does not say which function or what to do instead.
+        if "forward-mode" in str(e) and "custom_vjp" in str(e):
+            raise TypeError(NO_JVP_MESSAGE.format("flash_attention")) from e
+        raise
     return (out, lse) if return_lse else out

@@ -143,17 +143,17 @@ batching.primitive_batchers[bwd_p] = _make_batcher(bwd_p)
 
 # ---------------------------------------------------------------- differentiation
 
-_NO_JVP = (
+NO_JVP_MESSAGE = (
     "flash_attention supports only first-order reverse-mode differentiation (jax.grad, jax.vjp, "
     "jax.jacrev). Forward-mode (jax.jvp, jax.jacfwd, jax.linearize) and higher-order derivatives "
-    "(grad of grad, jax.hessian) are not implemented for the fused primitive '{}'; use "
+    "(grad of grad, jax.hessian) are not implemented by '{}'; use "
     "jax_flash_metal.reference_attention, which is plain jax.numpy, for those."
 )
 
 
 def _make_no_jvp(prim):
     def jvp(primals, tangents, **params):
-        raise TypeError(_NO_JVP.format(prim.name))
+        raise TypeError(NO_JVP_MESSAGE.format(prim.name))
     return jvp
 
 

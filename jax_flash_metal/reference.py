@@ -88,7 +88,7 @@ def forward(q, k, v, q_lengths=None, kv_lengths=None, *, scale, is_causal=False,
     vf = _zero_rows(v.astype(_F32), key_ok)
     s, m4 = _scores(qf, kf, scale, mask)
     has_key = jnp.any(m4, axis=-1)  # [B, 1, 1, Tq]
-    row_max = jnp.max(jnp.where(m4, s, -jnp.inf), axis=-1)
+    row_max = jnp.max(jnp.where(m4, s, -jnp.inf), axis=-1, initial=-jnp.inf)
     row_max = jax.lax.stop_gradient(jnp.where(has_key, row_max, 0.0))
     p = jnp.where(m4, jnp.exp(jnp.where(m4, s, 0.0) - row_max[..., None]), 0.0)
     denom = jnp.sum(p, axis=-1)
