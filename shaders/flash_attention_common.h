@@ -1,0 +1,183 @@
+// Shared helpers of the attention kernels: element conversion (f32/f16/bf16), per-batch lengths,
+// the visibility interval of DESIGN.md section 3, and row addressing. MSL 3.0 (C++14 base).
+#ifndef JAX_FLASH_METAL_FLASH_ATTENTION_COMMON_H_
+#define JAX_FLASH_METAL_FLASH_ATTENTION_COMMON_H_
+
+#include <metal_stdlib>
+
+#include "attention_params.h"
+
+using namespace metal;
+
+// Every kernel maps one simdgroup to one row (a query row, or a key row for dK/dV) and keys (or
+// queries) to lanes in blocks of JFM_SIMD_WIDTH; a lane also owns output dims lane + 32 * c.
+#define JFM_DIM_CHUNKS(D) (((D) + JFM_SIMD_WIDTH - 1) / JFM_SIMD_WIDTH)
+
+// Scores of masked lanes; simd_max ignores them next to any real score. Finite on purpose: the
+// kernels never rely on infinities, so they behave the same under fast math.
+#define JFM_MASKED_SCORE (-3.40282347e38f)
+// Initial running max: finite, and far enough below any real score that exp2(m - m_new) is 0.
+#define JFM_MAX_SENTINEL (-1.70141173e38f)
+#define JFM_LN2 0.693147180559945309f
+#define JFM_LOG2E 1.44269504088896341f
+
+// ---- element types: float, half, and bf16 held as ushort bits (bfloat needs MSL 3.1) ----
+
+inline float jfm_to_float(float x) { return x; }
+inline float jfm_to_float(half x) { return float(x); }
+inline float jfm_to_float(ushort bf16_bits) { return as_type<float>(uint(bf16_bits) << 16); }
+
+// Round to nearest even; a NaN stays a (quiet) NaN instead of rounding into an infinity.
+inline ushort jfm_float_to_bf16(float x) {
+  uint bits = as_type<uint>(x);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    return ushort((bits >> 16) | 0x0040u);
+  }
+  uint rounding_bias = 0x7fffu + ((bits >> 16) & 1u);
+  return ushort((bits + rounding_bias) >> 16);
+}
+
+inline void jfm_store(device float* p, float x) { *p = x; }
+inline void jfm_store(device half* p, float x) { *p = half(x); }
+inline void jfm_store(device ushort* p, float x) { *p = jfm_float_to_bf16(x); }
+
+inline float jfm_negative_infinity() { return as_type<float>(0xff800000u); }
+
+// ---- lengths and visibility ----
+
+inline long jfm_min(long a, long b) { return a < b ? a : b; }
+inline long jfm_max(long a, long b) { return a > b ? a : b; }
+
+// Valid length of batch b: the lengths buffer entry clamped to [0, allocated], read only if bound.
+inline long jfm_valid_len(uint has_lengths, device const int* lengths, uint b, uint allocated) {
+  if (has_lengths == 0) {
+    return long(allocated);
+  }
+  return jfm_min(jfm_max(long(lengths[b]), 0), long(allocated));
+}
+
+// Inclusive index interval [lo, hi]; empty when lo > hi.
+struct JfmRange {
+  long lo;
+  long hi;
+};
+
+inline long jfm_alignment_offset(constant AttentionParams& p, long q_valid, long kv_valid) {
+  return p.bottom_right != 0 ? kv_valid - q_valid : 0;
+}
+
+// Keys visible to query row i: j < kv_valid, and with c = i + off, causal j <= c, window
+// c - left <= j <= c + right. Empty for i >= q_valid. All conditions are bounds on j, so the
+// visible set is one interval.
+inline JfmRange jfm_keys_of_query(constant AttentionParams& p, long i, long q_valid,
+                                  long kv_valid) {
+  JfmRange r;
+  r.lo = 0;
+  r.hi = kv_valid - 1;
+  if (i >= q_valid) {
+    r.hi = -1;
+    return r;
+  }
+  long c = i + jfm_alignment_offset(p, q_valid, kv_valid);
+  if (p.causal != 0) {
+    r.hi = jfm_min(r.hi, c);
+  }
+  if (p.window_right >= 0) {
+    r.hi = jfm_min(r.hi, c + long(p.window_right));
+  }
+  if (p.window_left >= 0) {
+    r.lo = jfm_max(r.lo, c - long(p.window_left));
+  }
+  return r;
+}
+
+// Queries that see key j: the same rule solved for i (causal i >= j - off, window
+// j - off - right <= i <= j - off + left), i < q_valid. Empty for j >= kv_valid.
+inline JfmRange jfm_queries_of_key(constant AttentionParams& p, long j, long q_valid,
+                                   long kv_valid) {
+  JfmRange r;
+  r.lo = 0;
+  r.hi = q_valid - 1;
+  if (j >= kv_valid) {
+    r.hi = -1;
+    return r;
+  }
+  long c = j - jfm_alignment_offset(p, q_valid, kv_valid);
+  if (p.causal != 0) {
+    r.lo = jfm_max(r.lo, c);
+  }
+  if (p.window_right >= 0) {
+    r.lo = jfm_max(r.lo, c - long(p.window_right));
+  }
+  if (p.window_left >= 0) {
+    r.hi = jfm_min(r.hi, c + long(p.window_left));
+  }
+  return r;
+}
+
+// ---- addressing (64-bit: B * T * H * D can exceed 2^31) ----
+
+// Element offset of row t of head h in a [batch, len, heads, D] tensor.
+inline ulong jfm_row_offset(uint b, long t, uint h, uint len, uint heads, uint head_dim) {
+  return ((ulong(b) * ulong(len) + ulong(t)) * ulong(heads) + ulong(h)) * ulong(head_dim);
+}
+
+// Offset of (b, h, t) in a float [batch, heads, len] tensor (LSE, delta).
+inline ulong jfm_stat_offset(uint b, uint h, long t, uint heads, uint len) {
+  return (ulong(b) * ulong(heads) + ulong(h)) * ulong(len) + ulong(t);
+}
+
+// ---- row helpers; lanes own dims lane + 32 * c ----
+
+// Dot product of a float row staged in threadgroup memory with a device row, in float32.
+// Four partial sums (D is a multiple of 16) shorten the dependency chain.
+template <typename T, int D>
+inline float jfm_dot(threadgroup const float* a, device const T* b) {
+  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+  for (int d = 0; d < D; d += 4) {
+    s0 = fma(a[d], jfm_to_float(b[d]), s0);
+    s1 = fma(a[d + 1], jfm_to_float(b[d + 1]), s1);
+    s2 = fma(a[d + 2], jfm_to_float(b[d + 2]), s2);
+    s3 = fma(a[d + 3], jfm_to_float(b[d + 3]), s3);
+  }
+  return (s0 + s1) + (s2 + s3);
+}
+
+// Copies a device row into threadgroup memory as float times `factor`, lane-strided.
+template <typename T, int D>
+inline void jfm_stage_row(threadgroup float* dst, device const T* src, float factor, uint lane) {
+  for (uint d = lane; d < uint(D); d += JFM_SIMD_WIDTH) {
+    dst[d] = jfm_to_float(src[d]) * factor;
+  }
+}
+
+// Writes this lane's dims of a row: acc[c] * factor to dims lane + 32 * c.
+template <typename T, int D>
+inline void jfm_store_row(device T* dst, thread const float* acc, float factor, uint lane) {
+  for (int c = 0; c < JFM_DIM_CHUNKS(D); ++c) {
+    uint d = lane + uint(c) * JFM_SIMD_WIDTH;
+    if (d < uint(D)) {
+      jfm_store(dst + d, acc[c] * factor);
+    }
+  }
+}
+
+template <typename T, int D>
+inline void jfm_store_zero_row(device T* dst, uint lane) {
+  for (uint d = lane; d < uint(D); d += JFM_SIMD_WIDTH) {
+    jfm_store(dst + d, 0.0f);
+  }
+}
+
+// acc[c] += w * row[lane + 32 * c] for this lane's dims.
+template <typename T, int D>
+inline void jfm_axpy_row(thread float* acc, float w, device const T* row, uint lane) {
+  for (int c = 0; c < JFM_DIM_CHUNKS(D); ++c) {
+    uint d = lane + uint(c) * JFM_SIMD_WIDTH;
+    if (d < uint(D)) {
+      acc[c] = fma(w, jfm_to_float(row[d]), acc[c]);
+    }
+  }
+}
+
+#endif  // JAX_FLASH_METAL_FLASH_ATTENTION_COMMON_H_

@@ -1,0 +1,155 @@
+"""Runs the attention kernels of shaders/*.metal on the MSL-on-CPU emulator, the way the host does.
+
+`AttentionParams` is packed with a NumPy structured dtype that mirrors shaders/attention_params.h
+field for field; grids follow that header: (ceil(rows / 4), heads, batch) threadgroups of 128
+threads, rows/heads = q_len/num_heads for fwd, bwd_preprocess and bwd_dq and kv_len/num_kv_heads
+for bwd_dkdv, and zero-size grids are not dispatched. Inputs and outputs are NumPy arrays of
+float32, float16 or ml_dtypes.bfloat16 (passed to the kernels as uint16 bits). Outputs start
+filled with NaN so anything a kernel fails to write shows up.
+"""
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+from jax_flash_metal._ext import emulator
+
+ROWS_PER_GROUP = 4  # JFM_ROWS_PER_GROUP
+THREADS_PER_GROUP = 128  # JFM_THREADS_PER_GROUP
+UNBOUNDED = -1  # JFM_UNBOUNDED
+HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256)
+DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
+          "bf16": np.dtype(ml_dtypes.bfloat16)}
+
+# JFM_BUFFER_* of attention_params.h.
+Q, K, V, O, LSE, DO, DELTA, G_LSE, Q_LENGTHS, KV_LENGTHS, DQ, DK, DV, PARAMS = range(14)
+
+PARAMS_DTYPE = np.dtype([
+    ("batch", "<u4"), ("q_len", "<u4"), ("kv_len", "<u4"), ("num_heads", "<u4"),
+    ("num_kv_heads", "<u4"), ("head_dim", "<u4"), ("scale", "<f4"), ("scale_log2", "<f4"),
+    ("window_left", "<i4"), ("window_right", "<i4"), ("causal", "<u4"), ("bottom_right", "<u4"),
+    ("has_q_lengths", "<u4"), ("has_kv_lengths", "<u4"),
+])
+assert PARAMS_DTYPE.itemsize == 56  # static_assert in attention_params.h
+
+# Bound where a lengths buffer is absent; the kernels must not read it (if they did, these
+# values would empty every row and the comparison with the oracle would fail).
+_DUMMY_LENGTHS = np.full(4, -7, dtype=np.int32)
+
+
+def type_name(dtype):
+    """'f32' | 'f16' | 'bf16' for a NumPy dtype."""
+    for name, dt in DTYPES.items():
+        if np.dtype(dtype) == dt:
+            return name
+    raise TypeError(f"unsupported dtype {dtype}")
+
+
+def kernel_name(kind, dtype, head_dim):
+    """Host name, e.g. kernel_name('fwd', np.float16, 64) == 'flash_attention_fwd_f16_d64'."""
+    return f"flash_attention_{kind}_{type_name(dtype)}_d{head_dim}"
+
+
+def window_bounds(local_window_size):
+    """(left, right) with UNBOUNDED for None, from None, an int or a pair (entries may be None)."""
+    if local_window_size is None:
+        return UNBOUNDED, UNBOUNDED
+    if isinstance(local_window_size, (int, np.integer)):
+        return int(local_window_size), int(local_window_size)
+    left, right = local_window_size
+    return (UNBOUNDED if left is None else int(left)), (UNBOUNDED if right is None else int(right))
+
+
+def pack_params(q_shape, kv_shape, *, scale=None, is_causal=False, local_window_size=None,
+                query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment="top_left"):
+    """AttentionParams as uint8 bytes [56] for q [B, Tq, H, D] and k/v [B, Tkv, HKV, D]."""
+    batch, q_len, heads, head_dim = q_shape
+    _, kv_len, kv_heads, _ = kv_shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    left, right = window_bounds(local_window_size)
+    p = np.zeros((), dtype=PARAMS_DTYPE)
+    p["batch"], p["q_len"], p["kv_len"] = batch, q_len, kv_len
+    p["num_heads"], p["num_kv_heads"], p["head_dim"] = heads, kv_heads, head_dim
+    p["scale"] = np.float32(scale)
+    p["scale_log2"] = np.float32(scale * math.log2(math.e))
+    p["window_left"], p["window_right"] = left, right
+    p["causal"] = int(bool(is_causal))
+    p["bottom_right"] = int(causal_alignment == "bottom_right")
+    p["has_q_lengths"] = int(query_seq_lengths is not None)
+    p["has_kv_lengths"] = int(key_value_seq_lengths is not None)
+    return np.frombuffer(p.tobytes(), dtype=np.uint8).copy()
+
+
+def _device(x):
+    """A C-contiguous array the kernel can bind: bf16 as uint16 bits; zero-size -> 16-byte dummy."""
+    x = np.ascontiguousarray(x)
+    if x.size == 0:
+        return np.zeros(16, dtype=np.uint8)
+    return x.view(np.uint16) if x.dtype == DTYPES["bf16"] else x
+
+
+def _output(shape, dtype):
+    return np.full(shape, np.nan, dtype=dtype)
+
+
+def _lengths(lengths):
+    if lengths is None:
+        return _DUMMY_LENGTHS
+    return np.ascontiguousarray(np.asarray(lengths, dtype=np.int32))
+
+
+def _dispatch(name, buffers, rows, heads, batch, schedule, seed):
+    groups = (math.ceil(rows / ROWS_PER_GROUP), heads, batch)
+    if 0 in groups:
+        return  # the host never dispatches an empty grid
+    bound = {index: _device(array) for index, array in buffers.items()}
+    # Outputs are created C-contiguous, so `bound` holds them or uint16 views of them.
+    emulator.run(name, bound, groups, (THREADS_PER_GROUP, 1, 1), schedule=schedule, seed=seed)
+
+
+def forward(q, k, v, *, schedule="forward", seed=0, **mask):
+    """Runs flash_attention_fwd. Returns (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32).
+
+    mask: scale, is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths,
+    causal_alignment (the oracle's keywords).
+    """
+    batch, q_len, heads, head_dim = q.shape
+    params = pack_params(q.shape, k.shape, **mask)
+    o = _output(q.shape, q.dtype)
+    lse = _output((batch, heads, q_len), np.float32)
+    _dispatch(kernel_name("fwd", q.dtype, head_dim),
+              {Q: q, K: k, V: v, Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
+               KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths")), O: o, LSE: lse,
+               PARAMS: params}, q_len, heads, batch, schedule, seed)
+    return o, lse
+
+
+def backward(q, k, v, o, lse, do, g_lse=None, *, schedule="forward", seed=0, **mask):
+    """Runs bwd_preprocess, bwd_dq and bwd_dkdv. Returns (dq, dk, dv, delta).
+
+    o, lse: the forward's outputs; do like o; g_lse float32 [B, H, Tq] or None (zeros).
+    dq has q's shape and dtype, dk/dv k's; delta is float32 [B, H, Tq].
+    """
+    batch, q_len, heads, head_dim = q.shape
+    _, kv_len, kv_heads, _ = k.shape
+    params = pack_params(q.shape, k.shape, **mask)
+    q_lengths = _lengths(mask.get("query_seq_lengths"))
+    kv_lengths = _lengths(mask.get("key_value_seq_lengths"))
+    if g_lse is None:
+        g_lse = np.zeros((batch, heads, q_len), np.float32)
+    g_lse = np.ascontiguousarray(g_lse, dtype=np.float32)
+    delta = _output((batch, heads, q_len), np.float32)
+    _dispatch(kernel_name("bwd_preprocess", q.dtype, head_dim),
+              {O: o, DO: do, G_LSE: g_lse, Q_LENGTHS: q_lengths, DELTA: delta, PARAMS: params},
+              q_len, heads, batch, schedule, seed)
+    inputs = {Q: q, K: k, V: v, DO: do, LSE: lse, DELTA: delta, Q_LENGTHS: q_lengths,
+              KV_LENGTHS: kv_lengths, PARAMS: params}
+    dq = _output(q.shape, q.dtype)
+    _dispatch(kernel_name("bwd_dq", q.dtype, head_dim), {**inputs, DQ: dq},
+              q_len, heads, batch, schedule, seed)
+    dk = _output(k.shape, k.dtype)
+    dv = _output(v.shape, v.dtype)
+    _dispatch(kernel_name("bwd_dkdv", q.dtype, head_dim), {**inputs, DK: dk, DV: dv},
+              kv_len, kv_heads, batch, schedule, seed)
+    return dq, dk, dv, delta
