@@ -8,7 +8,8 @@ not autodiff of ``forward``: it is the oracle the fused Metal backward kernels a
 
 All math is float32 (matmuls at HIGHEST precision); outputs are cast back to the input dtype; LSE is
 float32 ``[batch, num_heads, q_len]`` in natural log. Query head n uses kv head
-``n // (num_heads // num_kv_heads)``.
+``n // (num_heads // num_kv_heads)``. A non-finite input reaches exactly the outputs whose sums
+include it at a visible (query, key) pair; in padded tails or invisible pairs it has no effect.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def visibility(batch, q_len, kv_len, q_lengths, kv_lengths, *, is_causal, window
                window_right, bottom_right):
     """Boolean mask [batch, q_len, kv_len]: may query row i see key j (DESIGN.md section 3)?
 
-    Also returns the per-batch valid-row mask [batch, q_len] and valid-key mask [batch, kv_len].
+    Also returns the per-batch valid-row mask [batch, q_len] (i < q_len_b).
     """
     ql = _lengths(q_lengths, batch, q_len)[:, None, None]
     kl = _lengths(kv_lengths, batch, kv_len)[:, None, None]
@@ -40,15 +41,14 @@ def visibility(batch, q_len, kv_len, q_lengths, kv_lengths, *, is_causal, window
     j = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
     diag = i + (kl - ql if bottom_right else 0)  # the key aligned with query row i
     row_ok = i < ql
-    key_ok = j < kl
-    mask = row_ok & key_ok
+    mask = row_ok & (j < kl)
     if is_causal:
         mask &= j <= diag
     if window_left >= 0:
         mask &= j >= diag - window_left
     if window_right >= 0:
         mask &= j <= diag + window_right
-    return mask, row_ok[:, :, 0], key_ok[:, 0, :]
+    return mask, row_ok[:, :, 0]
 
 
 def _split_heads(x, num_kv_heads):
@@ -57,10 +57,20 @@ def _split_heads(x, num_kv_heads):
     return x.reshape(b, t, num_kv_heads, h // num_kv_heads, d)
 
 
-def _zero_rows(x, ok):
-    """Zero rows t where ok[b, t] is False ([B, T, ...]), so padded garbage (even NaN) cannot reach
-    a matmul where a 0 weight times NaN would leak it."""
-    return jnp.where(ok.reshape(ok.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype))
+def _nonfinite(x):
+    return (~jnp.isfinite(x)).astype(_F32)
+
+
+def _contract(spec, weights, values):
+    """einsum in float32 with non-finite values zeroed: a weight of exactly 0 (an invisible pair)
+    times NaN would otherwise be NaN. ``_poison`` puts NaN back where a visible pair met one."""
+    values = jnp.where(jnp.isfinite(values), values, 0.0)
+    return jnp.einsum(spec, weights, values, precision=_HI, preferred_element_type=_F32)
+
+
+def _poison(out, hits):
+    """NaN wherever ``hits`` (a count of visible non-finite inputs) is positive."""
+    return jnp.where(hits > 0, jnp.nan, out)
 
 
 def _scores(q, k, scale, mask):
@@ -80,20 +90,20 @@ def forward(q, k, v, q_lengths=None, kv_lengths=None, *, scale, is_causal=False,
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
     batch, q_len, num_heads, _ = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
-    mask, row_ok, key_ok = visibility(
+    mask, _ = visibility(
         batch, q_len, kv_len, q_lengths, kv_lengths, is_causal=is_causal,
         window_left=window_left, window_right=window_right, bottom_right=bottom_right)
-    qf = _split_heads(_zero_rows(q.astype(_F32), row_ok), num_kv_heads)
-    kf = _zero_rows(k.astype(_F32), key_ok)
-    vf = _zero_rows(v.astype(_F32), key_ok)
-    s, m4 = _scores(qf, kf, scale, mask)
+    qf = _split_heads(q.astype(_F32), num_kv_heads)
+    s, m4 = _scores(qf, k.astype(_F32), scale, mask)
     has_key = jnp.any(m4, axis=-1)  # [B, 1, 1, Tq]
     row_max = jnp.max(jnp.where(m4, s, -jnp.inf), axis=-1, initial=-jnp.inf)
     row_max = jax.lax.stop_gradient(jnp.where(has_key, row_max, 0.0))
     p = jnp.where(m4, jnp.exp(jnp.where(m4, s, 0.0) - row_max[..., None]), 0.0)
     denom = jnp.sum(p, axis=-1)
     denom_safe = jnp.where(has_key, denom, 1.0)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, vf, precision=_HI, preferred_element_type=_F32)
+    maskf = mask.astype(_F32)  # [B, Tq, Tkv], the same for every head
+    o = _contract("bhgqk,bkhd->bqhgd", p, v.astype(_F32))
+    o = _poison(o, jnp.einsum("bqk,bkhd->bqhd", maskf, _nonfinite(v))[:, :, :, None, :])
     o = o / jnp.moveaxis(denom_safe, -1, 1)[..., None]
     o = jnp.where(jnp.moveaxis(has_key, -1, 1)[..., None], o, 0.0)
     lse = jnp.where(has_key, row_max + jnp.log(denom_safe), -jnp.inf)
@@ -116,14 +126,13 @@ def backward(q, k, v, o, lse, do, g_lse, q_lengths=None, kv_lengths=None, *, sca
     batch, q_len, num_heads, _ = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
-    mask, row_ok, key_ok = visibility(
+    mask, row_ok = visibility(
         batch, q_len, kv_len, q_lengths, kv_lengths, is_causal=is_causal,
         window_left=window_left, window_right=window_right, bottom_right=bottom_right)
-    qf = _split_heads(_zero_rows(q.astype(_F32), row_ok), num_kv_heads)
-    dof = _split_heads(_zero_rows(do.astype(_F32), row_ok), num_kv_heads)
+    qf = _split_heads(q.astype(_F32), num_kv_heads)
+    dof = _split_heads(do.astype(_F32), num_kv_heads)
     of = _split_heads(o.astype(_F32), num_kv_heads)
-    kf = _zero_rows(k.astype(_F32), key_ok)
-    vf = _zero_rows(v.astype(_F32), key_ok)
+    kf = k.astype(_F32)
     lse5 = lse.astype(_F32).reshape(batch, num_kv_heads, group, q_len)
     g5 = g_lse.astype(_F32).reshape(batch, num_kv_heads, group, q_len)
     delta = jnp.einsum("bqhgd,bqhgd->bhgq", dof, of, precision=_HI) - g5
@@ -131,11 +140,16 @@ def backward(q, k, v, o, lse, do, g_lse, q_lengths=None, kv_lengths=None, *, sca
 
     s, m4 = _scores(qf, kf, scale, mask)
     p = jnp.where(m4, jnp.exp(jnp.where(m4, s - lse5[..., None], 0.0)), 0.0)
-    dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dof, precision=_HI)
-    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dof, vf, precision=_HI)
+    maskf = mask.astype(_F32)  # [B, Tq, Tkv], the same for every head
+    dv = _contract("bhgqk,bqhgd->bkhd", p, dof)
+    dv = _poison(dv, jnp.einsum("bqk,bqhd->bkhd", maskf, _nonfinite(dof).sum(axis=3)))
+    # Invisible (i, j) pairs are selected away, so a NaN there (e.g. in a padded V row) is dropped.
+    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dof, v.astype(_F32), precision=_HI)
     ds = jnp.where(m4, p * (dp - delta[..., None]), 0.0)
-    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kf, precision=_HI) * jnp.float32(scale)
-    dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qf, precision=_HI) * jnp.float32(scale)
+    dq = _contract("bhgqk,bkhd->bqhgd", ds, kf) * jnp.float32(scale)
+    dq = _poison(dq, jnp.einsum("bqk,bkhd->bqhd", maskf, _nonfinite(kf))[:, :, :, None, :])
+    dk = _contract("bhgqk,bqhgd->bkhd", ds, qf) * jnp.float32(scale)
+    dk = _poison(dk, jnp.einsum("bqk,bqhd->bkhd", maskf, _nonfinite(qf).sum(axis=3)))
     return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
 
 
