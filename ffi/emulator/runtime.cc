@@ -1,0 +1,525 @@
+// The emulator runtime: threadgroups run as cooperative fibers, one per GPU thread.
+//
+// Each fiber's stack is set up once with makecontext; after that, switches use _setjmp/_longjmp,
+// which (unlike swapcontext) make no signal-mask system call. A fiber runs one GPU thread after
+// another (stacks are reused across threadgroups). The scheduler runs every ready fiber until it
+// blocks at a collective point (barrier, simd operation) or returns, then resolves collectives
+// whose participants all arrived, in rounds, resuming fibers in the chosen order.
+// _FORTIFY_SOURCE turns longjmp into __longjmp_chk, which rejects jumps between stacks.
+#undef _FORTIFY_SOURCE
+#include "runtime.h"
+
+#include <setjmp.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "emulator.h"
+
+namespace jfm {
+namespace rt {
+namespace {
+
+constexpr size_t kStackSize = 128 * 1024;  // kernels keep small local arrays; plus a guard page
+
+enum class State { kReady, kSimd, kBarrier, kDone };
+
+struct Worker;
+
+struct Fiber {
+  jmp_buf jb;
+  ucontext_t uc;
+  char* mapping = nullptr;
+  size_t mapping_size = 0;
+  bool started = false;
+  Worker* worker = nullptr;
+  // Current GPU thread.
+  ThreadCtx ctx;
+  State state = State::kDone;
+  // Collective this fiber waits at.
+  Slot slot;
+  ResolveFn fn = nullptr;
+  bool full = false;
+  const char* what = nullptr;
+  const char* file = nullptr;
+  int line = 0;
+
+  ~Fiber() {
+    if (mapping) munmap(mapping, mapping_size);
+  }
+};
+
+struct Allocation {
+  const void* site;
+  size_t offset;
+};
+
+struct Worker {
+  jmp_buf sched;
+  std::vector<std::unique_ptr<Fiber>> fibers;
+  Fiber* current = nullptr;
+  void (*launch)(const ThreadCtx&) = nullptr;
+  // Threadgroup memory of the running group.
+  alignas(64) unsigned char arena[kMaxThreadgroupMemory];
+  size_t arena_used = 0;
+  std::vector<Allocation> allocations;
+  std::string error;  // set by fail() inside a fiber
+};
+
+// Set when a worker is driving fibers on this OS thread.
+thread_local Worker* t_worker = nullptr;
+// makecontext passes int arguments only; the fiber being started is handed over here.
+thread_local Fiber* t_starting = nullptr;
+
+void fiber_main() {
+  Fiber* f = t_starting;
+  // First entry only records the context; the scheduler resumes it when there is work.
+  for (;;) {
+    if (!_setjmp(f->jb)) _longjmp(f->worker->sched, 1);
+    f->worker->launch(f->ctx);
+    f->state = State::kDone;
+  }
+}
+
+void start_fiber(Worker* w, Fiber* f) {
+  if (!f->mapping) {
+    long page = sysconf(_SC_PAGESIZE);
+    f->mapping_size = kStackSize + page;
+    void* m = mmap(nullptr, f->mapping_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+    if (m == MAP_FAILED) throw std::bad_alloc();
+    f->mapping = static_cast<char*>(m);
+    mprotect(f->mapping, page, PROT_NONE);  // stack overflow faults instead of corrupting memory
+  }
+  long page = sysconf(_SC_PAGESIZE);
+  getcontext(&f->uc);
+  f->uc.uc_stack.ss_sp = f->mapping + page;
+  f->uc.uc_stack.ss_size = kStackSize;
+  f->uc.uc_link = nullptr;
+  makecontext(&f->uc, fiber_main, 0);
+  f->worker = w;
+  t_starting = f;
+  if (!_setjmp(w->sched)) setcontext(&f->uc);
+  f->started = true;
+}
+
+inline void resume(Worker* w, Fiber* f) {
+  w->current = f;
+  if (!_setjmp(w->sched)) _longjmp(f->jb, 1);
+  w->current = nullptr;
+}
+
+inline void yield_to_scheduler(Fiber* f) {
+  if (!_setjmp(f->jb)) _longjmp(f->worker->sched, 1);
+}
+
+Fiber* current_fiber() {
+  Worker* w = t_worker;
+  if (!w || !w->current) {
+    // Only reachable if shader code is called outside a launch: a programming error in the host.
+    std::fputs("jax_flash_metal emulator: Metal builtin called outside a kernel launch\n", stderr);
+    std::abort();
+  }
+  return w->current;
+}
+
+void wait_collective(State s, ResolveFn fn, const void* in, void* out, uint64_t arg, bool full,
+                     const char* what, const char* file, int line) {
+  Fiber* f = current_fiber();
+  f->state = s;
+  f->slot = Slot{in, out, arg};
+  f->fn = fn;
+  f->full = full;
+  f->what = what;
+  f->file = file;
+  f->line = line;
+  yield_to_scheduler(f);
+}
+
+std::string format_id(const uint32_t v[3]) {
+  std::ostringstream s;
+  s << "(" << v[0] << "," << v[1] << "," << v[2] << ")";
+  return s.str();
+}
+
+std::string site(const Fiber* f) {
+  std::ostringstream s;
+  s << f->what << " at " << (f->file ? f->file : "?") << ":" << f->line;
+  return s.str();
+}
+
+// "threads 0-31, 40" style list of thread_index_in_threadgroup values.
+std::string thread_list(const std::vector<const Fiber*>& fs) {
+  std::vector<uint32_t> ids;
+  for (const Fiber* f : fs) ids.push_back(f->ctx.thread_index_in_threadgroup);
+  std::sort(ids.begin(), ids.end());
+  std::ostringstream s;
+  s << (ids.size() == 1 ? "thread " : "threads ");
+  for (size_t i = 0; i < ids.size();) {
+    size_t j = i;
+    while (j + 1 < ids.size() && ids[j + 1] == ids[j] + 1) ++j;
+    if (i) s << ",";
+    s << ids[i];
+    if (j > i) s << "-" << ids[j];
+    i = j + 1;
+  }
+  return s.str();
+}
+
+bool same_site(const Fiber* a, const Fiber* b) {
+  return a->fn == b->fn && a->line == b->line &&
+         (a->file == b->file || (a->file && b->file && std::strcmp(a->file, b->file) == 0));
+}
+
+struct Job {
+  const KernelDef* def;
+  void* const* buffers;
+  std::array<uint32_t, 3> groups;
+  std::array<uint32_t, 3> group_size;
+  emu::Schedule schedule;
+  uint64_t seed;
+  std::atomic<uint64_t> next_group{0};
+  std::atomic<bool> failed{false};
+  std::mutex error_mutex;
+  std::string error;
+
+  void set_error(const std::string& e) {
+    std::lock_guard<std::mutex> lock(error_mutex);
+    if (error.empty()) error = e;
+    failed.store(true);
+  }
+};
+
+// Runs one threadgroup to completion; returns "" or an error message.
+std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
+  const uint32_t sx = job.group_size[0], sy = job.group_size[1], sz = job.group_size[2];
+  const uint32_t n = sx * sy * sz;
+  const uint32_t nsimd = (n + kSimdWidth - 1) / kSimdWidth;
+  while (w->fibers.size() < n) w->fibers.emplace_back(new Fiber);
+  w->launch = job.def->launch;
+  w->arena_used = 0;
+  w->allocations.clear();
+  w->error.clear();
+  for (uint32_t i = 0; i < n; ++i) {
+    Fiber* f = w->fibers[i].get();
+    if (!f->started) start_fiber(w, f);
+    ThreadCtx& c = f->ctx;
+    c.buffers = job.buffers;
+    const uint32_t local[3] = {i % sx, (i / sx) % sy, i / (sx * sy)};
+    for (int d = 0; d < 3; ++d) {
+      c.thread_position_in_threadgroup[d] = local[d];
+      c.threadgroup_position_in_grid[d] = gid[d];
+      c.threads_per_threadgroup[d] = job.group_size[d];
+      c.threadgroups_per_grid[d] = job.groups[d];
+      c.threads_per_grid[d] = job.groups[d] * job.group_size[d];
+      c.thread_position_in_grid[d] = gid[d] * job.group_size[d] + local[d];
+    }
+    c.thread_index_in_threadgroup = i;
+    c.thread_index_in_simdgroup = i % kSimdWidth;
+    c.simdgroup_index_in_threadgroup = i / kSimdWidth;
+    c.threads_per_simdgroup = kSimdWidth;
+    c.simdgroups_per_threadgroup = nsimd;
+    f->state = State::kReady;
+  }
+
+  std::mt19937_64 rng(job.seed * 0x9E3779B97F4A7C15ull ^
+                      ((uint64_t(gid[2]) * job.groups[1] + gid[1]) * job.groups[0] + gid[0]));
+  std::vector<uint32_t> order;
+  order.reserve(n);
+  std::string kname = job.def->name;
+  auto where = [&](const Fiber* f) {
+    return " in threadgroup " + format_id(gid) + " (thread_position_in_threadgroup " +
+           format_id(f->ctx.thread_position_in_threadgroup) + ")";
+  };
+  std::string err;
+  for (;;) {
+    order.clear();
+    for (uint32_t i = 0; i < n; ++i)
+      if (w->fibers[i]->state == State::kReady) order.push_back(i);
+    if (job.schedule == emu::Schedule::kReverse) {
+      std::reverse(order.begin(), order.end());
+    } else if (job.schedule == emu::Schedule::kRandom) {
+      std::shuffle(order.begin(), order.end(), rng);
+    }
+    for (uint32_t i : order) {
+      Fiber* f = w->fibers[i].get();
+      resume(w, f);
+      if (!w->error.empty()) {
+        err = "kernel " + kname + ": " + w->error + where(f);
+        break;
+      }
+    }
+    if (!err.empty()) break;
+
+    bool any_live = false, progressed = false;
+    // Simdgroups whose live lanes all wait at one simd collective resolve independently.
+    for (uint32_t s = 0; s < nsimd && err.empty(); ++s) {
+      Slot* lanes[kSimdWidth] = {};
+      const Fiber* first = nullptr;
+      std::vector<const Fiber*> at_simd, at_barrier, done;
+      const uint32_t lo = s * kSimdWidth, hi = std::min(n, lo + kSimdWidth);
+      for (uint32_t i = lo; i < hi; ++i) {
+        Fiber* f = w->fibers[i].get();
+        if (f->state == State::kSimd) {
+          at_simd.push_back(f);
+          if (!first) first = f;
+          lanes[i - lo] = &f->slot;
+        } else if (f->state == State::kBarrier) {
+          at_barrier.push_back(f);
+        } else {
+          done.push_back(f);
+        }
+      }
+      if (at_simd.size() + at_barrier.size()) any_live = true;
+      if (at_simd.empty()) continue;
+      if (!at_barrier.empty()) {
+        err = "kernel " + kname + ": barrier divergence in simdgroup " + std::to_string(s) +
+              " of threadgroup " + format_id(gid) + ": " + thread_list(at_simd) + " wait at " +
+              site(at_simd[0]) + " while " + thread_list(at_barrier) + " wait at " +
+              site(at_barrier[0]);
+        break;
+      }
+      for (const Fiber* f : at_simd) {
+        if (!same_site(f, first)) {
+          std::vector<const Fiber*> a, b;
+          for (const Fiber* g : at_simd) (same_site(g, first) ? a : b).push_back(g);
+          err = "kernel " + kname + ": simdgroup divergence in simdgroup " + std::to_string(s) +
+                " of threadgroup " + format_id(gid) + ": " + thread_list(a) + " wait at " +
+                site(first) + " while " + thread_list(b) + " wait at " + site(b[0]);
+          break;
+        }
+      }
+      if (!err.empty()) break;
+      if (first->full && !done.empty()) {
+        err = "kernel " + kname + ": " + thread_list(done) + " of simdgroup " + std::to_string(s) +
+              " in threadgroup " + format_id(gid) + " returned while " + thread_list(at_simd) +
+              " wait at " + site(first) + ", which needs all 32 lanes";
+        break;
+      }
+      if (first->full && hi - lo != uint32_t(kSimdWidth)) {
+        err = "kernel " + kname + ": " + site(first) + " needs a full simdgroup of 32 threads (" +
+              "threadgroup size " + std::to_string(n) + " is not a multiple of 32)";
+        break;
+      }
+      if (const char* e = first->fn(lanes)) {
+        err = "kernel " + kname + ": " + e + " (" + site(first) + ", simdgroup " +
+              std::to_string(s) + " of threadgroup " + format_id(gid) + ")";
+        break;
+      }
+      for (const Fiber* f : at_simd) const_cast<Fiber*>(f)->state = State::kReady;
+      progressed = true;
+    }
+    if (!err.empty()) break;
+    if (!any_live) break;  // every thread returned
+    if (progressed) continue;
+
+    // Only threadgroup barriers (and returned threads) remain.
+    std::vector<const Fiber*> waiting, done;
+    const Fiber* first = nullptr;
+    for (uint32_t i = 0; i < n; ++i) {
+      const Fiber* f = w->fibers[i].get();
+      if (f->state == State::kBarrier) {
+        waiting.push_back(f);
+        if (!first) first = f;
+      } else {
+        done.push_back(f);
+      }
+    }
+    if (!done.empty()) {
+      err = "kernel " + kname + ": " + thread_list(done) + " of threadgroup " + format_id(gid) +
+            " returned while " + thread_list(waiting) + " wait at " + site(first) +
+            " (deadlock on real hardware)";
+      break;
+    }
+    for (const Fiber* f : waiting) {
+      if (!same_site(f, first)) {
+        std::vector<const Fiber*> a, b;
+        for (const Fiber* g : waiting) (same_site(g, first) ? a : b).push_back(g);
+        err = "kernel " + kname + ": barrier divergence in threadgroup " + format_id(gid) + ": " +
+              thread_list(a) + " wait at " + site(first) + " while " + thread_list(b) +
+              " wait at " + site(b[0]);
+        break;
+      }
+    }
+    if (!err.empty()) break;
+    for (uint32_t i = 0; i < n; ++i) w->fibers[i]->state = State::kReady;
+  }
+  if (!err.empty()) {
+    // Abandoned fibers hold frames of the failed group: give them fresh stacks next time.
+    for (uint32_t i = 0; i < n; ++i) {
+      w->fibers[i]->started = false;
+      w->fibers[i]->state = State::kDone;
+    }
+  }
+  return err;
+}
+
+// Workers (with their fiber stacks) are kept between launches.
+std::mutex g_pool_mutex;
+std::vector<std::unique_ptr<Worker>> g_pool;
+
+std::unique_ptr<Worker> take_worker() {
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  if (g_pool.empty()) return std::unique_ptr<Worker>(new Worker);
+  std::unique_ptr<Worker> w = std::move(g_pool.back());
+  g_pool.pop_back();
+  return w;
+}
+
+void give_worker(std::unique_ptr<Worker> w) {
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  g_pool.push_back(std::move(w));
+}
+
+void work(Job& job) {
+  std::unique_ptr<Worker> w = take_worker();
+  t_worker = w.get();
+  const uint64_t total = uint64_t(job.groups[0]) * job.groups[1] * job.groups[2];
+  for (;;) {
+    if (job.failed.load(std::memory_order_relaxed)) break;
+    uint64_t g = job.next_group.fetch_add(1);
+    if (g >= total) break;
+    const uint32_t gid[3] = {uint32_t(g % job.groups[0]),
+                             uint32_t((g / job.groups[0]) % job.groups[1]),
+                             uint32_t(g / (uint64_t(job.groups[0]) * job.groups[1]))};
+    std::string e = run_group(w.get(), job, gid);
+    if (!e.empty()) job.set_error(e);
+  }
+  t_worker = nullptr;
+  give_worker(std::move(w));
+}
+
+const std::map<std::string, const KernelDef*>& registry() {
+  static const std::map<std::string, const KernelDef*> reg = [] {
+    std::map<std::string, const KernelDef*> m;
+    int ntables = 0;
+    const KernelTable* tables = all_kernel_tables(&ntables);
+    for (int t = 0; t < ntables; ++t)
+      for (int k = 0; k < tables[t].count; ++k) m[tables[t].defs[k].name] = &tables[t].defs[k];
+    return m;
+  }();
+  return reg;
+}
+
+}  // namespace
+
+void simd_collective(ResolveFn fn, const void* in, void* out, uint64_t arg, const char* what,
+                     const char* file, int line) {
+  wait_collective(State::kSimd, fn, in, out, arg, false, what, file, line);
+}
+
+void simd_collective_full(ResolveFn fn, const void* in, void* out, uint64_t arg, const char* what,
+                          const char* file, int line) {
+  wait_collective(State::kSimd, fn, in, out, arg, true, what, file, line);
+}
+
+void threadgroup_barrier(const char* file, int line) {
+  wait_collective(State::kBarrier, nullptr, nullptr, nullptr, 0, false, "threadgroup_barrier",
+                  file, line);
+}
+
+void* threadgroup_alloc(const void* site_marker, size_t size, size_t align) {
+  Worker* w = current_fiber()->worker;
+  for (const Allocation& a : w->allocations)
+    if (a.site == site_marker) return w->arena + a.offset;
+  size_t offset = (w->arena_used + align - 1) / align * align;
+  if (offset + size > kMaxThreadgroupMemory) {
+    fail("threadgroup memory exceeds 32768 bytes");
+  }
+  std::memset(w->arena + offset, 0xFF, size);
+  w->arena_used = offset + size;
+  w->allocations.push_back(Allocation{site_marker, offset});
+  return w->arena + offset;
+}
+
+uint32_t current_lane() { return current_fiber()->ctx.thread_index_in_simdgroup; }
+
+void fail(const char* message) {
+  Fiber* f = current_fiber();
+  f->worker->error = message;
+  f->state = State::kDone;
+  for (;;) yield_to_scheduler(f);  // never resumed: the group is abandoned
+}
+
+}  // namespace rt
+
+namespace emu {
+
+std::vector<std::string> kernel_names() {
+  std::vector<std::string> names;
+  for (const auto& kv : rt::registry()) names.push_back(kv.first);
+  return names;  // std::map keeps them sorted
+}
+
+bool has_kernel(const std::string& name) { return rt::registry().count(name) != 0; }
+
+std::string run(const std::string& kernel, const std::vector<Arg>& args, const Launch& launch) {
+  auto it = rt::registry().find(kernel);
+  if (it == rt::registry().end()) return "emulator: unknown kernel '" + kernel + "'";
+  const rt::KernelDef* def = it->second;
+  const std::string k = "kernel " + kernel + ": ";
+  uint64_t threads = 1;
+  for (int d = 0; d < 3; ++d) {
+    if (launch.group_size[d] == 0) return k + "threadgroup size has a zero dimension";
+    threads *= launch.group_size[d];
+  }
+  if (threads > 1024)
+    return k + "threadgroup of " + std::to_string(threads) + " threads exceeds the limit of 1024";
+  if (def->max_threads && threads > def->max_threads)
+    return k + "threadgroup of " + std::to_string(threads) +
+           " threads exceeds [[max_total_threads_per_threadgroup(" +
+           std::to_string(def->max_threads) + ")]]";
+  void* buffers[rt::kMaxBuffers] = {};
+  const rt::BufferUse* uses = def->buffers();
+  for (int b = 0; b < def->num_buffers; ++b) {
+    const rt::BufferUse& u = uses[b];
+    if (size_t(u.index) >= args.size() || args[u.index].data == nullptr)
+      return k + "[[buffer(" + std::to_string(u.index) + ")]] (" + u.name + ") is not bound";
+    if (args[u.index].size < u.min_size)
+      return k + "[[buffer(" + std::to_string(u.index) + ")]] (" + u.name + ") has " +
+             std::to_string(args[u.index].size) + " bytes, needs " + std::to_string(u.min_size);
+    buffers[u.index] = args[u.index].data;
+  }
+  const uint64_t groups = uint64_t(launch.groups[0]) * launch.groups[1] * launch.groups[2];
+  if (groups == 0) return "";
+  rt::Job job;
+  job.def = def;
+  job.buffers = buffers;
+  job.groups = launch.groups;
+  job.group_size = launch.group_size;
+  job.schedule = launch.schedule;
+  job.seed = launch.seed;
+  int workers = launch.num_workers > 0 ? launch.num_workers
+                                       : int(std::max(1u, std::thread::hardware_concurrency()));
+  workers = int(std::min<uint64_t>(uint64_t(workers), groups));
+  try {
+    if (workers == 1) {
+      rt::work(job);
+    } else {
+      std::vector<std::thread> pool;
+      for (int i = 0; i < workers; ++i) pool.emplace_back([&job] { rt::work(job); });
+      for (std::thread& t : pool) t.join();
+    }
+  } catch (const std::exception& e) {
+    return k + "emulator failure: " + e.what();
+  }
+  return job.error;
+}
+
+}  // namespace emu
+}  // namespace jfm
