@@ -1,0 +1,56 @@
+"""The translator and strict pass reject what the Metal compiler would (or what the emulator
+cannot run), naming file:line. Runs translate.py on tests/shaders/strict_fail/*.metal, which are
+deliberately broken and therefore not part of the build. Needs clang (installed by .ci/run)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRANSLATOR = os.path.join(ROOT, "ffi", "emulator", "translate.py")
+BROKEN = os.path.join(ROOT, "tests", "shaders", "strict_fail")
+
+
+def check(name):
+    clang = shutil.which("clang")
+    assert clang, "clang is required for the strict pass (the build needs it too)"
+    path = os.path.join(BROKEN, name)
+    r = subprocess.run([sys.executable, TRANSLATOR, "check", "--input", path, "--cxx", clang,
+                        "--clang", clang], capture_output=True, text=True)
+    return r.returncode, r.stderr
+
+
+@pytest.mark.parametrize("name,line,message", [
+    ("address_space.metal", 9, "cannot initialize a variable of type 'threadgroup float *' with an "
+                               "lvalue of type 'device float *'"),
+    ("cxx17.metal", 7, "constexpr if is a C++17 extension"),
+    ("constant_write.metal", 6, "read-only variable is not assignable"),
+])
+def test_strict_pass_rejects(name, line, message):
+    rc, err = check(name)
+    assert rc != 0
+    assert f"{name}:{line}:" in err
+    assert message in err
+
+
+def test_unsupported_attribute_is_an_error_naming_the_line():
+    rc, err = check("unsupported_attribute.metal")
+    assert rc != 0
+    assert "unsupported_attribute.metal:7: error: unsupported kernel parameter attribute " \
+           "'quadgroup_index_in_threadgroup'" in err
+
+
+def test_good_shaders_pass():
+    clang = shutil.which("clang")
+    assert clang
+    shaders = [os.path.join(ROOT, "tests", "shaders", f)
+               for f in sorted(os.listdir(os.path.join(ROOT, "tests", "shaders")))
+               if f.endswith(".metal")]
+    assert shaders
+    for path in shaders:
+        r = subprocess.run([sys.executable, TRANSLATOR, "check", "--input", path, "--cxx", clang,
+                            "--clang", clang], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
