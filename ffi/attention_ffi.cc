@@ -1,0 +1,493 @@
+// Flash-attention FFI handlers: validate buffers and attributes, pick kernels, build the
+// dispatch plan, and run it on a Device. The plan is shared by both devices, so the emulated
+// device exercises exactly what the Metal device encodes. See attention_ffi.h for the contract.
+#include "attention_ffi.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "attention_params.h"
+#include "device.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jfm {
+namespace {
+
+// 2^36 multiply-adds: well under a second on any Apple GPU even at low utilisation, far from
+// the watchdog's multi-second limit.
+std::atomic<uint64_t> g_submission_budget{uint64_t{1} << 36};
+
+ffi::Error invalid(const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_flash_metal: " + message);
+}
+
+const char* dtype_suffix(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32:
+      return "f32";
+    case ffi::DataType::F16:
+      return "f16";
+    case ffi::DataType::BF16:
+      return "bf16";
+    default:
+      return nullptr;
+  }
+}
+
+std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+std::string dims_string(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+bool same_dims(ffi::AnyBuffer::Dimensions dims, const std::vector<int64_t>& want) {
+  return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
+}
+
+struct Problem {
+  int64_t batch = 0, q_len = 0, kv_len = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  ffi::DataType dtype = ffi::DataType::F32;
+  const char* suffix = nullptr;  // f32 / f16 / bf16
+
+  std::vector<int64_t> q_shape() const { return {batch, q_len, heads, head_dim}; }
+  std::vector<int64_t> kv_shape() const { return {batch, kv_len, kv_heads, head_dim}; }
+  std::vector<int64_t> row_shape() const { return {batch, heads, q_len}; }
+  size_t element_size() const { return dtype == ffi::DataType::F32 ? 4 : 2; }
+};
+
+struct Options {
+  float scale;
+  bool is_causal;
+  int32_t window_left, window_right;
+  bool bottom_right, has_q_lengths, has_kv_lengths;
+};
+
+// q, k, v: ranks, matching dims, one supported dtype, divisible heads.
+ffi::Error read_problem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, Problem* p) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4) {
+    return invalid("query must have rank 4 [batch, q_len, num_heads, head_dim], got shape " +
+                   dims_string(qd));
+  }
+  if (kd.size() != 4) {
+    return invalid("key must have rank 4 [batch, kv_len, num_kv_heads, head_dim], got shape " +
+                   dims_string(kd));
+  }
+  p->batch = qd[0];
+  p->q_len = qd[1];
+  p->heads = qd[2];
+  p->head_dim = qd[3];
+  p->kv_len = kd[1];
+  p->kv_heads = kd[2];
+  if (kd[0] != p->batch || kd[3] != p->head_dim) {
+    return invalid("key shape " + dims_string(kd) + " does not match query shape " +
+                   dims_string(qd) + " in batch or head_dim");
+  }
+  if (!same_dims(vd, p->kv_shape())) {
+    return invalid("value shape " + dims_string(vd) + " must equal key shape " + dims_string(kd));
+  }
+  p->dtype = q.element_type();
+  p->suffix = dtype_suffix(p->dtype);
+  if (p->suffix == nullptr) {
+    return invalid("query dtype must be float32, float16 or bfloat16");
+  }
+  if (k.element_type() != p->dtype || v.element_type() != p->dtype) {
+    return invalid("query, key and value must share one dtype");
+  }
+  if (p->kv_heads == 0 ? p->heads != 0 : p->heads % p->kv_heads != 0) {
+    return invalid("num_heads (" + std::to_string(p->heads) +
+                   ") must be a multiple of num_kv_heads (" + std::to_string(p->kv_heads) + ")");
+  }
+  // AttentionParams holds 32-bit dims.
+  for (int64_t dim : {p->batch, p->q_len, p->kv_len, p->heads, p->kv_heads, p->head_dim}) {
+    if (dim > std::numeric_limits<int32_t>::max()) {
+      return invalid("dimension " + std::to_string(dim) + " exceeds 2^31 - 1");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error expect(const char* what, ffi::AnyBuffer buffer, ffi::DataType dtype,
+                  const std::vector<int64_t>& shape, const char* dtype_name) {
+  if (buffer.element_type() != dtype || !same_dims(buffer.dimensions(), shape)) {
+    return invalid(std::string(what) + " must be " + dtype_name + " " + dims_string(shape) +
+                   ", got shape " + dims_string(buffer.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error check_options(const Options& o) {
+  if (o.window_left < JFM_UNBOUNDED || o.window_right < JFM_UNBOUNDED) {
+    return invalid("window_left/window_right must be >= 0, or -1 for unbounded; got (" +
+                   std::to_string(o.window_left) + ", " + std::to_string(o.window_right) + ")");
+  }
+  return ffi::Error::Success();
+}
+
+// The optional length operands, clamped to [0, len] (a length past the end means the full
+// length, a negative one means none: the kernels then never index out of bounds). When a
+// length is absent, the full length fills the buffer the kernel is told not to read.
+ffi::Error read_lengths(ffi::RemainingArgs rest, const Options& o, const Problem& p,
+                        std::vector<int32_t>* q_lengths, std::vector<int32_t>* kv_lengths) {
+  const size_t expected = size_t{o.has_q_lengths} + size_t{o.has_kv_lengths};
+  if (rest.size() != expected) {
+    return invalid("expected " + std::to_string(expected) +
+                   " length operand(s) after the arrays (has_q_lengths=" +
+                   std::to_string(o.has_q_lengths) + ", has_kv_lengths=" +
+                   std::to_string(o.has_kv_lengths) + "), got " + std::to_string(rest.size()));
+  }
+  size_t next = 0;
+  auto load = [&](bool present, const char* what, int64_t full,
+                  std::vector<int32_t>* out) -> ffi::Error {
+    out->assign(static_cast<size_t>(std::max<int64_t>(p.batch, 1)), static_cast<int32_t>(full));
+    if (!present) return ffi::Error::Success();
+    auto arg = rest.get<ffi::AnyBuffer>(next++);
+    if (arg.has_error()) return invalid(std::string(what) + ": " + arg.error().message());
+    ffi::AnyBuffer buffer = arg.value();
+    if (ffi::Error e = expect(what, buffer, ffi::DataType::S32, {p.batch}, "int32");
+        e.failure()) {
+      return e;
+    }
+    const int32_t* values = static_cast<const int32_t*>(buffer.untyped_data());
+    for (int64_t b = 0; b < p.batch; ++b) {
+      (*out)[b] = static_cast<int32_t>(std::clamp<int64_t>(values[b], 0, full));
+    }
+    return ffi::Error::Success();
+  };
+  if (ffi::Error e = load(o.has_q_lengths, "q_lengths", p.q_len, q_lengths); e.failure()) {
+    return e;
+  }
+  return load(o.has_kv_lengths, "kv_lengths", p.kv_len, kv_lengths);
+}
+
+std::string kernel_name(const char* stage, const Problem& p) {
+  return std::string("flash_attention_") + stage + "_" + p.suffix + "_d" +
+         std::to_string(p.head_dim);
+}
+
+ffi::Error require_kernel(Device& device, const std::string& kernel, const Problem& p) {
+  if (device.has_kernel(kernel)) return ffi::Error::Success();
+  std::string message = "head_dim " + std::to_string(p.head_dim) + " with dtype " + p.suffix +
+                        " is not supported by the " + device.kind() + " device (no kernel '" +
+                        kernel + "')";
+  std::string why = device.library_error();
+  if (!why.empty()) message += "; shader library error: " + why;
+  return invalid(message);
+}
+
+AttentionParams make_params(const Problem& p, const Options& o) {
+  AttentionParams params{};
+  params.batch = static_cast<uint32_t>(p.batch);
+  params.q_len = static_cast<uint32_t>(p.q_len);
+  params.kv_len = static_cast<uint32_t>(p.kv_len);
+  params.num_heads = static_cast<uint32_t>(p.heads);
+  params.num_kv_heads = static_cast<uint32_t>(p.kv_heads);
+  params.head_dim = static_cast<uint32_t>(p.head_dim);
+  params.scale = o.scale;
+  params.scale_log2 = o.scale * 1.4426950408889634f;  // log2(e)
+  params.window_left = o.window_left;
+  params.window_right = o.window_right;
+  params.causal = o.is_causal ? 1u : 0u;
+  params.bottom_right = o.bottom_right ? 1u : 0u;
+  params.has_q_lengths = o.has_q_lengths ? 1u : 0u;
+  params.has_kv_lengths = o.has_kv_lengths ? 1u : 0u;
+  return params;
+}
+
+// A whole array split along its leading batch dimension.
+struct Array {
+  int index;             // JFM_BUFFER_*
+  void* base;
+  size_t batch_stride;  // bytes per batch element
+  bool written;
+};
+
+Array whole(int index, ffi::AnyBuffer buffer, int64_t batch, bool written) {
+  return Array{index, buffer.untyped_data(), buffer.size_bytes() / static_cast<size_t>(batch),
+               written};
+}
+
+Array lengths_array(int index, std::vector<int32_t>& values) {
+  return Array{index, values.data(), sizeof(int32_t), false};
+}
+
+struct Stage {
+  std::string kernel;
+  int64_t rows;   // q_len or kv_len
+  int64_t heads;  // num_heads or num_kv_heads
+  std::vector<Array> arrays;
+};
+
+// One submission per chunk of whole batch elements, each running every stage in order on
+// its chunk; chunks are sized so that none exceeds the submission budget.
+std::vector<Submission> plan(const Problem& p, const Options& o, const std::vector<Stage>& stages,
+                             double multiply_adds_per_batch) {
+  const double budget = static_cast<double>(g_submission_budget.load());
+  const int64_t chunk = std::clamp<int64_t>(
+      static_cast<int64_t>(budget / std::max(multiply_adds_per_batch, 1.0)), 1, p.batch);
+  std::vector<Submission> submissions;
+  for (int64_t b0 = 0; b0 < p.batch; b0 += chunk) {
+    const int64_t nb = std::min(chunk, p.batch - b0);
+    AttentionParams params = make_params(p, o);
+    params.batch = static_cast<uint32_t>(nb);
+    Submission submission;
+    for (const Stage& stage : stages) {
+      Dispatch d;
+      d.kernel = stage.kernel;
+      d.groups = {static_cast<uint32_t>((stage.rows + JFM_ROWS_PER_GROUP - 1) / JFM_ROWS_PER_GROUP),
+                  static_cast<uint32_t>(stage.heads), static_cast<uint32_t>(nb)};
+      d.group_size = {JFM_THREADS_PER_GROUP, 1, 1};
+      for (const Array& a : stage.arrays) {
+        d.buffers.push_back(Binding{a.index, static_cast<char*>(a.base) + b0 * a.batch_stride,
+                                    static_cast<size_t>(nb) * a.batch_stride, a.written});
+      }
+      d.constants.resize(sizeof(AttentionParams));
+      std::memcpy(d.constants.data(), &params, sizeof(AttentionParams));
+      d.constants_index = JFM_BUFFER_PARAMS;
+      submission.push_back(std::move(d));
+    }
+    submissions.push_back(std::move(submission));
+  }
+  return submissions;
+}
+
+ffi::Error run(Device& device, const std::vector<Submission>& submissions) {
+  std::string error = device.run(submissions);
+  if (error.empty()) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("jax_flash_metal: ") + device.kind() + " device error: " + error);
+}
+
+ffi::Error unavailable(const std::string& why) {
+  return ffi::Error(ffi::ErrorCode::kUnavailable, "jax_flash_metal: " + why);
+}
+
+void zero(ffi::AnyBuffer buffer) {
+  if (buffer.size_bytes()) std::memset(buffer.untyped_data(), 0, buffer.size_bytes());
+}
+
+ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::RemainingArgs rest, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                   const Options& opt) {
+  Problem p;
+  if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
+  if (ffi::Error e = check_options(opt); e.failure()) return e;
+  if (ffi::Error e = expect("output o", o, p.dtype, p.q_shape(), p.suffix); e.failure()) return e;
+  if (ffi::Error e = expect("output lse", lse, ffi::DataType::F32, p.row_shape(), "float32");
+      e.failure()) {
+    return e;
+  }
+  std::vector<int32_t> q_lengths, kv_lengths;
+  if (ffi::Error e = read_lengths(rest, opt, p, &q_lengths, &kv_lengths); e.failure()) return e;
+
+  if (p.batch == 0 || p.q_len == 0 || p.heads == 0) return ffi::Error::Success();  // empty
+  if (p.kv_len == 0) {  // no key is visible anywhere
+    zero(o);
+    float* l = static_cast<float*>(lse.untyped_data());
+    std::fill(l, l + lse.element_count(), -std::numeric_limits<float>::infinity());
+    return ffi::Error::Success();
+  }
+  const std::string kernel = kernel_name("fwd", p);
+  if (ffi::Error e = require_kernel(*device, kernel, p); e.failure()) return e;
+  std::vector<Stage> stages = {
+      {kernel,
+       p.q_len,
+       p.heads,
+       {whole(JFM_BUFFER_Q, q, p.batch, false), whole(JFM_BUFFER_K, k, p.batch, false),
+        whole(JFM_BUFFER_V, v, p.batch, false), lengths_array(JFM_BUFFER_Q_LENGTHS, q_lengths),
+        lengths_array(JFM_BUFFER_KV_LENGTHS, kv_lengths), whole(JFM_BUFFER_O, o, p.batch, true),
+        whole(JFM_BUFFER_LSE, lse, p.batch, true)}}};
+  // Q·K^T and P·V.
+  const double work = 2.0 * static_cast<double>(p.q_len) * static_cast<double>(p.kv_len) *
+                      static_cast<double>(p.heads) * static_cast<double>(p.head_dim);
+  return run(*device, plan(p, opt, stages, work));
+}
+
+ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
+                    ffi::AnyBuffer g_lse, ffi::RemainingArgs rest, ffi::AnyBuffer dq,
+                    ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer delta,
+                    const Options& opt) {
+  Problem p;
+  if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
+  if (ffi::Error e = check_options(opt); e.failure()) return e;
+  const ffi::DataType f32 = ffi::DataType::F32;
+  for (auto [what, buffer, dtype, shape, name] :
+       {std::make_tuple("o", o, p.dtype, p.q_shape(), p.suffix),
+        std::make_tuple("lse", lse, f32, p.row_shape(), "float32"),
+        std::make_tuple("do", d_o, p.dtype, p.q_shape(), p.suffix),
+        std::make_tuple("g_lse", g_lse, f32, p.row_shape(), "float32"),
+        std::make_tuple("output dq", dq, p.dtype, p.q_shape(), p.suffix),
+        std::make_tuple("output dk", dk, p.dtype, p.kv_shape(), p.suffix),
+        std::make_tuple("output dv", dv, p.dtype, p.kv_shape(), p.suffix),
+        std::make_tuple("workspace delta", delta, f32, p.row_shape(), "float32")}) {
+    if (ffi::Error e = expect(what, buffer, dtype, shape, name); e.failure()) return e;
+  }
+  std::vector<int32_t> q_lengths, kv_lengths;
+  if (ffi::Error e = read_lengths(rest, opt, p, &q_lengths, &kv_lengths); e.failure()) return e;
+
+  if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();  // every output is empty
+  if (p.q_len == 0 || p.kv_len == 0) {  // no query sees any key: all gradients are zero
+    zero(dq);
+    zero(dk);
+    zero(dv);
+    return ffi::Error::Success();
+  }
+  const std::string pre = kernel_name("bwd_preprocess", p);
+  const std::string kdq = kernel_name("bwd_dq", p);
+  const std::string kdkdv = kernel_name("bwd_dkdv", p);
+  for (const std::string* kernel : {&pre, &kdq, &kdkdv}) {
+    if (ffi::Error e = require_kernel(*device, *kernel, p); e.failure()) return e;
+  }
+  const Array aq = whole(JFM_BUFFER_Q, q, p.batch, false);
+  const Array ak = whole(JFM_BUFFER_K, k, p.batch, false);
+  const Array av = whole(JFM_BUFFER_V, v, p.batch, false);
+  const Array ao = whole(JFM_BUFFER_O, o, p.batch, false);
+  const Array alse = whole(JFM_BUFFER_LSE, lse, p.batch, false);
+  const Array ado = whole(JFM_BUFFER_DO, d_o, p.batch, false);
+  const Array aglse = whole(JFM_BUFFER_G_LSE, g_lse, p.batch, false);
+  const Array aql = lengths_array(JFM_BUFFER_Q_LENGTHS, q_lengths);
+  const Array akvl = lengths_array(JFM_BUFFER_KV_LENGTHS, kv_lengths);
+  const Array delta_out = whole(JFM_BUFFER_DELTA, delta, p.batch, true);
+  const Array delta_in = whole(JFM_BUFFER_DELTA, delta, p.batch, false);
+  const std::vector<Stage> stages = {
+      {pre, p.q_len, p.heads, {ao, ado, aglse, aql, akvl, delta_out}},
+      {kdq,
+       p.q_len,
+       p.heads,
+       {aq, ak, av, ado, alse, delta_in, aql, akvl, whole(JFM_BUFFER_DQ, dq, p.batch, true)}},
+      {kdkdv,
+       p.kv_len,
+       p.kv_heads,
+       {aq, ak, av, ado, alse, delta_in, aql, akvl, whole(JFM_BUFFER_DK, dk, p.batch, true),
+        whole(JFM_BUFFER_DV, dv, p.batch, true)}}};
+  // dQ recomputes S and dP and forms dS·K; dK/dV recompute S and dP and form P^T·dO and dS^T·Q.
+  const double work = 7.0 * static_cast<double>(p.q_len) * static_cast<double>(p.kv_len) *
+                      static_cast<double>(p.heads) * static_cast<double>(p.head_dim);
+  return run(*device, plan(p, opt, stages, work));
+}
+
+// Handler bodies, one per (direction, device); the device getter is a template argument so the
+// same validation and plan serve both devices.
+template <Device* (*GetDevice)(std::string*)>
+ffi::Error forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
+                           ffi::Result<ffi::AnyBuffer> lse, float scale, bool is_causal,
+                           int32_t window_left, int32_t window_right, bool bottom_right,
+                           bool has_q_lengths, bool has_kv_lengths) {
+  std::string why;
+  Device* device = GetDevice(&why);
+  if (device == nullptr) return unavailable(why);
+  return forward(device, q, k, v, rest, *o, *lse,
+                 Options{scale, is_causal, window_left, window_right, bottom_right,
+                         has_q_lengths, has_kv_lengths});
+}
+
+template <Device* (*GetDevice)(std::string*)>
+ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
+                            ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
+                            ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
+                            float scale, bool is_causal, int32_t window_left,
+                            int32_t window_right, bool bottom_right, bool has_q_lengths,
+                            bool has_kv_lengths) {
+  std::string why;
+  Device* device = GetDevice(&why);
+  if (device == nullptr) return unavailable(why);
+  return backward(device, q, k, v, o, lse, d_o, g_lse, rest, *dq, *dk, *dv, *delta,
+                  Options{scale, is_causal, window_left, window_right, bottom_right,
+                          has_q_lengths, has_kv_lengths});
+}
+
+template <typename B>
+auto with_attributes(B binding) {
+  return std::move(binding)
+      .template Attr<float>("scale")
+      .template Attr<bool>("is_causal")
+      .template Attr<int32_t>("window_left")
+      .template Attr<int32_t>("window_right")
+      .template Attr<bool>("bottom_right")
+      .template Attr<bool>("has_q_lengths")
+      .template Attr<bool>("has_kv_lengths");
+}
+
+auto forward_binding() {
+  return with_attributes(ffi::Ffi::Bind()
+                             .Arg<ffi::AnyBuffer>()  // q
+                             .Arg<ffi::AnyBuffer>()  // k
+                             .Arg<ffi::AnyBuffer>()  // v
+                             .RemainingArgs()        // [q_lengths], [kv_lengths]
+                             .Ret<ffi::AnyBuffer>()  // o
+                             .Ret<ffi::AnyBuffer>());  // lse
+}
+
+auto backward_binding() {
+  return with_attributes(ffi::Ffi::Bind()
+                             .Arg<ffi::AnyBuffer>()  // q
+                             .Arg<ffi::AnyBuffer>()  // k
+                             .Arg<ffi::AnyBuffer>()  // v
+                             .Arg<ffi::AnyBuffer>()  // o
+                             .Arg<ffi::AnyBuffer>()  // lse
+                             .Arg<ffi::AnyBuffer>()  // do
+                             .Arg<ffi::AnyBuffer>()  // g_lse
+                             .RemainingArgs()        // [q_lengths], [kv_lengths]
+                             .Ret<ffi::AnyBuffer>()  // dq
+                             .Ret<ffi::AnyBuffer>()  // dk
+                             .Ret<ffi::AnyBuffer>()  // dv
+                             .Ret<ffi::AnyBuffer>());  // delta (workspace)
+}
+
+Device* get_emulated_device(std::string*) { return &emulated_device(); }
+
+#ifdef JFM_HAVE_METAL
+Device* get_metal_device(std::string* why) {
+  Device* device = metal_device();
+  if (device == nullptr) *why = "no Metal device: " + metal_unavailable_reason();
+  return device;
+}
+#endif
+
+}  // namespace
+
+uint64_t set_submission_budget(uint64_t multiply_adds) {
+  return g_submission_budget.exchange(std::max<uint64_t>(multiply_adds, 1));
+}
+
+}  // namespace jfm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JfmAttentionFwdEmulator,
+    jfm::forward_handler<jfm::get_emulated_device>,
+    jfm::forward_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JfmAttentionBwdEmulator,
+    jfm::backward_handler<jfm::get_emulated_device>,
+    jfm::backward_binding());
+#ifdef JFM_HAVE_METAL
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfmAttentionFwdMetal,
+                              jfm::forward_handler<jfm::get_metal_device>,
+                              jfm::forward_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JfmAttentionBwdMetal,
+                              jfm::backward_handler<jfm::get_metal_device>,
+                              jfm::backward_binding());
+#endif

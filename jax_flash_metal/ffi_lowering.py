@@ -1,0 +1,137 @@
+"""Lowering of the attention primitives to the XLA FFI targets of the native extension.
+
+On import this registers, for the ``cpu`` platform, every FFI handler the extension
+``jax_flash_metal._ext`` was built with (``_ext.ffi_targets()``): one target per direction and
+device, ``jax_flash_metal_attention_{fwd,bwd}_{emulator,metal}``. The device is chosen by the
+target, so a compiled computation runs where it was lowered for. The Metal targets exist only in
+macOS builds; their handlers run the ``shaders/`` kernels on the Apple GPU over host memory
+(unified memory), the emulator's run the same kernels in the MSL-on-CPU emulator.
+
+The FFI contract (operands, results, attribute names and exact types) is documented in
+``ffi/attention_ffi.h``. Optional length operands follow the main operands in the order
+q_lengths, kv_lengths, each present only when its ``has_*`` attribute is true.
+
+Importing this module raises ImportError when the extension is missing; ``implementations.py``
+treats that as "no fused implementation available".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.interpreters import mlir
+
+from . import _ext
+from ._jax_private import ShapedArray
+
+_DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
+                 np.dtype(jax.numpy.bfloat16): "bf16"}
+
+
+def _target(direction: str, implementation: str) -> str:
+    return f"jax_flash_metal_attention_{direction}_{implementation}"
+
+
+_TARGETS = _ext.ffi_targets()
+for _name, _capsule in _TARGETS.items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu", api_version=1)
+
+
+def _built(implementation: str) -> bool:
+    return all(_target(d, implementation) in _TARGETS for d in ("fwd", "bwd"))
+
+
+def _check_built(implementation: str) -> None:
+    if not _built(implementation):
+        raise ValueError(f"flash_attention: this build of jax_flash_metal has no "
+                         f"{implementation!r} FFI targets (built: {sorted(_TARGETS)})")
+
+
+def available_implementations() -> list[str]:
+    """Fused implementations that can run here: "emulator" always (the extension imported),
+    "metal" when this is a macOS build and the machine has a Metal GPU."""
+    names = ["emulator"]
+    if _built("metal") and _ext.metal_available():
+        names.append("metal")
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_names(implementation: str) -> frozenset[str]:
+    """Kernel names the device behind ``implementation`` ("emulator" or "metal") can run.
+
+    On Metal the first call compiles the embedded shader library. Raises ValueError when that
+    device is unavailable.
+    """
+    return frozenset(_ext.kernel_names(implementation))
+
+
+def check_supported(implementation: str, dtype, head_dim: int, stages) -> None:
+    """Raise ValueError unless every ``flash_attention_{stage}_{t}_d{head_dim}`` kernel exists.
+
+    The device is asked, so a build whose shaders lack a head dim (or whose Metal library failed
+    to compile) is reported at trace time rather than when the computation runs.
+    """
+    dtype = np.dtype(dtype)
+    suffix = _DTYPE_SUFFIX.get(dtype)
+    if suffix is None:
+        raise TypeError(f"flash_attention: dtype {dtype} has no {implementation} kernels "
+                        f"(float32, float16, bfloat16 only)")
+    names = kernel_names(implementation)
+    missing = [f"flash_attention_{s}_{suffix}_d{head_dim}" for s in stages
+               if f"flash_attention_{s}_{suffix}_d{head_dim}" not in names]
+    if missing:
+        prefix = f"flash_attention_{stages[0]}_{suffix}_d"
+        dims = sorted(int(n[len(prefix):]) for n in names
+                      if n.startswith(prefix) and n[len(prefix):].isdigit())
+        message = (f"flash_attention: head_dim {head_dim} with dtype {dtype} is not supported by "
+                   f"the {implementation!r} implementation (missing kernels {missing}); "
+                   f"supported head dims for {dtype}: {dims}")
+        library_error = _ext.library_error(implementation)
+        if library_error:
+            message += f". Shader library error: {library_error}"
+        raise ValueError(message)
+
+
+def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
+                has_kv_lengths):
+    """The FFI attributes with their exact types (a Python float would become f64)."""
+    return dict(scale=np.float32(scale), is_causal=np.bool_(is_causal),
+                window_left=np.int32(window_left), window_right=np.int32(window_right),
+                bottom_right=np.bool_(bottom_right), has_q_lengths=np.bool_(has_q_lengths),
+                has_kv_lengths=np.bool_(has_kv_lengths))
+
+
+def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):
+    """Emit the forward FFI call: args (q, k, v, [q_lengths], [kv_lengths]) -> (o, lse).
+
+    ``params`` are the primitive's static params (scale, is_causal, window_left, window_right,
+    bottom_right, has_q_lengths, has_kv_lengths). Raises ValueError for a head dim or dtype the
+    device has no kernel for, or when ``implementation`` is not in this build.
+    """
+    q = ctx.avals_in[0]
+    _check_built(implementation)
+    check_supported(implementation, q.dtype, q.shape[3], ("fwd",))
+    rule = jax.ffi.ffi_lowering(_target("fwd", implementation))
+    return rule(ctx, *args, **_attributes(**params))
+
+
+def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):
+    """Emit the backward FFI call: args (q, k, v, o, lse, do, g_lse, [q_lengths], [kv_lengths])
+    -> (dq, dk, dv).
+
+    The custom call has a fourth result, the float32 [batch, num_heads, q_len] workspace for
+    D_i = rowsum(dO_i * O_i) - g_lse_i, dropped here: XLA allocates it like any temporary, so it
+    shows up in memory_analysis() and needs no allocator inside the handler. Errors as for
+    ``lower_fwd``.
+    """
+    q = ctx.avals_in[0]
+    _check_built(implementation)
+    check_supported(implementation, q.dtype, q.shape[3], ("bwd_preprocess", "bwd_dq", "bwd_dkdv"))
+    batch, q_len, num_heads, _ = q.shape
+    delta = ShapedArray((batch, num_heads, q_len), np.float32)
+    call_ctx = ctx.replace(avals_out=(*ctx.avals_out, delta))
+    rule = jax.ffi.ffi_lowering(_target("bwd", implementation))
+    return list(rule(call_ctx, *args, **_attributes(**params)))[:3]
