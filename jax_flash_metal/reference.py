@@ -74,9 +74,16 @@ def _poison(out, hits):
 
 
 def _scores(q, k, scale, mask):
-    """Scaled scores [B, HKV, G, Tq, Tkv] in float32 and the broadcast mask."""
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=_HI, preferred_element_type=_F32)
-    return s * jnp.float32(scale), mask[:, None, None, :, :]
+    """Scaled scores [B, HKV, G, Tq, Tkv] in float32 and the broadcast mask [B, 1, 1, Tq, Tkv].
+
+    A key with a non-finite entry gives NaN scores (not a -inf that would quietly weigh it 0);
+    the mask later drops them wherever the key is invisible.
+    """
+    finite = jnp.isfinite(k)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, jnp.where(finite, k, 0.0), precision=_HI,
+                   preferred_element_type=_F32) * jnp.float32(scale)
+    bad_key = jnp.moveaxis(~jnp.all(finite, axis=-1), 1, -1)[:, :, None, None, :]
+    return jnp.where(bad_key, jnp.nan, s), mask[:, None, None, :, :]
 
 
 def forward(q, k, v, q_lengths=None, kv_lengths=None, *, scale, is_causal=False, window_left=-1,

@@ -1,0 +1,72 @@
+"""Helpers for the API tests: inputs, running flash_attention forward + VJP, oracle comparison."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import oracle
+import tolerance
+from jax_flash_metal import flash_attention
+
+DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
+MASK_KEYS = ("scale", "is_causal", "local_window_size", "query_seq_lengths",
+             "key_value_seq_lengths", "causal_alignment")
+
+
+def normal(rng, shape, dtype, scale=1.0):
+    """float32 N(0,1) draws (times scale) cast to dtype."""
+    return jnp.asarray(scale * rng.standard_normal(shape).astype(np.float32), dtype)
+
+
+def make_inputs(seed, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, with_g_lse=True):
+    """(q, k, v, do, g_lse) with q/k/v/do in dtype and g_lse float32 (or None)."""
+    rng = np.random.default_rng(seed)
+    q = normal(rng, (batch, q_len, heads, head_dim), dtype)
+    k = normal(rng, (batch, kv_len, kv_heads, head_dim), dtype)
+    v = normal(rng, (batch, kv_len, kv_heads, head_dim), dtype)
+    do = normal(rng, (batch, q_len, heads, head_dim), dtype)
+    g_lse = normal(rng, (batch, heads, q_len), jnp.float32) if with_g_lse else None
+    return q, k, v, do, g_lse
+
+
+def f64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def run_flash(q, k, v, do, g_lse=None, *, jit=True, implementation=None, **kwargs):
+    """o, lse and (dq, dk, dv) = VJP of (o, lse) at cotangents (do, g_lse or 0)."""
+    def f(q, k, v):
+        return flash_attention(q, k, v, return_lse=True, implementation=implementation, **kwargs)
+
+    def run(q, k, v, do, g_lse):
+        (o, lse), vjp = jax.vjp(f, q, k, v)
+        return (o, lse) + vjp((do, g_lse))
+
+    g = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32) if g_lse is None else g_lse
+    out = (jax.jit(run) if jit else run)(q, k, v, do, g)
+    return dict(zip(("o", "lse", "dq", "dk", "dv"), out))
+
+
+def oracle_all(q, k, v, do, g_lse=None, **kwargs):
+    kw = {k_: kwargs[k_] for k_ in MASK_KEYS if k_ in kwargs}
+    o, lse = oracle.attention(f64(q), f64(k), f64(v), **kw)
+    dq, dk, dv = oracle.attention_grads(f64(q), f64(k), f64(v), f64(do),
+                                        None if g_lse is None else f64(g_lse), **kw)
+    return dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+
+
+def check_against_oracle(q, k, v, do, g_lse=None, *, implementation=None, jit=True,
+                         names=("o", "lse", "dq", "dk", "dv"), **kwargs):
+    """Run flash_attention (forward + VJP) and assert every output is within DESIGN.md tolerance
+    of the float64 oracle. Returns (actual, expected) dicts."""
+    actual = run_flash(q, k, v, do, g_lse, jit=jit, implementation=implementation, **kwargs)
+    expected = oracle_all(q, k, v, do, g_lse, **kwargs)
+    base = None
+    if q.dtype != jnp.float32:
+        kw = {k_: kwargs[k_] for k_ in MASK_KEYS if k_ in kwargs}
+        base = tolerance.baseline(q, k, v, do, g_lse, **kw)
+    for name in names:
+        assert actual[name].dtype == (jnp.float32 if name == "lse" else q.dtype), name
+        tolerance.assert_matches_oracle(name, actual[name], expected[name],
+                                        None if base is None else base[name])
+    return actual, expected
