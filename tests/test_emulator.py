@@ -170,3 +170,15 @@ def test_zero_groups_is_a_no_op():
     out = np.full(8, 3.0, np.float32)
     run("emu_axpy", {0: a, 1: out, 2: np.ones(1, np.float32)}, (0, 1, 1), (8, 1, 1))
     np.testing.assert_array_equal(out, 3.0)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_barrier_heavy(schedule):
+    """The benchmark's barrier kernel (tests/shaders/bench.metal): after r rounds thread t holds
+    ((t + r) mod n) + r."""
+    n, rounds = 96, 10
+    out = np.zeros(2 * n, np.float32)
+    run("emu_barrier_heavy", {0: out, 1: np.array([rounds], np.uint32)}, (2, 1, 1), (n, 1, 1),
+        schedule=schedule, seed=4)
+    t = np.arange(n)
+    np.testing.assert_array_equal(out, np.tile((t + rounds) % n + rounds, 2))

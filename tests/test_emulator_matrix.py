@@ -66,3 +66,19 @@ def test_matrix_ops_need_a_full_simdgroup():
     a = np.zeros(64, np.float32)
     with pytest.raises(RuntimeError, match="needs a full simdgroup"):
         emulator.run("emu_gemm8_f32", {0: a, 1: a, 2: a}, (1, 1, 1), (16, 1, 1))
+
+
+@pytest.mark.parametrize("dtype,name", [(np.float32, "emu_gemm_tiled_f32"),
+                                        (np.float16, "emu_gemm_tiled_f16")])
+def test_gemm_tiled_from_device_memory(dtype, name):
+    """The benchmark's GEMM (tests/shaders/bench.metal): 24x40 = (24x16) (16x40)."""
+    m, n, k = 24, 40, 16
+    rng = np.random.default_rng(12)
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    c = np.full((m, n), np.nan, np.float32)
+    tiles = (m // 8) * (n // 8)
+    emulator.run(name, {0: a, 1: b, 2: c, 3: np.array([m, n, k], np.uint32)},
+                 ((tiles + 3) // 4, 1, 1), (128, 1, 1), num_workers=2)
+    np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5,
+                               atol=1e-5)

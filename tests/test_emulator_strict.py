@@ -43,6 +43,12 @@ def test_unsupported_attribute_is_an_error_naming_the_line():
            "'quadgroup_index_in_threadgroup'" in err
 
 
+def test_kernel_in_namespace_is_an_error_naming_the_line():
+    rc, err = check("namespace_kernel.metal")
+    assert rc != 0
+    assert "namespace_kernel.metal:6: error: kernels inside namespaces are not supported" in err
+
+
 def test_good_shaders_pass():
     clang = shutil.which("clang")
     assert clang

@@ -267,48 +267,59 @@ std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
     if (!err.empty()) break;
 
     bool any_live = false, progressed = false;
-    // Simdgroups whose live lanes all wait at one simd collective resolve independently.
+    // Simdgroups whose live lanes all wait at one simd collective resolve independently. The
+    // fast path only counts; lists of threads are built for error messages.
     for (uint32_t s = 0; s < nsimd && err.empty(); ++s) {
       Slot* lanes[kSimdWidth] = {};
       const Fiber* first = nullptr;
-      std::vector<const Fiber*> at_simd, at_barrier, done;
+      int at_simd = 0, at_barrier = 0, done = 0;
+      bool mismatch = false;
       const uint32_t lo = s * kSimdWidth, hi = std::min(n, lo + kSimdWidth);
       for (uint32_t i = lo; i < hi; ++i) {
         Fiber* f = w->fibers[i].get();
         if (f->state == State::kSimd) {
-          at_simd.push_back(f);
-          if (!first) first = f;
+          ++at_simd;
+          if (!first) {
+            first = f;
+          } else if (!same_site(f, first)) {
+            mismatch = true;
+          }
           lanes[i - lo] = &f->slot;
         } else if (f->state == State::kBarrier) {
-          at_barrier.push_back(f);
+          ++at_barrier;
         } else {
-          done.push_back(f);
+          ++done;
         }
       }
-      if (at_simd.size() + at_barrier.size()) any_live = true;
-      if (at_simd.empty()) continue;
-      if (!at_barrier.empty()) {
-        err = "kernel " + kname + ": barrier divergence in simdgroup " + std::to_string(s) +
-              " of threadgroup " + format_id(gid) + ": " + thread_list(at_simd) + " wait at " +
-              site(at_simd[0]) + " while " + thread_list(at_barrier) + " wait at " +
-              site(at_barrier[0]);
+      if (at_simd + at_barrier) any_live = true;
+      if (!at_simd) continue;
+      auto select = [&](auto pred) {
+        std::vector<const Fiber*> r;
+        for (uint32_t i = lo; i < hi; ++i)
+          if (pred(w->fibers[i].get())) r.push_back(w->fibers[i].get());
+        return r;
+      };
+      const std::string sg = " in simdgroup " + std::to_string(s) + " of threadgroup " +
+                             format_id(gid) + ": ";
+      if (at_barrier) {
+        auto a = select([](const Fiber* f) { return f->state == State::kSimd; });
+        auto b = select([](const Fiber* f) { return f->state == State::kBarrier; });
+        err = "kernel " + kname + ": barrier divergence" + sg + thread_list(a) + " wait at " +
+              site(a[0]) + " while " + thread_list(b) + " wait at " + site(b[0]);
         break;
       }
-      for (const Fiber* f : at_simd) {
-        if (!same_site(f, first)) {
-          std::vector<const Fiber*> a, b;
-          for (const Fiber* g : at_simd) (same_site(g, first) ? a : b).push_back(g);
-          err = "kernel " + kname + ": simdgroup divergence in simdgroup " + std::to_string(s) +
-                " of threadgroup " + format_id(gid) + ": " + thread_list(a) + " wait at " +
-                site(first) + " while " + thread_list(b) + " wait at " + site(b[0]);
-          break;
-        }
+      if (mismatch) {
+        auto a = select([&](const Fiber* f) { return f->state == State::kSimd && same_site(f, first); });
+        auto b = select([&](const Fiber* f) { return f->state == State::kSimd && !same_site(f, first); });
+        err = "kernel " + kname + ": simdgroup divergence" + sg + thread_list(a) + " wait at " +
+              site(first) + " while " + thread_list(b) + " wait at " + site(b[0]);
+        break;
       }
-      if (!err.empty()) break;
-      if (first->full && !done.empty()) {
-        err = "kernel " + kname + ": " + thread_list(done) + " of simdgroup " + std::to_string(s) +
-              " in threadgroup " + format_id(gid) + " returned while " + thread_list(at_simd) +
-              " wait at " + site(first) + ", which needs all 32 lanes";
+      if (first->full && done) {
+        auto a = select([](const Fiber* f) { return f->state == State::kSimd; });
+        auto b = select([](const Fiber* f) { return f->state == State::kDone; });
+        err = "kernel " + kname + ": " + thread_list(b) + sg + "returned while " +
+              thread_list(a) + " wait at " + site(first) + ", which needs all 32 lanes";
         break;
       }
       if (first->full && hi - lo != uint32_t(kSimdWidth)) {
@@ -321,7 +332,8 @@ std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
               std::to_string(s) + " of threadgroup " + format_id(gid) + ")";
         break;
       }
-      for (const Fiber* f : at_simd) const_cast<Fiber*>(f)->state = State::kReady;
+      for (uint32_t i = lo; i < hi; ++i)
+        if (lanes[i - lo]) w->fibers[i]->state = State::kReady;
       progressed = true;
     }
     if (!err.empty()) break;
@@ -329,34 +341,39 @@ std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
     if (progressed) continue;
 
     // Only threadgroup barriers (and returned threads) remain.
-    std::vector<const Fiber*> waiting, done;
     const Fiber* first = nullptr;
+    bool some_done = false, mismatch = false;
     for (uint32_t i = 0; i < n; ++i) {
       const Fiber* f = w->fibers[i].get();
-      if (f->state == State::kBarrier) {
-        waiting.push_back(f);
-        if (!first) first = f;
-      } else {
-        done.push_back(f);
+      if (f->state != State::kBarrier) {
+        some_done = true;
+      } else if (!first) {
+        first = f;
+      } else if (!same_site(f, first)) {
+        mismatch = true;
       }
     }
-    if (!done.empty()) {
-      err = "kernel " + kname + ": " + thread_list(done) + " of threadgroup " + format_id(gid) +
-            " returned while " + thread_list(waiting) + " wait at " + site(first) +
-            " (deadlock on real hardware)";
+    if (some_done || mismatch) {
+      std::vector<const Fiber*> a, b;
+      for (uint32_t i = 0; i < n; ++i) {
+        const Fiber* f = w->fibers[i].get();
+        if (some_done) {
+          (f->state == State::kBarrier ? a : b).push_back(f);
+        } else {
+          (same_site(f, first) ? a : b).push_back(f);
+        }
+      }
+      if (some_done) {
+        err = "kernel " + kname + ": " + thread_list(b) + " of threadgroup " + format_id(gid) +
+              " returned while " + thread_list(a) + " wait at " + site(first) +
+              " (deadlock on real hardware)";
+      } else {
+        err = "kernel " + kname + ": barrier divergence in threadgroup " + format_id(gid) +
+              ": " + thread_list(a) + " wait at " + site(first) + " while " + thread_list(b) +
+              " wait at " + site(b[0]);
+      }
       break;
     }
-    for (const Fiber* f : waiting) {
-      if (!same_site(f, first)) {
-        std::vector<const Fiber*> a, b;
-        for (const Fiber* g : waiting) (same_site(g, first) ? a : b).push_back(g);
-        err = "kernel " + kname + ": barrier divergence in threadgroup " + format_id(gid) + ": " +
-              thread_list(a) + " wait at " + site(first) + " while " + thread_list(b) +
-              " wait at " + site(b[0]);
-        break;
-      }
-    }
-    if (!err.empty()) break;
     for (uint32_t i = 0; i < n; ++i) w->fibers[i]->state = State::kReady;
   }
   if (!err.empty()) {

@@ -263,8 +263,9 @@ class Translator:
                   and toks[i + 1].text == "(" and (i == 0 or toks[i - 1].text != "operator")):
                 self.edits.append((t.start, t.end, f"jfm_make<{t.text}>"))
 
-    def scan(self, lo, hi):
+    def scan(self, lo, hi, in_namespace=False):
         """Walk declarations at namespace scope between token indices lo and hi."""
+        self.in_namespace = in_namespace
         toks, i, start = self.toks, lo, lo
         while i < hi:
             t = toks[i]
@@ -280,7 +281,8 @@ class Translator:
                 head = [k for k in range(start, i) if not self.is_attr(k)]
                 head_text = [toks[k].text for k in head]
                 if head_text and head_text[0] == "namespace":
-                    self.scan(i + 1, j)
+                    self.scan(i + 1, j, True)
+                    self.in_namespace = in_namespace
                     start = j + 1
                 elif self.is_function_head(start, i):
                     self.declaration(start, i, (i, j))
@@ -342,6 +344,8 @@ class Translator:
             return
         if not idx:
             return
+        if self.in_namespace:
+            self.src.error(toks[idx[0]], "kernels inside namespaces are not supported")
         host = [arg for name, arg, _ in attrs if name == "host_name"]
         max_threads = [arg for name, arg, _ in attrs if name == "max_total_threads_per_threadgroup"]
         first = toks[idx[0]]

@@ -37,15 +37,15 @@
       ::jfm::rt::threadgroup_alloc(&name##_jfm_tg_site, sizeof(__VA_ARGS__ dims),      \
                                    alignof(__VA_ARGS__ dims)))
 
-#define MAXFLOAT 0x1.fffffep127f
+#define MAXFLOAT 3.402823466e+38f
 #define HUGE_VALF __builtin_huge_valf()
 #define INFINITY __builtin_inff()
 #define NAN __builtin_nanf("")
-#define FLT_MAX 0x1.fffffep127f
-#define FLT_MIN 0x1p-126f
-#define FLT_EPSILON 0x1p-23f
+#define FLT_MAX 3.402823466e+38f
+#define FLT_MIN 1.175494351e-38f
+#define FLT_EPSILON 1.192092896e-07f
 #define HALF_MAX 65504.0f
-#define HALF_MIN 0x1p-14f
+#define HALF_MIN 6.103515625e-05f
 #define M_E_F 2.71828182845904523536f
 #define M_LOG2E_F 1.44269504088896340736f
 #define M_LOG10E_F 0.434294481903251827651f
@@ -72,6 +72,20 @@ inline To bitcast(const From& f) {
   return t;
 }
 
+#if defined(__F16C__) && defined(__x86_64__)
+// x86 F16C (enabled by the build when the CPU has it): same results as the portable code below,
+// round to nearest even, NaN quieted with its payload's upper bits kept.
+typedef float jfm_v4sf __attribute__((vector_size(16)));
+typedef short jfm_v8hi __attribute__((vector_size(16)));
+inline uint16_t f32_to_f16(float f) {
+  jfm_v4sf v = {f, 0.0f, 0.0f, 0.0f};
+  return uint16_t(__builtin_ia32_vcvtps2ph(v, 0)[0]);
+}
+inline float f16_to_f32(uint16_t h) {
+  jfm_v8hi v = {short(h), 0, 0, 0, 0, 0, 0, 0};
+  return __builtin_ia32_vcvtph2ps(v)[0];
+}
+#else
 // binary32 -> binary16, round to nearest even; NaN stays a (quiet) NaN.
 inline uint16_t f32_to_f16(float f) {
   uint32_t x = bitcast<uint32_t>(f);
@@ -97,6 +111,7 @@ inline float f16_to_f32(uint16_t h) {
   if (e == 0x1f) return bitcast<float>(sign | 0x7f800000u | (m << 13));
   return bitcast<float>(sign | ((e + 112u) << 23) | (m << 13));
 }
+#endif
 
 inline uint16_t f32_to_bf16(float f) {
   uint32_t x = bitcast<uint32_t>(f);

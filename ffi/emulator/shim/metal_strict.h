@@ -20,15 +20,15 @@
 
 #define JFM_TGV(name, dims, ...) static threadgroup __VA_ARGS__ name dims
 
-#define MAXFLOAT 0x1.fffffep127f
+#define MAXFLOAT 3.402823466e+38f
 #define HUGE_VALF __builtin_huge_valf()
 #define INFINITY __builtin_inff()
 #define NAN __builtin_nanf("")
-#define FLT_MAX 0x1.fffffep127f
-#define FLT_MIN 0x1p-126f
-#define FLT_EPSILON 0x1p-23f
+#define FLT_MAX 3.402823466e+38f
+#define FLT_MIN 1.175494351e-38f
+#define FLT_EPSILON 1.192092896e-07f
 #define HALF_MAX 65504.0f
-#define HALF_MIN 0x1p-14f
+#define HALF_MIN 6.103515625e-05f
 #define M_E_F 2.71828182845904523536f
 #define M_LOG2E_F 1.44269504088896340736f
 #define M_LOG10E_F 0.434294481903251827651f

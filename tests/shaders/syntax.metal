@@ -1,0 +1,47 @@
+// Unit kernels for tests/test_emulator_syntax.py: the MSL forms the translator accepts.
+#include <metal_stdlib>
+#include "syntax_helpers.h"
+using namespace metal;
+
+namespace helpers {
+inline float twice(float x) { return 2.0f * x; }
+}  // namespace helpers
+
+constant float kTable[4] = {1.0f, 2.0f, 4.0f, 8.0f};
+constexpr constant int kLanes = 32;
+static_assert(kLanes == 32, "simd width");
+
+// [[kernel]] spelling, the decltype instantiation form, static threadgroup declarations, vector
+// constructors from vectors, half literals, numeric_limits, simd_all/any, small integer types.
+template <typename T, int N>
+[[kernel]] void emu_syntax(device const T* in [[buffer(0)]],
+                           device float* out [[buffer(1)]],
+                           uint3 tid3 [[thread_position_in_threadgroup]],
+                           ushort lane [[thread_index_in_simdgroup]]) {
+  static threadgroup float shared_vals[N];
+  const uint tid = tid3.x;
+  shared_vals[tid] = float(in[tid]);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float2 p = float2(shared_vals[tid], 1.0f);
+  float4 v = float4(p, float2(3.0f, kTable[tid % 4]));
+  half h = 1.5h;
+  uchar small = uchar(tid + 250u);  // wraps past 255
+  short neg = short(-3);
+  bool all_pos = simd_all(shared_vals[tid] >= 0.0f);
+  bool any_big = simd_any(shared_vals[tid] > 30.0f);
+  device float* o = out + tid * 8;
+  o[0] = helpers::twice(v.x) + v.y;
+  o[1] = v.z * v.w;
+  o[2] = float(h) + jfm_helper_offset();
+  o[3] = float(small) + float(neg);
+  o[4] = float(all_pos) + 2.0f * float(any_big);
+  o[5] = numeric_limits<float>::max() == FLT_MAX ? 1.0f : 0.0f;
+  o[6] = isinf(numeric_limits<float>::infinity()) ? float(lane) : -1.0f;
+  o[7] = float(N);
+}
+template [[host_name("emu_syntax_f32")]] [[kernel]] decltype(emu_syntax<float, 64>) emu_syntax<float, 64>;
+
+[[max_total_threads_per_threadgroup(64)]]
+kernel void emu_max_threads(device float* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  out[i] = 1.0f;
+}
