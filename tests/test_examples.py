@@ -1,0 +1,108 @@
+"""Smoke tests of the training example and the benchmark on tiny sizes (seconds each)."""
+
+import dataclasses
+import importlib.util
+
+import numpy as np
+import pytest
+
+from jax_flash_metal import benchmark
+
+HAVE_EXAMPLE_DEPS = all(importlib.util.find_spec(m) for m in ("optax", "tqdm"))
+needs_examples = pytest.mark.skipif(not HAVE_EXAMPLE_DEPS,
+                                    reason="the training example needs the [examples] extra")
+if HAVE_EXAMPLE_DEPS:
+    from jax_flash_metal.examples import train_lm
+
+TEXT = b"the quick brown fox jumps over the lazy dog. " * 40
+
+
+@needs_examples
+def test_training_loss_decreases():
+    cfg = dataclasses.replace(train_lm.TINY, steps=30)
+    _, losses = train_lm.train(cfg, np.frombuffer(TEXT, np.uint8), "xla", progress=False)
+    assert len(losses) == 30 and np.all(np.isfinite(losses))
+    assert abs(losses[0] - np.log(256)) < 0.5  # starts near uniform over bytes
+    assert np.mean(losses[-5:]) < losses[0] - 2.0  # the repetitive text is quickly learned
+
+
+@needs_examples
+def test_train_lm_main(implementation, tmp_path, capsys):
+    # "implementation" is parametrised over implementations.available() by conftest.py.
+    text = tmp_path / "text.txt"
+    text.write_bytes(TEXT)
+    steps = 3 if implementation == "emulator" else 30  # the emulator is slow by design
+    result = train_lm.main(["--text", str(text), "--tiny", "--steps", str(steps), "--no-progress",
+                            "--implementation", implementation, "--sample-bytes", "16",
+                            "--prompt", "the "])
+    out = capsys.readouterr().out
+    assert result["implementation"] == implementation
+    assert f"attention implementation: {implementation}" in out
+    assert "loss (nats/byte): start" in out and "gradient check" in out
+    assert len(result["losses"]) == steps
+    if implementation != "emulator":
+        assert result["final_eval"] < result["initial_eval"] - 2.0
+    assert result["sample"].startswith(b"the ") and len(result["sample"]) == 4 + 16
+    check = result["check"]
+    assert check["scale"] > 0
+    for name in ("dq", "dk", "dv"):  # float32 attention: agreement to float32 rounding
+        assert check[name] <= 1e-5 * check["scale"] + 1e-6, (name, check)
+
+
+@needs_examples
+def test_train_lm_rejects_short_text(tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_bytes(b"abc")
+    with pytest.raises(ValueError, match="too short"):
+        train_lm.main(["--text", str(text), "--tiny", "--no-progress", "--implementation", "xla"])
+
+
+def test_attention_flops():
+    # B=2, H=3, D=5; T=4: 16 pairs, causal 4*5/2 = 10 pairs.
+    assert benchmark.attention_flops(2, 3, 4, 4, 5, False) == (4 * 2 * 3 * 16 * 5, 14 * 2 * 3 * 16 * 5)
+    assert benchmark.attention_flops(2, 3, 4, 4, 5, True) == (4 * 2 * 3 * 10 * 5, 14 * 2 * 3 * 10 * 5)
+    # Tq > Tkv, top-left causal: rows 0..2 see 1, 2, 3 keys, rows 3..5 see all 3.
+    assert benchmark.attention_flops(1, 1, 6, 3, 1, True)[0] == 4 * (1 + 2 + 3 + 3 * 3)
+
+
+def test_benchmark_table():
+    rows = benchmark.run_benchmark(seq_lens=[16, 64], head_dims=[16], causal_modes=[True],
+                                   batch=1, heads=2, kv_heads=1, repeats=1, run_up_to=16,
+                                   emulator_max_len=16)
+    names = list(benchmark.methods())
+    expected = [(m, t, True) for m in names for t in (16, 64)
+                if not (m == "flash:emulator" and t > 16)]
+    assert [(r.method, r.seq_len, r.causal) for r in rows] == expected
+    for r in rows:
+        timed = r.seq_len <= 16
+        assert (r.fwd_ms is not None) == timed and (r.fwdbwd_ms is not None) == timed
+        assert r.fwd_ms is None or r.fwd_ms > 0
+    text = benchmark.format_table(rows)
+    lines = text.splitlines()
+    header = lines[0]
+    for col in benchmark.COLUMNS:
+        assert col in header
+    assert len(lines) == 2 + len(rows)
+    for line, r in zip(lines[2:], rows):
+        cells = line.split()
+        assert cells[:4] == [r.method, str(r.seq_len), "16", "yes"]
+        assert len(cells) == len(benchmark.COLUMNS)
+        if r.seq_len > 16:
+            assert cells[4:6] == ["-", "-"]  # compile-only: memory but no time
+    # The plain-jnp methods materialise the scores: temp memory grows with the sequence length.
+    ref = {r.seq_len: r.fwd_temp for r in rows if r.method == "reference"}
+    if None not in ref.values():
+        assert ref[64] > ref[16]
+
+
+def test_benchmark_main_prints_table(capsys):
+    rows = benchmark.main(["--seq-lens", "32", "--head-dims", "16", "--causal", "on",
+                           "--heads", "2", "--repeats", "1", "--impls", "flash:xla,jax.nn"])
+    out = capsys.readouterr().out
+    assert [r.method for r in rows] == ["flash:xla", "jax.nn"]
+    assert "fwd+bwd TFLOP/s" in out and "flash:xla" in out and "jax.nn" in out
+
+
+def test_benchmark_rejects_unknown_method():
+    with pytest.raises(ValueError, match="unknown or unavailable"):
+        benchmark.methods(["flash:nonexistent"])
