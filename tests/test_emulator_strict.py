@@ -49,6 +49,13 @@ def test_kernel_in_namespace_is_an_error_naming_the_line():
     assert "namespace_kernel.metal:6: error: kernels inside namespaces are not supported" in err
 
 
+def test_threadgroup_variable_outside_a_kernel_is_an_error():
+    rc, err = check("helper_threadgroup.metal")
+    assert rc != 0
+    assert ("helper_threadgroup.metal:6: error: threadgroup variables can only be declared in "
+            "kernel functions") in err
+
+
 def test_good_shaders_pass():
     clang = shutil.which("clang")
     assert clang

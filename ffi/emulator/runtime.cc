@@ -7,6 +7,11 @@
 // whose participants all arrived, in rounds, resuming fibers in the chosen order.
 // _FORTIFY_SOURCE turns longjmp into __longjmp_chk, which rejects jumps between stacks.
 #undef _FORTIFY_SOURCE
+#if defined(__APPLE__)
+// macOS declares the (deprecated, still working) ucontext routines only for XSI sources.
+#define _XOPEN_SOURCE 700
+#define _DARWIN_C_SOURCE
+#endif
 #include "runtime.h"
 
 #include <setjmp.h>

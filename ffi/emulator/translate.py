@@ -326,14 +326,14 @@ class Translator:
 
     def declaration(self, lo, hi, body):
         toks = self.toks
-        if body:
-            self.rewrite_threadgroup_decls(body[0] + 1, body[1])
         idx, attrs = self.head_tokens(lo, hi)
         is_kernel = any(name == "kernel" for name, _, _ in attrs)
         for k in idx:
             if toks[k].text == "kernel":
                 is_kernel = True
                 self.blank(k, k + 1)
+        if body:
+            self.rewrite_threadgroup_decls(body[0] + 1, body[1], is_kernel)
         for name, arg, tok in attrs:
             if name not in ("kernel", "host_name", "max_total_threads_per_threadgroup"):
                 self.src.error(tok, f"unsupported attribute '{name}' on a declaration")
@@ -451,7 +451,7 @@ class Translator:
             params.append(Param(name, type_text, attrs, words[0]))
         return params
 
-    def rewrite_threadgroup_decls(self, lo, hi):
+    def rewrite_threadgroup_decls(self, lo, hi, in_kernel):
         toks, k = self.toks, lo
         while k < hi:
             t = toks[k]
@@ -482,6 +482,8 @@ class Translator:
             if any(x in ("*", "&", "&&", "(") for x in top):
                 k = semi
                 continue
+            if not in_kernel:
+                self.src.error(t, "threadgroup variables can only be declared in kernel functions")
             out = []
             type_text = None
             for da, db in decls:
