@@ -41,6 +41,25 @@ const char* dtype_suffix(ffi::DataType t) {
   }
 }
 
+std::string dtype_name(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32:
+      return "float32";
+    case ffi::DataType::F16:
+      return "float16";
+    case ffi::DataType::BF16:
+      return "bfloat16";
+    case ffi::DataType::F64:
+      return "float64";
+    case ffi::DataType::S32:
+      return "int32";
+    case ffi::DataType::S64:
+      return "int64";
+    default:
+      return "dtype #" + std::to_string(static_cast<int>(t));
+  }
+}
+
 std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) {
@@ -71,7 +90,6 @@ struct Problem {
   std::vector<int64_t> q_shape() const { return {batch, q_len, heads, head_dim}; }
   std::vector<int64_t> kv_shape() const { return {batch, kv_len, kv_heads, head_dim}; }
   std::vector<int64_t> row_shape() const { return {batch, heads, q_len}; }
-  size_t element_size() const { return dtype == ffi::DataType::F32 ? 4 : 2; }
 };
 
 struct Options {
@@ -127,10 +145,11 @@ ffi::Error read_problem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, Pr
 }
 
 ffi::Error expect(const char* what, ffi::AnyBuffer buffer, ffi::DataType dtype,
-                  const std::vector<int64_t>& shape, const char* dtype_name) {
+                  const std::vector<int64_t>& shape) {
   if (buffer.element_type() != dtype || !same_dims(buffer.dimensions(), shape)) {
-    return invalid(std::string(what) + " must be " + dtype_name + " " + dims_string(shape) +
-                   ", got shape " + dims_string(buffer.dimensions()));
+    return invalid(std::string(what) + " must be " + dtype_name(dtype) + " " +
+                   dims_string(shape) + ", got " + dtype_name(buffer.element_type()) + " " +
+                   dims_string(buffer.dimensions()));
   }
   return ffi::Error::Success();
 }
@@ -163,7 +182,7 @@ ffi::Error read_lengths(ffi::RemainingArgs rest, const Options& o, const Problem
     auto arg = rest.get<ffi::AnyBuffer>(next++);
     if (arg.has_error()) return invalid(std::string(what) + ": " + arg.error().message());
     ffi::AnyBuffer buffer = arg.value();
-    if (ffi::Error e = expect(what, buffer, ffi::DataType::S32, {p.batch}, "int32");
+    if (ffi::Error e = expect(what, buffer, ffi::DataType::S32, {p.batch});
         e.failure()) {
       return e;
     }
@@ -291,9 +310,8 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
   if (ffi::Error e = check_options(opt); e.failure()) return e;
-  if (ffi::Error e = expect("output o", o, p.dtype, p.q_shape(), p.suffix); e.failure()) return e;
-  if (ffi::Error e = expect("output lse", lse, ffi::DataType::F32, p.row_shape(), "float32");
-      e.failure()) {
+  if (ffi::Error e = expect("output o", o, p.dtype, p.q_shape()); e.failure()) return e;
+  if (ffi::Error e = expect("output lse", lse, ffi::DataType::F32, p.row_shape()); e.failure()) {
     return e;
   }
   std::vector<int32_t> q_lengths, kv_lengths;
@@ -331,16 +349,16 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
   if (ffi::Error e = check_options(opt); e.failure()) return e;
   const ffi::DataType f32 = ffi::DataType::F32;
-  for (auto [what, buffer, dtype, shape, name] :
-       {std::make_tuple("o", o, p.dtype, p.q_shape(), p.suffix),
-        std::make_tuple("lse", lse, f32, p.row_shape(), "float32"),
-        std::make_tuple("do", d_o, p.dtype, p.q_shape(), p.suffix),
-        std::make_tuple("g_lse", g_lse, f32, p.row_shape(), "float32"),
-        std::make_tuple("output dq", dq, p.dtype, p.q_shape(), p.suffix),
-        std::make_tuple("output dk", dk, p.dtype, p.kv_shape(), p.suffix),
-        std::make_tuple("output dv", dv, p.dtype, p.kv_shape(), p.suffix),
-        std::make_tuple("workspace delta", delta, f32, p.row_shape(), "float32")}) {
-    if (ffi::Error e = expect(what, buffer, dtype, shape, name); e.failure()) return e;
+  for (auto [what, buffer, dtype, shape] :
+       {std::make_tuple("o", o, p.dtype, p.q_shape()),
+        std::make_tuple("lse", lse, f32, p.row_shape()),
+        std::make_tuple("do", d_o, p.dtype, p.q_shape()),
+        std::make_tuple("g_lse", g_lse, f32, p.row_shape()),
+        std::make_tuple("output dq", dq, p.dtype, p.q_shape()),
+        std::make_tuple("output dk", dk, p.dtype, p.kv_shape()),
+        std::make_tuple("output dv", dv, p.dtype, p.kv_shape()),
+        std::make_tuple("workspace delta", delta, f32, p.row_shape())}) {
+    if (ffi::Error e = expect(what, buffer, dtype, shape); e.failure()) return e;
   }
   std::vector<int32_t> q_lengths, kv_lengths;
   if (ffi::Error e = read_lengths(rest, opt, p, &q_lengths, &kv_lengths); e.failure()) return e;

@@ -1,0 +1,379 @@
+"""The native extension's FFI path: handlers, devices, lowering (issue 5).
+
+Runs wherever the extension is built: the emulated device everywhere, the Metal device only on a
+Mac with a Metal GPU (those tests are skipped elsewhere). Numbers are checked against the float64
+oracle (tests/oracle.py) with DESIGN.md tolerances, or against exact expected values.
+"""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oracle
+import tolerance
+
+ext = pytest.importorskip("jax_flash_metal._ext")
+from jax_flash_metal import ffi_lowering, flash_attention  # noqa: E402
+
+FWD = "jax_flash_metal_attention_fwd_emulator"
+BWD = "jax_flash_metal_attention_bwd_emulator"
+HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256)
+STAGES = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")
+
+requires_metal = pytest.mark.skipif(not ext.metal_available(),
+                                    reason="needs a Metal GPU: " + ext.metal_unavailable_reason())
+
+
+def _attrs(**overrides):
+    attrs = dict(scale=np.float32(0.25), is_causal=False, window_left=np.int32(-1),
+                 window_right=np.int32(-1), bottom_right=False, has_q_lengths=False,
+                 has_kv_lengths=False)
+    attrs.update(overrides)
+    return attrs
+
+
+def _fwd_call(q, k, v, *lengths, lse_shape=None, **attrs):
+    """The forward target called directly (no primitive, no Python-side validation)."""
+    b, tq, h = q.shape[:3]
+    out = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+           jax.ShapeDtypeStruct(lse_shape or (b, h, tq), jnp.float32))
+    return jax.block_until_ready(jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **_attrs(**attrs)))
+
+
+def _bwd_call(q, k, v, o, lse, do, g_lse, *lengths, **attrs):
+    b, tq, h, _ = q.shape
+    out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+           jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
+    return jax.block_until_ready(
+        jax.ffi.ffi_call(BWD, out)(q, k, v, o, lse, do, g_lse, *lengths, **_attrs(**attrs)))
+
+
+def _normal(rng, shape, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+
+
+@contextlib.contextmanager
+def _emulator_fault(kernel):
+    ext._set_emulator_fault(kernel)
+    try:
+        yield
+    finally:
+        ext._set_emulator_fault("")
+
+
+@contextlib.contextmanager
+def _emulator_schedule(name, seed=0):
+    ext.set_emulator_schedule(name, seed)
+    try:
+        yield
+    finally:
+        ext.set_emulator_schedule("forward", 0)
+
+
+@contextlib.contextmanager
+def _submission_budget(multiply_adds):
+    previous = ext._set_submission_budget(multiply_adds)
+    try:
+        yield
+    finally:
+        ext._set_submission_budget(previous)
+
+
+# ------------------------------------------------------------------ build and registration
+
+def test_build_has_emulator_targets_and_every_contract_kernel():
+    assert {FWD, BWD} <= set(ext.ffi_targets())
+    assert "emulator" in ffi_lowering.available_implementations()
+    names = set(ext.kernel_names("emulator"))
+    for stage in STAGES:
+        for t in ("f32", "f16", "bf16"):
+            for d in HEAD_DIMS:
+                assert f"flash_attention_{stage}_{t}_d{d}" in names
+    assert ext.device_name("emulator")
+
+
+def test_metal_reports_consistently():
+    if ext.metal_available():
+        assert ext.metal_unavailable_reason() == ""
+        assert "metal" in ffi_lowering.available_implementations()
+        assert ext.device_name("metal")
+    else:
+        assert ext.metal_unavailable_reason()
+        assert "metal" not in ffi_lowering.available_implementations()
+        with pytest.raises(ValueError, match="Metal|metal"):
+            ext.kernel_names("metal")
+
+
+def test_embedded_shader_sources_inline_quoted_includes(request):
+    shader_dir = request.config.rootpath / "shaders"
+    sources = ext.shader_sources()
+    assert sorted(sources) == sorted(p.name for p in shader_dir.glob("*.metal"))
+    header_lines = (shader_dir / "attention_params.h").read_text().splitlines()
+    for name, text in sources.items():
+        assert '#include "' not in text, name
+        embedded = set(text.splitlines())
+        original = (shader_dir / name).read_text().splitlines()
+        assert all(line in embedded for line in original if '#include "' not in line), name
+        assert all(line in embedded for line in header_lines), name
+
+
+# ------------------------------------------------------------------ handler validation
+
+_Q = jnp.zeros((1, 4, 2, 16), jnp.float32)
+_K = jnp.zeros((1, 5, 1, 16), jnp.float32)
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((_Q, _K, _K), dict(window_left=np.int32(-2)), "window_left/window_right must be >= 0"),
+    ((_Q, _K, _K), dict(has_q_lengths=True), "expected 1 length operand"),
+    ((_Q, _K, _K, jnp.zeros((1,), jnp.int32)), dict(), "expected 0 length operand"),
+    ((_Q, _K, _K, jnp.zeros((2,), jnp.int32)), dict(has_kv_lengths=True),
+     r"kv_lengths must be int32 \[1\]"),
+    ((_Q, _K, _K, jnp.zeros((1,), jnp.float32)), dict(has_q_lengths=True),
+     r"q_lengths must be int32 \[1\]"),
+    ((_Q, _K, _K), dict(lse_shape=(1, 2, 5)), r"output lse must be float32 \[1, 2, 4\]"),
+    ((_Q[0], _K[0], _K[0]), dict(), "query must have rank 4"),
+    ((_Q, _K.astype(jnp.float16), _K.astype(jnp.float16)), dict(), "share one dtype"),
+    ((_Q.astype(jnp.int32), _K, _K), dict(), "float32, float16 or bfloat16"),
+    ((_Q, _K, jnp.zeros((1, 6, 1, 16))), dict(), "value shape"),
+    ((jnp.zeros((1, 4, 3, 16)), _K[:, :, :1].repeat(2, 2), _K[:, :, :1].repeat(2, 2)), dict(),
+     "multiple of num_kv_heads"),
+    ((jnp.zeros((1, 4, 2, 24)), jnp.zeros((1, 5, 1, 24)), jnp.zeros((1, 5, 1, 24))), dict(),
+     "head_dim 24 with dtype f32 is not supported by the emulator device"),
+])
+def test_handler_rejects_bad_operands_and_attributes(args, kwargs, message):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+        _fwd_call(*args, **kwargs)
+
+
+def test_handler_rejects_missing_and_mistyped_attributes():
+    attrs = _attrs()
+    del attrs["bottom_right"]
+    out = (jax.ShapeDtypeStruct(_Q.shape, _Q.dtype), jax.ShapeDtypeStruct((1, 2, 4), jnp.float32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="attributes"):
+        jax.block_until_ready(jax.ffi.ffi_call(FWD, out)(_Q, _K, _K, **attrs))
+    # Attributes are typed: a float64 scale (what a Python float becomes under x64) is refused,
+    # which is why the lowering coerces every attribute to its exact type.
+    jax.config.update("jax_enable_x64", True)
+    try:
+        with pytest.raises(jax.errors.JaxRuntimeError, match="expected F32 but got F64"):
+            _fwd_call(_Q, _K, _K, scale=np.float64(0.25))
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_lowering_types_attributes_exactly_under_x64():
+    rng = np.random.default_rng(3)
+    q, k, v = _normal(rng, (1, 5, 2, 16)), _normal(rng, (1, 6, 1, 16)), _normal(rng, (1, 6, 1, 16))
+    expected = oracle.attention(q, k, v, scale=0.3, local_window_size=(2, 1))[0]
+    jax.config.update("jax_enable_x64", True)
+    try:
+        out = flash_attention(q, k, v, scale=0.3, local_window_size=(2, 1),
+                              implementation="emulator")
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    tolerance.assert_matches_oracle("o", out, expected)
+
+
+def test_unsupported_head_dim_fails_at_trace_time():
+    q = jax.ShapeDtypeStruct((1, 8, 2, 24), jnp.float16)
+    fwd = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation="emulator"))
+    with pytest.raises(ValueError, match=r"head_dim 24 .* not supported .*'emulator'.*\[16, 32"):
+        fwd.lower(q, q, q)
+    grad = jax.jit(jax.grad(lambda q, k, v: flash_attention(
+        q, k, v, implementation="emulator").astype(jnp.float32).sum()))
+    with pytest.raises(ValueError, match="head_dim 24"):
+        grad.lower(q, q, q)
+
+
+@pytest.mark.parametrize("kernel", ["flash_attention_fwd_f32_d16",
+                                    "flash_attention_bwd_dkdv_f32_d16"])
+def test_device_error_surfaces_as_jax_exception(kernel):
+    rng = np.random.default_rng(0)
+    q = _normal(rng, (1, 6, 2, 16))
+    f = jax.jit(jax.grad(lambda q: flash_attention(q, q, q, implementation="emulator").sum()))
+    with _emulator_fault(kernel):
+        with pytest.raises(jax.errors.JaxRuntimeError,
+                           match=f"emulator device error: .*injected fault in kernel {kernel}"):
+            jax.block_until_ready(f(q))
+    assert np.isfinite(np.asarray(f(q))).all()  # the device works again once the fault is gone
+
+
+def test_unknown_emulator_schedule_is_rejected():
+    with pytest.raises(ValueError, match="unknown emulator schedule 'sideways'"):
+        ext.set_emulator_schedule("sideways")
+    assert ext.emulator_schedule() == ("forward", 0)
+
+
+# ------------------------------------------------------------------ lowering and memory
+
+def _loss(implementation):
+    def loss(q, k, v):
+        return flash_attention(q, k, v, is_causal=True,
+                               implementation=implementation).astype(jnp.float32).sum()
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def test_compiled_hlo_has_custom_calls_only_on_the_fused_path():
+    q = jax.ShapeDtypeStruct((1, 16, 2, 32), jnp.float32)
+    fused = _loss("emulator").lower(q, q, q).compile().as_text()
+    assert f'custom_call_target="{FWD}"' in fused
+    assert f'custom_call_target="{BWD}"' in fused
+    plain = _loss("xla").lower(q, q, q).compile().as_text()
+    assert "custom_call_target" not in plain
+
+
+def test_fused_memory_is_linear_in_sequence_length():
+    """Compile only (never run) forward+backward at length 16384: the fused path keeps no
+    B*H*T^2 temporary; the xla reference at a quarter of the length shows what one looks like."""
+    heads, head_dim = 2, 64
+
+    def temp_bytes(implementation, length):
+        q = jax.ShapeDtypeStruct((1, length, heads, head_dim), jnp.float32)
+        analysis = _loss(implementation).lower(q, q, q).compile().memory_analysis()
+        return analysis.temp_size_in_bytes
+
+    long, short = 16384, 8192
+    fused_long, fused_short = temp_bytes("emulator", long), temp_bytes("emulator", short)
+    q_bytes = long * heads * head_dim * 4
+    scores_bytes = heads * long * long * 4
+    assert fused_long <= 4 * q_bytes, (fused_long, q_bytes)
+    assert fused_long < scores_bytes / 100
+    assert fused_long <= 2.05 * fused_short, (fused_long, fused_short)
+    control = 4096
+    assert temp_bytes("xla", control) >= heads * control * control * 4
+
+
+# ------------------------------------------------------------------ host-side semantics
+
+def test_zero_length_problems_write_exact_outputs_without_dispatch():
+    rng = np.random.default_rng(1)
+    q, k0 = _normal(rng, (2, 3, 4, 16)), jnp.zeros((2, 0, 2, 16), jnp.float32)
+    o, lse = _fwd_call(q, k0, k0)
+    assert np.array_equal(np.asarray(o), np.zeros(q.shape))
+    assert np.array_equal(np.asarray(lse), np.full((2, 4, 3), -np.inf))
+    g = jnp.ones((2, 4, 3), jnp.float32)
+    dq, dk, dv, _ = _bwd_call(q, k0, k0, q, g, q, g)
+    assert np.array_equal(np.asarray(dq), np.zeros(q.shape)) and dk.shape == dv.shape == k0.shape
+    q0, k = jnp.zeros((2, 0, 4, 16), jnp.float32), _normal(rng, (2, 5, 2, 16))
+    g0 = jnp.zeros((2, 4, 0), jnp.float32)
+    dq, dk, dv, _ = _bwd_call(q0, k, k, q0, g0, q0, g0)
+    assert dq.shape == q0.shape
+    assert np.array_equal(np.asarray(dk), np.zeros(k.shape))
+    assert np.array_equal(np.asarray(dv), np.zeros(k.shape))
+
+
+def test_out_of_range_lengths_are_clamped_by_the_handler():
+    rng = np.random.default_rng(2)
+    q, k, v = _normal(rng, (2, 5, 2, 16)), _normal(rng, (2, 7, 2, 16)), _normal(rng, (2, 7, 2, 16))
+    flags = dict(has_q_lengths=True, has_kv_lengths=True, bottom_right=True, is_causal=True)
+    wild = _fwd_call(q, k, v, jnp.array([99, -4], jnp.int32), jnp.array([-1, 1000], jnp.int32),
+                     **flags)
+    clamped = _fwd_call(q, k, v, jnp.array([5, 0], jnp.int32), jnp.array([0, 7], jnp.int32),
+                        **flags)
+    for a, b in zip(wild, clamped):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------ end to end vs the oracle
+
+CONFIGS = {
+    "plain": dict(),
+    "causal_bottom_right_lengths": dict(
+        is_causal=True, causal_alignment="bottom_right",
+        query_seq_lengths=np.array([7, 3], np.int32),
+        key_value_seq_lengths=np.array([11, 5], np.int32)),
+    "window_top_left": dict(local_window_size=(3, 1), scale=-0.7),
+}
+
+
+def _fwd_bwd(implementation, q, k, v, do, g_lse, config):
+    config = dict(config)
+    lengths = {n: jnp.asarray(config.pop(n)) for n in ("query_seq_lengths",
+                                                       "key_value_seq_lengths") if n in config}
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, return_lse=True, implementation=implementation,
+                               **lengths, **config)
+
+    (o, lse), vjp = jax.vjp(f, q, k, v)
+    dq, dk, dv = vjp((do, g_lse))
+    return dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+
+
+def _check_against_oracle(implementation, dtype, config_name, head_dim=16):
+    config = CONFIGS[config_name]
+    rng = np.random.default_rng(7)
+    b, tq, tkv, h, hkv = 2, 7, 11, 4, 2
+    q = _normal(rng, (b, tq, h, head_dim), dtype)
+    k = _normal(rng, (b, tkv, hkv, head_dim), dtype)
+    v = _normal(rng, (b, tkv, hkv, head_dim), dtype)
+    do = _normal(rng, (b, tq, h, head_dim), dtype)
+    g_lse = _normal(rng, (b, h, tq))
+    got = _fwd_bwd(implementation, q, k, v, do, g_lse, config)
+    o, lse = oracle.attention(q, k, v, **config)
+    dq, dk, dv = oracle.attention_grads(q, k, v, do, g_lse, **config)
+    expected = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+    base = tolerance.baseline(q, k, v, do, g_lse, **config) if dtype != jnp.float32 else {}
+    for name in expected:
+        assert got[name].dtype == (jnp.float32 if name == "lse" else dtype)
+        tolerance.assert_matches_oracle(name, got[name], expected[name], base.get(name))
+    return got
+
+
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_emulator_matches_oracle(dtype, config_name):
+    _check_against_oracle("emulator", dtype, config_name)
+
+
+def test_split_submissions_and_schedules_are_bit_identical():
+    """Splitting a call by batch (one submission per batch element) and resuming emulated
+    threads in reverse or random order must not change a single bit."""
+    reference = _check_against_oracle("emulator", jnp.float32, "causal_bottom_right_lengths", 32)
+    variants = {"one batch element per submission": _submission_budget(1),
+                "reverse schedule": _emulator_schedule("reverse"),
+                "random schedule": _emulator_schedule("random", 1234)}
+    for label, setting in variants.items():
+        with setting:
+            got = _check_against_oracle("emulator", jnp.float32, "causal_bottom_right_lengths", 32)
+        for name in reference:
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(reference[name]),
+                                          err_msg=f"{label}: {name}")
+
+
+# ------------------------------------------------------------------ macOS with a Metal GPU only
+
+@requires_metal
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_metal_matches_oracle(dtype, config_name):
+    _check_against_oracle("metal", dtype, config_name)
+
+
+@requires_metal
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+def test_metal_agrees_with_emulator(dtype):
+    """Same kernels, same inputs: masked structure (exact zeros, -inf LSE) is bit-identical and
+    values agree to a few ulps (GPU exp2 and fused multiply-adds may round differently)."""
+    rng = np.random.default_rng(11)
+    q, k = _normal(rng, (2, 33, 4, 64), dtype), _normal(rng, (2, 40, 2, 64), dtype)
+    v, do = _normal(rng, (2, 40, 2, 64), dtype), _normal(rng, (2, 33, 4, 64), dtype)
+    g_lse = _normal(rng, (2, 4, 33))
+    config = dict(is_causal=True, causal_alignment="bottom_right",
+                  query_seq_lengths=np.array([33, 20], np.int32),
+                  key_value_seq_lengths=np.array([17, 40], np.int32))
+    metal = _fwd_bwd("metal", q, k, v, do, g_lse, config)
+    emulated = _fwd_bwd("emulator", q, k, v, do, g_lse, config)
+    rtol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for name in metal:
+        a = np.asarray(metal[name], np.float64)
+        e = np.asarray(emulated[name], np.float64)
+        np.testing.assert_array_equal(a == 0, e == 0, err_msg=name)
+        np.testing.assert_array_equal(np.isneginf(a), np.isneginf(e), err_msg=name)
+        finite = np.isfinite(e)
+        np.testing.assert_allclose(a[finite], e[finite], rtol=rtol,
+                                   atol=rtol * np.abs(e[finite]).max(), err_msg=name)
