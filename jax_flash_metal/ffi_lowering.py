@@ -58,6 +58,12 @@ def available_implementations() -> list[str]:
     return names
 
 
+def device_names() -> dict[str, str]:
+    """{implementation: device name} for ``available_implementations()`` (the GPU's name for
+    "metal")."""
+    return {name: _ext.device_name(name) for name in available_implementations()}
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_names(implementation: str) -> frozenset[str]:
     """Kernel names the device behind ``implementation`` ("emulator" or "metal") can run.
