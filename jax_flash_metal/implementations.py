@@ -85,3 +85,20 @@ def resolve(implementation: str | None, platform: str) -> str:
             f"Available: {available(platform)}"
         )
     return implementation
+
+
+def metal_available() -> bool:
+    """True when ``implementation="metal"`` can run here: the native extension was built on
+    macOS and an Apple GPU is present (macOS 13+, for Metal Shading Language 3.0)."""
+    return "metal" in _fused_available()[0]
+
+
+def devices() -> dict[str, str]:
+    """What this installation can run, for lowering on ``cpu``: {implementation: device} for
+    every name in ``available("cpu")``, e.g. ``{"xla": "jax.numpy reference (any platform)",
+    "emulator": "MSL-on-CPU emulator", "metal": "Apple M2 Pro"}``."""
+    result = {"xla": "jax.numpy reference (any platform)"}
+    module, _ = _ffi_lowering()
+    if module is not None:
+        result.update(module.device_names())
+    return result
