@@ -2,13 +2,16 @@
 
 ``flash_attention`` is the fused primitive pair (forward + FlashAttention-2 backward);
 ``reference_attention`` is the plain ``jax.numpy`` version with identical semantics.
-``implementations.available()`` lists the implementations that can run here.
+``implementations.available()`` lists the implementations that can run here; ``devices()`` names
+the device behind each, and ``metal_available()`` says whether the Apple GPU path can run.
 """
 
 from . import implementations
+from .implementations import devices, metal_available
 from .attention import flash_attention
 from .reference import reference_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention", "reference_attention", "implementations", "__version__"]
+__all__ = ["flash_attention", "reference_attention", "implementations", "devices",
+           "metal_available", "__version__"]
