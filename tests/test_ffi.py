@@ -107,6 +107,17 @@ def test_metal_reports_consistently():
             ext.kernel_names("metal")
 
 
+def test_public_helpers_report_this_build():
+    import jax_flash_metal
+
+    assert jax_flash_metal.metal_available() == ext.metal_available()
+    devices = jax_flash_metal.devices()
+    assert list(devices) == jax_flash_metal.implementations.available()
+    assert devices["emulator"] == ext.device_name("emulator")
+    if ext.metal_available():
+        assert devices["metal"] == ext.device_name("metal")
+
+
 def test_embedded_shader_sources_inline_quoted_includes(request):
     shader_dir = request.config.rootpath / "shaders"
     sources = ext.shader_sources()
