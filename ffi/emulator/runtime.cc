@@ -409,7 +409,13 @@ void give_worker(std::unique_ptr<Worker> w) {
 }
 
 void work(Job& job) {
-  std::unique_ptr<Worker> w = take_worker();
+  std::unique_ptr<Worker> w;
+  try {
+    w = take_worker();
+  } catch (const std::exception& x) {
+    job.set_error(std::string("kernel ") + job.def->name + ": emulator failure: " + x.what());
+    return;
+  }
   t_worker = w.get();
   const uint64_t total = uint64_t(job.groups[0]) * job.groups[1] * job.groups[2];
   for (;;) {
@@ -419,7 +425,12 @@ void work(Job& job) {
     const uint32_t gid[3] = {uint32_t(g % job.groups[0]),
                              uint32_t((g / job.groups[0]) % job.groups[1]),
                              uint32_t(g / (uint64_t(job.groups[0]) * job.groups[1]))};
-    std::string e = run_group(w.get(), job, gid);
+    std::string e;
+    try {
+      e = run_group(w.get(), job, gid);
+    } catch (const std::exception& x) {  // e.g. no memory for fiber stacks
+      e = std::string("kernel ") + job.def->name + ": emulator failure: " + x.what();
+    }
     if (!e.empty()) job.set_error(e);
   }
   t_worker = nullptr;
@@ -529,17 +540,13 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
   int workers = launch.num_workers > 0 ? launch.num_workers
                                        : int(std::max(1u, std::thread::hardware_concurrency()));
   workers = int(std::min<uint64_t>(uint64_t(workers), groups));
+  std::vector<std::thread> pool;
   try {
-    if (workers == 1) {
-      rt::work(job);
-    } else {
-      std::vector<std::thread> pool;
-      for (int i = 0; i < workers; ++i) pool.emplace_back([&job] { rt::work(job); });
-      for (std::thread& t : pool) t.join();
-    }
-  } catch (const std::exception& e) {
-    return k + "emulator failure: " + e.what();
+    for (int i = 1; i < workers; ++i) pool.emplace_back([&job] { rt::work(job); });
+  } catch (const std::exception&) {  // fewer threads than asked: the others do the work
   }
+  rt::work(job);  // the calling thread is a worker too
+  for (std::thread& t : pool) t.join();
   return job.error;
 }
 
