@@ -23,17 +23,20 @@ def check(name):
     return r.returncode, r.stderr
 
 
-@pytest.mark.parametrize("name,line,message", [
-    ("address_space.metal", 9, "cannot initialize a variable of type 'threadgroup float *' with an "
-                               "lvalue of type 'device float *'"),
-    ("cxx17.metal", 7, "constexpr if is a C++17 extension"),
-    ("constant_write.metal", 6, "read-only variable is not assignable"),
+@pytest.mark.parametrize("name,line,phrases", [
+    # clang 14 says: cannot initialize a variable of type 'threadgroup float *' with an lvalue of
+    # type 'device float *'
+    ("address_space.metal", 9, ["cannot initialize", "float *"]),
+    ("cxx17.metal", 7, ["constexpr if", "C++17"]),
+    ("constant_write.metal", 6, ["read-only"]),
 ])
-def test_strict_pass_rejects(name, line, message):
+def test_strict_pass_rejects(name, line, phrases):
     rc, err = check(name)
     assert rc != 0
-    assert f"{name}:{line}:" in err
-    assert message in err
+    lines = [x for x in err.splitlines() if f"{name}:{line}:" in x and "error:" in x]
+    assert lines, err
+    for phrase in phrases:
+        assert phrase in lines[0], err
 
 
 def test_unsupported_attribute_is_an_error_naming_the_line():
