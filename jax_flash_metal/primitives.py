@@ -145,7 +145,7 @@ batching.primitive_batchers[bwd_p] = _make_batcher(bwd_p)
 
 NO_JVP_MESSAGE = (
     "flash_attention supports only first-order reverse-mode differentiation (jax.grad, jax.vjp, "
-    "jax.jacrev). Forward-mode (jax.jvp, jax.jacfwd, jax.linearize) and higher-order derivatives "
+    "jax.jacrev). Forward-mode (jax.jvp, jax.jacfwd) and higher-order derivatives "
     "(grad of grad, jax.hessian) are not implemented by '{}'; use "
     "jax_flash_metal.reference_attention, which is plain jax.numpy, for those."
 )
