@@ -153,3 +153,82 @@ def backward(q, k, v, o, lse, do, g_lse=None, *, schedule="forward", seed=0, **m
     _dispatch(kernel_name("bwd_dkdv", q.dtype, head_dim), {**inputs, DK: dk, DV: dv},
               kv_len, kv_heads, batch, schedule, seed)
     return dq, dk, dv, delta
+
+
+# ---- inputs and oracle comparison shared by tests/test_kernels*.py ----
+
+def _valid_lengths(lengths, allocated, batch):
+    if lengths is None:
+        return [allocated] * batch
+    return [int(np.clip(n, 0, allocated)) for n in lengths]
+
+
+def random_inputs(dtype, batch, q_len, kv_len, heads, kv_heads, head_dim, *, seed=0,
+                  query_seq_lengths=None, key_value_seq_lengths=None, pad=np.nan, scale_x=1.0):
+    """q, k, v, do, g_lse: N(0,1) * scale_x float32 draws cast to `dtype`; g_lse float32.
+
+    Rows past the per-batch lengths (the padding the kernels must never read) are set to `pad`.
+    """
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+
+    def draw(shape):
+        return (scale_x * rng.standard_normal(shape)).astype(np.float32)
+
+    q = draw((batch, q_len, heads, head_dim))
+    k = draw((batch, kv_len, kv_heads, head_dim))
+    v = draw((batch, kv_len, kv_heads, head_dim))
+    do = draw((batch, q_len, heads, head_dim))
+    g_lse = rng.standard_normal((batch, heads, q_len)).astype(np.float32)
+    for b, n in enumerate(_valid_lengths(query_seq_lengths, q_len, batch)):
+        q[b, n:], do[b, n:], g_lse[b, :, n:] = pad, pad, pad
+    for b, n in enumerate(_valid_lengths(key_value_seq_lengths, kv_len, batch)):
+        k[b, n:], v[b, n:] = pad, pad
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), do.astype(dtype), g_lse
+
+
+def _without_padding(x, lengths, axis_len):
+    """Copy of x [B, T, ...] with rows past the lengths set to 0 (for the jnp yardstick)."""
+    x = np.array(x)
+    for b, n in enumerate(_valid_lengths(lengths, axis_len, x.shape[0])):
+        x[b, n:] = 0
+    return x
+
+
+def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0, **mask):
+    """Runs forward and backward kernels and asserts O, LSE, dQ, dK, dV against the oracle.
+
+    Tolerances are DESIGN.md's (tests/tolerance.py); for f16/bf16 the yardstick is plain
+    same-dtype jnp attention on the same inputs with padding zeroed. Zero-size problems are
+    checked for their exact values instead. Returns the kernel outputs as a dict (o, lse, dq, dk,
+    dv, delta).
+    """
+    import oracle
+    import tolerance
+
+    o, lse = forward(q, k, v, schedule=schedule, seed=seed, **mask)
+    dq, dk, dv, delta = backward(q, k, v, o, lse, do, g_lse, schedule=schedule, seed=seed, **mask)
+    got = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+    if q.size == 0 or k.size == 0:
+        # No (query, key) pair exists, so DESIGN.md section 3 fixes every value exactly (and the
+        # oracle's max-reduction needs a key axis): O = 0, LSE = -inf, zero gradients.
+        for name, x in got.items():
+            expected = -np.inf if name == "lse" else 0.0
+            assert (np.asarray(x, np.float64) == expected).all(), name
+        got["delta"] = delta
+        return got
+    want = dict(zip(("o", "lse"), oracle.attention(q, k, v, **mask)))
+    want.update(zip(("dq", "dk", "dv"), oracle.attention_grads(q, k, v, do, g_lse, **mask)))
+    base = None
+    if q.dtype != np.float32:
+        qs, ks = mask.get("query_seq_lengths"), mask.get("key_value_seq_lengths")
+        q_len, kv_len = q.shape[1], k.shape[1]
+        g = None if g_lse is None else np.nan_to_num(g_lse, nan=0.0)
+        base = tolerance.baseline(_without_padding(q, qs, q_len), _without_padding(k, ks, kv_len),
+                                  _without_padding(v, ks, kv_len), _without_padding(do, qs, q_len),
+                                  g, **mask)
+    for name in ("o", "lse", "dq", "dk", "dv"):
+        tolerance.assert_matches_oracle(name, got[name], want[name],
+                                        None if base is None else base[name])
+    got["delta"] = delta
+    return got
