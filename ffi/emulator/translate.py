@@ -463,9 +463,6 @@ class Translator:
             if prev == "static":
                 first = k - 1
                 prev = toks[k - 2].text
-            if prev not in ("{", "}", ";"):
-                k += 1
-                continue  # a qualifier in a cast, parameter or pointer type
             semi = k + 1
             while semi < hi and toks[semi].text != ";":
                 if toks[semi].text in "([{" and toks[semi].kind == "punct":
@@ -479,9 +476,13 @@ class Translator:
             while n < b:
                 top.append(toks[n].text)
                 n = self.match[n] + 1 if toks[n].text in "([{" and toks[n].kind == "punct" else n + 1
-            if any(x in ("*", "&", "&&", "(") for x in top):
-                k = semi
+            if any(x in ("*", "&", "&&", "(", ")") for x in top):
+                k += 1
                 continue
+            if prev not in ("{", "}", ";", ":"):
+                # A threadgroup variable where the rewrite cannot place a statement: refuse rather
+                # than leave a per-thread local.
+                self.src.error(t, "unsupported placement of a threadgroup variable declaration")
             if not in_kernel:
                 self.src.error(t, "threadgroup variables can only be declared in kernel functions")
             out = []
