@@ -605,6 +605,9 @@ class Translator:
 
 
 def preprocess(cxx, path):
+    """Runs the C preprocessor of compiler `cxx` (a path, or a ;-list with a launcher) on `path`
+    with __METAL_VERSION__=300 and the empty <metal_*> headers of shim/stdinc. Returns the text
+    with line markers; raises TranslateError with the compiler's message on failure."""
     cmd = [*cxx.split(";"), "-E", "-x", "c++", "-std=c++14", "-undef", "-nostdinc",
            "-D__METAL_VERSION__=300", "-isystem", os.path.join(SHIM_DIR, "stdinc"), path]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -614,6 +617,8 @@ def preprocess(cxx, path):
 
 
 def translate(input_path, output_path, stem, cxx):
+    """Translates one .metal file into `output_path` (C++) and `output_path`.kernels (names).
+    Returns the kernel names; raises TranslateError naming file:line for unsupported input."""
     src = Source(preprocess(cxx, os.path.abspath(input_path)))
     tr = Translator(src)
     body = tr.run()
@@ -629,6 +634,8 @@ def translate(input_path, output_path, stem, cxx):
 
 
 def write_registry(output, kernel_lists):
+    """Writes the C++ list of all kernel tables (rewritten only when it changes); raises
+    TranslateError if two shader files define the same kernel name."""
     seen, stems = {}, []
     for path in kernel_lists:
         stem = os.path.basename(path)[: -len(".cc.kernels")]
@@ -660,12 +667,14 @@ def write_registry(output, kernel_lists):
 
 
 def strict_command(clang, path):
+    """The clang command line of the strict pass on translated file `path`."""
     return [clang, "-fsyntax-only", "-x", "c++", "-std=c++14", "-target", "aarch64-linux-gnu",
             "-march=armv8.6-a+bf16", "-nostdinc", "-DJFM_STRICT", "-I", SHIM_DIR, "-Werror=c++17-extensions",
             "-Werror=c++20-extensions", "-Wno-unused-value", path]
 
 
 def strict(clang, path):
+    """Runs the strict pass; raises TranslateError with clang's diagnostics on failure."""
     r = subprocess.run(strict_command(clang, path), capture_output=True, text=True)
     if r.returncode != 0:
         raise TranslateError("strict pass failed:\n" + r.stderr.strip())
