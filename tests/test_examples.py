@@ -89,10 +89,11 @@ def test_benchmark_table():
         assert len(cells) == len(benchmark.COLUMNS)
         if r.seq_len > 16:
             assert cells[4:6] == ["-", "-"]  # compile-only: memory but no time
-    # The plain-jnp methods materialise the scores: temp memory grows with the sequence length.
+    # XLA:CPU reports memory on every supported JAX, also for compile-only rows.
+    assert all(r.fwd_temp is not None and r.fwdbwd_temp is not None for r in rows)
+    # The plain-jnp reference materialises the scores: temp memory grows with the sequence length.
     ref = {r.seq_len: r.fwd_temp for r in rows if r.method == "reference"}
-    if None not in ref.values():
-        assert ref[64] > ref[16]
+    assert ref[64] > ref[16]
 
 
 def test_benchmark_main_prints_table(capsys):

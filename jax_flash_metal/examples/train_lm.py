@@ -207,11 +207,13 @@ def loss_fn(params, inputs, targets, cfg: Config, attend):
 # ------------------------------------------------------------------------------------ training
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """AdamW with linear warmup then cosine decay to 10% of the peak, global-norm clipping at 1."""
+    """AdamW with linear warmup then cosine decay to 10% of the peak, global-norm clipping at 1;
+    weight decay only on matrices (not on norm gains)."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), end_value=0.1 * cfg.lr)
+    decay_mask = lambda params: jax.tree_util.tree_map(lambda x: x.ndim > 1, params)  # noqa: E731
     return optax.chain(optax.clip_by_global_norm(1.0),
-                       optax.adamw(schedule, weight_decay=cfg.weight_decay))
+                       optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=decay_mask))
 
 
 def train(cfg: Config, data: np.ndarray, implementation: str | None, *, seed: int = 0,
@@ -242,7 +244,7 @@ def train(cfg: Config, data: np.ndarray, implementation: str | None, *, seed: in
             rate = 0.0
         else:
             rate = i * tokens_per_step / (time.perf_counter() - start)
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
+        bar.set_postfix({"loss": f"{losses[-1]:.3f}", "tok/s": f"{rate:,.0f}"})
     return params, losses
 
 
@@ -343,13 +345,19 @@ def config_from_args(args: argparse.Namespace, tiny: bool) -> Config:
     base = TINY if tiny else DEFAULT
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
                  if getattr(args, f.name, None) is not None}
-    return dataclasses.replace(base, **overrides)
+    cfg = dataclasses.replace(base, **overrides)
+    if cfg.head_dim % 2:
+        raise SystemExit(f"--head-dim must be even for rotary embeddings, got {cfg.head_dim}")
+    return cfg
 
 
 def main(argv=None) -> dict:
     """Command-line entry point; returns the numbers it printed (for tests)."""
     args = parse_args(argv)
-    resolved = implementations.resolve(args.implementation, jax.default_backend())
+    try:
+        resolved = implementations.resolve(args.implementation, jax.default_backend())
+    except (ValueError, NotImplementedError) as e:
+        raise SystemExit(f"error: {e}") from None
     tiny = args.tiny or resolved == "emulator"
     cfg = config_from_args(args, tiny)
     print(f"jax_flash_metal {jax_flash_metal.__version__}, jax {jax.__version__}, backend "
