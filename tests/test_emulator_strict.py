@@ -29,6 +29,7 @@ def check(name):
     ("address_space.metal", 9, ["cannot initialize", "float *"]),
     ("cxx17.metal", 7, ["constexpr if", "C++17"]),
     ("constant_write.metal", 6, ["read-only"]),
+    ("double.metal", 6, ["jfm_double_is_not_supported_in_metal"]),
 ])
 def test_strict_pass_rejects(name, line, phrases):
     rc, err = check(name)

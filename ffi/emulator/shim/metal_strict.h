@@ -307,4 +307,7 @@ JFM_ATOMICS(threadgroup)
 
 }  // namespace metal
 
+// Apple GPUs have no double: make any use of it a diagnostic that says so.
+#define double jfm_double_is_not_supported_in_metal
+
 #endif  // JAX_FLASH_METAL_EMULATOR_METAL_STRICT_H_
