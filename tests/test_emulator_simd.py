@@ -85,3 +85,13 @@ def test_returned_lanes_are_inactive_in_simd_sum():
     for s in (0, 32):
         np.testing.assert_array_equal(out[s:s + 20], active)
         np.testing.assert_array_equal(out[s + 20:s + 32], -1.0)
+
+
+def test_simd_operation_against_barrier_reported():
+    out = np.zeros(32, np.float32)
+    with pytest.raises(RuntimeError) as e:
+        emulator.run("emu_simd_vs_barrier", {0: out}, (1, 1, 1), (32, 1, 1))
+    msg = str(e.value)
+    assert "emu_simd_vs_barrier" in msg and "barrier divergence in simdgroup 0" in msg
+    assert "threads 0-7 wait at simd_sum" in msg
+    assert "threads 8-31 wait at threadgroup_barrier" in msg

@@ -53,3 +53,15 @@ kernel void emu_simd_after_return(device float* out [[buffer(0)]],
   if (lane >= 20) return;
   out[i] = simd_sum(float(lane));
 }
+
+// Some lanes wait at a simd operation, the others of the same simdgroup at a threadgroup barrier:
+// neither can complete (a deadlock on hardware), reported as divergence.
+kernel void emu_simd_vs_barrier(device float* out [[buffer(0)]],
+                                uint lane [[thread_index_in_simdgroup]]) {
+  if (lane < 8) {
+    out[lane] = simd_sum(1.0f);
+  } else {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    out[lane] = 0.0f;
+  }
+}
