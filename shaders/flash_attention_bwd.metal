@@ -49,8 +49,8 @@ kernel void flash_attention_bwd_preprocess JFM_BWD_PREPROCESS_SIGNATURE(T) {
   }
 }
 
-// ---- dQ: threadgroup memory (2 * JFM_ROWS_PER_GROUP * D + JFM_ROWS_PER_GROUP * 32) floats
-// = 32 * D + 512 bytes: 1024 B for D = 16 up to 8704 B for D = 256 ----
+// ---- dQ: threadgroup memory (2 * JFM_ROWS_PER_GROUP * D + JFM_ROWS_PER_GROUP * 2 * 32) floats
+// = 32 * D + 1024 bytes: 1536 B for D = 16 up to 9216 B for D = 256 ----
 
 #define JFM_BWD_SIGNATURE(T, OUTPUTS)                                     \
   (device const T* q [[buffer(JFM_BUFFER_Q)]],                            \
@@ -74,11 +74,12 @@ kernel void flash_attention_bwd_preprocess JFM_BWD_PREPROCESS_SIGNATURE(T) {
 // One simdgroup per query row i of head h: over the row's visible keys in blocks of 32, lane t
 // recomputes p and dS for key (block start + t); dS goes through threadgroup memory and each lane
 // accumulates its dims of dS K. Empty rows (and rows past q_len) write 0 and read no K/V.
+// The dS tile is double-buffered, so one simdgroup_barrier per block suffices (see the forward).
 template <typename T, int D>
 kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
   threadgroup float q_tile[JFM_ROWS_PER_GROUP * D];
   threadgroup float do_tile[JFM_ROWS_PER_GROUP * D];
-  threadgroup float ds_tile[JFM_ROWS_PER_GROUP * JFM_SIMD_WIDTH];
+  threadgroup float ds_tile[JFM_ROWS_PER_GROUP * 2 * JFM_SIMD_WIDTH];
 
   const long i = long(group.x) * JFM_ROWS_PER_GROUP + long(simd_index);
   const uint h = group.y;
@@ -99,7 +100,7 @@ kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
 
   threadgroup float* q_s = q_tile + simd_index * D;
   threadgroup float* do_s = do_tile + simd_index * D;
-  threadgroup float* ds_s = ds_tile + simd_index * JFM_SIMD_WIDTH;
+  threadgroup float* ds_s = ds_tile + simd_index * 2 * JFM_SIMD_WIDTH;
   jfm_stage_row<T, D>(q_s, q + row, params.scale_log2, lane);
   jfm_stage_row<T, D>(do_s, d_o + row, 1.0f, lane);
   simdgroup_barrier(mem_flags::mem_threadgroup);
@@ -115,6 +116,7 @@ kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
     acc[c] = 0.0f;
   }
 
+  uint buffer = 0;
   for (long start = keys.lo; start <= keys.hi; start += JFM_SIMD_WIDTH) {
     const long j = start + long(lane);
     float ds = 0.0f;
@@ -123,31 +125,33 @@ kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
       const float p = exp2(jfm_dot<T, D>(q_s, k + key_row) - lse_log2);
       ds = p * (jfm_dot<T, D>(do_s, v + key_row) - delta_i);
     }
-    ds_s[lane] = ds;
+    threadgroup float* ds_block = ds_s + buffer;
+    ds_block[lane] = ds;
     simdgroup_barrier(mem_flags::mem_threadgroup);
     const int n = int(jfm_min(keys.hi - start + 1, JFM_SIMD_WIDTH));
     for (int t = 0; t < n; ++t) {
-      jfm_axpy_row<T, D>(acc, ds_s[t], k + kv_head_base + ulong(start + t) * kv_row_stride, lane);
+      jfm_axpy_row<T, D>(acc, ds_block[t], k + kv_head_base + ulong(start + t) * kv_row_stride,
+                         lane);
     }
-    simdgroup_barrier(mem_flags::mem_threadgroup);  // ds_s is rewritten by the next block
+    buffer ^= JFM_SIMD_WIDTH;
   }
 
   jfm_store_row<T, D>(dq + row, acc, params.scale, lane);
 }
 
-// ---- dK/dV: threadgroup memory (2 * JFM_ROWS_PER_GROUP * D + 2 * JFM_ROWS_PER_GROUP * 32)
-// floats = 32 * D + 1024 bytes: 1536 B for D = 16 up to 9216 B for D = 256 ----
+// ---- dK/dV: threadgroup memory (2 * JFM_ROWS_PER_GROUP * D + 2 * JFM_ROWS_PER_GROUP * 2 * 32)
+// floats = 32 * D + 2048 bytes: 2560 B for D = 16 up to 10240 B for D = 256 ----
 
 // One simdgroup per key row j of kv head hk: for each query head of the group and each block of
 // 32 queries that see key j, lane t recomputes p and dS for query (block start + t); p and dS go
 // through threadgroup memory and each lane accumulates its dims of P^T dO and dS^T Q. Keys past
-// kv_len and keys no query sees write 0.
+// kv_len and keys no query sees write 0. The p/dS tiles are double-buffered (one barrier a block).
 template <typename T, int D>
 kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
   threadgroup float k_tile[JFM_ROWS_PER_GROUP * D];
   threadgroup float v_tile[JFM_ROWS_PER_GROUP * D];
-  threadgroup float p_tile[JFM_ROWS_PER_GROUP * JFM_SIMD_WIDTH];
-  threadgroup float ds_tile[JFM_ROWS_PER_GROUP * JFM_SIMD_WIDTH];
+  threadgroup float p_tile[JFM_ROWS_PER_GROUP * 2 * JFM_SIMD_WIDTH];
+  threadgroup float ds_tile[JFM_ROWS_PER_GROUP * 2 * JFM_SIMD_WIDTH];
 
   const long j = long(group.x) * JFM_ROWS_PER_GROUP + long(simd_index);
   const uint hk = group.y;
@@ -168,8 +172,8 @@ kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
 
   threadgroup float* k_s = k_tile + simd_index * D;
   threadgroup float* v_s = v_tile + simd_index * D;
-  threadgroup float* p_s = p_tile + simd_index * JFM_SIMD_WIDTH;
-  threadgroup float* ds_s = ds_tile + simd_index * JFM_SIMD_WIDTH;
+  threadgroup float* p_s = p_tile + simd_index * 2 * JFM_SIMD_WIDTH;
+  threadgroup float* ds_s = ds_tile + simd_index * 2 * JFM_SIMD_WIDTH;
   jfm_stage_row<T, D>(k_s, k + key_row, params.scale_log2, lane);
   jfm_stage_row<T, D>(v_s, v + key_row, 1.0f, lane);
   simdgroup_barrier(mem_flags::mem_threadgroup);
@@ -184,6 +188,7 @@ kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
     dv_acc[c] = 0.0f;
   }
 
+  uint buffer = 0;
   for (uint g = 0; g < group_size; ++g) {
     const uint h = hk * group_size + g;
     const ulong head_base = jfm_row_offset(b, 0, h, params.q_len, params.num_heads, D);
@@ -198,16 +203,18 @@ kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
         p = exp2(jfm_dot<T, D>(k_s, q + q_row) - lse[stat_base + ulong(i)] * JFM_LOG2E);
         ds = p * (jfm_dot<T, D>(v_s, d_o + q_row) - delta[stat_base + ulong(i)]);
       }
-      p_s[lane] = p;
-      ds_s[lane] = ds;
+      threadgroup float* p_block = p_s + buffer;
+      threadgroup float* ds_block = ds_s + buffer;
+      p_block[lane] = p;
+      ds_block[lane] = ds;
       simdgroup_barrier(mem_flags::mem_threadgroup);
       const int n = int(jfm_min(queries.hi - start + 1, JFM_SIMD_WIDTH));
       for (int t = 0; t < n; ++t) {
         const ulong q_row = head_base + ulong(start + t) * q_row_stride;
-        jfm_axpy_row<T, D>(dv_acc, p_s[t], d_o + q_row, lane);
-        jfm_axpy_row<T, D>(dk_acc, ds_s[t], q + q_row, lane);
+        jfm_axpy_row<T, D>(dv_acc, p_block[t], d_o + q_row, lane);
+        jfm_axpy_row<T, D>(dk_acc, ds_block[t], q + q_row, lane);
       }
-      simdgroup_barrier(mem_flags::mem_threadgroup);  // p_s/ds_s are rewritten next block
+      buffer ^= JFM_SIMD_WIDTH;
     }
   }
 

@@ -43,6 +43,12 @@ inline void jfm_store(device ushort* p, float x) { *p = jfm_float_to_bf16(x); }
 
 inline float jfm_negative_infinity() { return as_type<float>(0xff800000u); }
 
+// A score from a non-finite input (Inf or NaN in a visible q or k row) becomes NaN, so it
+// poisons its row instead of vanishing as exp2(-inf) = 0. A bit test, valid under fast math.
+inline float jfm_finite_or_nan(float x) {
+  return (as_type<uint>(x) & 0x7f800000u) != 0x7f800000u ? x : as_type<float>(0x7fc00000u);
+}
+
 // ---- lengths and visibility ----
 
 inline long jfm_min(long a, long b) { return a < b ? a : b; }
@@ -129,8 +135,9 @@ inline ulong jfm_stat_offset(uint b, uint h, long t, uint heads, uint len) {
 
 // ---- row helpers; lanes own dims lane + 32 * c ----
 
-// Dot product of a float row staged in threadgroup memory with a device row, in float32.
-// Four partial sums (D is a multiple of 16) shorten the dependency chain.
+// Dot product of a float row staged in threadgroup memory with a device row, in float32;
+// non-finite results are NaN (jfm_finite_or_nan). Four partial sums (D is a multiple of 16)
+// shorten the dependency chain.
 template <typename T, int D>
 inline float jfm_dot(threadgroup const float* a, device const T* b) {
   float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
@@ -140,7 +147,7 @@ inline float jfm_dot(threadgroup const float* a, device const T* b) {
     s2 = fma(a[d + 2], jfm_to_float(b[d + 2]), s2);
     s3 = fma(a[d + 3], jfm_to_float(b[d + 3]), s3);
   }
-  return (s0 + s1) + (s2 + s3);
+  return jfm_finite_or_nan((s0 + s1) + (s2 + s3));
 }
 
 // Copies a device row into threadgroup memory as float times `factor`, lane-strided.

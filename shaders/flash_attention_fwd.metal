@@ -2,8 +2,8 @@
 // online softmax in float32. See shaders/README.md for the dispatch shape and tiling.
 #include "flash_attention_common.h"
 
-// Threadgroup memory: (JFM_ROWS_PER_GROUP * D + JFM_ROWS_PER_GROUP * 32) floats
-// = 16 * D + 512 bytes: 768 B for D = 16 up to 4608 B for D = 256.
+// Threadgroup memory: (JFM_ROWS_PER_GROUP * D + JFM_ROWS_PER_GROUP * 2 * 32) floats
+// = 16 * D + 1024 bytes: 1280 B for D = 16 up to 5120 B for D = 256.
 #define JFM_FWD_SIGNATURE(T)                                              \
   (device const T* q [[buffer(JFM_BUFFER_Q)]],                            \
    device const T* k [[buffer(JFM_BUFFER_K)]],                            \
@@ -21,11 +21,14 @@
 // row's visible interval only; lane t scores key (block start + t) with a full dot product against
 // the query row staged in threadgroup memory (pre-multiplied by scale * log2(e), so scores feed
 // exp2), the block's probabilities go through threadgroup memory, and each lane accumulates its
-// own output dims lane + 32 * c.
+// own output dims lane + 32 * c. Per block the lanes meet twice: simd_max for the running max and
+// one simdgroup_barrier publishing p. The p tile is double-buffered (a block's writes cannot
+// overtake reads of the block before last, which precede the previous block's barrier), and each
+// lane keeps its own share of the softmax denominator, summed once at the end.
 template <typename T, int D>
 kernel void flash_attention_fwd JFM_FWD_SIGNATURE(T) {
   threadgroup float q_tile[JFM_ROWS_PER_GROUP * D];
-  threadgroup float p_tile[JFM_ROWS_PER_GROUP * JFM_SIMD_WIDTH];
+  threadgroup float p_tile[JFM_ROWS_PER_GROUP * 2 * JFM_SIMD_WIDTH];
 
   const long i = long(group.x) * JFM_ROWS_PER_GROUP + long(simd_index);
   const uint h = group.y;
@@ -50,7 +53,7 @@ kernel void flash_attention_fwd JFM_FWD_SIGNATURE(T) {
   }
 
   threadgroup float* q_s = q_tile + simd_index * D;
-  threadgroup float* p_s = p_tile + simd_index * JFM_SIMD_WIDTH;
+  threadgroup float* p_s = p_tile + simd_index * 2 * JFM_SIMD_WIDTH;
   jfm_stage_row<T, D>(q_s, q + jfm_row_offset(b, i, h, params.q_len, params.num_heads, D),
                       params.scale_log2, lane);
   simdgroup_barrier(mem_flags::mem_threadgroup);
@@ -59,12 +62,13 @@ kernel void flash_attention_fwd JFM_FWD_SIGNATURE(T) {
   const ulong kv_row_stride = ulong(params.num_kv_heads) * D;
 
   float m = JFM_MAX_SENTINEL;  // running max of log2-domain scores
-  float l = 0.0f;              // running sum of exp2(score - m)
+  float l_lane = 0.0f;         // this lane's share of sum exp2(score - m)
   float acc[JFM_DIM_CHUNKS(D)];
   for (int c = 0; c < JFM_DIM_CHUNKS(D); ++c) {
     acc[c] = 0.0f;
   }
 
+  uint buffer = 0;
   for (long start = keys.lo; start <= keys.hi; start += JFM_SIMD_WIDTH) {
     const long j = start + long(lane);
     const bool visible = j <= keys.hi;
@@ -74,21 +78,24 @@ kernel void flash_attention_fwd JFM_FWD_SIGNATURE(T) {
     const float m_new = max(m, simd_max(s));
     const float p = visible ? exp2(s - m_new) : 0.0f;
     const float alpha = exp2(m - m_new);
-    l = l * alpha + simd_sum(p);
+    l_lane = l_lane * alpha + p;
     m = m_new;
 
-    p_s[lane] = p;
+    threadgroup float* p_block = p_s + buffer;
+    p_block[lane] = p;
     simdgroup_barrier(mem_flags::mem_threadgroup);
     for (int c = 0; c < JFM_DIM_CHUNKS(D); ++c) {
       acc[c] *= alpha;
     }
     const int n = int(jfm_min(keys.hi - start + 1, JFM_SIMD_WIDTH));
     for (int t = 0; t < n; ++t) {
-      jfm_axpy_row<T, D>(acc, p_s[t], v + kv_head_base + ulong(start + t) * kv_row_stride, lane);
+      jfm_axpy_row<T, D>(acc, p_block[t], v + kv_head_base + ulong(start + t) * kv_row_stride,
+                         lane);
     }
-    simdgroup_barrier(mem_flags::mem_threadgroup);  // p_s is rewritten by the next block
+    buffer ^= JFM_SIMD_WIDTH;
   }
 
+  const float l = simd_sum(l_lane);
   jfm_store_row<T, D>(o_row, acc, 1.0f / l, lane);
   if (lane == 0) {
     lse[lse_index] = (m + log2(l)) * JFM_LN2;

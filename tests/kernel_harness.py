@@ -187,9 +187,13 @@ def random_inputs(dtype, batch, q_len, kv_len, heads, kv_heads, head_dim, *, see
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), do.astype(dtype), g_lse
 
 
-def _without_padding(x, lengths, axis_len):
-    """Copy of x [B, T, ...] with rows past the lengths set to 0 (for the jnp yardstick)."""
-    x = np.array(x)
+def _yardstick_input(x, lengths, axis_len):
+    """Copy of x [B, T, ...] with rows past the lengths and every non-finite value set to 0.
+
+    The jnp yardstick only measures a dtype's typical rounding error; non-finite values would
+    spread NaN over all of it (0 * NaN in its masked products) and leave no yardstick.
+    """
+    x = np.where(np.isfinite(np.asarray(x, np.float32)), x, np.zeros((), x.dtype)).astype(x.dtype)
     for b, n in enumerate(_valid_lengths(lengths, axis_len, x.shape[0])):
         x[b, n:] = 0
     return x
@@ -199,7 +203,7 @@ def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0,
     """Runs forward and backward kernels and asserts O, LSE, dQ, dK, dV against the oracle.
 
     Tolerances are DESIGN.md's (tests/tolerance.py); for f16/bf16 the yardstick is plain
-    same-dtype jnp attention on the same inputs with padding zeroed. Zero-size problems are
+    same-dtype jnp attention on the same inputs with padding and non-finite values zeroed. Zero-size problems are
     checked for their exact values instead. Returns the kernel outputs as a dict (o, lse, dq, dk,
     dv, delta).
     """
@@ -224,9 +228,9 @@ def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0,
         qs, ks = mask.get("query_seq_lengths"), mask.get("key_value_seq_lengths")
         q_len, kv_len = q.shape[1], k.shape[1]
         g = None if g_lse is None else np.nan_to_num(g_lse, nan=0.0)
-        base = tolerance.baseline(_without_padding(q, qs, q_len), _without_padding(k, ks, kv_len),
-                                  _without_padding(v, ks, kv_len), _without_padding(do, qs, q_len),
-                                  g, **mask)
+        base = tolerance.baseline(
+            _yardstick_input(q, qs, q_len), _yardstick_input(k, ks, kv_len),
+            _yardstick_input(v, ks, kv_len), _yardstick_input(do, qs, q_len), g, **mask)
     for name in ("o", "lse", "dq", "dk", "dv"):
         tolerance.assert_matches_oracle(name, got[name], want[name],
                                         None if base is None else base[name])

@@ -160,15 +160,23 @@ def test_q_len_zero():
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
-def test_visible_nan_propagates(dtype):
-    """A NaN in a visible V row reaches exactly the rows that see it (never rounded to inf)."""
+@pytest.mark.parametrize("tensor,value", [("v", np.nan), ("k", np.inf), ("k", -np.inf),
+                                          ("q", np.inf)])
+def test_visible_non_finite_propagates(dtype, tensor, value):
+    """NaN/Inf at row 5 of q, k or v reaches exactly the rows that see it, forward and backward.
+
+    Causal over 8 rows: a poisoned key 5 is seen by rows 5..7, a poisoned query row 5 only by
+    itself; the oracle marks those outputs NaN and the kernels must not drop the value (an Inf
+    key scoring -inf would otherwise get probability 0).
+    """
     q, k, v, do, g_lse = kh.random_inputs(kh.DTYPES[dtype], 1, 8, 8, 1, 1, 16, seed=2)
-    v[0, 5, 0, 3] = np.nan
-    o, lse = kh.forward(q, k, v, is_causal=True)
-    o = np.asarray(o, np.float64)
-    assert np.isfinite(o[0, :5]).all()
-    assert np.isnan(o[0, 5:, 0, 3]).all()
-    assert np.isfinite(lse).all()
+    poisoned = dict(q=q, k=k, v=v)[tensor]
+    poisoned[0, 5, 0, 3] = value
+    got = kh.check_against_oracle(q, k, v, do, g_lse, is_causal=True)
+    o = np.asarray(got["o"], np.float64)
+    assert np.isfinite(o[0, :5]).all() and np.isfinite(got["lse"][0, 0, :5]).all()
+    affected = [5] if tensor == "q" else [5, 6, 7]
+    assert not np.isfinite(o[0, affected]).all(axis=-1).any()
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
