@@ -203,9 +203,9 @@ def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0,
     """Runs forward and backward kernels and asserts O, LSE, dQ, dK, dV against the oracle.
 
     Tolerances are DESIGN.md's (tests/tolerance.py); for f16/bf16 the yardstick is plain
-    same-dtype jnp attention on the same inputs with padding and non-finite values zeroed. Zero-size problems are
-    checked for their exact values instead. Returns the kernel outputs as a dict (o, lse, dq, dk,
-    dv, delta).
+    same-dtype jnp attention on the same inputs with padding and non-finite values zeroed.
+    Zero-size problems are checked for their exact values instead. Returns the kernel outputs as
+    a dict (o, lse, dq, dk, dv, delta).
     """
     import oracle
     import tolerance
