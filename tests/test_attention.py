@@ -160,8 +160,7 @@ def test_nan_in_visible_input_propagates(implementation):
     assert np.isnan(o[0, 2, 1]).all()
     assert np.isfinite(o[0, :5, 0]).all() and np.isfinite(o[0, [0, 1, 3, 4], 1]).all()
     assert np.isfinite(np.delete(o[0, 5:9], 3, axis=-1)).all()
-    assert np.isfinite(f64(actual["dq"])[0, :2]).all()
-    assert np.isfinite(f64(actual["dv"])[0, :2]).all()
+    assert np.isfinite(f64(actual["dq"])[0, :2]).all()  # rows 0, 1 see no non-finite input
 
 
 def test_reference_attention_matches_oracle_and_flash():
