@@ -82,3 +82,12 @@ def test_gemm_tiled_from_device_memory(dtype, name):
                  ((tiles + 3) // 4, 1, 1), (128, 1, 1), num_workers=2)
     np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5,
                                atol=1e-5)
+
+
+def test_non_uniform_simdgroup_load_reported():
+    a = np.zeros(80, np.float32)
+    with pytest.raises(RuntimeError) as e:
+        emulator.run("emu_nonuniform_load", {0: a, 1: a}, (1, 1, 1), (32, 1, 1))
+    msg = str(e.value)
+    assert "emu_nonuniform_load" in msg
+    assert "simdgroup_load arguments differ between lanes" in msg and "matrix.metal:73" in msg

@@ -64,3 +64,12 @@ kernel void emu_thread_elements(device const float* m [[buffer(0)]],
   simdgroup_store(f, filled);
   simdgroup_store(d, filled + 64);
 }
+
+// Lanes pass different source pointers to one simdgroup_load: reported, not guessed.
+kernel void emu_nonuniform_load(device const float* a [[buffer(0)]],
+                                device float* c [[buffer(1)]],
+                                uint lane [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 m;
+  simdgroup_load(m, a + (lane % 2));
+  simdgroup_store(m, c);
+}
