@@ -84,24 +84,25 @@ def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: i
     return 4 * unit, 14 * unit
 
 
-def apple_gpu_peak_tflops() -> tuple[float | None, str]:
-    """(estimated peak FP32 TFLOP/s, GPU description) of this Mac's GPU, or (None, reason)."""
-    if sys.platform != "darwin":
-        return None, "not a Mac"
+def apple_gpu_peak_tflops(gpu_name: str) -> tuple[float | None, str]:
+    """(estimated peak FP32 TFLOP/s, description) of the Apple GPU named ``gpu_name`` (as reported
+    by ``jax_flash_metal.devices()["metal"]``, e.g. "Apple M2 Pro"), or (None, reason).
+
+    The GPU core count comes from ``system_profiler`` (macOS only)."""
+    gen = re.match(r"Apple (M\d+)", gpu_name)
+    if not gen or gen.group(1) not in _APPLE_GPU_GHZ:
+        return None, f"{gpu_name}: peak unknown (pass --peak-tflops)"
     try:
-        chip = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
         info = subprocess.run(["system_profiler", "SPDisplaysDataType"], capture_output=True,
                               text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        return None, f"could not query the GPU ({e})"
+        return None, f"{gpu_name}: could not read the GPU core count ({e})"
     cores = re.search(r"Total Number of Cores:\s*(\d+)", info)
-    gen = re.match(r"Apple (M\d+)", chip)
-    if not cores or not gen or gen.group(1) not in _APPLE_GPU_GHZ:
-        return None, f"{chip or 'unknown chip'}: peak unknown (pass --peak-tflops)"
+    if not cores:
+        return None, f"{gpu_name}: GPU core count unknown (pass --peak-tflops)"
     n = int(cores.group(1))
     peak = n * 128 * 2 * _APPLE_GPU_GHZ[gen.group(1)] / 1e3
-    return peak, f"{chip}, {n} GPU cores, estimated peak {peak:.1f} TFLOP/s FP32"
+    return peak, f"{gpu_name}, {n} GPU cores, estimated peak {peak:.1f} TFLOP/s FP32"
 
 
 @dataclasses.dataclass
@@ -247,16 +248,17 @@ def plot(rows: list[Row], path: str) -> None:
     plt = _pyplot()
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
     series = sorted({(r.method, r.head_dim, r.causal) for r in rows})
-    for method, head_dim, causal in series:
+    for color, (method, head_dim, causal) in enumerate(series):
         pts = [r for r in rows if (r.method, r.head_dim, r.causal) == (method, head_dim, causal)]
         label = f"{method} d={head_dim}{' causal' if causal else ''}"
         timed = [r for r in pts if r.fwdbwd_ms is not None]
         if timed:
-            ax_t.plot([r.seq_len for r in timed], [r.fwdbwd_ms for r in timed], "o-", label=label)
+            ax_t.plot([r.seq_len for r in timed], [r.fwdbwd_ms for r in timed], "o-",
+                      color=f"C{color % 10}", label=label)
         mem = [r for r in pts if r.fwdbwd_temp is not None]
         if mem:
             ax_m.plot([r.seq_len for r in mem], [max(r.fwdbwd_temp, 1) / (1 << 20) for r in mem],
-                      "o-", label=label)
+                      "o-", color=f"C{color % 10}", label=label)
     for ax, title in ((ax_t, "forward+backward time (ms)"),
                       (ax_m, "forward+backward compiled temp memory (MiB)")):
         ax.set_xscale("log", base=2)
@@ -264,7 +266,7 @@ def plot(rows: list[Row], path: str) -> None:
         ax.set_xlabel("sequence length")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-    ax_t.legend(fontsize=7)
+    ax_m.legend(fontsize=7)  # every series has memory points; some have no timed ones
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -308,13 +310,15 @@ def main(argv=None) -> list[Row]:
     if args.plot:
         _pyplot()  # fail before measuring, not after
     names = list(methods(args.impls))
+    where = jax_flash_metal.devices()
     peak, gpu = args.peak_tflops, None
     if peak is None and "flash:metal" in names:
-        peak, gpu = apple_gpu_peak_tflops()
+        peak, gpu = apple_gpu_peak_tflops(where["metal"])
     causal_modes = {"both": [False, True], "on": [True], "off": [False]}[args.causal]
     print(f"jax_flash_metal {jax_flash_metal.__version__}, jax {jax.__version__}, "
           f"{platform.machine()} {platform.system()}, {jax.device_count()} {jax.default_backend()} "
           f"device(s), numpy {np.__version__}")
+    print("implementations: " + "; ".join(f"{k}: {v}" for k, v in where.items()))
     print(f"batch {args.batch}, heads {args.heads}/{args.kv_heads or args.heads} (q/kv), "
           f"{args.dtype}, median of {args.repeats} after 1 warm-up; lengths > {args.run_up_to} "
           f"compile-only (memory only)")

@@ -362,7 +362,8 @@ def main(argv=None) -> dict:
     cfg = config_from_args(args, tiny)
     print(f"jax_flash_metal {jax_flash_metal.__version__}, jax {jax.__version__}, backend "
           f"{jax.default_backend()}; attention implementation: {resolved} "
-          f"(available here: {', '.join(implementations.available())})")
+          f"({jax_flash_metal.devices().get(resolved, '?')}; available here: "
+          f"{', '.join(implementations.available())})")
     if resolved == "emulator":
         print("The emulator interprets the Metal kernels on the CPU: it is slow by design (it exists "
               "to test the kernels without a Mac), so this run uses the tiny configuration.")
