@@ -466,13 +466,18 @@ void threadgroup_barrier(const char* file, int line) {
                   file, line);
 }
 
-void* threadgroup_alloc(const void* site_marker, size_t size, size_t align) {
+void* threadgroup_alloc(const void* site_marker, size_t size, size_t align, const char* name,
+                        const char* file, int line) {
   Worker* w = current_fiber()->worker;
   for (const Allocation& a : w->allocations)
     if (a.site == site_marker) return w->arena + a.offset;
   size_t offset = (w->arena_used + align - 1) / align * align;
   if (offset + size > kMaxThreadgroupMemory) {
-    fail("threadgroup memory exceeds 32768 bytes");
+    std::ostringstream msg;
+    msg << "threadgroup memory exceeds 32768 bytes with '" << name << "' (" << size
+        << " bytes, " << file << ":" << line << ")";
+    const std::string text = msg.str();
+    fail(text.c_str());  // copies the message before abandoning this fiber
   }
   std::memset(w->arena + offset, 0xFF, size);
   w->arena_used = offset + size;

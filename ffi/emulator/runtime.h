@@ -52,8 +52,9 @@ void simd_collective_full(ResolveFn fn, const void* in, void* out, uint64_t arg,
 void threadgroup_barrier(const char* file, int line);
 // Storage of a `threadgroup` variable declared in a kernel body: one block per declaration site
 // (`site` is the address of a static marker) per threadgroup, filled with 0xFF bytes (NaN for
-// floats) when the group starts using it.
-void* threadgroup_alloc(const void* site, size_t size, size_t align);
+// floats) when the group starts using it. name/file/line identify the declaration in errors.
+void* threadgroup_alloc(const void* site, size_t size, size_t align, const char* name,
+                        const char* file, int line);
 // Lane id of the calling GPU thread (simdgroup_matrix diagonal constructor).
 uint32_t current_lane();
 // Ends the calling GPU thread's group with an error (e.g. a non-uniform simdgroup_load).

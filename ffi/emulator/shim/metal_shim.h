@@ -35,7 +35,7 @@
   static char name##_jfm_tg_site;                                                      \
   __VA_ARGS__(&name) dims = *static_cast<__VA_ARGS__(*) dims>(                         \
       ::jfm::rt::threadgroup_alloc(&name##_jfm_tg_site, sizeof(__VA_ARGS__ dims),      \
-                                   alignof(__VA_ARGS__ dims)))
+                                   alignof(__VA_ARGS__ dims), #name, __FILE__, __LINE__))
 
 #define MAXFLOAT 3.402823466e+38f
 #define HUGE_VALF __builtin_huge_valf()
