@@ -136,10 +136,10 @@ inline ulong jfm_stat_offset(uint b, uint h, long t, uint heads, uint len) {
 // ---- row helpers; lanes own dims lane + 32 * c ----
 
 // Dot product of a float row staged in threadgroup memory with a device row, in float32;
-// non-finite results are NaN (jfm_finite_or_nan). Four partial sums (D is a multiple of 16)
-// shorten the dependency chain.
+// non-finite results are NaN (jfm_finite_or_nan). Four partial sums shorten the dependency chain.
 template <typename T, int D>
 inline float jfm_dot(threadgroup const float* a, device const T* b) {
+  static_assert(D % 4 == 0, "head dim must be a multiple of 4");
   float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
   for (int d = 0; d < D; d += 4) {
     s0 = fma(a[d], jfm_to_float(b[d]), s0);
