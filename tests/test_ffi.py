@@ -131,6 +131,33 @@ def test_embedded_shader_sources_inline_quoted_includes(request):
         assert all(line in embedded for line in header_lines), name
 
 
+def test_embed_script_inlines_each_header_once_and_escapes_exactly(request, tmp_path):
+    """ffi/embed_shaders.py (the build step): nested quoted includes inlined once per source,
+    #line directives back to the original file, angle includes kept, bytes escaped losslessly
+    (C and Python agree on the escapes used, so the literal can be decoded here)."""
+    import ast
+    import importlib.util
+
+    path = request.config.rootpath / "ffi" / "embed_shaders.py"
+    spec = importlib.util.spec_from_file_location("embed_shaders", path)
+    embed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(embed)
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "leaf.h").write_text("int leaf;\n")
+    (tmp_path / "mid.h").write_text('#include "inc/leaf.h"\nint mid;\n')
+    (tmp_path / "k.metal").write_text(
+        '#include <metal_stdlib>\n#include "mid.h"\n#include "inc/leaf.h"\n'
+        '// caf\u00e9 "q" \\ \t end\nkernel void k() {}')
+    text = embed.inline(str(tmp_path / "k.metal"), set())
+    assert text == ('#line 1 "k.metal"\n#include <metal_stdlib>\n'
+                    '#line 1 "mid.h"\n#line 1 "leaf.h"\nint leaf;\n#line 2 "mid.h"\nint mid;\n'
+                    '#line 3 "k.metal"\n#line 4 "k.metal"\n'
+                    '// caf\u00e9 "q" \\ \t end\nkernel void k() {}\n')
+    literal = embed.c_literal(text)
+    decoded = b"".join(ast.literal_eval("b" + piece.strip()) for piece in literal.split("\n"))
+    assert decoded == text.encode("utf-8")
+
+
 # ------------------------------------------------------------------ handler validation
 
 _Q = jnp.zeros((1, 4, 2, 16), jnp.float32)
