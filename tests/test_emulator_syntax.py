@@ -32,3 +32,20 @@ def test_max_total_threads_per_threadgroup():
     np.testing.assert_array_equal(out, 1)
     with pytest.raises(RuntimeError, match=r"max_total_threads_per_threadgroup\(64\)"):
         emulator.run("emu_max_threads", {0: out}, (1, 1, 1), (128, 1, 1))
+
+
+def test_swizzles():
+    v = np.random.default_rng(13).integers(-8, 8, (32, 4)).astype(np.float32)
+    out = np.zeros((32, 8), np.float32)
+    emulator.run("emu_swizzle", {0: v, 1: out}, (1, 1, 1), (32, 1, 1))
+    x, y, z, w = v.T
+    nv = np.stack([w, z, z + 10, w + 20], axis=1)  # v.xy = v.wz; v.zw += (10, 20)
+    c = np.stack([y, x, z, y], axis=1)  # float4(a.yx, b.xy) with a = (x, y), b = (z, y, x)
+    np.testing.assert_array_equal(out[:, 0], nv[:, 0] + nv[:, 1] * 100)
+    np.testing.assert_array_equal(out[:, 1], nv[:, 2] + nv[:, 3] * 100)
+    np.testing.assert_array_equal(out[:, 2], c[:, 0] * c[:, 2] + c[:, 1] * c[:, 3])
+    np.testing.assert_array_equal(out[:, 3], nv[:, 0].sum())
+    np.testing.assert_array_equal(out[:, 4], 0)
+    np.testing.assert_array_equal(out[:, 5], np.maximum(y, y))
+    np.testing.assert_array_equal(out[:, 6], 2 * nv[:, 1] - 2 * nv[:, 0])
+    np.testing.assert_array_equal(out[:, 7], nv[:, 3].astype(np.float16))

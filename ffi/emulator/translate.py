@@ -20,7 +20,8 @@ Subcommands (run by ffi/emulator/CMakeLists.txt at build time, and by the tests)
 Rewrites: ``kernel`` and Metal attributes are removed (``[[buffer(n)]]`` and builtin attributes
 feed the launcher); ``threadgroup T x[N];`` declared in a function body becomes a reference into
 the threadgroup's memory (``JFM_TGV``); ``float4(a, b)``-style vector constructors become
-``jfm_make<float4>(a, b)``; unsuffixed floating literals get ``f`` (Metal has no double) and
+``jfm_make<float4>(a, b)``; swizzles ``v.xy`` become ``v.JFM_SWIZZLE(xy, 0, 1)``; unsuffixed
+floating literals get ``f`` (Metal has no double) and
 ``1.5h`` becomes ``half(1.5f)``. Anything the emulator does not support (an unknown attribute, a
 kernel parameter without a binding, an unsupported builtin type, ``[[threadgroup(n)]]``
 arguments) is an error naming file:line; nothing is silently dropped.
@@ -74,6 +75,7 @@ TOKEN_RE = re.compile(
 )
 LINE_MARKER_RE = re.compile(r'^\s*#\s*(?:line\s+)?(\d+)\s+"((?:\\.|[^"\\])*)"')
 FLOAT_RE = re.compile(r"^((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)([fFhH]?)$")
+SWIZZLE_RE = re.compile(r"^[xyzw]{2,4}$")  # (.rgba swizzles would clash with field names)
 HEX_FLOAT_RE = re.compile(r"^(0[xX][0-9a-fA-F.]+[pP][+-]?[0-9]+)([fF]?)$")
 
 
@@ -259,6 +261,10 @@ class Translator:
                 m = HEX_FLOAT_RE.match(t.text)
                 if m and not m.group(2):
                     self.edits.append((t.start, t.end, t.text + "f"))
+            elif (t.kind == "id" and SWIZZLE_RE.match(t.text) and i > 0 and toks[i - 1].text == "."
+                  and not (i + 1 < len(toks) and toks[i + 1].text == "(")):
+                idx = ", ".join(str("xyzw".find(c)) for c in t.text)
+                self.edits.append((t.start, t.end, f"JFM_SWIZZLE({t.text}, {idx})"))
             elif (t.kind == "id" and t.text in VECTOR_TYPES and i + 1 < len(toks)
                   and toks[i + 1].text == "(" and (i == 0 or toks[i - 1].text != "operator")):
                 self.edits.append((t.start, t.end, f"jfm_make<{t.text}>"))

@@ -45,3 +45,27 @@ template [[host_name("emu_syntax_f32")]] [[kernel]] decltype(emu_syntax<float, 6
 kernel void emu_max_threads(device float* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
   out[i] = 1.0f;
 }
+
+// Swizzles: read, write-back, compound assignment, as operands, constructor parts, simd and
+// as_type arguments. 8 floats per thread.
+kernel void emu_swizzle(device const float4* in [[buffer(0)]],
+                        device float* out [[buffer(1)]],
+                        uint i [[thread_position_in_grid]]) {
+  float4 v = in[i];
+  float2 a = v.xy;
+  float3 b = v.zyx;
+  v.xy = v.wz;          // writes back: (w, z, z, w)
+  v.zw += float2(10.0f, 20.0f);
+  float4 c = float4(a.yx, b.xy);
+  half4 h = half4(v);
+  device float* o = out + i * 8;
+  o[0] = v.x + v.y * 100.0f;
+  o[1] = v.z + v.w * 100.0f;
+  o[2] = dot(c.xy, c.zw);
+  o[3] = simd_sum(v.xy).x;
+  o[4] = float(as_type<uint>(h.xy) & 0xffffu) - float(as_type<ushort>(h.x));
+  o[5] = max(a, b.xy).y;
+  float2 d = v.yx * 2.0f;
+  o[6] = d.x - d.y;
+  o[7] = float(h.wzyx.x);
+}

@@ -218,15 +218,40 @@ struct vec;
 
 namespace jfm {
 namespace shim {
+// Vectors and swizzle references (which derive from vectors) expose their vector type.
+template <class U, class = void>
+struct vector_of {
+  typedef void type;
+};
 template <class U>
+struct vector_of<U, decltype(void(sizeof(typename U::jfm_vec_type)))> {
+  typedef typename U::jfm_vec_type type;
+};
+template <class U>
+struct is_vector : std::integral_constant<bool, !std::is_void<typename vector_of<U>::type>::value> {};
+template <class U, bool = is_vector<U>::value>
 struct ncomp : std::integral_constant<int, 1> {};
-template <class U, int M>
-struct ncomp<::vec<U, M>> : std::integral_constant<int, M> {};
+template <class U>
+struct ncomp<U, true> : std::integral_constant<int, vector_of<U>::type::size> {};
+// The value type of an operand: a swizzle reference decays to its vector.
+template <class U, bool = is_vector<U>::value>
+struct value_of {
+  typedef U type;
+};
+template <class U>
+struct value_of<U, true> {
+  typedef typename vector_of<U>::type type;
+};
 }  // namespace shim
 }  // namespace jfm
 
+template <class T, int N, int... I>
+struct jfm_swizzle_ref;
+
 template <class T, int N>
 struct vec : jfm_vec_base<T, N> {
+  typedef vec jfm_vec_type;
+  static constexpr int size = N;
   vec() = default;
   template <class U, typename std::enable_if<jfm::shim::is_scalar<U>::value, int>::type = 0>
   vec(U s) {  // broadcast, implicit as in Metal
@@ -250,16 +275,69 @@ struct vec : jfm_vec_base<T, N> {
   T& operator[](int i) { return (&this->x)[i]; }
   const T& operator[](int i) const { return (&this->x)[i]; }
 
+  // Swizzles: the translator rewrites v.xy into v.template swizzle<0, 1>() (JFM_SWIZZLE).
+  template <int... I>
+  jfm_swizzle_ref<T, N, I...> swizzle() {
+    return jfm_swizzle_ref<T, N, I...>(this);
+  }
+  template <int... I>
+  vec<T, sizeof...(I)> swizzle() const {
+    vec<T, sizeof...(I)> r;
+    int k = 0;
+    ((r[k++] = (*this)[I]), ...);
+    return r;
+  }
+
  private:
   template <class U>
   void put(int& k, const U& s) {
-    (*this)[k++] = T(s);
-  }
-  template <class U, int M>
-  void put(int& k, const vec<U, M>& v) {
-    for (int j = 0; j < M; ++j) (*this)[k++] = T(v[j]);
+    if constexpr (jfm::shim::is_vector<U>::value) {
+      const typename jfm::shim::vector_of<U>::type& v = s;
+      for (int j = 0; j < v.size; ++j) (*this)[k++] = T(v[j]);
+    } else {
+      (*this)[k++] = T(s);
+    }
   }
 };
+
+// A swizzle of a non-const vector: holds the selected components (it is a vec<T, M>) and writes
+// assignments back to the source vector's components.
+template <class T, int N, int... I>
+struct jfm_swizzle_ref : vec<T, sizeof...(I)> {
+  typedef vec<T, sizeof...(I)> base;
+  explicit jfm_swizzle_ref(vec<T, N>* s) : src(s) {
+    int k = 0;
+    (((*this)[k++] = (*s)[I]), ...);
+  }
+  jfm_swizzle_ref(const jfm_swizzle_ref&) = default;
+  jfm_swizzle_ref& operator=(const base& v) {
+    int k = 0;
+    (((*src)[I] = v[k++]), ...);
+    static_cast<base&>(*this) = v;
+    return *this;
+  }
+  jfm_swizzle_ref& operator=(const jfm_swizzle_ref& o) {
+    return *this = static_cast<const base&>(o);
+  }
+  template <class U>
+  jfm_swizzle_ref& operator+=(const U& b) {
+    return *this = base(static_cast<const base&>(*this) + b);
+  }
+  template <class U>
+  jfm_swizzle_ref& operator-=(const U& b) {
+    return *this = base(static_cast<const base&>(*this) - b);
+  }
+  template <class U>
+  jfm_swizzle_ref& operator*=(const U& b) {
+    return *this = base(static_cast<const base&>(*this) * b);
+  }
+  template <class U>
+  jfm_swizzle_ref& operator/=(const U& b) {
+    return *this = base(static_cast<const base&>(*this) / b);
+  }
+  vec<T, N>* src;
+};
+#define JFM_SWIZZLE(name, ...) template swizzle<__VA_ARGS__>()
 
 #define JFM_VEC_TYPES(T, P) \
   typedef vec<T, 2> P##2;   \
@@ -381,7 +459,7 @@ constexpr mem_flags operator|(mem_flags a, mem_flags b) {
 
 template <class To, class From>
 inline To as_type(const From& f) {
-  return ::jfm::shim::bitcast<To>(f);
+  return ::jfm::shim::bitcast<To>(typename ::jfm::shim::value_of<From>::type(f));
 }
 
 // ---- math -------------------------------------------------------------------------------------
@@ -745,9 +823,9 @@ inline T collective(::jfm::rt::ResolveFn fn, const T& x, uint64_t arg, const cha
 }  // namespace detail
 
 #define JFM_SIMD_REDUCE(NAME, RESOLVE)                                                      \
-  template <class T>                                                                        \
-  inline T NAME(T x, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {    \
-    return detail::collective(&detail::RESOLVE<T>, x, 0, #NAME, file, line);                \
+  template <class X, class T = typename ::jfm::shim::value_of<X>::type>                     \
+  inline T NAME(const X& x, const char* file = __builtin_FILE(), int line = __builtin_LINE()) { \
+    return detail::collective(&detail::RESOLVE<T>, T(x), 0, #NAME, file, line);             \
   }
 JFM_SIMD_REDUCE(simd_sum, resolve_sum)
 JFM_SIMD_REDUCE(simd_product, resolve_product)
@@ -772,10 +850,10 @@ inline T simd_prefix_exclusive_sum(T x, const char* file = __builtin_FILE(),
 }
 
 #define JFM_SIMD_SHUFFLE(NAME, MODE)                                                          \
-  template <class T>                                                                          \
-  inline T NAME(T x, ushort v, const char* file = __builtin_FILE(),                           \
+  template <class X, class T = typename ::jfm::shim::value_of<X>::type>                       \
+  inline T NAME(const X& x, ushort v, const char* file = __builtin_FILE(),                    \
                 int line = __builtin_LINE()) {                                                \
-    return detail::collective(&detail::resolve_shuffle<T>, x,                                 \
+    return detail::collective(&detail::resolve_shuffle<T>, T(x),                              \
                               (uint64_t(detail::MODE) << 32) | v, #NAME, file, line);         \
   }
 JFM_SIMD_SHUFFLE(simd_shuffle, kAbsolute)

@@ -76,6 +76,7 @@ JFM_VEC_TYPES(int, bool)  // clang has no bool vectors; comparisons yield int ve
 
 template <class V, class... A>
 V jfm_make(A... a);
+#define JFM_SWIZZLE(name, ...) name
 
 namespace metal {
 
@@ -134,8 +135,9 @@ JFM_BINARY(atan2)
 JFM_BINARY(copysign)
 JFM_BINARY(step)
 JFM_BINARY(divide)
-JFM_BINARY(dot)
 #undef JFM_BINARY
+template <class T, int N>
+T dot(vec<T, N> a, vec<T, N> b);
 template <class T, class L, class H>
 T clamp(T x, L lo, H hi);
 template <class T, class U, class V>
