@@ -197,7 +197,7 @@ JFM_F16_OPS(bfloat)
 #undef JFM_F16_BINOP
 
 // vec<T, N>: Metal vectors. 3-vectors are padded and aligned like 4-vectors, as in Metal.
-// Components are .x .y .z .w and [i]; swizzles (.xy) are not supported.
+// Components are .x .y .z .w and [i]; swizzles through jfm_swizzle_ref below.
 template <class T, int N>
 struct jfm_vec_base;
 template <class T>
