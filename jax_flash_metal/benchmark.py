@@ -60,7 +60,8 @@ def methods(impls: list[str] | None = None) -> dict:
         return table
     unknown = [m for m in impls if m not in table]
     if unknown:
-        raise ValueError(f"unknown or unavailable method(s) {unknown}; available here: {list(table)}")
+        raise ValueError(f"unknown or unavailable method(s) {unknown}; "
+                         f"available here: {list(table)}")
     return {m: table[m] for m in impls}
 
 
@@ -279,7 +280,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     metal = "metal" in implementations.available()
     p = argparse.ArgumentParser(
         prog="python -m jax_flash_metal.benchmark",
-        description="Benchmark flash_attention, reference_attention and jax.nn.dot_product_attention.")
+        description="Benchmark flash_attention, reference_attention and "
+                    "jax.nn.dot_product_attention.")
     p.add_argument("--seq-lens", type=_int_list, default=[256, 1024, 4096, 16384],
                    help="comma-separated sequence lengths (query = key length)")
     p.add_argument("--head-dims", type=_int_list, default=[64, 128])

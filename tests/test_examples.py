@@ -31,7 +31,7 @@ def test_train_lm_main(implementation, tmp_path, capsys):
     # "implementation" is parametrised over implementations.available() by conftest.py.
     text = tmp_path / "text.txt"
     text.write_bytes(TEXT)
-    steps = 3 if implementation == "emulator" else 30  # the emulator is slow by design
+    steps = 10 if implementation == "emulator" else 30  # the emulator is slow by design
     result = train_lm.main(["--text", str(text), "--tiny", "--steps", str(steps), "--no-progress",
                             "--implementation", implementation, "--sample-bytes", "16",
                             "--prompt", "the "])
@@ -40,8 +40,8 @@ def test_train_lm_main(implementation, tmp_path, capsys):
     assert f"attention implementation: {implementation}" in out
     assert "loss (nats/byte): start" in out and "gradient check" in out
     assert len(result["losses"]) == steps
-    if implementation != "emulator":
-        assert result["final_eval"] < result["initial_eval"] - 2.0
+    drop = 1.0 if implementation == "emulator" else 2.0
+    assert result["final_eval"] < result["initial_eval"] - drop
     assert result["sample"].startswith(b"the ") and len(result["sample"]) == 4 + 16
     check = result["check"]
     assert check["scale"] > 0
@@ -59,8 +59,8 @@ def test_train_lm_rejects_short_text(tmp_path):
 
 def test_attention_flops():
     # B=2, H=3, D=5; T=4: 16 pairs, causal 4*5/2 = 10 pairs.
-    assert benchmark.attention_flops(2, 3, 4, 4, 5, False) == (4 * 2 * 3 * 16 * 5, 14 * 2 * 3 * 16 * 5)
-    assert benchmark.attention_flops(2, 3, 4, 4, 5, True) == (4 * 2 * 3 * 10 * 5, 14 * 2 * 3 * 10 * 5)
+    assert benchmark.attention_flops(2, 3, 4, 4, 5, False) == (4 * 30 * 16, 14 * 30 * 16)
+    assert benchmark.attention_flops(2, 3, 4, 4, 5, True) == (4 * 30 * 10, 14 * 30 * 10)
     # Tq > Tkv, top-left causal: rows 0..2 see 1, 2, 3 keys, rows 3..5 see all 3.
     assert benchmark.attention_flops(1, 1, 6, 3, 1, True)[0] == 4 * (1 + 2 + 3 + 3 * 3)
 

@@ -90,7 +90,7 @@ def stdlib_corpus(max_bytes: int) -> tuple[bytes, str]:
 
 
 def load_text(path: str | None, max_bytes: int) -> tuple[np.ndarray, str]:
-    """Corpus bytes as uint8 [n] (at most ``max_bytes``) and a description of where they came from."""
+    """Corpus bytes as uint8 [n] (at most ``max_bytes``) and a description of their source."""
     if path is None:
         data, source = stdlib_corpus(max_bytes)
     else:
@@ -151,7 +151,8 @@ def rms_norm(x, gain, eps=1e-6):
 
 
 def rope(x, base):
-    """Rotary position embedding of x [batch, len, heads, dim] (rotate-half form, positions 0..len-1)."""
+    """Rotary position embedding of x [batch, len, heads, dim] (rotate-half form, positions
+    0..len-1)."""
     half = x.shape[-1] // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs  # [len, half]
@@ -306,7 +307,8 @@ def gradient_check(params, cfg: Config, data: np.ndarray, implementation: str | 
 
     got = grads(make_attention(implementation, cfg.attn_dtype))
     want = grads(make_attention(None, cfg.attn_dtype, reference=True))
-    result = {name: float(jnp.max(jnp.abs(g - w))) for name, g, w in zip(("dq", "dk", "dv"), got, want)}
+    result = {name: float(jnp.max(jnp.abs(g - w)))
+              for name, g, w in zip(("dq", "dk", "dv"), got, want)}
     result["scale"] = max(float(jnp.max(jnp.abs(w))) for w in want)
     return result
 
@@ -335,7 +337,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", default="def ", help="start of the generated sample")
     p.add_argument("--sample-bytes", type=int, default=None,
                    help="length of the generated sample (default 300, 60 for the tiny config)")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 = greedy")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature, 0 = greedy")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -365,8 +368,8 @@ def main(argv=None) -> dict:
           f"({jax_flash_metal.devices().get(resolved, '?')}; available here: "
           f"{', '.join(implementations.available())})")
     if resolved == "emulator":
-        print("The emulator interprets the Metal kernels on the CPU: it is slow by design (it exists "
-              "to test the kernels without a Mac), so this run uses the tiny configuration.")
+        print("The emulator interprets the Metal kernels on the CPU: it is slow by design (it "
+              "exists to test the kernels without a Mac), so this run uses the tiny configuration.")
 
     data, source = load_text(args.text, args.max_bytes)
     train_data, held_out = split(data, cfg.seq_len)
