@@ -13,8 +13,8 @@ causal setting it reports:
 
 Lengths above ``--run-up-to`` are only compiled (memory column filled, times shown as "-"), so the
 memory of long sequences is reported without running them. The "emulator" implementation
-interprets the Metal kernels on the CPU: it is slow by design and benchmarked only up to
-``--emulator-max-len``.
+interprets the Metal kernels on the CPU: it is slow by design and timed only up to
+``--emulator-max-len`` (longer lengths: memory only).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from jax_flash_metal import flash_attention, implementations, reference_attentio
 # Only generations whose clock is published reliably are listed; use --peak-tflops for others.
 _APPLE_GPU_GHZ = {"M1": 1.278, "M2": 1.398}
 EMULATOR_NOTE = ("flash:emulator runs the Metal kernels in the MSL-on-CPU emulator: slow by design "
-                 "(it exists to test the kernels without a Mac), so only small sizes are measured.")
+                 "(it exists to test the kernels without a Mac), so it is timed only at small "
+                 "sizes")
 
 
 def methods(impls: list[str] | None = None) -> dict:
@@ -170,6 +171,9 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
                   emulator_max_len=256, progress=None) -> list[Row]:
     """Measure every (method, head_dim, causal, seq_len); returns the rows in that order.
 
+    Lengths above ``run_up_to`` (for flash:emulator, above ``emulator_max_len`` too) are only
+    compiled: their rows have memory but no times.
+
     ``progress``, if given, is called with each finished row (for printing as we go).
     """
     kv_heads = heads if kv_heads is None else kv_heads
@@ -178,12 +182,12 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
         for head_dim in head_dims:
             for causal in causal_modes:
                 for seq_len in seq_lens:
-                    if name == "flash:emulator" and seq_len > emulator_max_len:
-                        continue
+                    longest = min(run_up_to, emulator_max_len) if name == "flash:emulator" \
+                        else run_up_to
                     times_mem = measure(fn, batch=batch, seq_len=seq_len, heads=heads,
                                         kv_heads=kv_heads, head_dim=head_dim, causal=causal,
                                         dtype=jnp.dtype(dtype), repeats=repeats,
-                                        run=seq_len <= run_up_to)
+                                        run=seq_len <= longest)
                     flops = attention_flops(batch, heads, seq_len, seq_len, head_dim, causal)
                     rows.append(Row(name, seq_len, head_dim, causal, *times_mem, *flops))
                     if progress is not None:
@@ -298,7 +302,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="longest sequence that is run; longer ones are only compiled for memory "
                         "(default 16384 with metal, else 2048)")
     p.add_argument("--emulator-max-len", type=int, default=256,
-                   help="longest sequence for flash:emulator")
+                   help="longest sequence timed for flash:emulator (longer: memory only)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s to report percentages against (default: estimated on "
                         "Apple silicon with metal)")
@@ -327,7 +331,7 @@ def main(argv=None) -> list[Row]:
     if gpu:
         print(f"GPU: {gpu}")
     if "flash:emulator" in names:
-        print(EMULATOR_NOTE + f" (lengths <= {args.emulator_max_len})")
+        print(f"{EMULATOR_NOTE} (lengths <= {args.emulator_max_len}; longer: memory only)")
     print("FLOPs: forward 4*B*H*P*D, forward+backward 14*B*H*P*D, P = visible (query, key) pairs "
           "(T*T, or T*(T+1)/2 causal)")
     print(flush=True)
