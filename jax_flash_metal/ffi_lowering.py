@@ -13,11 +13,17 @@ q_lengths, kv_lengths, each present only when its ``has_*`` attribute is true.
 
 Importing this module raises ImportError when the extension is missing; ``implementations.py``
 treats that as "no fused implementation available".
+
+$JAX_FLASH_METAL_EMULATOR_SCHEDULE ("forward", "reverse", "random" or "random:SEED"), read on
+import, sets the order in which the emulator resumes GPU threads after each barrier or simdgroup
+operation (``_ext.set_emulator_schedule``), so a whole test run can be repeated under another
+schedule: results that change expose a missing barrier.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import numpy as np
@@ -37,6 +43,21 @@ def _target(direction: str, implementation: str) -> str:
 _TARGETS = _ext.ffi_targets()
 for _name, _capsule in _TARGETS.items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu", api_version=1)
+
+SCHEDULE_ENV = "JAX_FLASH_METAL_EMULATOR_SCHEDULE"
+
+
+def _schedule_from_env(value: str) -> None:
+    name, _, seed = value.strip().partition(":")
+    try:
+        _ext.set_emulator_schedule(name, int(seed or 0))
+    except ValueError as e:
+        raise ValueError(f"${SCHEDULE_ENV}={value!r}: expected forward, reverse, random or "
+                         f"random:SEED ({e})") from None
+
+
+if os.environ.get(SCHEDULE_ENV, "").strip():
+    _schedule_from_env(os.environ[SCHEDULE_ENV])
 
 
 def _built(implementation: str) -> bool:

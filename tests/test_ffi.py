@@ -66,11 +66,12 @@ def _emulator_fault(kernel):
 
 @contextlib.contextmanager
 def _emulator_schedule(name, seed=0):
+    before = ext.emulator_schedule()
     ext.set_emulator_schedule(name, seed)
     try:
         yield
     finally:
-        ext.set_emulator_schedule("forward", 0)
+        ext.set_emulator_schedule(*before)
 
 
 @contextlib.contextmanager
@@ -240,10 +241,20 @@ def test_device_error_surfaces_as_jax_exception(kernel):
     assert np.isfinite(np.asarray(f(q))).all()  # the device works again once the fault is gone
 
 
-def test_unknown_emulator_schedule_is_rejected():
+def test_emulator_schedule_setting_and_environment_syntax():
+    before = ext.emulator_schedule()
     with pytest.raises(ValueError, match="unknown emulator schedule 'sideways'"):
         ext.set_emulator_schedule("sideways")
-    assert ext.emulator_schedule() == ("forward", 0)
+    assert ext.emulator_schedule() == before
+    try:
+        ffi_lowering._schedule_from_env("random:5")
+        assert ext.emulator_schedule() == ("random", 5)
+        ffi_lowering._schedule_from_env(" reverse ")
+        assert ext.emulator_schedule() == ("reverse", 0)
+        with pytest.raises(ValueError, match="JAX_FLASH_METAL_EMULATOR_SCHEDULE='random:x'"):
+            ffi_lowering._schedule_from_env("random:x")
+    finally:
+        ext.set_emulator_schedule(*before)
 
 
 # ------------------------------------------------------------------ lowering and memory
