@@ -60,16 +60,8 @@ std::string dtype_name(ffi::DataType t) {
   }
 }
 
-std::string dims_string(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(dims[i]);
-  }
-  return s + "]";
-}
-
-std::string dims_string(const std::vector<int64_t>& dims) {
+template <typename Dims>  // ffi::AnyBuffer::Dimensions or std::vector<int64_t>
+std::string dims_string(const Dims& dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) {
     if (i) s += ", ";
