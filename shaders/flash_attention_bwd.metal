@@ -2,9 +2,9 @@
 // delta_i = rowsum(dO_i * O_i) - g_lse_i, a dQ kernel parallel over query rows and a dK/dV kernel
 // parallel over key rows that loops over its kv head's query-head group. Every output element is
 // written by exactly one simdgroup: no atomics, bit-identical results run to run.
-// With log2-domain scores s2 = scale * log2(e) * q.k, the softmax probability of a visible pair is
-// p = exp2(s2 - lse * log2(e)), dS = p * (dO.v - delta), dQ = scale * dS K, dK = scale * dS^T Q,
-// dV = P^T dO.
+// With log2-domain scores s2 = scale * log2(e) * q.k (computed bit-identically to the forward),
+// the softmax probability of a visible pair is p = exp2((s2 * ln2 - lse) * log2(e))
+// (jfm_probability), dS = p * (dO.v - delta), dQ = scale * dS K, dK = scale * dS^T Q, dV = P^T dO.
 #include "flash_attention_common.h"
 
 // ---- preprocess: no threadgroup memory ----
@@ -106,7 +106,7 @@ kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
   simdgroup_barrier(mem_flags::mem_threadgroup);
 
   const ulong stat_index = jfm_stat_offset(b, h, i, params.num_heads, params.q_len);
-  const float lse_log2 = lse[stat_index] * JFM_LOG2E;
+  const float lse_i = lse[stat_index];
   const float delta_i = delta[stat_index];
   const ulong kv_head_base = jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
   const ulong kv_row_stride = ulong(params.num_kv_heads) * D;
@@ -122,7 +122,7 @@ kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
     float ds = 0.0f;
     if (j <= keys.hi) {
       const ulong key_row = kv_head_base + ulong(j) * kv_row_stride;
-      const float p = exp2(jfm_dot<T, D>(q_s, k + key_row) - lse_log2);
+      const float p = jfm_probability(jfm_dot<T, D>(q_s, k + key_row), lse_i);
       ds = p * (jfm_dot<T, D>(do_s, v + key_row) - delta_i);
     }
     threadgroup float* ds_block = ds_s + buffer;
@@ -174,7 +174,7 @@ kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
   threadgroup float* v_s = v_tile + simd_index * D;
   threadgroup float* p_s = p_tile + simd_index * 2 * JFM_SIMD_WIDTH;
   threadgroup float* ds_s = ds_tile + simd_index * 2 * JFM_SIMD_WIDTH;
-  jfm_stage_row<T, D>(k_s, k + key_row, params.scale_log2, lane);
+  jfm_stage_row<T, D>(k_s, k + key_row, 1.0f, lane);
   jfm_stage_row<T, D>(v_s, v + key_row, 1.0f, lane);
   simdgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -200,7 +200,9 @@ kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
       if (i <= queries.hi) {
         // Query i sees key j, so its row is not empty and its LSE is finite.
         const ulong q_row = head_base + ulong(i) * q_row_stride;
-        p = exp2(jfm_dot<T, D>(k_s, q + q_row) - lse[stat_base + ulong(i)] * JFM_LOG2E);
+        // Scaled like the forward's staged q row, so the score matches it bit for bit.
+        p = jfm_probability(jfm_dot_scaled<T, D>(q + q_row, params.scale_log2, k_s),
+                            lse[stat_base + ulong(i)]);
         ds = p * (jfm_dot<T, D>(v_s, d_o + q_row) - delta[stat_base + ulong(i)]);
       }
       threadgroup float* p_block = p_s + buffer;

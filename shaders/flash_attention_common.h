@@ -150,6 +150,29 @@ inline float jfm_dot(threadgroup const float* a, device const T* b) {
   return jfm_finite_or_nan((s0 + s1) + (s2 + s3));
 }
 
+// The same score with the roles of the operands' address spaces swapped: a is a device row
+// scaled by `factor` on the fly, b a staged row. Bit-identical to jfm_dot when the staged row of
+// jfm_dot held a * factor: same products, same fma chains, same order.
+template <typename T, int D>
+inline float jfm_dot_scaled(device const T* a, float factor, threadgroup const float* b) {
+  static_assert(D % 4 == 0, "head dim must be a multiple of 4");
+  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+  for (int d = 0; d < D; d += 4) {
+    s0 = fma(jfm_to_float(a[d]) * factor, b[d], s0);
+    s1 = fma(jfm_to_float(a[d + 1]) * factor, b[d + 1], s1);
+    s2 = fma(jfm_to_float(a[d + 2]) * factor, b[d + 2], s2);
+    s3 = fma(jfm_to_float(a[d + 3]) * factor, b[d + 3], s3);
+  }
+  return jfm_finite_or_nan((s0 + s1) + (s2 + s3));
+}
+
+// Softmax probability of a log2-domain score s2 given the row's natural-log LSE. The forward
+// stores LSE = m * ln2 + log2(l) * ln2 with m its max score, and the backward recomputes s2 bit
+// for bit, so a row whose softmax is one-hot (l = 1) gets p = exp2(0) = 1 exactly.
+inline float jfm_probability(float s2, float lse) {
+  return exp2((s2 * JFM_LN2 - lse) * JFM_LOG2E);
+}
+
 // Copies a device row into threadgroup memory as float times `factor`, lane-strided.
 template <typename T, int D>
 inline void jfm_stage_row(threadgroup float* dst, device const T* src, float factor, uint lane) {

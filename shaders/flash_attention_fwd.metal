@@ -98,7 +98,7 @@ kernel void flash_attention_fwd JFM_FWD_SIGNATURE(T) {
   const float l = simd_sum(l_lane);
   jfm_store_row<T, D>(o_row, acc, 1.0f / l, lane);
   if (lane == 0) {
-    lse[lse_index] = (m + log2(l)) * JFM_LN2;
+    lse[lse_index] = m * JFM_LN2 + log2(l) * JFM_LN2;  // see jfm_probability
   }
 }
 

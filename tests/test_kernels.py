@@ -181,10 +181,16 @@ def test_visible_non_finite_propagates(dtype, tensor, value):
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_zero_width_window_copies_v(dtype):
-    """Window (0, 0): each row sees only its own key, so O = V bit for bit."""
+    """Window (0, 0): each row sees only its own key, so O = V and dV = dO bit for bit.
+
+    dV needs the backward to recompute P = 1 exactly: scores bit-identical to the forward's and
+    the LSE round trip exact for a one-hot row.
+    """
     q, k, v, do, g_lse = kh.random_inputs(kh.DTYPES[dtype], 1, 33, 33, 2, 2, 48, seed=4)
-    o, _ = kh.forward(q, k, v, local_window_size=(0, 0))
+    o, lse = kh.forward(q, k, v, local_window_size=(0, 0))
     assert o.tobytes() == v.tobytes()
+    _, _, dv, _ = kh.backward(q, k, v, o, lse, do, g_lse, local_window_size=(0, 0))
+    assert dv.tobytes() == do.tobytes()
 
 
 def test_bf16_store_rounds_to_nearest_even():
