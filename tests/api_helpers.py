@@ -33,17 +33,30 @@ def f64(x):
     return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
+def _forward_and_vjp(q, k, v, do, g, q_lengths, kv_lengths, static):
+    def f(q, k, v):
+        return flash_attention(q, k, v, return_lse=True, query_seq_lengths=q_lengths,
+                               key_value_seq_lengths=kv_lengths, **dict(static))
+
+    (o, lse), vjp = jax.vjp(f, q, k, v)
+    return (o, lse) + vjp((do, g))
+
+
+# One compilation per (shapes, static arguments), shared by every test that repeats them.
+_forward_and_vjp_jit = jax.jit(_forward_and_vjp, static_argnames="static")
+
+
 def run_flash(q, k, v, do, g_lse=None, *, jit=True, implementation=None, **kwargs):
     """o, lse and (dq, dk, dv) = VJP of (o, lse) at cotangents (do, g_lse or 0)."""
-    def f(q, k, v):
-        return flash_attention(q, k, v, return_lse=True, implementation=implementation, **kwargs)
-
-    def run(q, k, v, do, g_lse):
-        (o, lse), vjp = jax.vjp(f, q, k, v)
-        return (o, lse) + vjp((do, g_lse))
-
+    q_lengths = kwargs.pop("query_seq_lengths", None)
+    kv_lengths = kwargs.pop("key_value_seq_lengths", None)
+    window = kwargs.get("local_window_size")
+    if isinstance(window, list):
+        kwargs["local_window_size"] = tuple(window)
+    static = tuple(sorted(dict(kwargs, implementation=implementation).items()))
     g = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32) if g_lse is None else g_lse
-    out = (jax.jit(run) if jit else run)(q, k, v, do, g)
+    fn = _forward_and_vjp_jit if jit else _forward_and_vjp
+    out = fn(q, k, v, do, g, q_lengths, kv_lengths, static=static)
     return dict(zip(("o", "lse", "dq", "dk", "dv"), out))
 
 
