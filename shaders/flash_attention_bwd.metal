@@ -116,7 +116,7 @@ kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
     acc[c] = 0.0f;
   }
 
-  uint buffer = 0;
+  uint tile_half = 0;  // which half of the double-buffered tile this block uses
   for (long start = keys.lo; start <= keys.hi; start += JFM_SIMD_WIDTH) {
     const long j = start + long(lane);
     float ds = 0.0f;
@@ -125,7 +125,7 @@ kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
       const float p = jfm_probability(jfm_dot<T, D>(q_s, k + key_row), lse_i);
       ds = p * (jfm_dot<T, D>(do_s, v + key_row) - delta_i);
     }
-    threadgroup float* ds_block = ds_s + buffer;
+    threadgroup float* ds_block = ds_s + tile_half;
     ds_block[lane] = ds;
     simdgroup_barrier(mem_flags::mem_threadgroup);
     const int n = int(jfm_min(keys.hi - start + 1, JFM_SIMD_WIDTH));
@@ -133,7 +133,7 @@ kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
       jfm_axpy_row<T, D>(acc, ds_block[t], k + kv_head_base + ulong(start + t) * kv_row_stride,
                          lane);
     }
-    buffer ^= JFM_SIMD_WIDTH;
+    tile_half ^= JFM_SIMD_WIDTH;
   }
 
   jfm_store_row<T, D>(dq + row, acc, params.scale, lane);
@@ -188,7 +188,7 @@ kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
     dv_acc[c] = 0.0f;
   }
 
-  uint buffer = 0;
+  uint tile_half = 0;  // which half of the double-buffered tile this block uses
   for (uint g = 0; g < group_size; ++g) {
     const uint h = hk * group_size + g;
     const ulong head_base = jfm_row_offset(b, 0, h, params.q_len, params.num_heads, D);
@@ -205,8 +205,8 @@ kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
                             lse[stat_base + ulong(i)]);
         ds = p * (jfm_dot<T, D>(v_s, d_o + q_row) - delta[stat_base + ulong(i)]);
       }
-      threadgroup float* p_block = p_s + buffer;
-      threadgroup float* ds_block = ds_s + buffer;
+      threadgroup float* p_block = p_s + tile_half;
+      threadgroup float* ds_block = ds_s + tile_half;
       p_block[lane] = p;
       ds_block[lane] = ds;
       simdgroup_barrier(mem_flags::mem_threadgroup);
@@ -216,7 +216,7 @@ kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
         jfm_axpy_row<T, D>(dv_acc, p_block[t], d_o + q_row, lane);
         jfm_axpy_row<T, D>(dk_acc, ds_block[t], q + q_row, lane);
       }
-      buffer ^= JFM_SIMD_WIDTH;
+      tile_half ^= JFM_SIMD_WIDTH;
     }
   }
 

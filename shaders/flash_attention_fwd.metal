@@ -68,7 +68,7 @@ kernel void flash_attention_fwd JFM_FWD_SIGNATURE(T) {
     acc[c] = 0.0f;
   }
 
-  uint buffer = 0;
+  uint tile_half = 0;  // which half of the double-buffered tile this block uses
   for (long start = keys.lo; start <= keys.hi; start += JFM_SIMD_WIDTH) {
     const long j = start + long(lane);
     const bool visible = j <= keys.hi;
@@ -81,7 +81,7 @@ kernel void flash_attention_fwd JFM_FWD_SIGNATURE(T) {
     l_lane = l_lane * alpha + p;
     m = m_new;
 
-    threadgroup float* p_block = p_s + buffer;
+    threadgroup float* p_block = p_s + tile_half;
     p_block[lane] = p;
     simdgroup_barrier(mem_flags::mem_threadgroup);
     for (int c = 0; c < JFM_DIM_CHUNKS(D); ++c) {
@@ -92,7 +92,7 @@ kernel void flash_attention_fwd JFM_FWD_SIGNATURE(T) {
       jfm_axpy_row<T, D>(acc, p_block[t], v + kv_head_base + ulong(start + t) * kv_row_stride,
                          lane);
     }
-    buffer ^= JFM_SIMD_WIDTH;
+    tile_half ^= JFM_SIMD_WIDTH;
   }
 
   const float l = simd_sum(l_lane);
