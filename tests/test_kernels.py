@@ -207,3 +207,13 @@ def test_bf16_store_rounds_to_nearest_even():
     mean = (v[0, 0].astype(np.float32) + v[0, 1].astype(np.float32)) * np.float32(0.5)
     assert o[0, 0].tobytes() == mean.astype(kh.DTYPES["bf16"]).tobytes()
     np.testing.assert_allclose(lse, np.log(2.0), rtol=1e-6)
+
+
+def test_huge_window_bounds_equal_unbounded():
+    """Window bounds near INT32_MAX are computed in 64 bits: same bits as no window at all."""
+    q, k, v, do, g_lse = kh.random_inputs(np.float32, 1, 9, 40, 2, 1, 32, seed=8)
+    huge = 2**31 - 1
+    for mask in (dict(), dict(is_causal=True, causal_alignment="bottom_right")):
+        plain = _run_all(q, k, v, do, g_lse, **mask)
+        _assert_bit_identical(plain, _run_all(q, k, v, do, g_lse, local_window_size=(huge, huge),
+                                              **mask))
