@@ -242,10 +242,10 @@ def train(cfg: Config, data: np.ndarray, implementation: str | None, *, seed: in
         losses.append(float(loss))  # also waits for the step, so tokens/s is honest
         if start is None:
             start = time.perf_counter()
-            rate = 0.0
+            rate = "-"
         else:
-            rate = i * tokens_per_step / (time.perf_counter() - start)
-        bar.set_postfix({"loss": f"{losses[-1]:.3f}", "tok/s": f"{rate:,.0f}"})
+            rate = f"{i * tokens_per_step / (time.perf_counter() - start):,.0f}"
+        bar.set_postfix({"loss": f"{losses[-1]:.3f}", "tok/s": rate})
     return params, losses
 
 
