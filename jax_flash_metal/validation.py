@@ -86,7 +86,7 @@ def check_window(local_window_size):
 def check_scale(scale, head_dim):
     """None -> 1/sqrt(head_dim); any real Python/NumPy number is used literally as a float."""
     if scale is None:
-        return float(1.0 / np.sqrt(head_dim)) if head_dim > 0 else 1.0
+        return float(1.0 / np.sqrt(head_dim))
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
         raise TypeError(
             "scale must be None or a Python/NumPy real number (a static value, not an array), "
