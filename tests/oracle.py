@@ -71,7 +71,7 @@ def _probabilities(q, k, scale, mask):
         bad_k = (~finite_k).any(axis=-1)[:, :, None, :]
         s = np.where(bad_k, np.nan, s)
         s = np.where(mask, s, -np.inf)
-        row_max = s.max(axis=-1, keepdims=True)
+        row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
         row_max = np.where(np.isneginf(row_max), 0.0, row_max)
         p = np.where(mask, np.exp(s - row_max), 0.0)
         denom = p.sum(axis=-1, keepdims=True)
