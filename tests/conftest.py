@@ -25,10 +25,21 @@ def pytest_configure(config):
 
 
 def pytest_generate_tests(metafunc):
-    if "implementation" not in metafunc.fixturenames:
+    if "implementation" in metafunc.fixturenames:
+        metafunc.parametrize("implementation", jax_flash_metal.implementations.available())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect ``large`` cases (marked on the test or on one parameter) for the fused
+    implementations, unless JFM_TEST_LARGE_ON_ALL=1."""
+    if os.environ.get("JFM_TEST_LARGE_ON_ALL") == "1":
         return
-    names = jax_flash_metal.implementations.available()
-    if metafunc.definition.get_closest_marker("large") and os.environ.get(
-            "JFM_TEST_LARGE_ON_ALL") != "1":
-        names = ["xla"]
-    metafunc.parametrize("implementation", names)
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        implementation = callspec.params.get("implementation") if callspec else None
+        fused = implementation not in (None, "xla")
+        (drop if fused and item.get_closest_marker("large") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
