@@ -4,6 +4,7 @@ gradients (jit of the VJP), plus the semantic rules of section 3 one by one."""
 import itertools
 
 import jax
+import jax.test_util
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -189,3 +190,12 @@ def test_gqa_equals_repeated_heads(implementation):
     o_rep = flash_attention(q, jnp.repeat(k, 3, axis=2), jnp.repeat(v, 3, axis=2),
                             implementation=implementation)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_rep), rtol=1e-6, atol=1e-6)
+
+
+def test_reference_attention_any_order():
+    """reference_attention is plain jnp: forward mode and second order work (the documented
+    alternative when flash_attention's first-order reverse mode is not enough)."""
+    q, k, v, _, _ = make_inputs(10, 1, 3, 4, 2, 1, 4, jnp.float32)
+    jax.test_util.check_grads(
+        lambda q, k, v: reference_attention(q, k, v, is_causal=True, causal_alignment="bottom_right"),
+        (q, k, v), order=2, modes=["fwd", "rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
