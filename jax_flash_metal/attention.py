@@ -1,4 +1,4 @@
-"""Public ``flash_attention``: validation, then the fused primitives paired by ``jax.custom_vjp``."""
+"""Public ``flash_attention``: validation, then the two primitives paired by ``jax.custom_vjp``."""
 
 from __future__ import annotations
 

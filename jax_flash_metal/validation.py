@@ -23,7 +23,7 @@ UNBOUNDED = -1  # window bound sentinel, same value as JFM_UNBOUNDED in shaders/
 
 
 class StaticParams(NamedTuple):
-    """The static parameters of both primitives, with their exact types (see the primitive contract)."""
+    """The static parameters of both primitives, with their exact types (primitives.py)."""
 
     scale: float
     is_causal: bool

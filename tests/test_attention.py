@@ -197,5 +197,6 @@ def test_reference_attention_any_order():
     alternative when flash_attention's first-order reverse mode is not enough)."""
     q, k, v, _, _ = make_inputs(10, 1, 3, 4, 2, 1, 4, jnp.float32)
     jax.test_util.check_grads(
-        lambda q, k, v: reference_attention(q, k, v, is_causal=True, causal_alignment="bottom_right"),
+        lambda q, k, v: reference_attention(q, k, v, is_causal=True,
+                                            causal_alignment="bottom_right"),
         (q, k, v), order=2, modes=["fwd", "rev"], eps=1e-2, atol=2e-2, rtol=2e-2)
