@@ -11,8 +11,8 @@ The FFI contract (operands, results, attribute names and exact types) is documen
 ``ffi/attention_ffi.h``. Optional length operands follow the main operands in the order
 q_lengths, kv_lengths, each present only when its ``has_*`` attribute is true.
 
-Importing this module raises ImportError when the extension is missing; ``implementations.py``
-treats that as "no fused implementation available".
+Importing this module raises ImportError when the extension is missing or this jaxlib refuses its
+handlers; ``implementations.py`` treats that as "no fused implementation available".
 
 $JAX_FLASH_METAL_EMULATOR_SCHEDULE ("forward", "reverse", "random" or "random:SEED"), read on
 import, sets the order in which the emulator resumes GPU threads after each barrier or simdgroup
@@ -41,8 +41,12 @@ def _target(direction: str, implementation: str) -> str:
 
 
 _TARGETS = _ext.ffi_targets()
-for _name, _capsule in _TARGETS.items():
-    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu", api_version=1)
+try:
+    for _name, _capsule in _TARGETS.items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform="cpu", api_version=1)
+except Exception as e:  # e.g. an extension built against newer XLA FFI headers than this jaxlib
+    raise ImportError(f"jaxlib {jax.lib.__version__} refused the extension's FFI handlers: {e}. "
+                      "Rebuild jax_flash_metal against this jaxlib.") from e
 
 SCHEDULE_ENV = "JAX_FLASH_METAL_EMULATOR_SCHEDULE"
 
