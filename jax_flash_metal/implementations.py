@@ -15,6 +15,10 @@ which of them can run here through ``ffi_lowering.available_implementations()``.
 
 from __future__ import annotations
 
+import functools
+import os
+import warnings
+
 from . import validation
 
 FUSED = ("emulator", "metal")
@@ -25,8 +29,29 @@ def _ffi_lowering():
     try:
         from . import ffi_lowering
     except ImportError as e:
-        return None, f"the FFI lowering could not be imported ({e})"
+        reason = f"the FFI lowering could not be imported ({e})"
+        if _is_unbuilt_source_tree():
+            reason += (f"; jax_flash_metal was imported from its source folder {_PACKAGE_DIR}, "
+                       "which has no compiled extension: run from another directory so the "
+                       "installed package is used")
+            _warn_once(reason)
+        return None, reason
     return ffi_lowering, None
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _is_unbuilt_source_tree() -> bool:
+    """True when this package is the checkout's folder (e.g. `python -m` run from the repository
+    root puts it ahead of the installed copy) and no extension was built into it."""
+    has_ext = any(name.startswith("_ext.") for name in os.listdir(_PACKAGE_DIR))
+    return not has_ext and os.path.exists(os.path.join(_PACKAGE_DIR, "..", "pyproject.toml"))
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _fused_available():

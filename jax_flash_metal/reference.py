@@ -44,10 +44,12 @@ def visibility(batch, q_len, kv_len, q_lengths, kv_lengths, *, is_causal, window
     mask = row_ok & (j < kl)
     if is_causal:
         mask &= j <= diag
+    # Compare offsets from the diagonal, not diag +/- bound: a bound near INT32_MAX must not
+    # overflow int32.
     if window_left >= 0:
-        mask &= j >= diag - window_left
+        mask &= diag - j <= window_left
     if window_right >= 0:
-        mask &= j <= diag + window_right
+        mask &= j - diag <= window_right
     return mask, row_ok[:, :, 0]
 
 

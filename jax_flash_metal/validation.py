@@ -19,6 +19,7 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jn
 IMPLEMENTATIONS = ("xla", "emulator", "metal")
 ALIGNMENTS = ("top_left", "bottom_right")
 ENV_IMPLEMENTATION = "JAX_FLASH_METAL_IMPLEMENTATION"
+INT32_MAX = 2**31 - 1
 UNBOUNDED = -1  # window bound sentinel, same value as JFM_UNBOUNDED in shaders/attention_params.h
 
 
@@ -55,7 +56,9 @@ def _window_bound(value, name):
         raise TypeError(f"{name} must be a non-negative int or None, got {value!r}")
     if value < 0:
         raise ValueError(f"{name} must be a non-negative int or None, got {value}")
-    return int(value)
+    # Lengths are int32, so a bound past INT32_MAX reaches as far as no bound at all; clamping
+    # keeps it representable in the kernels' int32 parameters.
+    return min(int(value), INT32_MAX)
 
 
 def check_window(local_window_size):

@@ -84,6 +84,14 @@ def test_large(implementation, dtype):
                          causal_alignment="bottom_right")
 
 
+@pytest.mark.parametrize("bound", [2**31 - 1, 2**31, 10**12])
+def test_huge_window_bounds_mean_unbounded(implementation, bound):
+    """Window bounds past INT32_MAX are accepted and reach as far as no bound (no overflow)."""
+    q, k, v, do, g = make_inputs(4, 1, 9, 12, 2, 1, 16, jnp.float32)
+    check_against_oracle(q, k, v, do, g, implementation=implementation,
+                         local_window_size=(bound, bound), causal_alignment="bottom_right")
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.7, 2.5, None])
 def test_scale_is_literal(implementation, scale):
     q, k, v, do, g = make_inputs(1, 1, 9, 12, 2, 1, 16, jnp.float32)
