@@ -154,9 +154,9 @@ ffi::Error check_options(const Options& o) {
   return ffi::Error::Success();
 }
 
-// The optional length operands, clamped to [0, len] (a length past the end means the full
-// length, a negative one means none: the kernels then never index out of bounds). When a
-// length is absent, the full length fills the buffer the kernel is told not to read.
+// The optional length operands, copied for binding. Clamping to [0, len] happens where the
+// kernels read them (jfm_valid_len), so nothing indexes out of bounds whatever the caller
+// passes. When a length is absent, the full length fills the buffer the kernel does not read.
 ffi::Error read_lengths(ffi::RemainingArgs rest, const Options& o, const Problem& p,
                         std::vector<int32_t>* q_lengths, std::vector<int32_t>* kv_lengths) {
   const size_t expected = size_t{o.has_q_lengths} + size_t{o.has_kv_lengths};
@@ -180,7 +180,7 @@ ffi::Error read_lengths(ffi::RemainingArgs rest, const Options& o, const Problem
     }
     const int32_t* values = static_cast<const int32_t*>(buffer.untyped_data());
     for (int64_t b = 0; b < p.batch; ++b) {
-      (*out)[b] = static_cast<int32_t>(std::clamp<int64_t>(values[b], 0, full));
+      (*out)[b] = values[b];
     }
     return ffi::Error::Success();
   };
