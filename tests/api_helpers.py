@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import oracle
 import tolerance
 from jax_flash_metal import flash_attention
 
@@ -61,25 +60,18 @@ def run_flash(q, k, v, do, g_lse=None, *, jit=True, implementation=None, **kwarg
 
 
 def oracle_all(q, k, v, do, g_lse=None, **kwargs):
-    kw = {k_: kwargs[k_] for k_ in MASK_KEYS if k_ in kwargs}
-    o, lse = oracle.attention(f64(q), f64(k), f64(v), **kw)
-    dq, dk, dv = oracle.attention_grads(f64(q), f64(k), f64(v), f64(do),
-                                        None if g_lse is None else f64(g_lse), **kw)
-    return dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+    """The oracle's outputs for flash_attention keyword arguments (non-mask ones ignored)."""
+    return tolerance.oracle_outputs(q, k, v, do, g_lse,
+                                    **{k_: kwargs[k_] for k_ in MASK_KEYS if k_ in kwargs})
 
 
 def check_against_oracle(q, k, v, do, g_lse=None, *, implementation=None, jit=True,
-                         names=("o", "lse", "dq", "dk", "dv"), **kwargs):
+                         names=tolerance.OUTPUTS, **kwargs):
     """Run flash_attention (forward + VJP) and assert every output is within DESIGN.md tolerance
     of the float64 oracle. Returns (actual, expected) dicts."""
     actual = run_flash(q, k, v, do, g_lse, jit=jit, implementation=implementation, **kwargs)
-    expected = oracle_all(q, k, v, do, g_lse, **kwargs)
-    base = None
-    if q.dtype != jnp.float32:
-        kw = {k_: kwargs[k_] for k_ in MASK_KEYS if k_ in kwargs}
-        base = tolerance.baseline(q, k, v, do, g_lse, **kw)
     for name in names:
         assert actual[name].dtype == (jnp.float32 if name == "lse" else q.dtype), name
-        tolerance.assert_matches_oracle(name, actual[name], expected[name],
-                                        None if base is None else base[name])
+    kw = {k_: kwargs[k_] for k_ in MASK_KEYS if k_ in kwargs}
+    expected = tolerance.assert_all_match_oracle(actual, q, k, v, do, g_lse, names=names, **kw)
     return actual, expected

@@ -91,3 +91,29 @@ def assert_matches_oracle(name, actual, expected, baseline_value=None, kind=None
         base_err = base_err[np.isfinite(base_err)].max(initial=0.0)
         tol = 2.0 * base_err + 1e-5
     assert err <= tol, f"{name}: max error {err:.3e} exceeds tolerance {tol:.3e}"
+
+
+OUTPUTS = ("o", "lse", "dq", "dk", "dv")
+
+
+def oracle_outputs(q, k, v, do, g_lse=None, **mask_kwargs):
+    """The float64 oracle's o, lse, dq, dk, dv as a dict."""
+    want = dict(zip(("o", "lse"), oracle.attention(q, k, v, **mask_kwargs)))
+    want.update(zip(("dq", "dk", "dv"), oracle.attention_grads(q, k, v, do, g_lse, **mask_kwargs)))
+    return want
+
+
+def assert_all_match_oracle(got, q, k, v, do, g_lse=None, *, baseline_inputs=None,
+                            names=OUTPUTS, **mask_kwargs):
+    """Asserts each got[name] (name in o, lse, dq, dk, dv) against the float64 oracle.
+
+    For f16/bf16 inputs the yardstick is `baseline` on `baseline_inputs` (q, k, v, do, g_lse),
+    which default to the inputs themselves. Returns the oracle's values as a dict.
+    """
+    want = oracle_outputs(q, k, v, do, g_lse, **mask_kwargs)
+    base = None
+    if np.dtype(q.dtype) != np.float32:
+        base = baseline(*(baseline_inputs or (q, k, v, do, g_lse)), **mask_kwargs)
+    for name in names:
+        assert_matches_oracle(name, got[name], want[name], None if base is None else base[name])
+    return want
