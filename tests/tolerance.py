@@ -24,9 +24,7 @@ def baseline(q, k, v, do, g_lse=None, **mask_kwargs):
     half-precision results. Invisible keys are masked in the dtype; empty rows give 0.
     """
     q, k, v, do = (jnp.asarray(x) for x in (q, k, v, do))
-    dtype = q.dtype
     b, tq, h, d = q.shape
-    hkv = k.shape[2]
     scale = mask_kwargs.pop("scale", None)
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     mask = jnp.asarray(oracle.visibility(b, tq, k.shape[1], **mask_kwargs)[:, None])
