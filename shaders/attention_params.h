@@ -55,10 +55,16 @@ struct AttentionParams {
   uint bottom_right;  // causal/window alignment: off = kv_len_b - q_len_b (else 0)
   uint has_q_lengths;   // 1: int32 [batch] bound at JFM_BUFFER_Q_LENGTHS
   uint has_kv_lengths;  // 1: int32 [batch] bound at JFM_BUFFER_KV_LENGTHS
+  // A call split into several submissions (GPU watchdog) runs each part as its own grid: the
+  // threadgroup at grid position (x, y, z) works on row block x + block_offset, head
+  // y + head_offset and batch z + batch_offset (jfm_tile_of in flash_attention_common.h).
+  uint block_offset;
+  uint head_offset;
+  uint batch_offset;
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(AttentionParams) == 56, "AttentionParams layout must match the shaders");
+static_assert(sizeof(AttentionParams) == 68, "AttentionParams layout must match the shaders");
 }  // namespace jfm
 #endif
 

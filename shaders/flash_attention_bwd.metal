@@ -24,9 +24,10 @@
 // batch's q_len get 0 and read nothing.
 template <typename T, int D>
 kernel void flash_attention_bwd_preprocess JFM_BWD_PREPROCESS_SIGNATURE(T) {
-  const long i = long(group.x) * JFM_ROWS_PER_GROUP + long(simd_index);
-  const uint h = group.y;
-  const uint b = group.z;
+  const JfmTile tile = jfm_tile_of(params, group);
+  const long i = long(tile.block) * JFM_ROWS_PER_GROUP + long(simd_index);
+  const uint h = tile.head;
+  const uint b = tile.batch;
   if (i >= long(params.q_len)) {
     return;
   }
@@ -81,9 +82,10 @@ kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
   threadgroup float do_tile[JFM_ROWS_PER_GROUP * D];
   threadgroup float ds_tile[JFM_ROWS_PER_GROUP * 2 * JFM_SIMD_WIDTH];
 
-  const long i = long(group.x) * JFM_ROWS_PER_GROUP + long(simd_index);
-  const uint h = group.y;
-  const uint b = group.z;
+  const JfmTile tile = jfm_tile_of(params, group);
+  const long i = long(tile.block) * JFM_ROWS_PER_GROUP + long(simd_index);
+  const uint h = tile.head;
+  const uint b = tile.batch;
   if (i >= long(params.q_len)) {
     return;
   }
@@ -153,9 +155,10 @@ kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
   threadgroup float p_tile[JFM_ROWS_PER_GROUP * 2 * JFM_SIMD_WIDTH];
   threadgroup float ds_tile[JFM_ROWS_PER_GROUP * 2 * JFM_SIMD_WIDTH];
 
-  const long j = long(group.x) * JFM_ROWS_PER_GROUP + long(simd_index);
-  const uint hk = group.y;
-  const uint b = group.z;
+  const JfmTile tile = jfm_tile_of(params, group);
+  const long j = long(tile.block) * JFM_ROWS_PER_GROUP + long(simd_index);
+  const uint hk = tile.head;
+  const uint b = tile.batch;
   if (j >= long(params.kv_len)) {
     return;
   }

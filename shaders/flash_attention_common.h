@@ -49,6 +49,24 @@ inline float jfm_finite_or_nan(float x) {
   return (as_type<uint>(x) & 0x7f800000u) != 0x7f800000u ? x : as_type<float>(0x7fc00000u);
 }
 
+// ---- grid position ----
+
+// The (row block, head, batch) a threadgroup works on: its grid position plus the offsets of
+// the submission it belongs to (AttentionParams).
+struct JfmTile {
+  uint block;
+  uint head;
+  uint batch;
+};
+
+inline JfmTile jfm_tile_of(constant AttentionParams& p, uint3 group) {
+  JfmTile t;
+  t.block = group.x + p.block_offset;
+  t.head = group.y + p.head_offset;
+  t.batch = group.z + p.batch_offset;
+  return t;
+}
+
 // ---- lengths and visibility ----
 
 inline long jfm_min(long a, long b) { return a < b ? a : b; }

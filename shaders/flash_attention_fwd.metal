@@ -30,9 +30,10 @@ kernel void flash_attention_fwd JFM_FWD_SIGNATURE(T) {
   threadgroup float q_tile[JFM_ROWS_PER_GROUP * D];
   threadgroup float p_tile[JFM_ROWS_PER_GROUP * 2 * JFM_SIMD_WIDTH];
 
-  const long i = long(group.x) * JFM_ROWS_PER_GROUP + long(simd_index);
-  const uint h = group.y;
-  const uint b = group.z;
+  const JfmTile tile = jfm_tile_of(params, group);
+  const long i = long(tile.block) * JFM_ROWS_PER_GROUP + long(simd_index);
+  const uint h = tile.head;
+  const uint b = tile.batch;
   if (i >= long(params.q_len)) {
     return;  // the whole simdgroup leaves together; no threadgroup-wide barrier follows
   }
