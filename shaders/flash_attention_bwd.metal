@@ -3,8 +3,8 @@
 // parallel over key rows that loops over its kv head's query-head group. Every output element is
 // written by exactly one simdgroup: no atomics, bit-identical results run to run.
 // With log2-domain scores s2 = scale * log2(e) * q.k (computed bit-identically to the forward),
-// the softmax probability of a visible pair is p = exp2((s2 * ln2 - lse) * log2(e))
-// (jfm_probability), dS = p * (dO.v - delta), dQ = scale * dS K, dK = scale * dS^T Q, dV = P^T dO.
+// the softmax probability of a visible pair is p = exp2(s2 - L2) with the forward's base-2
+// statistic L2 = m + log2(l) (jfm_probability), dS = p * (dO.v - delta), dQ = scale * dS K, dK = scale * dS^T Q, dV = P^T dO.
 #include "flash_attention_common.h"
 
 // ---- preprocess: no threadgroup memory ----
@@ -58,7 +58,7 @@ kernel void flash_attention_bwd_preprocess JFM_BWD_PREPROCESS_SIGNATURE(T) {
    device const T* k [[buffer(JFM_BUFFER_K)]],                            \
    device const T* v [[buffer(JFM_BUFFER_V)]],                            \
    device const T* d_o [[buffer(JFM_BUFFER_DO)]],                         \
-   device const float* lse [[buffer(JFM_BUFFER_LSE)]],                    \
+   device const float* l2 [[buffer(JFM_BUFFER_L2)]],                      \
    device const float* delta [[buffer(JFM_BUFFER_DELTA)]],                \
    device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],          \
    device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],        \
@@ -108,7 +108,7 @@ kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
   simdgroup_barrier(mem_flags::mem_threadgroup);
 
   const ulong stat_index = jfm_stat_offset(b, h, i, params.num_heads, params.q_len);
-  const float lse_i = lse[stat_index];
+  const float l2_i = l2[stat_index];
   const float delta_i = delta[stat_index];
   const ulong kv_head_base = jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
   const ulong kv_row_stride = ulong(params.num_kv_heads) * D;
@@ -124,7 +124,7 @@ kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
     float ds = 0.0f;
     if (j <= keys.hi) {
       const ulong key_row = kv_head_base + ulong(j) * kv_row_stride;
-      const float p = jfm_probability(jfm_dot<T, D>(q_s, k + key_row), lse_i);
+      const float p = jfm_probability(jfm_dot<T, D>(q_s, k + key_row), l2_i);
       ds = p * (jfm_dot<T, D>(do_s, v + key_row) - delta_i);
     }
     threadgroup float* ds_block = ds_s + tile_half;
@@ -201,11 +201,11 @@ kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
       float p = 0.0f;
       float ds = 0.0f;
       if (i <= queries.hi) {
-        // Query i sees key j, so its row is not empty and its LSE is finite.
+        // Query i sees key j, so its row is not empty and its L2 is a real statistic.
         const ulong q_row = head_base + ulong(i) * q_row_stride;
         // Scaled like the forward's staged q row, so the score matches it bit for bit.
         p = jfm_probability(jfm_dot_scaled<T, D>(q + q_row, params.scale_log2, k_s),
-                            lse[stat_base + ulong(i)]);
+                            l2[stat_base + ulong(i)]);
         ds = p * (jfm_dot<T, D>(v_s, d_o + q_row) - delta[stat_base + ulong(i)]);
       }
       threadgroup float* p_block = p_s + tile_half;
