@@ -9,6 +9,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attention_params.h"
@@ -78,6 +79,7 @@ struct Problem {
   int64_t batch = 0, q_len = 0, kv_len = 0, heads = 0, kv_heads = 0, head_dim = 0;
   ffi::DataType dtype = ffi::DataType::F32;
   const char* suffix = nullptr;  // f32 / f16 / bf16
+  int element_bytes = 4;
 
   std::vector<int64_t> q_shape() const { return {batch, q_len, heads, head_dim}; }
   std::vector<int64_t> kv_shape() const { return {batch, kv_len, kv_heads, head_dim}; }
@@ -120,6 +122,7 @@ ffi::Error read_problem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, Pr
   if (p->suffix == nullptr) {
     return invalid("query dtype must be float32, float16 or bfloat16");
   }
+  p->element_bytes = p->dtype == ffi::DataType::F32 ? 4 : 2;
   if (k.element_type() != p->dtype || v.element_type() != p->dtype) {
     return invalid("query, key and value must share one dtype");
   }
@@ -241,12 +244,27 @@ Array lengths_array(int index, std::vector<int32_t>& values) {
   return Array{index, values.data(), sizeof(int32_t), false};
 }
 
+// The kernel families of tile_shapes.h by stage name.
+constexpr std::pair<const char*, int> kStageKernels[] = {
+    {"fwd", JFM_KERNEL_FWD},
+    {"bwd_preprocess", JFM_KERNEL_BWD_PREPROCESS},
+    {"bwd_dq", JFM_KERNEL_BWD_DQ},
+    {"bwd_dkdv", JFM_KERNEL_BWD_DKDV}};
+
 struct Stage {
   std::string kernel;
   int64_t rows;   // q_len or kv_len
   int64_t heads;  // num_heads or num_kv_heads
   std::vector<Array> arrays;
+  TileShape shape;  // rows per threadgroup and threads, from tile_shapes.h
 };
+
+Stage make_stage(const char* stage, const Problem& p, int64_t rows, int64_t heads,
+                 std::vector<Array> arrays) {
+  Stage s{kernel_name(stage, p), rows, heads, std::move(arrays), {}};
+  tile_shape(stage, p.element_bytes, static_cast<int>(p.head_dim), &s.shape);
+  return s;
+}
 
 // One submission per chunk of whole batch elements, each running every stage in order on
 // its chunk; chunks are sized so that none exceeds the submission budget.
@@ -264,9 +282,10 @@ std::vector<Submission> plan(const Problem& p, const Options& o, const std::vect
     for (const Stage& stage : stages) {
       Dispatch d;
       d.kernel = stage.kernel;
-      d.groups = {static_cast<uint32_t>((stage.rows + JFM_ROWS_PER_GROUP - 1) / JFM_ROWS_PER_GROUP),
+      const int64_t per_group = stage.shape.rows;
+      d.groups = {static_cast<uint32_t>((stage.rows + per_group - 1) / per_group),
                   static_cast<uint32_t>(stage.heads), static_cast<uint32_t>(nb)};
-      d.group_size = {JFM_THREADS_PER_GROUP, 1, 1};
+      d.group_size = {static_cast<uint32_t>(stage.shape.threads), 1, 1};
       for (const Array& a : stage.arrays) {
         d.buffers.push_back(Binding{a.index, static_cast<char*>(a.base) + b0 * a.batch_stride,
                                     static_cast<size_t>(nb) * a.batch_stride, a.written});
@@ -321,16 +340,13 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
     std::fill(s2, s2 + l2.element_count(), JFM_EMPTY_ROW_L2);
     return ffi::Error::Success();
   }
-  const std::string kernel = kernel_name("fwd", p);
-  if (ffi::Error e = require_kernel(*device, kernel, p); e.failure()) return e;
-  std::vector<Stage> stages = {
-      {kernel,
-       p.q_len,
-       p.heads,
-       {whole(JFM_BUFFER_Q, q, p.batch, false), whole(JFM_BUFFER_K, k, p.batch, false),
-        whole(JFM_BUFFER_V, v, p.batch, false), lengths_array(JFM_BUFFER_Q_LENGTHS, q_lengths),
-        lengths_array(JFM_BUFFER_KV_LENGTHS, kv_lengths), whole(JFM_BUFFER_O, o, p.batch, true),
-        whole(JFM_BUFFER_LSE, lse, p.batch, true), whole(JFM_BUFFER_L2, l2, p.batch, true)}}};
+  const std::vector<Stage> stages = {make_stage(
+      "fwd", p, p.q_len, p.heads,
+      {whole(JFM_BUFFER_Q, q, p.batch, false), whole(JFM_BUFFER_K, k, p.batch, false),
+       whole(JFM_BUFFER_V, v, p.batch, false), lengths_array(JFM_BUFFER_Q_LENGTHS, q_lengths),
+       lengths_array(JFM_BUFFER_KV_LENGTHS, kv_lengths), whole(JFM_BUFFER_O, o, p.batch, true),
+       whole(JFM_BUFFER_LSE, lse, p.batch, true), whole(JFM_BUFFER_L2, l2, p.batch, true)})};
+  if (ffi::Error e = require_kernel(*device, stages[0].kernel, p); e.failure()) return e;
   // Q·K^T and P·V.
   const double work = 2.0 * static_cast<double>(p.q_len) * static_cast<double>(p.kv_len) *
                       static_cast<double>(p.heads) * static_cast<double>(p.head_dim);
@@ -367,12 +383,6 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
     zero(dv);
     return ffi::Error::Success();
   }
-  const std::string pre = kernel_name("bwd_preprocess", p);
-  const std::string kdq = kernel_name("bwd_dq", p);
-  const std::string kdkdv = kernel_name("bwd_dkdv", p);
-  for (const std::string* kernel : {&pre, &kdq, &kdkdv}) {
-    if (ffi::Error e = require_kernel(*device, *kernel, p); e.failure()) return e;
-  }
   const Array aq = whole(JFM_BUFFER_Q, q, p.batch, false);
   const Array ak = whole(JFM_BUFFER_K, k, p.batch, false);
   const Array av = whole(JFM_BUFFER_V, v, p.batch, false);
@@ -385,16 +395,17 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   const Array delta_out = whole(JFM_BUFFER_DELTA, delta, p.batch, true);
   const Array delta_in = whole(JFM_BUFFER_DELTA, delta, p.batch, false);
   const std::vector<Stage> stages = {
-      {pre, p.q_len, p.heads, {ao, ado, aglse, aql, akvl, delta_out}},
-      {kdq,
-       p.q_len,
-       p.heads,
-       {aq, ak, av, ado, al2, delta_in, aql, akvl, whole(JFM_BUFFER_DQ, dq, p.batch, true)}},
-      {kdkdv,
-       p.kv_len,
-       p.kv_heads,
-       {aq, ak, av, ado, al2, delta_in, aql, akvl, whole(JFM_BUFFER_DK, dk, p.batch, true),
-        whole(JFM_BUFFER_DV, dv, p.batch, true)}}};
+      make_stage("bwd_preprocess", p, p.q_len, p.heads, {ao, ado, aglse, aql, akvl, delta_out}),
+      make_stage("bwd_dq", p, p.q_len, p.heads,
+                 {aq, ak, av, ado, al2, delta_in, aql, akvl,
+                  whole(JFM_BUFFER_DQ, dq, p.batch, true)}),
+      make_stage("bwd_dkdv", p, p.kv_len, p.kv_heads,
+                 {aq, ak, av, ado, al2, delta_in, aql, akvl,
+                  whole(JFM_BUFFER_DK, dk, p.batch, true),
+                  whole(JFM_BUFFER_DV, dv, p.batch, true)})};
+  for (const Stage& stage : stages) {
+    if (ffi::Error e = require_kernel(*device, stage.kernel, p); e.failure()) return e;
+  }
   // dQ recomputes S and dP and forms dS·K; dK/dV recompute S and dP and form P^T·dO and dS^T·Q.
   const double work = 7.0 * static_cast<double>(p.q_len) * static_cast<double>(p.kv_len) *
                       static_cast<double>(p.heads) * static_cast<double>(p.head_dim);
@@ -485,6 +496,18 @@ Device* get_metal_device(std::string* why) {
 #endif
 
 }  // namespace
+
+bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape) {
+  for (const auto& [name, family] : kStageKernels) {
+    if (stage != name) continue;
+    *shape = TileShape{jfm_tile_rows(family, element_bytes, head_dim),
+                       jfm_tile_cols(family, element_bytes, head_dim),
+                       jfm_tile_simdgroups(family, element_bytes, head_dim),
+                       jfm_tile_threads(family, element_bytes, head_dim)};
+    return true;
+  }
+  return false;
+}
 
 uint64_t set_submission_budget(uint64_t multiply_adds) {
   return g_submission_budget.exchange(std::max<uint64_t>(multiply_adds, 1));

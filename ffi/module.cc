@@ -128,6 +128,28 @@ void bind_devices(nb::module_& m) {
       },
       "dict[str, str]: the embedded shaders/*.metal sources (quoted includes inlined) that the "
       "Metal device compiles at run time.");
+  m.def(
+      "tile_shape",
+      [](const std::string& stage, const std::string& dtype, int head_dim) {
+        const int element_bytes = dtype == "f32" ? 4 : dtype == "f16" || dtype == "bf16" ? 2 : 0;
+        TileShape shape;
+        if (element_bytes == 0 || !tile_shape(stage, element_bytes, head_dim, &shape)) {
+          throw nb::value_error(("no tile shape for stage '" + stage + "' and dtype '" + dtype +
+                                 "' (stages fwd, bwd_preprocess, bwd_dq, bwd_dkdv; dtypes f32, "
+                                 "f16, bf16)").c_str());
+        }
+        nb::dict d;
+        d["rows"] = shape.rows;
+        d["cols"] = shape.cols;
+        d["simdgroups"] = shape.simdgroups;
+        d["threads"] = shape.threads;
+        return d;
+      },
+      nb::arg("stage"), nb::arg("dtype"), nb::arg("head_dim"),
+      "dict(rows, cols, simdgroups, threads): the dispatch shape of shaders/tile_shapes.h for a "
+      "kernel stage ('fwd', 'bwd_preprocess', 'bwd_dq', 'bwd_dkdv'), dtype ('f32', 'f16', "
+      "'bf16') and head dim: rows per threadgroup, block size of the traversed dimension, "
+      "simdgroups and threads per threadgroup. ValueError for an unknown stage or dtype.");
 }
 
 }  // namespace

@@ -103,7 +103,7 @@ kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
   threadgroup float* q_s = q_tile + simd_index * D;
   threadgroup float* do_s = do_tile + simd_index * D;
   threadgroup float* ds_s = ds_tile + simd_index * 2 * JFM_SIMD_WIDTH;
-  jfm_stage_row<T, D>(q_s, q + row, params.scale_log2, lane);
+  jfm_stage_row<T, D>(q_s, q + row, 1.0f, lane);
   jfm_stage_row<T, D>(do_s, d_o + row, 1.0f, lane);
   simdgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -124,7 +124,8 @@ kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
     float ds = 0.0f;
     if (j <= keys.hi) {
       const ulong key_row = kv_head_base + ulong(j) * kv_row_stride;
-      const float p = jfm_probability(jfm_dot<T, D>(q_s, k + key_row), l2_i);
+      const float p = jfm_probability(jfm_score_log2<D>(q_s, k + key_row, params.scale_log2),
+                                      l2_i);
       ds = p * (jfm_dot<T, D>(do_s, v + key_row) - delta_i);
     }
     threadgroup float* ds_block = ds_s + tile_half;
@@ -203,8 +204,7 @@ kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
       if (i <= queries.hi) {
         // Query i sees key j, so its row is not empty and its L2 is a real statistic.
         const ulong q_row = head_base + ulong(i) * q_row_stride;
-        // Scaled like the forward's staged q row, so the score matches it bit for bit.
-        p = jfm_probability(jfm_dot_scaled<T, D>(q + q_row, params.scale_log2, k_s),
+        p = jfm_probability(jfm_score_log2<D>(q + q_row, k_s, params.scale_log2),
                             l2[stat_base + ulong(i)]);
         ds = p * (jfm_dot<T, D>(v_s, d_o + q_row) - delta[stat_base + ulong(i)]);
       }
@@ -296,3 +296,21 @@ JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d192", "flash_attention
                     "flash_attention_bwd_dkdv_bf16_d192", ushort, 192)
 JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d256", "flash_attention_bwd_dq_bf16_d256",
                     "flash_attention_bwd_dkdv_bf16_d256", ushort, 256)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d8", "flash_attention_bwd_dq_f32_d8",
+                    "flash_attention_bwd_dkdv_f32_d8", float, 8)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d72", "flash_attention_bwd_dq_f32_d72",
+                    "flash_attention_bwd_dkdv_f32_d72", float, 72)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d112", "flash_attention_bwd_dq_f32_d112",
+                    "flash_attention_bwd_dkdv_f32_d112", float, 112)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d8", "flash_attention_bwd_dq_f16_d8",
+                    "flash_attention_bwd_dkdv_f16_d8", half, 8)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d72", "flash_attention_bwd_dq_f16_d72",
+                    "flash_attention_bwd_dkdv_f16_d72", half, 72)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d112", "flash_attention_bwd_dq_f16_d112",
+                    "flash_attention_bwd_dkdv_f16_d112", half, 112)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d8", "flash_attention_bwd_dq_bf16_d8",
+                    "flash_attention_bwd_dkdv_bf16_d8", ushort, 8)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d72", "flash_attention_bwd_dq_bf16_d72",
+                    "flash_attention_bwd_dkdv_bf16_d72", ushort, 72)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d112", "flash_attention_bwd_dq_bf16_d112",
+                    "flash_attention_bwd_dkdv_bf16_d112", ushort, 112)

@@ -1,9 +1,10 @@
 """Runs the attention kernels of shaders/*.metal on the MSL-on-CPU emulator, the way the host does.
 
 `AttentionParams` is packed with a NumPy structured dtype that mirrors shaders/attention_params.h
-field for field; grids follow that header: (ceil(rows / 4), heads, batch) threadgroups of 128
-threads, rows/heads = q_len/num_heads for fwd, bwd_preprocess and bwd_dq and kv_len/num_kv_heads
-for bwd_dkdv, and zero-size grids are not dispatched. Inputs and outputs are NumPy arrays of
+field for field; grids follow shaders/tile_shapes.h (read through the extension's `tile_shape`):
+(ceil(rows / rows_per_group), heads, batch) threadgroups, rows/heads = q_len/num_heads for fwd,
+bwd_preprocess and bwd_dq and kv_len/num_kv_heads for bwd_dkdv, and zero-size grids are not
+dispatched. Inputs and outputs are NumPy arrays of
 float32, float16 or ml_dtypes.bfloat16 (passed to the kernels as uint16 bits). Outputs start
 filled with NaN so anything a kernel fails to write shows up.
 """
@@ -13,13 +14,11 @@ import math
 import ml_dtypes
 import numpy as np
 
-from jax_flash_metal._ext import emulator
+from jax_flash_metal._ext import emulator, tile_shape
 
-ROWS_PER_GROUP = 4  # JFM_ROWS_PER_GROUP
-THREADS_PER_GROUP = 128  # JFM_THREADS_PER_GROUP
 UNBOUNDED = -1  # JFM_UNBOUNDED
 EMPTY_ROW_L2 = np.float32(1.70141173e38)  # JFM_EMPTY_ROW_L2
-HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256)
+HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
 DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
           "bf16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -101,13 +100,15 @@ def _lengths(lengths):
     return np.ascontiguousarray(np.asarray(lengths, dtype=np.int32))
 
 
-def _dispatch(name, buffers, rows, heads, batch, schedule, seed):
-    groups = (math.ceil(rows / ROWS_PER_GROUP), heads, batch)
+def _dispatch(kind, dtype, head_dim, buffers, rows, heads, batch, schedule, seed):
+    shape = tile_shape(kind, type_name(dtype), head_dim)
+    groups = (math.ceil(rows / shape["rows"]), heads, batch)
     if 0 in groups:
         return  # the host never dispatches an empty grid
     bound = {index: _device(array) for index, array in buffers.items()}
     # Outputs are created C-contiguous, so `bound` holds them or uint16 views of them.
-    emulator.run(name, bound, groups, (THREADS_PER_GROUP, 1, 1), schedule=schedule, seed=seed)
+    emulator.run(kernel_name(kind, dtype, head_dim), bound, groups, (shape["threads"], 1, 1),
+                 schedule=schedule, seed=seed)
 
 
 def forward(q, k, v, *, schedule="forward", seed=0, **mask):
@@ -122,7 +123,7 @@ def forward(q, k, v, *, schedule="forward", seed=0, **mask):
     o = _output(q.shape, q.dtype)
     lse = _output((batch, heads, q_len), np.float32)
     l2 = _output((batch, heads, q_len), np.float32)
-    _dispatch(kernel_name("fwd", q.dtype, head_dim),
+    _dispatch("fwd", q.dtype, head_dim,
               {Q: q, K: k, V: v, Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
                KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths")), O: o, LSE: lse, L2: l2,
                PARAMS: params}, q_len, heads, batch, schedule, seed)
@@ -144,17 +145,17 @@ def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, **ma
         g_lse = np.zeros((batch, heads, q_len), np.float32)
     g_lse = np.ascontiguousarray(g_lse, dtype=np.float32)
     delta = _output((batch, heads, q_len), np.float32)
-    _dispatch(kernel_name("bwd_preprocess", q.dtype, head_dim),
+    _dispatch("bwd_preprocess", q.dtype, head_dim,
               {O: o, DO: do, G_LSE: g_lse, Q_LENGTHS: q_lengths, DELTA: delta, PARAMS: params},
               q_len, heads, batch, schedule, seed)
     inputs = {Q: q, K: k, V: v, DO: do, L2: l2, DELTA: delta, Q_LENGTHS: q_lengths,
               KV_LENGTHS: kv_lengths, PARAMS: params}
     dq = _output(q.shape, q.dtype)
-    _dispatch(kernel_name("bwd_dq", q.dtype, head_dim), {**inputs, DQ: dq},
+    _dispatch("bwd_dq", q.dtype, head_dim, {**inputs, DQ: dq},
               q_len, heads, batch, schedule, seed)
     dk = _output(k.shape, k.dtype)
     dv = _output(v.shape, v.dtype)
-    _dispatch(kernel_name("bwd_dkdv", q.dtype, head_dim), {**inputs, DK: dk, DV: dv},
+    _dispatch("bwd_dkdv", q.dtype, head_dim, {**inputs, DK: dk, DV: dv},
               kv_len, kv_heads, batch, schedule, seed)
     return dq, dk, dv, delta
 

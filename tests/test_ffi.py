@@ -20,7 +20,7 @@ from jax_flash_metal import ffi_lowering, flash_attention  # noqa: E402
 
 FWD = "jax_flash_metal_attention_fwd_emulator"
 BWD = "jax_flash_metal_attention_bwd_emulator"
-HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256)
+HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
 STAGES = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")
 EMPTY_ROW_L2 = np.float32(1.70141173e38)  # JFM_EMPTY_ROW_L2 of shaders/attention_params.h
 
