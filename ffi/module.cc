@@ -9,12 +9,14 @@
 
 #include "attention_ffi.h"
 #include "device.h"
+#include "emulator_profile.h"
 #include "shader_sources.h"
 
 namespace nb = nanobind;
 
 namespace jfm {
-void bind_emulator(nb::module_& m);  // ffi/emulator/bindings.cc
+void bind_emulator(nb::module_& m);                // ffi/emulator/bindings.cc
+nb::dict profile_to_dict(const emu::Profile& p);  // ffi/emulator/bindings.cc
 
 namespace {
 
@@ -114,6 +116,34 @@ void bind_devices(nb::module_& m) {
       "_set_emulator_fault", [](const std::string& kernel) { set_emulator_fault(kernel); },
       nb::arg("kernel"),
       "Test hook: emulated runs of this kernel fail with a device error ('' turns it off).");
+  m.def(
+      "set_emulator_profiling",
+      [](bool on) {
+        std::string error = set_emulator_profiling(on);
+        if (!error.empty()) throw std::runtime_error(error);
+      },
+      nb::arg("on"),
+      "Kernel profile: while on, every kernel the emulated device runs uses its counting "
+      "variant and is recorded (turning it on clears earlier records). RuntimeError if this "
+      "build has no counting variants.");
+  m.def(
+      "take_emulator_profile",
+      [] {
+        nb::list records;
+        for (const ProfileRecord& r : take_emulator_profile()) {
+          nb::dict d = profile_to_dict(r.counts);
+          d["kernel"] = r.kernel;
+          d["groups"] = nb::make_tuple(r.groups[0], r.groups[1], r.groups[2]);
+          d["group_size"] = nb::make_tuple(r.group_size[0], r.group_size[1], r.group_size[2]);
+          d["constants"] = nb::bytes(r.constants.data(), r.constants.size());
+          records.append(d);
+        }
+        return records;
+      },
+      "list[dict]: one record per kernel launch since profiling was turned on, in launch "
+      "order (kernel, groups, group_size, constants: the AttentionParams bytes, and the counts "
+      "of emulator.run(..., profile=True)); "
+      "clears them.");
   m.def("_set_submission_budget", &set_submission_budget, nb::arg("multiply_adds"),
         "Test hook: work per submission (command buffer) before a call is split by batch; "
         "returns the previous value.");
