@@ -173,13 +173,17 @@ void bind_devices(nb::module_& m) {
         d["cols"] = shape.cols;
         d["simdgroups"] = shape.simdgroups;
         d["threads"] = shape.threads;
+        d["q_in_registers"] = shape.q_in_registers;
+        d["kv_one_buffer"] = shape.kv_one_buffer;
         return d;
       },
       nb::arg("stage"), nb::arg("dtype"), nb::arg("head_dim"),
-      "dict(rows, cols, simdgroups, threads): the dispatch shape of shaders/tile_shapes.h for a "
-      "kernel stage ('fwd', 'bwd_preprocess', 'bwd_dq', 'bwd_dkdv'), dtype ('f32', 'f16', "
-      "'bf16') and head dim: rows per threadgroup, block size of the traversed dimension, "
-      "simdgroups and threads per threadgroup. ValueError for an unknown stage or dtype.");
+      "dict(rows, cols, simdgroups, threads, q_in_registers, kv_one_buffer): the tile shape of "
+      "shaders/tile_shapes.h for a kernel stage ('fwd', 'bwd_preprocess', 'bwd_dq', "
+      "'bwd_dkdv'), dtype ('f32', 'f16', 'bf16') and head dim: rows per threadgroup, block size "
+      "of the traversed dimension, simdgroups and threads per threadgroup; forward only: Q kept "
+      "in registers, K and V sharing one threadgroup buffer. ValueError for an unknown stage or "
+      "dtype.");
 }
 
 }  // namespace

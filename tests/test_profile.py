@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jax_flash_metal import profile, roofline
+from jax_flash_metal import _ext as ext
 from jax_flash_metal._ext import emulator
 
 ZERO = dict(threadgroup_bytes_read=0, threadgroup_bytes_written=0, mma_ops=0, simd_ops=0,
@@ -106,16 +107,61 @@ def test_barrier_loop():
                   mma_ops=0, fma_ops=0, threadgroup_memory_bytes=group * 4)
 
 
-# ---- today's attention kernels (one simdgroup per row, JFM_ROWS_PER_GROUP = 4) --------------
-# The closed forms below follow the loop structure of shaders/flash_attention_{fwd,bwd}.metal as
-# of the row-per-simdgroup kernels. The tiled kernels replace these kernels: replace this section
-# with the formulas of the new loop structure (test_attention_counts stays as it is).
+# ---- today's attention kernels: the tiled forward, and the backward with one simdgroup per row
+# (JFM_ROWS_PER_GROUP = 4) ----------------------------------------------------------------------
+# The closed forms below follow the loop structure of shaders/flash_attention_{fwd,bwd}.metal. The
+# tiled backward kernels replace the row-per-simdgroup ones: replace their formulas with those of
+# the new loop structure (test_attention_counts stays as it is).
 
 ROWS_PER_GROUP = 4
 SIMD = 32
 
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+TYPE_NAME = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def tiled_forward_counts(problem, mask):
+    """Counts of the tiled forward: per threadgroup (a block of BQ query rows), Q staged once,
+    then for every key block meeting the block's visible union [lo, hi]: K and V staged (only
+    their rows inside the union read from device memory), S = Q K^T and O += P V as 8x8 MMAs,
+    two row-max shuffles; at the end two row-sum shuffles and the stores of O, LSE and L2."""
+    shape = ext.tile_shape("fwd", TYPE_NAME[problem.dtype], problem.head_dim)
+    bq, bk, sg, threads = shape["rows"], shape["cols"], shape["simdgroups"], shape["threads"]
+    s, d, h = ITEMSIZE[problem.dtype], problem.head_dim, problem.heads
+    df, kf = d // 8, bk // 8
+    stride = d + 16 // s  # padded tile rows
+    lengths_read = 4 * threads * ((problem.q_lengths is not None)
+                                  + (problem.kv_lengths is not None))
+    q_valid = (np.asarray(problem.q_lengths) if problem.q_lengths is not None
+               else np.full(problem.batch, problem.q_len))
+    c = dict(threadgroups=0, device_bytes_read=0, device_bytes_written=0,
+             threadgroup_bytes_written=0, threadgroup_bytes_read=0, simd_ops=0, barriers=0,
+             mma_ops=0, fma_ops=0)
+    for b in range(problem.batch):
+        for i0 in range(0, problem.q_len, bq):
+            rows = min(bq, problem.q_len - i0)
+            c["threadgroups"] += 1
+            c["device_bytes_read"] += lengths_read
+            c["device_bytes_written"] += rows * (d * s + 8)
+            c["simd_ops"] += 2 * sg
+            keys = np.flatnonzero(mask[b, i0:i0 + bq].any(axis=0))
+            if keys.size == 0:
+                continue  # no row of the block sees a key: nothing staged
+            lo, hi = keys[0], keys[-1]
+            blocks = hi // bk - lo // bk + 1
+            valid = int(np.clip(q_valid[b] - i0, 0, bq))
+            c["device_bytes_read"] += (valid + 2 * (hi - lo + 1)) * d * s
+            c["threadgroup_bytes_written"] += bq * d * s + 4 + blocks * 2 * bk * d * s
+            q_frag_reads = 1 if shape["q_in_registers"] else blocks
+            c["threadgroup_bytes_read"] += threads * (
+                q_frag_reads * df * 2 * s + blocks * (2 * kf * df * 2 * s + 4))
+            c["barriers"] += 1 + blocks * (4 if shape["kv_one_buffer"] else 2)
+            c["mma_ops"] += blocks * sg * 2 * df * kf
+            c["simd_ops"] += blocks * 2 * sg
+    c = {k: int(v) * (h if k != "fma_ops" else 1) for k, v in c.items()}
+    c["threadgroup_memory_bytes"] = (bq + (1 if shape["kv_one_buffer"] else 2) * bk) * stride * s + 4
+    return c
 
 
 def expected_counts(problem):
@@ -132,18 +178,11 @@ def expected_counts(problem):
     def tally(**c):
         return {k: int(v) for k, v in c.items()}
 
+    out["fwd"] = tiled_forward_counts(problem, mask)
     n = mask.sum(axis=2)          # [batch, q_len] visible keys per query row
     nb = -(-n // SIMD)            # key blocks of 32
     live = n > 0
     rows = problem.batch * problem.q_len * h
-    out["fwd"] = tally(
-        threadgroups=-(-problem.q_len // ROWS_PER_GROUP) * h * problem.batch,
-        device_bytes_read=h * ((live * d * s).sum() + (2 * n * d * s).sum()) + rows * lanes_lengths,
-        device_bytes_written=rows * (d * s + 4),
-        threadgroup_bytes_written=h * (live * 4 * d + 4 * SIMD * nb).sum(),
-        threadgroup_bytes_read=h * (4 * d * n + 4 * SIMD * n).sum(),
-        simd_ops=h * (live * 2 + 2 * nb).sum(), barriers=0, mma_ops=0, fma_ops=h * (2 * n * d).sum(),
-        threadgroup_memory_bytes=ROWS_PER_GROUP * (d + 2 * SIMD) * 4)
     valid = np.arange(problem.q_len)[None, :] < q_valid[:, None]  # [batch, q_len]
     q_lengths_read = 4 * SIMD * (problem.q_lengths is not None)
     out["bwd_preprocess"] = tally(
@@ -161,7 +200,9 @@ def expected_counts(problem):
         device_bytes_written=rows * d * s,
         threadgroup_bytes_written=h * (live * 2 * 4 * d + 4 * SIMD * nb).sum(),
         threadgroup_bytes_read=h * (2 * 4 * d * n + 4 * SIMD * n).sum(),
-        simd_ops=h * (live + nb).sum(), barriers=0, mma_ops=0, fma_ops=h * (3 * n * d).sum(),
+        # fma in the dP dot product and the dS K axpy; the score is formed without fma, in the
+        # forward's MMA order (jfm_score_log2).
+        simd_ops=h * (live + nb).sum(), barriers=0, mma_ops=0, fma_ops=h * (2 * n * d).sum(),
         threadgroup_memory_bytes=ROWS_PER_GROUP * (2 * d + 2 * SIMD) * 4)
     m = mask.sum(axis=1)          # [batch, kv_len] visible queries per key row
     mb = -(-m // SIMD)
@@ -176,7 +217,7 @@ def expected_counts(problem):
         threadgroup_bytes_written=hk * (live_k * 2 * 4 * d + g * mb * 2 * 4 * SIMD).sum(),
         threadgroup_bytes_read=hk * (g * m * (2 * 4 * d + 2 * 4 * SIMD)).sum(),
         simd_ops=hk * (live_k + g * mb).sum(), barriers=0, mma_ops=0,
-        fma_ops=hk * (g * m * 4 * d).sum(),
+        fma_ops=hk * (g * m * 3 * d).sum(),  # dP, and the dV and dK axpys
         threadgroup_memory_bytes=ROWS_PER_GROUP * (2 * d + 4 * SIMD) * 4)
     return out
 
@@ -208,7 +249,8 @@ def test_attention_counts(argv):
     for _, r in runs:
         stage = profile.KERNEL_NAME.match(r["kernel"]).group("stage")
         seen.append(stage)
-        assert r["threads_per_threadgroup"] == ROWS_PER_GROUP * SIMD
+        shape = ext.tile_shape(stage, TYPE_NAME[problem.dtype], problem.head_dim)
+        assert r["threads_per_threadgroup"] == shape["threads"]
         got = {k: r[k] for k in expected[stage]}
         assert got == expected[stage], stage
     assert seen == ["fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv"]
