@@ -66,7 +66,7 @@ class EmulatedDevice final : public Device {
             emu::Arg{const_cast<uint8_t*>(d.constants.data()), d.constants.size()};
         launch.groups = d.groups;
         launch.group_size = d.group_size;
-        ProfileRecord record{d.kernel, d.groups, d.group_size, d.constants, {}};
+        ProfileRecord record{d.kernel, d.groups, d.group_size, {}};
         const bool profiling = g_profiling.load();
         launch.profile = profiling ? &record.counts : nullptr;
         std::string error = emu::run(d.kernel, args, launch);

@@ -16,7 +16,6 @@ struct ProfileRecord {
   std::string kernel;
   std::array<uint32_t, 3> groups;      // threadgroups per grid of the Dispatch
   std::array<uint32_t, 3> group_size;  // threads per threadgroup
-  std::vector<uint8_t> constants;      // the Dispatch's constant bytes (AttentionParams)
   emu::Profile counts;
 };
 

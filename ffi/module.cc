@@ -135,14 +135,12 @@ void bind_devices(nb::module_& m) {
           d["kernel"] = r.kernel;
           d["groups"] = nb::make_tuple(r.groups[0], r.groups[1], r.groups[2]);
           d["group_size"] = nb::make_tuple(r.group_size[0], r.group_size[1], r.group_size[2]);
-          d["constants"] = nb::bytes(r.constants.data(), r.constants.size());
           records.append(d);
         }
         return records;
       },
       "list[dict]: one record per kernel launch since profiling was turned on, in launch "
-      "order (kernel, groups, group_size, constants: the AttentionParams bytes, and the counts "
-      "of emulator.run(..., profile=True)); "
+      "order (kernel, groups, group_size and the counts of emulator.run(..., profile=True)); "
       "clears them.");
   m.def("_set_submission_budget", &set_submission_budget, nb::arg("multiply_adds"),
         "Test hook: work per submission (command buffer) before a call is split by batch; "

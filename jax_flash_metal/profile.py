@@ -23,6 +23,15 @@ device byte (read + written).
 
 Modelled (``roofline.py``, not measured): per launch and GPU, the bound (compute / device /
 threadgroup memory), the modelled time and the modelled percent of peak FLOP/s.
+
+``--json PATH`` writes a JSON list with one record per launch, in launch order, with exactly the
+keys of ``JSON_KEYS``: the problem (kernel, dtype, head_dim, batch, q_len, kv_len, heads,
+kv_heads, causal), the exact counts (threadgroups, threads_per_threadgroup,
+threadgroup_memory_bytes, device_bytes_read, device_bytes_written, threadgroup_bytes_read,
+threadgroup_bytes_written: bytes; mma_ops, simd_ops, barriers: counts as defined in
+ffi/emulator/README.md), useful_flops (analytic), and ``model``: the roofline MODEL, not a
+measurement, {GPU name: {"bound": "compute" | "device" | "threadgroup", "seconds": modelled
+time, "percent_of_peak": modelled useful FLOP/s over peak FLOP/s, in percent}}.
 """
 
 from __future__ import annotations
@@ -30,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import struct
 import sys
 import time
 
@@ -57,16 +65,8 @@ JSON_KEYS = ("kernel", *PROBLEM_KEYS, *COUNT_KEYS, "useful_flops", "model")
 # stage (kernel names are flash_attention_<stage>_<dtype>_d<D>). Forward 4·D; backward 10·D as a
 # whole. A new kernel stage must be added here.
 USEFUL_FLOPS_PER_PAIR = {"fwd": 4, "decode": 4, "bwd_preprocess": 0, "bwd_dq": 2, "bwd_dkdv": 8}
-# Stages whose grid's y dimension runs over kv heads (each threadgroup covers its query-head group).
-KV_HEAD_STAGES = {"bwd_dkdv"}
+MMA_FLOPS = 2 * 8 * 8 * 8  # one simdgroup_multiply_accumulate: an 8x8x8 multiply-add
 KERNEL_NAME = re.compile(r"^flash_attention_(?P<stage>\w+?)_(?:f32|f16|bf16)_d\d+$")
-
-# AttentionParams (shaders/attention_params.h): 6 uint, 2 float, 2 int, 7 uint = 68 bytes.
-PARAMS_FORMAT = "<6I2f2i7I"
-PARAMS_FIELDS = ("batch", "q_len", "kv_len", "num_heads", "num_kv_heads", "head_dim", "scale",
-                 "scale_log2", "window_left", "window_right", "causal", "bottom_right",
-                 "has_q_lengths", "has_kv_lengths", "block_offset", "head_offset", "batch_offset")
-
 
 def _ext():
     from . import _ext as ext  # the native extension; absent in an unbuilt source tree
@@ -81,7 +81,8 @@ def _positive(text):
 
 
 def _window(text):
-    """"W" -> (W, W); "L,R" -> (L, R); an empty side ("L," or ",R") is unbounded."""
+    """"W" -> (W, W); "L,R" -> (L, R); an empty side ("L," or ",R") is unbounded (None), as
+    flash_attention's local_window_size takes it."""
     parts = text.split(",")
     if len(parts) > 2:
         raise argparse.ArgumentTypeError(f"expected W or LEFT,RIGHT, got {text!r}")
@@ -90,14 +91,15 @@ def _window(text):
         left, right = validation.check_window(bounds[0] if len(bounds) == 1 else tuple(bounds))
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"bad window {text!r}: {e}") from None
-    return left, right
+    return tuple(None if b == validation.UNBOUNDED else b for b in (left, right))
 
 
 def _lengths(text):
     try:
         values = [int(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
     if any(x < 0 for x in values):
         raise argparse.ArgumentTypeError(f"lengths must be >= 0, got {text!r}")
     return values
@@ -118,7 +120,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-len", type=_positive, default=None,
                    help="key/value length (default: --q-len)")
     p.add_argument("--heads", type=_positive, default=4, help="query heads")
-    p.add_argument("--kv-heads", type=_positive, default=4, help="key/value heads (divides --heads)")
+    p.add_argument("--kv-heads", type=_positive, default=4,
+                   help="key/value heads (divides --heads)")
     p.add_argument("--causal", action="store_true", help="causal masking")
     p.add_argument("--causal-alignment", choices=("top_left", "bottom_right"), default="top_left",
                    help="alignment of the causal diagonal and the window")
@@ -180,7 +183,7 @@ class Problem:
 
     def visibility(self) -> np.ndarray:
         """bool [batch, q_len, kv_len]: may query row i see key j (reference.visibility)."""
-        left, right = self.window if self.window else (-1, -1)
+        left, right = validation.check_window(self.window)
         lengths = [None if x is None else jnp.asarray(x, jnp.int32)
                    for x in (self.q_lengths, self.kv_lengths)]
         mask, _ = reference.visibility(self.batch, self.q_len, self.kv_len, *lengths,
@@ -232,40 +235,48 @@ def _stage(kernel: str) -> str:
     return m.group("stage")
 
 
-def useful_flops(problem: Problem, records: list[dict]) -> list[int]:
-    """Analytic useful FLOPs of each launch record.
+def useful_flops(problem: Problem, runs: list[tuple[str, dict]]) -> list[int]:
+    """Analytic useful FLOPs of each launch of ``runs`` ((pass, record) pairs).
 
-    A launch covers the batches [batch_offset, batch_offset + groups.z) and heads
-    [head_offset, head_offset + groups.y) of its AttentionParams (kv heads for the dK/dV stage,
-    each standing for its query-head group); launches of one kernel that split the same heads and
-    batches by row blocks share their FLOPs in proportion to their threadgroups along x.
+    A stage's total (USEFUL_FLOPS_PER_PAIR[stage] · D · visible pairs · query heads) is exact.
+    When a call is split into several submissions a stage has several launches; they share the
+    total in proportion to their executed matmul FLOPs (exact for today's kernels, whose fma count
+    is proportional to the visible pairs they cover; by threadgroups if a stage executes none).
     """
-    pairs = problem.visible_pairs()
-    group_size = problem.heads // problem.kv_heads
-    covered, blocks = [], {}
-    for r in records:
+    pairs = int(problem.visible_pairs().sum()) * problem.heads
+    weights, members = [], {}
+    for n, (pass_name, r) in enumerate(runs):
         stage = _stage(r["kernel"])
-        p = dict(zip(PARAMS_FIELDS, struct.unpack(PARAMS_FORMAT, r["constants"])))
-        gx, gy, gz = r["groups"]
-        heads = gy * (group_size if stage in KV_HEAD_STAGES else 1)
-        batch_pairs = int(pairs[p["batch_offset"]:p["batch_offset"] + gz].sum())
-        key = (r["kernel"], p["head_offset"], p["batch_offset"], gy, gz)
-        blocks[key] = blocks.get(key, 0) + gx
-        covered.append((key, gx, USEFUL_FLOPS_PER_PAIR[stage] * problem.head_dim * batch_pairs
-                        * heads))
-    return [flops * gx // blocks[key] for key, gx, flops in covered]
+        weights.append(_executed_flops(r))
+        members.setdefault((pass_name, stage), []).append(n)
+    flops = [0] * len(runs)
+    for (_, stage), launches in members.items():
+        total = USEFUL_FLOPS_PER_PAIR[stage] * problem.head_dim * pairs
+        w = [weights[n] for n in launches]
+        if not sum(w):
+            w = [runs[n][1]["threadgroups"] for n in launches]
+        shares = [total * x // max(sum(w), 1) for x in w]
+        shares[-1] += total - sum(shares)  # integer shares that add up to the total
+        for n, share in zip(launches, shares):
+            flops[n] = share
+    return flops
+
+
+def _executed_flops(r: dict) -> int:
+    """Executed matmul FLOPs of a launch record: MMA (8x8x8 each) plus scalar fma."""
+    return r["mma_ops"] * MMA_FLOPS + 2 * r["fma_ops"]
 
 
 def profile_records(problem: Problem, passes, gpus) -> list[dict]:
     """One record per launch: the JSON keys plus "pass" and derived figures for the table."""
     runs = run_problem(problem, passes)
-    flops = useful_flops(problem, [r for _, r in runs])
+    flops = useful_flops(problem, runs)
     out = []
     for (pass_name, r), useful in zip(runs, flops):
         device_bytes = r["device_bytes_read"] + r["device_bytes_written"]
         tg_bytes = r["threadgroup_bytes_read"] + r["threadgroup_bytes_written"]
-        mma_flops = r["mma_ops"] * 2 * 512
-        executed = mma_flops + 2 * r["fma_ops"]
+        mma_flops = r["mma_ops"] * MMA_FLOPS
+        executed = _executed_flops(r)
         record = {
             "kernel": r["kernel"], **{k: getattr(problem, k) for k in PROBLEM_KEYS},
             **{k: r[k] for k in COUNT_KEYS},
@@ -300,7 +311,8 @@ def format_tables(records: list[dict], gpus) -> str:
         lines.append(
             f"{r['kernel']:<40} {r['pass']:<8} {grid:>13} {r['threads_per_threadgroup']:>6} "
             f"{r['threadgroup_memory_bytes'] / 1024:>6.1f} {r['device_bytes_read'] / 1e6:>10.1f} "
-            f"{r['device_bytes_written'] / 1e6:>9.2f} {tg_mb:>9.1f} {r['useful_flops'] / 1e9:>9.3f} "
+            f"{r['device_bytes_written'] / 1e6:>9.2f} {tg_mb:>9.1f} "
+            f"{r['useful_flops'] / 1e9:>9.3f} "
             f"{r['mma_flops'] / 1e9:>7.3f} {_ratio(r['useful_flops'], device, '{:.2f}'):>10} "
             f"{_ratio(r['mma_flops'], r['executed_flops'], '{:.0%}'):>9}")
     cell = 21

@@ -310,7 +310,8 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         profile.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for default in ("(default: ['float16'])", "(default: [64, 128])", "--batch BATCH batch size (default: 1)",
+    for default in ("(default: ['float16'])", "(default: [64, 128])",
+                    "--batch BATCH batch size (default: 1)",
                     "(default: 1024)", "--heads HEADS query heads (default: 4)",
                     "(default: ['forward', 'backward'])"):
         assert default in text
@@ -344,3 +345,29 @@ def test_model_bounds():
                               threadgroup_bytes=64 * 8 * 1.278e9, threadgroups=64)
     assert t["bound"] == "threadgroup" and t["seconds"] == pytest.approx(1.0)
     assert math.isclose(t["percent_of_peak"], 0.0)
+
+
+def test_split_submissions_share_counts_and_useful_flops():
+    """A call split into one submission per batch entry launches every kernel twice; the launches'
+    counts and useful FLOPs add up to those of the unsplit call."""
+    from jax_flash_metal import _ext
+    problem = make_problem(["--dtype", "float32", "--head-dim", "16", "--batch", "2", "--q-len",
+                            "12", "--kv-len", "20", "--heads", "2", "--kv-heads", "1",
+                            "--q-lengths", "12,5", "--window", "4,"])
+    whole = profile.profile_records(problem, profile.PASSES, ["M1"])
+    previous = _ext._set_submission_budget(1)
+    try:
+        split = profile.profile_records(problem, profile.PASSES, ["M1"])
+    finally:
+        _ext._set_submission_budget(previous)
+    assert len(split) == 2 * len(whole)
+    additive = [k for k in profile.COUNT_KEYS
+                if k not in ("threads_per_threadgroup", "threadgroup_memory_bytes")]
+    for r in whole:
+        parts = [s for s in split if s["kernel"] == r["kernel"]]
+        assert len(parts) == 2
+        for k in additive + ["useful_flops"]:
+            assert sum(p[k] for p in parts) == r[k], (r["kernel"], k)
+    pairs = problem.visible_pairs().sum()
+    assert sum(r["useful_flops"] for r in split if r["pass"] == "forward") == 4 * 16 * 2 * pairs
+    assert sum(r["useful_flops"] for r in split if r["pass"] == "backward") == 10 * 16 * 2 * pairs

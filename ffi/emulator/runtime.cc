@@ -120,6 +120,7 @@ struct Tally {
   uintptr_t lo[kMaxBuffers] = {};
   uint64_t size[kMaxBuffers] = {};
   int index[kMaxBuffers] = {};
+  int last = 0;  // the range of the previous access (size 0 when there is none)
   Counts counts;
 };
 // Initial-exec TLS: one load per access instead of a __tls_get_addr call.
@@ -133,12 +134,14 @@ inline void tally_access(const void* p, uint64_t n, bool write) {
     (write ? t->counts.threadgroup_written : t->counts.threadgroup_read) += n;
     return;
   }
-  for (int i = 0; i < t->num_ranges; ++i) {
-    if (a - t->lo[i] < t->size[i]) {
-      (write ? t->counts.written : t->counts.read)[t->index[i]] += n;
-      return;
+  int i = t->last;  // consecutive accesses mostly hit the same buffer
+  if (a - t->lo[i] >= t->size[i]) {
+    for (i = 0; i < t->num_ranges && a - t->lo[i] >= t->size[i]; ++i) {
     }
+    if (i == t->num_ranges) return;
+    t->last = i;
   }
+  (write ? t->counts.written : t->counts.read)[t->index[i]] += n;
 }
 
 // A resolved simd collective, by the operation name the shim passes.

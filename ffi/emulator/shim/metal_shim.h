@@ -121,12 +121,12 @@ inline float bf16_to_f32(uint16_t b) { return bitcast<float>(uint32_t(b) << 16);
   struct NAME {                                                                                \
     uint16_t bits;                                                                             \
     NAME() = default;                                                                          \
-    NAME(float f) : bits(JFM_ROOT::jfm::shim::TO_BITS(f)) {}                                          \
+    NAME(float f) : bits(JFM_ROOT::jfm::shim::TO_BITS(f)) {}                                       \
     template <class T, typename std::enable_if<std::is_arithmetic<T>::value &&                 \
                                                    !std::is_same<T, float>::value,             \
                                                int>::type = 0>                                 \
-    NAME(T v) : bits(JFM_ROOT::jfm::shim::TO_BITS(float(v))) {}                                       \
-    operator float() const { return JFM_ROOT::jfm::shim::FROM_BITS(bits); }                           \
+    NAME(T v) : bits(JFM_ROOT::jfm::shim::TO_BITS(float(v))) {}                                    \
+    operator float() const { return JFM_ROOT::jfm::shim::FROM_BITS(bits); }                        \
     static NAME from_bits(uint16_t b) {                                                        \
       NAME r;                                                                                  \
       r.bits = b;                                                                              \
@@ -161,9 +161,9 @@ using enable_integral = typename std::enable_if<std::is_integral<T>::value, int>
   inline float operator OP(float a, H b) { return a OP float(b); }                           \
   inline float operator OP(H a, double b) { return float(a) OP float(b); }                   \
   inline float operator OP(double a, H b) { return float(a) OP float(b); }                   \
-  template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>                                    \
+  template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>                                  \
   inline H operator OP(H a, I b) { return H(float(a) OP float(b)); }                         \
-  template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>                                    \
+  template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>                                  \
   inline H operator OP(I a, H b) { return H(float(a) OP float(b)); }                         \
   template <class U>                                                                          \
   inline H& operator OP##=(H & a, U b) { return a = H(a OP b); }
@@ -173,9 +173,9 @@ using enable_integral = typename std::enable_if<std::is_integral<T>::value, int>
   inline bool operator OP(float a, H b) { return a OP float(b); }                            \
   inline bool operator OP(H a, double b) { return float(a) OP float(b); }                    \
   inline bool operator OP(double a, H b) { return float(a) OP float(b); }                    \
-  template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>                                    \
+  template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>                                  \
   inline bool operator OP(H a, I b) { return float(a) OP float(b); }                         \
-  template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>                                    \
+  template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>                                  \
   inline bool operator OP(I a, H b) { return float(a) OP float(b); }
 #define JFM_F16_OPS(H)                                                                       \
   JFM_F16_BINOP(H, +) JFM_F16_BINOP(H, -) JFM_F16_BINOP(H, *) JFM_F16_BINOP(H, /)           \
@@ -825,7 +825,7 @@ inline T collective(::jfm::rt::ResolveFn fn, const T& x, uint64_t arg, const cha
 }  // namespace detail
 
 #define JFM_SIMD_REDUCE(NAME, RESOLVE)                                                      \
-  template <class X, class T = typename JFM_ROOT::jfm::shim::value_of<X>::type>                     \
+  template <class X, class T = typename JFM_ROOT::jfm::shim::value_of<X>::type>                    \
   inline T NAME(const X& x, const char* file = __builtin_FILE(), int line = __builtin_LINE()) { \
     return detail::collective(&detail::RESOLVE<T>, T(x), 0, #NAME, file, line);             \
   }
@@ -852,7 +852,7 @@ inline T simd_prefix_exclusive_sum(T x, const char* file = __builtin_FILE(),
 }
 
 #define JFM_SIMD_SHUFFLE(NAME, MODE)                                                          \
-  template <class X, class T = typename JFM_ROOT::jfm::shim::value_of<X>::type>                       \
+  template <class X, class T = typename JFM_ROOT::jfm::shim::value_of<X>::type>                    \
   inline T NAME(const X& x, ushort v, const char* file = __builtin_FILE(),                    \
                 int line = __builtin_LINE()) {                                                \
     return detail::collective(&detail::resolve_shuffle<T>, T(x),                              \
@@ -1130,12 +1130,11 @@ template <class T>
 inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* obj, T* expected,
                                                   typename detail::same<T>::type desired,
                                                   memory_order, memory_order) {
+  using JFM_ROOT::jfm::shim::bitcast;
   T seen = detail::atomic_update(obj, [&](T o) {
-    return JFM_ROOT::jfm::shim::bitcast<uint32_t>(o) == JFM_ROOT::jfm::shim::bitcast<uint32_t>(*expected)
-               ? desired
-               : o;
+    return bitcast<uint32_t>(o) == bitcast<uint32_t>(*expected) ? desired : o;
   });
-  bool ok = JFM_ROOT::jfm::shim::bitcast<uint32_t>(seen) == JFM_ROOT::jfm::shim::bitcast<uint32_t>(*expected);
+  bool ok = bitcast<uint32_t>(seen) == bitcast<uint32_t>(*expected);
   *expected = seen;
   return ok;
 }
