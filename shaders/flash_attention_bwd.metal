@@ -2,9 +2,10 @@
 // delta_i = rowsum(dO_i * O_i) - g_lse_i, a dQ kernel parallel over query rows and a dK/dV kernel
 // parallel over key rows that loops over its kv head's query-head group. Every output element is
 // written by exactly one simdgroup: no atomics, bit-identical results run to run.
-// With log2-domain scores s2 = scale * log2(e) * q.k (computed bit-identically to the forward),
-// the softmax probability of a visible pair is p = exp2(s2 - L2) with the forward's base-2
-// statistic L2 = m + log2(l) (jfm_probability), dS = p * (dO.v - delta), dQ = scale * dS K, dK = scale * dS^T Q, dV = P^T dO.
+// With log2-domain scores s2 = scale * log2(e) * q.k (jfm_score_log2: bit-identical to the
+// forward's), the softmax probability of a visible pair is p = exp2(s2 - L2) with the forward's
+// base-2 statistic L2 = m + log2(l) (jfm_probability), dS = p * (dO.v - delta),
+// dQ = scale * dS K, dK = scale * dS^T Q, dV = P^T dO.
 #include "flash_attention_common.h"
 
 // ---- preprocess: no threadgroup memory ----
