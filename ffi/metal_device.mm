@@ -194,6 +194,26 @@ class StagingPool {
   size_t cached_bytes_ = 0;
 };
 
+// The source whose text names `kernel` as a string literal (its host_name), or nullptr.
+const ShaderSource* source_of(const std::vector<ShaderSource>& sources, const std::string& kernel) {
+  const std::string quoted = "\"" + kernel + "\"";
+  for (const ShaderSource& s : sources) {
+    if (std::strstr(s.text, quoted.c_str()) != nullptr) return &s;
+  }
+  return nullptr;
+}
+
+// The kernels the embedded sources instantiate, known without compiling them: the same
+// shaders/*.metal files were translated for the emulator at build time, so its list holds them
+// (with the emulator's own test kernels, which no embedded source names).
+std::vector<std::string> catalogue(const std::vector<ShaderSource>& sources) {
+  std::vector<std::string> names;
+  for (const std::string& name : emu::kernel_names()) {
+    if (source_of(sources, name) != nullptr) names.push_back(name);
+  }
+  return names;
+}
+
 // The MSL element type of a kernel-name dtype suffix (the T of the instantiation lines).
 const char* element_type(const std::string& suffix) {
   if (suffix == "f32") return "float";
@@ -210,7 +230,8 @@ class MetalDevice final : public Device {
         language_(language),
         name_(utf8(device.name)),
         page_size_(static_cast<uintptr_t>(sysconf(_SC_PAGESIZE))),
-        staging_(device) {}
+        staging_(device),
+        catalogue_(catalogue(sources_)) {}
 
   const char* kind() const override { return "metal"; }
   std::string name() const override { return name_; }
@@ -222,9 +243,7 @@ class MetalDevice final : public Device {
     return library_for(kernel, &error) != nil;
   }
 
-  // The kernels the embedded sources instantiate, without compiling them: the same
-  // shaders/*.metal files were translated for the emulator at build time, so its list is theirs.
-  std::vector<std::string> kernel_names() override { return emu::kernel_names(); }
+  std::vector<std::string> kernel_names() override { return catalogue_; }
 
   std::string library_error() override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -330,11 +349,7 @@ class MetalDevice final : public Device {
     const size_t t = d == std::string::npos ? std::string::npos : kernel.rfind('_', d - 1);
     const char* type = t == std::string::npos ? nullptr
                                               : element_type(kernel.substr(t + 1, d - t - 1));
-    const std::string quoted = "\"" + kernel + "\"";
-    const ShaderSource* source = nullptr;
-    for (const ShaderSource& s : sources_) {
-      if (std::strstr(s.text, quoted.c_str()) != nullptr) source = &s;
-    }
+    const ShaderSource* source = source_of(sources_, kernel);
     if (type == nullptr || source == nullptr) {
       *error = "no kernel '" + kernel + "' in the shader sources";
       return nil;
@@ -534,6 +549,7 @@ class MetalDevice final : public Device {
   const uintptr_t page_size_;
   const std::vector<ShaderSource> sources_ = shader_sources();
   StagingPool staging_;
+  const std::vector<std::string> catalogue_;  // sorted, as emu::kernel_names()
   std::atomic<double> throughput_{kInitialMultiplyAddsPerSecond};
 
   std::mutex mutex_;  // guards everything below

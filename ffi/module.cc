@@ -109,6 +109,14 @@ void bind_devices(nb::module_& m) {
       "str: warnings of the shader compiles so far on that device (Metal compiles each "
       "(dtype, head dim) family on first use and also prints its warnings once to stderr); "
       "empty when none.");
+  m.def(
+      "multiply_adds_per_second",
+      [](const std::string& implementation) {
+        return device_named(implementation).multiply_adds_per_second();
+      },
+      nb::arg("implementation"),
+      "float: the throughput estimate that sizes submissions on that device (fixed on the "
+      "emulator; on Metal refined from the GPU time of earlier command buffers).");
   m.def("_metal_gate", &apple_gpu_gate, nb::arg("name"), nb::arg("apple7"),
         nb::arg("unified_memory"), nb::arg("simd_width"),
         "The Metal device's GPU requirement (GPU family Apple7+, unified memory, 32-wide "
