@@ -257,7 +257,11 @@ class MetalDevice final : public Device {
 
   double multiply_adds_per_second() override { return throughput_.load(); }
 
-  // "" while every pipeline built so far runs 32-wide simdgroups, else why Metal is unusable.
+  // Whether a pipeline failed the gate (not 32-wide simdgroups); lock-free, as every handler
+  // call asks it while another may hold mutex_ compiling.
+  bool gate_failed() const { return gate_failed_.load(); }
+
+  // Why Metal is unusable after gate_failed(), else "".
   std::string gate_failure() {
     std::lock_guard<std::mutex> lock(mutex_);
     return gate_failure_;
@@ -431,6 +435,7 @@ class MetalDevice final : public Device {
                                             static_cast<uint32_t>(state.threadExecutionWidth));
     if (!gate.empty()) {
       gate_failure_ = gate + " (pipeline of '" + kernel + "')";
+      gate_failed_.store(true);
       *error = gate_failure_;
       return nil;
     }
@@ -551,6 +556,7 @@ class MetalDevice final : public Device {
   StagingPool staging_;
   const std::vector<std::string> catalogue_;  // sorted, as emu::kernel_names()
   std::atomic<double> throughput_{kInitialMultiplyAddsPerSecond};
+  std::atomic<bool> gate_failed_{false};
 
   std::mutex mutex_;  // guards everything below
   std::string library_error_;
@@ -601,7 +607,7 @@ const MetalState& metal_state() {
 
 Device* metal_device() {
   MetalDevice* device = metal_state().device;
-  return device != nullptr && device->gate_failure().empty() ? device : nullptr;
+  return device != nullptr && !device->gate_failed() ? device : nullptr;
 }
 
 std::string metal_unavailable_reason() {
