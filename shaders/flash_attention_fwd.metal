@@ -229,7 +229,8 @@ template <typename T, int D>
 
 // Explicit instantiations, one line per (type, head dim), under the host names.
 #define JFM_INSTANTIATE_FWD(NAME, T, D) \
-  template [[host_name(NAME)]] kernel void flash_attention_fwd<T, D> JFM_FWD_SIGNATURE(T);
+  JFM_IF_FAMILY(T, D,                  \
+      template [[host_name(NAME)]] kernel void flash_attention_fwd<T, D> JFM_FWD_SIGNATURE(T);)
 
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d8", float, 8)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d16", float, 16)

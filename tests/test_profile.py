@@ -349,24 +349,25 @@ def test_model_bounds():
 
 
 def test_split_submissions_share_counts_and_useful_flops():
-    """A call split into one submission per batch entry launches every kernel twice; the launches'
-    counts and useful FLOPs add up to those of the unsplit call."""
+    """A call split into many submissions (a tiny time budget: one chunk per threadgroup or so)
+    launches every kernel several times; the launches' counts and useful FLOPs add up to those of
+    the unsplit call."""
     from jax_flash_metal import _ext
     problem = make_problem(["--dtype", "float32", "--head-dim", "16", "--batch", "2", "--q-len",
                             "12", "--kv-len", "20", "--heads", "2", "--kv-heads", "1",
                             "--q-lengths", "12,5", "--window", "4,"])
     whole = profile.profile_records(problem, profile.PASSES, ["M1"])
-    previous = _ext._set_submission_budget(1)
+    previous = _ext._set_submission_budget(1e-12)
     try:
         split = profile.profile_records(problem, profile.PASSES, ["M1"])
     finally:
         _ext._set_submission_budget(previous)
-    assert len(split) == 2 * len(whole)
+    assert len(split) > len(whole)
     additive = [k for k in profile.COUNT_KEYS
                 if k not in ("threads_per_threadgroup", "threadgroup_memory_bytes")]
     for r in whole:
         parts = [s for s in split if s["kernel"] == r["kernel"]]
-        assert len(parts) == 2
+        assert len(parts) >= 2
         for k in additive + ["useful_flops"]:
             assert sum(p[k] for p in parts) == r[k], (r["kernel"], k)
     pairs = problem.visible_pairs().sum()
