@@ -300,16 +300,16 @@ BOUND_ABBREVIATIONS = {"compute": "comp", "device": "dev", "threadgroup": "tg"}
 
 def format_tables(records: list[dict], gpus) -> str:
     """The measured table (one row per launch) and the roofline-model table."""
-    head = (f"{'kernel':<40} {'pass':<8} {'grid':>13} {'thr/tg':>6} {'tg KB':>6} "
+    head = (f"{'kernel':<40} {'pass':<8} {'threadgroups (grid)':>20} {'thr/tg':>6} {'tg KB':>6} "
             f"{'dev MB rd':>10} {'dev MB wr':>9} {'tg MB':>9} {'useful GF':>9} {'MMA GF':>7} "
             f"{'dev FLOP/B':>10} {'MMA share':>9}")
     lines = ["measured (exact, emulator counting variant):", head, "-" * len(head)]
     for r in records:
         tg_mb = (r["threadgroup_bytes_read"] + r["threadgroup_bytes_written"]) / 1e6
         device = r["device_bytes_read"] + r["device_bytes_written"]
-        grid = "x".join(str(g) for g in r["groups"])
+        grid = f"{r['threadgroups']} ({'x'.join(str(g) for g in r['groups'])})"
         lines.append(
-            f"{r['kernel']:<40} {r['pass']:<8} {grid:>13} {r['threads_per_threadgroup']:>6} "
+            f"{r['kernel']:<40} {r['pass']:<8} {grid:>20} {r['threads_per_threadgroup']:>6} "
             f"{r['threadgroup_memory_bytes'] / 1024:>6.1f} {r['device_bytes_read'] / 1e6:>10.1f} "
             f"{r['device_bytes_written'] / 1e6:>9.2f} {tg_mb:>9.1f} "
             f"{r['useful_flops'] / 1e9:>9.3f} "

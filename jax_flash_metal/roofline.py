@@ -48,6 +48,7 @@ class Gpu:
     cores: int
     clock_ghz: float
     dram_gb_per_s: float  # DRAM (unified memory) bandwidth, GB/s (1e9 bytes)
+    sources: str          # where cores, clock, peak and bandwidth come from
 
     @property
     def peak_flops(self) -> float:
@@ -56,17 +57,27 @@ class Gpu:
 
     @property
     def threadgroup_bytes_per_s_per_core(self) -> float:
+        """Derived, not published: 64 B per core-cycle (module docstring)."""
         return THREADGROUP_BYTES_PER_CORE_CYCLE * self.clock_ghz * 1e9
 
 
-GPUS = {g.name: g for g in (
-    Gpu("M1", cores=8, clock_ghz=1.278, dram_gb_per_s=68.25),
-    Gpu("M1 Max", cores=32, clock_ghz=1.296, dram_gb_per_s=409.6),
-    Gpu("M2 Max", cores=38, clock_ghz=1.398, dram_gb_per_s=409.6),
-    Gpu("M3 Max", cores=40, clock_ghz=1.398, dram_gb_per_s=400.0),
-    Gpu("M4", cores=10, clock_ghz=1.470, dram_gb_per_s=120.0),
-    Gpu("M4 Max", cores=40, clock_ghz=1.678, dram_gb_per_s=546.0),
-)}
+_TG = "threadgroup bandwidth derived (metal-benchmarks Shared BW/Cycle)"
+# name, cores, GPU clock (GHz), DRAM GB/s, sources of these figures and of the peak FLOP/s.
+_TABLE = (
+    ("M1", 8, 1.278, 68.25, "applegpuinfo #11 (8 cores, 1.278 GHz, 2.617 TFLOPS, 68.3 GB/s); "
+     f"LPDDR4X-4266 x 128 bit = 68.25 GB/s; metal-benchmarks F16 = F32; {_TG}"),
+    ("M1 Max", 32, 1.296, 409.6, "applegpuinfo #2 (32 cores, 1.296 GHz, 10.617 TFLOPS, "
+     f"409.6 GB/s); metal-benchmarks overview (10620 GFLOPS F32 = F16); {_TG}"),
+    ("M2 Max", 38, 1.398, 409.6, "applegpuinfo #10 (38 cores, 1.398 GHz, 13.6 TFLOPS, "
+     f"409.6 GB/s); metal-benchmarks overview (>= 13600 GFLOPS F32 = F16); {_TG}"),
+    ("M3 Max", 40, 1.398, 400.0, "hmc-tech.com 40-core M3 Max (1398 MHz, 14.32 TFLOPS FP32 = "
+     f"FP16); Apple 400 GB/s (macmegasite.com 2024-10-30); {_TG} (assumed)"),
+    ("M4", 10, 1.470, 120.0, "hmc-tech.com 10-core M4 (1470 MHz, 3.76 TFLOPS FP32 = FP16); "
+     f"Apple 120 GB/s (fonearena.com 2024-05); {_TG} (assumed)"),
+    ("M4 Max", 40, 1.678, 546.0, "Apple 40 cores, 546 GB/s (macmegasite.com 2024-10-30); "
+     f"hmc-tech.com M4 Max 1678 MHz; peak derived 40 x 256 x 1.678 GHz; {_TG} (assumed)"),
+)
+GPUS = {row[0]: Gpu(*row) for row in _TABLE}
 
 
 def model_launch(gpu: Gpu, *, executed_flops: float, useful_flops: float, device_bytes: float,

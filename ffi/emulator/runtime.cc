@@ -153,6 +153,7 @@ void tally_collective(Counts* c, const char* what) {
     ++c->simd_ops;  // loads/stores are counted as memory traffic instead
   }
 }
+
 // makecontext passes int arguments only; the fiber being started is handed over here.
 thread_local Fiber* t_starting = nullptr;
 
