@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "attention_params.h"
+#include "bwd_tile_shapes.h"
 #include "device.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -40,6 +41,8 @@ const char* dtype_suffix(ffi::DataType t) {
       return nullptr;
   }
 }
+
+uint32_t element_bytes(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
 
 std::string dtype_name(ffi::DataType t) {
   switch (t) {
@@ -246,6 +249,8 @@ struct Stage {
   int64_t rows;   // q_len or kv_len
   int64_t heads;  // num_heads or num_kv_heads
   std::vector<Array> arrays;
+  uint32_t rows_per_group = JFM_ROWS_PER_GROUP;
+  uint32_t threads_per_group = JFM_THREADS_PER_GROUP;
 };
 
 // One submission per chunk of whole batch elements, each running every stage in order on
@@ -264,9 +269,10 @@ std::vector<Submission> plan(const Problem& p, const Options& o, const std::vect
     for (const Stage& stage : stages) {
       Dispatch d;
       d.kernel = stage.kernel;
-      d.groups = {static_cast<uint32_t>((stage.rows + JFM_ROWS_PER_GROUP - 1) / JFM_ROWS_PER_GROUP),
+      d.groups = {static_cast<uint32_t>((stage.rows + stage.rows_per_group - 1) /
+                                        stage.rows_per_group),
                   static_cast<uint32_t>(stage.heads), static_cast<uint32_t>(nb)};
-      d.group_size = {JFM_THREADS_PER_GROUP, 1, 1};
+      d.group_size = {stage.threads_per_group, 1, 1};
       for (const Array& a : stage.arrays) {
         d.buffers.push_back(Binding{a.index, static_cast<char*>(a.base) + b0 * a.batch_stride,
                                     static_cast<size_t>(nb) * a.batch_stride, a.written});
@@ -362,37 +368,50 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
     zero(dv);
     return ffi::Error::Success();
   }
-  const std::string pre = kernel_name("bwd_preprocess", p);
-  const std::string kdq = kernel_name("bwd_dq", p);
-  const std::string kdkdv = kernel_name("bwd_dkdv", p);
-  for (const std::string* kernel : {&pre, &kdq, &kdkdv}) {
-    if (ffi::Error e = require_kernel(*device, *kernel, p); e.failure()) return e;
+  // dQ (its prologue writes delta), then dK/dV: one kernel, or a dK and a dV kernel for the
+  // widest heads (bwd_tile_shapes.h).
+  const uint32_t row_bytes = element_bytes(p.dtype) * static_cast<uint32_t>(p.head_dim);
+  const bool split = jfm_bwd_split_dkdv(static_cast<uint32_t>(p.head_dim));
+  std::vector<std::string> kernels = {kernel_name("bwd_dq", p)};
+  if (split) {
+    kernels.push_back(kernel_name("bwd_dk", p));
+    kernels.push_back(kernel_name("bwd_dv", p));
+  } else {
+    kernels.push_back(kernel_name("bwd_dkdv", p));
+  }
+  for (const std::string& kernel : kernels) {
+    if (ffi::Error e = require_kernel(*device, kernel, p); e.failure()) return e;
   }
   const Array aq = whole(JFM_BUFFER_Q, q, p.batch, false);
   const Array ak = whole(JFM_BUFFER_K, k, p.batch, false);
   const Array av = whole(JFM_BUFFER_V, v, p.batch, false);
-  const Array ao = whole(JFM_BUFFER_O, o, p.batch, false);
   const Array alse = whole(JFM_BUFFER_LSE, lse, p.batch, false);
   const Array ado = whole(JFM_BUFFER_DO, d_o, p.batch, false);
-  const Array aglse = whole(JFM_BUFFER_G_LSE, g_lse, p.batch, false);
   const Array aql = lengths_array(JFM_BUFFER_Q_LENGTHS, q_lengths);
   const Array akvl = lengths_array(JFM_BUFFER_KV_LENGTHS, kv_lengths);
-  const Array delta_out = whole(JFM_BUFFER_DELTA, delta, p.batch, true);
-  const Array delta_in = whole(JFM_BUFFER_DELTA, delta, p.batch, false);
-  const std::vector<Stage> stages = {
-      {pre, p.q_len, p.heads, {ao, ado, aglse, aql, akvl, delta_out}},
-      {kdq,
-       p.q_len,
-       p.heads,
-       {aq, ak, av, ado, alse, delta_in, aql, akvl, whole(JFM_BUFFER_DQ, dq, p.batch, true)}},
-      {kdkdv,
-       p.kv_len,
-       p.kv_heads,
-       {aq, ak, av, ado, alse, delta_in, aql, akvl, whole(JFM_BUFFER_DK, dk, p.batch, true),
-        whole(JFM_BUFFER_DV, dv, p.batch, true)}}};
-  // dQ recomputes S and dP and forms dS·K; dK/dV recompute S and dP and form P^T·dO and dS^T·Q.
-  const double work = 7.0 * static_cast<double>(p.q_len) * static_cast<double>(p.kv_len) *
-                      static_cast<double>(p.heads) * static_cast<double>(p.head_dim);
+  const uint32_t simdgroups = jfm_bwd_simdgroups(row_bytes);
+  std::vector<Stage> stages;
+  stages.push_back({kernels[0], p.q_len, p.heads,
+                    {aq, ak, av, ado, alse, aql, akvl, whole(JFM_BUFFER_O, o, p.batch, false),
+                     whole(JFM_BUFFER_G_LSE, g_lse, p.batch, false),
+                     whole(JFM_BUFFER_DELTA, delta, p.batch, true),
+                     whole(JFM_BUFFER_DQ, dq, p.batch, true)}});
+  for (size_t n = 1; n < kernels.size(); ++n) {
+    stages.push_back({kernels[n], p.kv_len, p.kv_heads,
+                      {aq, ak, av, ado, alse, aql, akvl,
+                       whole(JFM_BUFFER_DELTA, delta, p.batch, false),
+                       whole(JFM_BUFFER_DK, dk, p.batch, true),
+                       whole(JFM_BUFFER_DV, dv, p.batch, true)}});
+  }
+  for (Stage& stage : stages) {
+    stage.rows_per_group = 8 * simdgroups;
+    stage.threads_per_group = JFM_SIMD_WIDTH * simdgroups;
+  }
+  // dQ recomputes S and dP and forms dS·K; dK/dV recompute S and dP and form P^T·dO and dS^T·Q
+  // (the split recomputes S once more).
+  const double work = (split ? 9.0 : 7.0) * static_cast<double>(p.q_len) *
+                      static_cast<double>(p.kv_len) * static_cast<double>(p.heads) *
+                      static_cast<double>(p.head_dim);
   return run(*device, plan(p, opt, stages, work));
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attention_ffi.h"
+#include "bwd_tile_shapes.h"
 #include "device.h"
 #include "shader_sources.h"
 
@@ -117,6 +118,16 @@ void bind_devices(nb::module_& m) {
   m.def("_set_submission_budget", &set_submission_budget, nb::arg("multiply_adds"),
         "Test hook: work per submission (command buffer) before a call is split by batch; "
         "returns the previous value.");
+  m.def(
+      "_bwd_tile_shape",
+      [](uint32_t element_bytes, uint32_t head_dim) {
+        const uint32_t row_bytes = element_bytes * head_dim;
+        return nb::make_tuple(jfm_bwd_simdgroups(row_bytes), jfm_bwd_block(row_bytes),
+                              jfm_bwd_shared_stream(row_bytes), jfm_bwd_split_dkdv(head_dim));
+      },
+      nb::arg("element_bytes"), nb::arg("head_dim"),
+      "(simdgroups, block, shared_stream, split_dkdv) of the backward kernels "
+      "(shaders/bwd_tile_shapes.h), for the kernel test harness.");
   m.def(
       "shader_sources",
       [] {

@@ -2,8 +2,9 @@
 
 `AttentionParams` is packed with a NumPy structured dtype that mirrors shaders/attention_params.h
 field for field; grids follow that header: (ceil(rows / 4), heads, batch) threadgroups of 128
-threads, rows/heads = q_len/num_heads for fwd, bwd_preprocess and bwd_dq and kv_len/num_kv_heads
-for bwd_dkdv, and zero-size grids are not dispatched. Inputs and outputs are NumPy arrays of
+threads for the forward; the backward kernels' tile shapes come from shaders/bwd_tile_shapes.h
+(bwd_kernels); rows/heads are q_len/num_heads for fwd and bwd_dq and kv_len/num_kv_heads for
+bwd_dkdv (bwd_dk, bwd_dv), and zero-size grids are not dispatched. Inputs and outputs are NumPy arrays of
 float32, float16 or ml_dtypes.bfloat16 (passed to the kernels as uint16 bits). Outputs start
 filled with NaN so anything a kernel fails to write shows up.
 """
@@ -13,6 +14,8 @@ import math
 import ml_dtypes
 import numpy as np
 
+from jax_flash_metal import _ext
+from jax_flash_metal.ffi_lowering import bwd_stages
 from jax_flash_metal._ext import emulator
 
 ROWS_PER_GROUP = 4  # JFM_ROWS_PER_GROUP
@@ -100,13 +103,25 @@ def _lengths(lengths):
     return np.ascontiguousarray(np.asarray(lengths, dtype=np.int32))
 
 
-def _dispatch(name, buffers, rows, heads, batch, schedule, seed):
-    groups = (math.ceil(rows / ROWS_PER_GROUP), heads, batch)
+def _dispatch(name, buffers, rows, heads, batch, schedule, seed,
+              rows_per_group=ROWS_PER_GROUP, threads=THREADS_PER_GROUP):
+    groups = (math.ceil(rows / rows_per_group), heads, batch)
     if 0 in groups:
         return  # the host never dispatches an empty grid
     bound = {index: _device(array) for index, array in buffers.items()}
     # Outputs are created C-contiguous, so `bound` holds them or uint16 views of them.
-    emulator.run(name, bound, groups, (THREADS_PER_GROUP, 1, 1), schedule=schedule, seed=seed)
+    emulator.run(name, bound, groups, (threads, 1, 1), schedule=schedule, seed=seed)
+
+
+def bwd_kernels(dtype, head_dim):
+    """Backward kernel names in dispatch order and their (rows, threads) per threadgroup.
+
+    Stages as the host dispatches them (ffi_lowering.bwd_stages); every backward kernel owns 8
+    rows per simdgroup, simdgroups from shaders/bwd_tile_shapes.h.
+    """
+    simdgroups = _ext._bwd_tile_shape(np.dtype(dtype).itemsize, head_dim)[0]
+    names = [kernel_name(stage, dtype, head_dim) for stage in bwd_stages(dtype, head_dim)]
+    return names, (8 * simdgroups, 32 * simdgroups)
 
 
 def forward(q, k, v, *, schedule="forward", seed=0, **mask):
@@ -127,32 +142,29 @@ def forward(q, k, v, *, schedule="forward", seed=0, **mask):
 
 
 def backward(q, k, v, o, lse, do, g_lse=None, *, schedule="forward", seed=0, **mask):
-    """Runs bwd_preprocess, bwd_dq and bwd_dkdv. Returns (dq, dk, dv, delta).
+    """Runs the backward kernels (bwd_kernels). Returns (dq, dk, dv, delta).
 
     o, lse: the forward's outputs; do like o; g_lse float32 [B, H, Tq] or None (zeros).
-    dq has q's shape and dtype, dk/dv k's; delta is float32 [B, H, Tq].
+    dq has q's shape and dtype, dk/dv k's; delta is float32 [B, H, Tq], written by bwd_dq.
     """
     batch, q_len, heads, head_dim = q.shape
     _, kv_len, kv_heads, _ = k.shape
     params = pack_params(q.shape, k.shape, **mask)
-    q_lengths = _lengths(mask.get("query_seq_lengths"))
-    kv_lengths = _lengths(mask.get("key_value_seq_lengths"))
     if g_lse is None:
         g_lse = np.zeros((batch, heads, q_len), np.float32)
-    g_lse = np.ascontiguousarray(g_lse, dtype=np.float32)
     delta = _output((batch, heads, q_len), np.float32)
-    _dispatch(kernel_name("bwd_preprocess", q.dtype, head_dim),
-              {O: o, DO: do, G_LSE: g_lse, Q_LENGTHS: q_lengths, DELTA: delta, PARAMS: params},
-              q_len, heads, batch, schedule, seed)
-    inputs = {Q: q, K: k, V: v, DO: do, LSE: lse, DELTA: delta, Q_LENGTHS: q_lengths,
-              KV_LENGTHS: kv_lengths, PARAMS: params}
     dq = _output(q.shape, q.dtype)
-    _dispatch(kernel_name("bwd_dq", q.dtype, head_dim), {**inputs, DQ: dq},
-              q_len, heads, batch, schedule, seed)
     dk = _output(k.shape, k.dtype)
     dv = _output(v.shape, v.dtype)
-    _dispatch(kernel_name("bwd_dkdv", q.dtype, head_dim), {**inputs, DK: dk, DV: dv},
-              kv_len, kv_heads, batch, schedule, seed)
+    inputs = {Q: q, K: k, V: v, DO: do, LSE: lse, Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
+              KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths")), PARAMS: params}
+    (dq_kernel, *dkdv_kernels), (rows, threads) = bwd_kernels(q.dtype, head_dim)
+    _dispatch(dq_kernel,
+              {**inputs, O: o, G_LSE: np.ascontiguousarray(g_lse, dtype=np.float32),
+               DELTA: delta, DQ: dq}, q_len, heads, batch, schedule, seed, rows, threads)
+    for name in dkdv_kernels:
+        _dispatch(name, {**inputs, DELTA: delta, DK: dk, DV: dv}, kv_len, kv_heads, batch,
+                  schedule, seed, rows, threads)
     return dq, dk, dv, delta
 
 

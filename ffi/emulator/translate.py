@@ -414,10 +414,10 @@ class Translator:
         toks = self.toks
         if not host:
             self.src.error(tok, "explicit kernel instantiation needs [[host_name(\"...\")]]")
-        name = host[0].strip()
-        if not (name.startswith('"') and name.endswith('"')):
+        # One string literal, or adjacent literals (concatenated, as C++ does).
+        if not re.fullmatch(r'\s*(?:"[^"\\]*"\s*)+', host[0]):
             self.src.error(tok, "host_name needs a string literal")
-        name = name[1:-1]
+        name = "".join(re.findall(r'"([^"\\]*)"', host[0]))
         end = len(idx)
         if toks[idx[-1]].text == ")":  # parameter list: drop it
             open_paren = self.match[idx[-1]]
