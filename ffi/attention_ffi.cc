@@ -304,13 +304,16 @@ void zero(ffi::AnyBuffer buffer) {
 
 ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::RemainingArgs rest, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                   const Options& opt) {
+                   ffi::AnyBuffer l2, const Options& opt) {
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
   if (ffi::Error e = check_options(opt); e.failure()) return e;
   if (ffi::Error e = expect("output o", o, p.dtype, p.q_shape()); e.failure()) return e;
-  if (ffi::Error e = expect("output lse", lse, ffi::DataType::F32, p.row_shape()); e.failure()) {
-    return e;
+  for (auto [what, buffer] :
+       {std::make_pair("output lse", lse), std::make_pair("output l2", l2)}) {
+    if (ffi::Error e = expect(what, buffer, ffi::DataType::F32, p.row_shape()); e.failure()) {
+      return e;
+    }
   }
   std::vector<int32_t> q_lengths, kv_lengths;
   if (ffi::Error e = read_lengths(rest, opt, p, &q_lengths, &kv_lengths); e.failure()) return e;
@@ -320,6 +323,8 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
     zero(o);
     float* l = static_cast<float*>(lse.untyped_data());
     std::fill(l, l + lse.element_count(), -std::numeric_limits<float>::infinity());
+    float* s2 = static_cast<float*>(l2.untyped_data());
+    std::fill(s2, s2 + l2.element_count(), JFM_EMPTY_ROW_L2);
     return ffi::Error::Success();
   }
   const std::string kernel = kernel_name("fwd", p);
@@ -331,7 +336,7 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
        {whole(JFM_BUFFER_Q, q, p.batch, false), whole(JFM_BUFFER_K, k, p.batch, false),
         whole(JFM_BUFFER_V, v, p.batch, false), lengths_array(JFM_BUFFER_Q_LENGTHS, q_lengths),
         lengths_array(JFM_BUFFER_KV_LENGTHS, kv_lengths), whole(JFM_BUFFER_O, o, p.batch, true),
-        whole(JFM_BUFFER_LSE, lse, p.batch, true)}}};
+        whole(JFM_BUFFER_LSE, lse, p.batch, true), whole(JFM_BUFFER_L2, l2, p.batch, true)}}};
   // Q·K^T and P·V.
   const double work = 2.0 * static_cast<double>(p.q_len) * static_cast<double>(p.kv_len) *
                       static_cast<double>(p.heads) * static_cast<double>(p.head_dim);
@@ -339,7 +344,7 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
 }
 
 ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                    ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
+                    ffi::AnyBuffer o, ffi::AnyBuffer l2, ffi::AnyBuffer d_o,
                     ffi::AnyBuffer g_lse, ffi::RemainingArgs rest, ffi::AnyBuffer dq,
                     ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer delta,
                     const Options& opt) {
@@ -349,7 +354,7 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   const ffi::DataType f32 = ffi::DataType::F32;
   for (auto [what, buffer, dtype, shape] :
        {std::make_tuple("o", o, p.dtype, p.q_shape()),
-        std::make_tuple("lse", lse, f32, p.row_shape()),
+        std::make_tuple("l2", l2, f32, p.row_shape()),
         std::make_tuple("do", d_o, p.dtype, p.q_shape()),
         std::make_tuple("g_lse", g_lse, f32, p.row_shape()),
         std::make_tuple("output dq", dq, p.dtype, p.q_shape()),
@@ -385,20 +390,20 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   const Array aq = whole(JFM_BUFFER_Q, q, p.batch, false);
   const Array ak = whole(JFM_BUFFER_K, k, p.batch, false);
   const Array av = whole(JFM_BUFFER_V, v, p.batch, false);
-  const Array alse = whole(JFM_BUFFER_LSE, lse, p.batch, false);
+  const Array al2 = whole(JFM_BUFFER_L2, l2, p.batch, false);
   const Array ado = whole(JFM_BUFFER_DO, d_o, p.batch, false);
   const Array aql = lengths_array(JFM_BUFFER_Q_LENGTHS, q_lengths);
   const Array akvl = lengths_array(JFM_BUFFER_KV_LENGTHS, kv_lengths);
   const uint32_t simdgroups = jfm_bwd_simdgroups(row_bytes);
   std::vector<Stage> stages;
   stages.push_back({kernels[0], p.q_len, p.heads,
-                    {aq, ak, av, ado, alse, aql, akvl, whole(JFM_BUFFER_O, o, p.batch, false),
+                    {aq, ak, av, ado, al2, aql, akvl, whole(JFM_BUFFER_O, o, p.batch, false),
                      whole(JFM_BUFFER_G_LSE, g_lse, p.batch, false),
                      whole(JFM_BUFFER_DELTA, delta, p.batch, true),
                      whole(JFM_BUFFER_DQ, dq, p.batch, true)}});
   for (size_t n = 1; n < kernels.size(); ++n) {
     stages.push_back({kernels[n], p.kv_len, p.kv_heads,
-                      {aq, ak, av, ado, alse, aql, akvl,
+                      {aq, ak, av, ado, al2, aql, akvl,
                        whole(JFM_BUFFER_DELTA, delta, p.batch, false),
                        whole(JFM_BUFFER_DK, dk, p.batch, true),
                        whole(JFM_BUFFER_DV, dv, p.batch, true)}});
@@ -420,20 +425,21 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
 template <Device* (*GetDevice)(std::string*)>
 ffi::Error forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
-                           ffi::Result<ffi::AnyBuffer> lse, float scale, bool is_causal,
+                           ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> l2,
+                           float scale, bool is_causal,
                            int32_t window_left, int32_t window_right, bool bottom_right,
                            bool has_q_lengths, bool has_kv_lengths) {
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
-  return forward(device, q, k, v, rest, *o, *lse,
+  return forward(device, q, k, v, rest, *o, *lse, *l2,
                  Options{scale, is_causal, window_left, window_right, bottom_right,
                          has_q_lengths, has_kv_lengths});
 }
 
 template <Device* (*GetDevice)(std::string*)>
 ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
+                            ffi::AnyBuffer o, ffi::AnyBuffer l2, ffi::AnyBuffer d_o,
                             ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
@@ -443,7 +449,7 @@ ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
-  return backward(device, q, k, v, o, lse, d_o, g_lse, rest, *dq, *dk, *dv, *delta,
+  return backward(device, q, k, v, o, l2, d_o, g_lse, rest, *dq, *dk, *dv, *delta,
                   Options{scale, is_causal, window_left, window_right, bottom_right,
                           has_q_lengths, has_kv_lengths});
 }
@@ -467,7 +473,8 @@ auto forward_binding() {
                              .Arg<ffi::AnyBuffer>()  // v
                              .RemainingArgs()        // [q_lengths], [kv_lengths]
                              .Ret<ffi::AnyBuffer>()  // o
-                             .Ret<ffi::AnyBuffer>());  // lse
+                             .Ret<ffi::AnyBuffer>()  // lse
+                             .Ret<ffi::AnyBuffer>());  // l2
 }
 
 auto backward_binding() {
@@ -476,7 +483,7 @@ auto backward_binding() {
                              .Arg<ffi::AnyBuffer>()  // k
                              .Arg<ffi::AnyBuffer>()  // v
                              .Arg<ffi::AnyBuffer>()  // o
-                             .Arg<ffi::AnyBuffer>()  // lse
+                             .Arg<ffi::AnyBuffer>()  // l2
                              .Arg<ffi::AnyBuffer>()  // do
                              .Arg<ffi::AnyBuffer>()  // g_lse
                              .RemainingArgs()        // [q_lengths], [kv_lengths]

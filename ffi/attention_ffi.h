@@ -6,8 +6,12 @@
 // Forward  args:    q [B,Tq,H,D], k [B,Tkv,HKV,D], v [B,Tkv,HKV,D], then the optional
 //                   q_lengths int32 [B] and kv_lengths int32 [B] (in that order, each present
 //                   only when its has_* attribute is true; bound as the handler's remaining args)
-//          results: o [B,Tq,H,D] (dtype of q), lse float32 [B,H,Tq]
-// Backward args:    q, k, v, o, lse, do [B,Tq,H,D], g_lse float32 [B,H,Tq], then the optional
+//          results: o [B,Tq,H,D] (dtype of q), lse float32 [B,H,Tq] (natural log, -inf for a
+//                   row with no visible key), l2 float32 [B,H,Tq] (the base-2 statistic
+//                   L2 = m + log2(l) of the log2-domain scores; JFM_EMPTY_ROW_L2 for an empty
+//                   row; the residual the backward needs)
+// Backward args:    q, k, v, o, l2 (the forward's), do [B,Tq,H,D], g_lse float32 [B,H,Tq]
+//                   (the LSE cotangent), then the optional
 //                   lengths as above
 //          results: dq, dk, dv (shapes/dtypes of q, k, v), delta float32 [B,H,Tq] (workspace
 //                   for D_i = rowsum(dO*O) - g_lse_i; the lowering allocates it as an XLA

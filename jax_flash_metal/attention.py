@@ -18,20 +18,20 @@ def _bind_fwd(params, q, k, v, q_lengths, kv_lengths):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(params, q, k, v, q_lengths, kv_lengths):
-    o, lse = _bind_fwd(params, q, k, v, q_lengths, kv_lengths)
+    o, lse, _ = _bind_fwd(params, q, k, v, q_lengths, kv_lengths)
     return o, lse
 
 
 def _attention_fwd(params, q, k, v, q_lengths, kv_lengths):
-    o, lse = _bind_fwd(params, q, k, v, q_lengths, kv_lengths)
-    return (o, lse), (q, k, v, o, lse, q_lengths, kv_lengths)
+    o, lse, l2 = _bind_fwd(params, q, k, v, q_lengths, kv_lengths)
+    return (o, lse), (q, k, v, o, lse, l2, q_lengths, kv_lengths)
 
 
 def _attention_bwd(params, residuals, cotangents):
-    q, k, v, o, lse, q_lengths, kv_lengths = residuals
+    q, k, v, o, lse, l2, q_lengths, kv_lengths = residuals
     do, g_lse = cotangents
     lengths = [x for x in (q_lengths, kv_lengths) if x is not None]
-    dq, dk, dv = bwd_p.bind(q, k, v, o, lse, do.astype(q.dtype), g_lse.astype(jnp.float32),
+    dq, dk, dv = bwd_p.bind(q, k, v, o, lse, l2, do.astype(q.dtype), g_lse.astype(jnp.float32),
                             *lengths, **params._asdict())
     return dq, dk, dv, None, None  # lengths are integers: no gradient
 

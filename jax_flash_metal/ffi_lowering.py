@@ -143,7 +143,7 @@ def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q
 
 
 def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):
-    """Emit the forward FFI call: args (q, k, v, [q_lengths], [kv_lengths]) -> (o, lse).
+    """Emit the forward FFI call: args (q, k, v, [q_lengths], [kv_lengths]) -> (o, lse, l2).
 
     ``params`` are the primitive's static params (scale, is_causal, window_left, window_right,
     bottom_right, has_q_lengths, has_kv_lengths). Raises ValueError for a head dim or dtype the
@@ -157,10 +157,12 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
 
 
 def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):
-    """Emit the backward FFI call: args (q, k, v, o, lse, do, g_lse, [q_lengths], [kv_lengths])
-    -> (dq, dk, dv).
+    """Emit the backward FFI call for the primitive's args (q, k, v, o, lse, l2, do, g_lse,
+    [q_lengths], [kv_lengths]) -> (dq, dk, dv).
 
-    The custom call has a fourth result, the float32 [batch, num_heads, q_len] workspace for
+    The kernels recompute P = exp2(S2 - l2) from the base-2 statistic, so the call takes
+    (q, k, v, o, l2, do, g_lse, [lengths]) and the natural-log lse operand is dropped. The custom
+    call has a fourth result, the float32 [batch, num_heads, q_len] workspace for
     D_i = rowsum(dO_i * O_i) - g_lse_i, dropped here: XLA allocates it like any temporary, so it
     shows up in memory_analysis() and needs no allocator inside the handler. Errors as for
     ``lower_fwd``.
@@ -170,6 +172,11 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     check_supported(implementation, q.dtype, q.shape[3], bwd_stages(q.dtype, q.shape[3]))
     batch, q_len, num_heads, _ = q.shape
     delta = ShapedArray((batch, num_heads, q_len), np.float32)
-    call_ctx = ctx.replace(avals_out=(*ctx.avals_out, delta))
+    keep = [n for n in range(len(args)) if n != _BWD_LSE_OPERAND]
+    call_ctx = ctx.replace(avals_in=[ctx.avals_in[n] for n in keep],
+                           avals_out=(*ctx.avals_out, delta))
     rule = jax.ffi.ffi_lowering(_target("bwd", implementation))
-    return list(rule(call_ctx, *args, **_attributes(**params)))[:3]
+    return list(rule(call_ctx, *(args[n] for n in keep), **_attributes(**params)))[:3]
+
+
+_BWD_LSE_OPERAND = 4  # position of lse in the backward primitive's operands

@@ -1,7 +1,13 @@
 """The two flash-attention primitives and their JAX rules.
 
-fwd_p: bind(q, k, v, [q_lengths], [kv_lengths], **params) -> (o, lse)
-bwd_p: bind(q, k, v, o, lse, do, g_lse, [q_lengths], [kv_lengths], **params) -> (dq, dk, dv)
+fwd_p: bind(q, k, v, [q_lengths], [kv_lengths], **params) -> (o, lse, l2)
+bwd_p: bind(q, k, v, o, lse, l2, do, g_lse, [q_lengths], [kv_lengths], **params) -> (dq, dk, dv)
+
+lse is the user's natural-log statistic (-inf for a row with no visible key); l2 (float32
+[batch, num_heads, q_len]) is the base-2 statistic m + log2(l) of the log2-domain scores, a
+residual only: the fused backward recomputes P = exp2(S2 - l2) from it and ignores lse, the xla
+backward uses lse and ignores l2. Its value for an empty row is implementation-defined (the
+kernels store a large finite sentinel, the xla implementation lse * log2(e) = -inf).
 
 Static params (exact types): scale: float, is_causal: bool, window_left: int, window_right: int
 (-1 = unbounded), bottom_right: bool, has_q_lengths: bool, has_kv_lengths: bool,
@@ -31,7 +37,9 @@ fwd_p.multiple_results = True
 bwd_p = Primitive("flash_attention_bwd")
 bwd_p.multiple_results = True
 
-_NUM_MAIN = {fwd_p: 3, bwd_p: 7}  # operands before the optional lengths
+LOG2_E = 1.4426950408889634
+
+_NUM_MAIN = {fwd_p: 3, bwd_p: 8}  # operands before the optional lengths
 
 
 def _split(prim, args, has_q_lengths, has_kv_lengths):
@@ -74,17 +82,18 @@ def _fwd_abstract(*args, has_q_lengths, has_kv_lengths, **_):
                          f"v {v.shape}")
     _check_lengths_aval("q_lengths", ql, batch)
     _check_lengths_aval("kv_lengths", kl, batch)
-    return (ShapedArray(q.shape, q.dtype),
-            ShapedArray((batch, num_heads, q_len), jnp.float32))
+    row = ShapedArray((batch, num_heads, q_len), jnp.float32)
+    return ShapedArray(q.shape, q.dtype), row, row
 
 
 def _bwd_abstract(*args, has_q_lengths, has_kv_lengths, **_):
-    (q, k, v, o, lse, do, g_lse), ql, kl = _split(bwd_p, args, has_q_lengths, has_kv_lengths)
+    (q, k, v, o, lse, l2, do, g_lse), ql, kl = _split(bwd_p, args, has_q_lengths,
+                                                       has_kv_lengths)
     batch, q_len, num_heads, _ = q.shape
     if o.shape != q.shape or do.shape != q.shape or k.shape != v.shape:
         raise ValueError(f"flash_attention_bwd: incompatible shapes q {q.shape}, o {o.shape}, "
                          f"do {do.shape}, k {k.shape}, v {v.shape}")
-    for name, x in (("lse", lse), ("g_lse", g_lse)):
+    for name, x in (("lse", lse), ("l2", l2), ("g_lse", g_lse)):
         if x.shape != (batch, num_heads, q_len):
             raise ValueError(f"flash_attention_bwd: {name} must be [{batch}, {num_heads}, "
                              f"{q_len}], got {list(x.shape)}")
@@ -165,12 +174,14 @@ ad.primitive_jvps[bwd_p] = _make_no_jvp(bwd_p)
 
 def _reference_fwd(*args, has_q_lengths, has_kv_lengths, **params):
     (q, k, v), ql, kl = _split(fwd_p, args, has_q_lengths, has_kv_lengths)
-    return list(reference.forward(q, k, v, ql, kl, **params))
+    o, lse = reference.forward(q, k, v, ql, kl, **params)
+    return [o, lse, lse * jnp.float32(LOG2_E)]
 
 
 def _reference_bwd(*args, has_q_lengths, has_kv_lengths, **params):
-    main, ql, kl = _split(bwd_p, args, has_q_lengths, has_kv_lengths)
-    return list(reference.backward(*main, ql, kl, **params))
+    (q, k, v, o, lse, _, do, g_lse), ql, kl = _split(bwd_p, args, has_q_lengths,
+                                                     has_kv_lengths)  # l2 unused
+    return list(reference.backward(q, k, v, o, lse, do, g_lse, ql, kl, **params))
 
 
 _REFERENCE_LOWERING = {

@@ -28,6 +28,13 @@ typedef uint32_t uint;
 #define JFM_BUFFER_DK 11
 #define JFM_BUFFER_DV 12
 #define JFM_BUFFER_PARAMS 13
+#define JFM_BUFFER_L2 14
+
+// The forward's base-2 softmax statistic L2 = m + log2(l) (float32 [B, H, Tq], the residual the
+// backward recomputes P = exp2(S2 - L2) from) for a row with no visible key: finite, so no
+// infinity enters any arithmetic (fast-math safe), and so large that exp2(s2 - L2) is exactly 0
+// for every score |s2| < 1.7e38. The user's natural-log LSE of such a row is -inf.
+#define JFM_EMPTY_ROW_L2 1.70141173e38f
 
 // Dispatch shape shared by all kernels: a threadgroup has JFM_THREADS_PER_GROUP threads and
 // covers JFM_ROWS_PER_GROUP consecutive rows of one (batch, head). The grid is

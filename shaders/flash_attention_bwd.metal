@@ -82,9 +82,6 @@ inline simdgroup_float8x8 jfm_zero_fragment() {
   return make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
 }
 
-// Base-2 softmax statistic of a row from the forward's natural-log LSE.
-inline float jfm_l2_of(float lse) { return lse * JFM_LOG2E; }
-
 // ---- signatures ----
 
 #define JFM_BWD_INPUTS(T)                                                 \
@@ -92,7 +89,7 @@ inline float jfm_l2_of(float lse) { return lse * JFM_LOG2E; }
       device const T* k [[buffer(JFM_BUFFER_K)]],                         \
       device const T* v [[buffer(JFM_BUFFER_V)]],                         \
       device const T* d_o [[buffer(JFM_BUFFER_DO)]],                      \
-      device const float* lse [[buffer(JFM_BUFFER_LSE)]],                 \
+      device const float* l2 [[buffer(JFM_BUFFER_L2)]],                 \
       device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],       \
       device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],     \
       constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],     \
@@ -194,7 +191,7 @@ template <typename T, int D>
       my_delta = row_delta;
     }
   }
-  const float my_l2 = i_me < q_valid ? jfm_l2_of(lse[stat + row0 + fc.row]) : 0.0f;
+  const float my_l2 = i_me < q_valid ? l2[stat + row0 + fc.row] : 0.0f;
 
   simdgroup_float8x8 dq_acc[D / 8];
   for (uint dd = 0; dd < uint(D) / 8; ++dd) {
@@ -254,7 +251,7 @@ template <typename T, int D>
     for (uint f = 0; f < BK / 8; ++f) {
       for (uint e = 0; e < 2; ++e) {
         const float s2 = jfm_finite_or_nan(s[f].thread_elements()[e] * params.scale_log2);
-        const float p = fast::exp2(s2 - my_l2);
+        const float p = jfm_probability(s2, my_l2);
         float ds = p * (dp[f].thread_elements()[e] - my_delta);
         if (!full) {
           const int j = j0 + int(8 * f + fc.col + e);
@@ -382,7 +379,7 @@ template <typename T, int D, bool WANT_DK, bool WANT_DV>
       }
       if (tid < BQ) {
         const bool in = int(tid) >= lo && int(tid) <= hi;
-        l2_s[tid] = in ? jfm_l2_of(lse[stat_head + ulong(i0) + tid]) : 0.0f;
+        l2_s[tid] = in ? l2[stat_head + ulong(i0) + tid] : 0.0f;
         delta_s[tid] = in ? delta[stat_head + ulong(i0) + tid] : 0.0f;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -429,7 +426,7 @@ template <typename T, int D, bool WANT_DK, bool WANT_DV>
         for (uint e = 0; e < 2; ++e) {
           const uint c = 8 * f + fc.col + e;
           const float s2 = jfm_finite_or_nan(st[f].thread_elements()[e] * params.scale_log2);
-          float p = fast::exp2(s2 - l2_s[c]);
+          float p = jfm_probability(s2, l2_s[c]);
           float ds = WANT_DK ? p * (dp[f].thread_elements()[e] - delta_s[c]) : 0.0f;
           if (!full) {
             const int i = i0 + int(c);

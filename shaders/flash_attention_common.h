@@ -184,11 +184,12 @@ inline float jfm_dot_scaled(device const T* a, float factor, threadgroup const f
   return jfm_finite_or_nan((s0 + s1) + (s2 + s3));
 }
 
-// Softmax probability of a log2-domain score s2 given the row's natural-log LSE. The forward
-// stores LSE = m * ln2 + log2(l) * ln2 with m its max score, and the backward recomputes s2 bit
-// for bit, so a row whose softmax is one-hot (l = 1) gets p = exp2(0) = 1 exactly.
-inline float jfm_probability(float s2, float lse) {
-  return exp2((s2 * JFM_LN2 - lse) * JFM_LOG2E);
+// Softmax probability of a log2-domain score s2 given the row's base-2 statistic
+// L2 = m + log2(l) (m its max score). The backward recomputes s2 bit for bit and subtracts once,
+// so a row whose softmax is one-hot (l = 1) gets p = exp2(0) = 1 exactly; an empty row's
+// JFM_EMPTY_ROW_L2 gives p = 0 without any infinity.
+inline float jfm_probability(float s2, float l2) {
+  return fast::exp2(s2 - l2);
 }
 
 // Copies a device row into threadgroup memory as float times `factor`, lane-strided.

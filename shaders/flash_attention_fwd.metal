@@ -1,4 +1,5 @@
-// Forward attention: O = softmax(scale * Q K^T, masked) V and LSE (natural log), FlashAttention-2
+// Forward attention: O = softmax(scale * Q K^T, masked) V, LSE (natural log) and the base-2
+// statistic L2 = m + log2(l) the backward needs, FlashAttention-2
 // online softmax in float32. See shaders/README.md for the dispatch shape and tiling.
 #include "flash_attention_common.h"
 
@@ -12,6 +13,7 @@
    device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],        \
    device T* o [[buffer(JFM_BUFFER_O)]],                                  \
    device float* lse [[buffer(JFM_BUFFER_LSE)]],                          \
+   device float* l2 [[buffer(JFM_BUFFER_L2)]],                            \
    constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
    uint3 group [[threadgroup_position_in_grid]],                          \
    uint simd_index [[simdgroup_index_in_threadgroup]],                    \
@@ -49,6 +51,7 @@ kernel void flash_attention_fwd JFM_FWD_SIGNATURE(T) {
     jfm_store_zero_row<T, D>(o_row, lane);
     if (lane == 0) {
       lse[lse_index] = jfm_negative_infinity();
+      l2[lse_index] = JFM_EMPTY_ROW_L2;
     }
     return;
   }
@@ -99,7 +102,9 @@ kernel void flash_attention_fwd JFM_FWD_SIGNATURE(T) {
   const float l = simd_sum(l_lane);
   jfm_store_row<T, D>(o_row, acc, 1.0f / l, lane);
   if (lane == 0) {
-    lse[lse_index] = m * JFM_LN2 + log2(l) * JFM_LN2;  // see jfm_probability
+    const float row_l2 = m + log2(l);  // see jfm_probability
+    l2[lse_index] = row_l2;
+    lse[lse_index] = row_l2 * JFM_LN2;
   }
 }
 

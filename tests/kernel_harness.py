@@ -21,12 +21,14 @@ from jax_flash_metal._ext import emulator
 ROWS_PER_GROUP = 4  # JFM_ROWS_PER_GROUP
 THREADS_PER_GROUP = 128  # JFM_THREADS_PER_GROUP
 UNBOUNDED = -1  # JFM_UNBOUNDED
+EMPTY_ROW_L2 = np.float32(1.70141173e38)  # JFM_EMPTY_ROW_L2
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256)
+BWD_HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
 DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
           "bf16": np.dtype(ml_dtypes.bfloat16)}
 
 # JFM_BUFFER_* of attention_params.h.
-Q, K, V, O, LSE, DO, DELTA, G_LSE, Q_LENGTHS, KV_LENGTHS, DQ, DK, DV, PARAMS = range(14)
+Q, K, V, O, LSE, DO, DELTA, G_LSE, Q_LENGTHS, KV_LENGTHS, DQ, DK, DV, PARAMS, L2 = range(15)
 
 PARAMS_DTYPE = np.dtype([
     ("batch", "<u4"), ("q_len", "<u4"), ("kv_len", "<u4"), ("num_heads", "<u4"),
@@ -125,7 +127,8 @@ def bwd_kernels(dtype, head_dim):
 
 
 def forward(q, k, v, *, schedule="forward", seed=0, **mask):
-    """Runs flash_attention_fwd. Returns (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32).
+    """Runs flash_attention_fwd. Returns (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32,
+    l2 [B, H, Tq] float32: the base-2 statistic the backward takes).
 
     mask: scale, is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths,
     causal_alignment (the oracle's keywords).
@@ -134,17 +137,18 @@ def forward(q, k, v, *, schedule="forward", seed=0, **mask):
     params = pack_params(q.shape, k.shape, **mask)
     o = _output(q.shape, q.dtype)
     lse = _output((batch, heads, q_len), np.float32)
+    l2 = _output((batch, heads, q_len), np.float32)
     _dispatch(kernel_name("fwd", q.dtype, head_dim),
               {Q: q, K: k, V: v, Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
-               KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths")), O: o, LSE: lse,
+               KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths")), O: o, LSE: lse, L2: l2,
                PARAMS: params}, q_len, heads, batch, schedule, seed)
-    return o, lse
+    return o, lse, l2
 
 
-def backward(q, k, v, o, lse, do, g_lse=None, *, schedule="forward", seed=0, **mask):
+def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, **mask):
     """Runs the backward kernels (bwd_kernels). Returns (dq, dk, dv, delta).
 
-    o, lse: the forward's outputs; do like o; g_lse float32 [B, H, Tq] or None (zeros).
+    o, l2: the forward's outputs; do like o; g_lse float32 [B, H, Tq] or None (zeros).
     dq has q's shape and dtype, dk/dv k's; delta is float32 [B, H, Tq], written by bwd_dq.
     """
     batch, q_len, heads, head_dim = q.shape
@@ -156,7 +160,7 @@ def backward(q, k, v, o, lse, do, g_lse=None, *, schedule="forward", seed=0, **m
     dq = _output(q.shape, q.dtype)
     dk = _output(k.shape, k.dtype)
     dv = _output(v.shape, v.dtype)
-    inputs = {Q: q, K: k, V: v, DO: do, LSE: lse, Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
+    inputs = {Q: q, K: k, V: v, DO: do, L2: l2, Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
               KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths")), PARAMS: params}
     (dq_kernel, *dkdv_kernels), (rows, threads) = bwd_kernels(q.dtype, head_dim)
     _dispatch(dq_kernel,
@@ -218,12 +222,12 @@ def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0,
     Tolerances are DESIGN.md's (tests/tolerance.py); for f16/bf16 the yardstick is plain
     same-dtype jnp attention on the same inputs with padding and non-finite values zeroed.
     Zero-size problems are checked for their exact values instead. Returns the kernel outputs as
-    a dict (o, lse, dq, dk, dv, delta).
+    a dict (o, lse, l2, dq, dk, dv, delta).
     """
     import tolerance
 
-    o, lse = forward(q, k, v, schedule=schedule, seed=seed, **mask)
-    dq, dk, dv, delta = backward(q, k, v, o, lse, do, g_lse, schedule=schedule, seed=seed, **mask)
+    o, lse, l2 = forward(q, k, v, schedule=schedule, seed=seed, **mask)
+    dq, dk, dv, delta = backward(q, k, v, o, l2, do, g_lse, schedule=schedule, seed=seed, **mask)
     got = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
     if q.size == 0 or k.size == 0:
         # No (query, key) pair exists, so DESIGN.md section 3 fixes every value exactly (and the
@@ -231,7 +235,7 @@ def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0,
         for name, x in got.items():
             expected = -np.inf if name == "lse" else 0.0
             assert (np.asarray(x, np.float64) == expected).all(), name
-        got["delta"] = delta
+        got.update(l2=l2, delta=delta)
         return got
     base_inputs = None
     if q.dtype != np.float32:
@@ -241,5 +245,5 @@ def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0,
         base_inputs = (_yardstick_input(q, qs, q_len), _yardstick_input(k, ks, kv_len),
                        _yardstick_input(v, ks, kv_len), _yardstick_input(do, qs, q_len), g)
     tolerance.assert_all_match_oracle(got, q, k, v, do, g_lse, baseline_inputs=base_inputs, **mask)
-    got["delta"] = delta
+    got.update(l2=l2, delta=delta)
     return got

@@ -21,7 +21,7 @@ from jax_flash_metal import ffi_lowering, flash_attention  # noqa: E402
 FWD = "jax_flash_metal_attention_fwd_emulator"
 BWD = "jax_flash_metal_attention_bwd_emulator"
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256)
-STAGES = ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")
+EMPTY_ROW_L2 = np.float32(1.70141173e38)  # JFM_EMPTY_ROW_L2 of shaders/attention_params.h
 
 requires_metal = pytest.mark.skipif(not ext.metal_available(),
                                     reason="needs a Metal GPU: " + ext.metal_unavailable_reason())
@@ -35,20 +35,22 @@ def _attrs(**overrides):
     return attrs
 
 
-def _fwd_call(q, k, v, *lengths, lse_shape=None, **attrs):
-    """The forward target called directly (no primitive, no Python-side validation)."""
+def _fwd_call(q, k, v, *lengths, lse_shape=None, l2_shape=None, **attrs):
+    """The forward target called directly (no primitive, no Python-side validation):
+    (o, lse, l2)."""
     b, tq, h = q.shape[:3]
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-           jax.ShapeDtypeStruct(lse_shape or (b, h, tq), jnp.float32))
+           jax.ShapeDtypeStruct(lse_shape or (b, h, tq), jnp.float32),
+           jax.ShapeDtypeStruct(l2_shape or (b, h, tq), jnp.float32))
     return jax.block_until_ready(jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **_attrs(**attrs)))
 
 
-def _bwd_call(q, k, v, o, lse, do, g_lse, *lengths, **attrs):
+def _bwd_call(q, k, v, o, l2, do, g_lse, *lengths, **attrs):
     b, tq, h, _ = q.shape
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
            jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
     return jax.block_until_ready(
-        jax.ffi.ffi_call(BWD, out)(q, k, v, o, lse, do, g_lse, *lengths, **_attrs(**attrs)))
+        jax.ffi.ffi_call(BWD, out)(q, k, v, o, l2, do, g_lse, *lengths, **_attrs(**attrs)))
 
 
 def _normal(rng, shape, dtype=jnp.float32):
@@ -89,9 +91,10 @@ def test_build_has_emulator_targets_and_every_contract_kernel():
     assert {FWD, BWD} <= set(ext.ffi_targets())
     assert "emulator" in ffi_lowering.available_implementations()
     names = set(ext.kernel_names("emulator"))
-    for stage in STAGES:
-        for t in ("f32", "f16", "bf16"):
-            for d in HEAD_DIMS:
+    for dtype in (np.float32, np.float16, jnp.bfloat16):
+        t = ffi_lowering._DTYPE_SUFFIX[np.dtype(dtype)]
+        for d in HEAD_DIMS:
+            for stage in ("fwd", *ffi_lowering.bwd_stages(dtype, d)):
                 assert f"flash_attention_{stage}_{t}_d{d}" in names
     assert ext.device_name("emulator")
 
@@ -174,6 +177,7 @@ _K = jnp.zeros((1, 5, 1, 16), jnp.float32)
     ((_Q, _K, _K, jnp.zeros((1,), jnp.float32)), dict(has_q_lengths=True),
      r"q_lengths must be int32 \[1\]"),
     ((_Q, _K, _K), dict(lse_shape=(1, 2, 5)), r"output lse must be float32 \[1, 2, 4\]"),
+    ((_Q, _K, _K), dict(l2_shape=(1, 4)), r"output l2 must be float32 \[1, 2, 4\]"),
     ((_Q[0], _K[0], _K[0]), dict(), "query must have rank 4"),
     ((_Q, _K.astype(jnp.float16), _K.astype(jnp.float16)), dict(), "share one dtype"),
     ((_Q.astype(jnp.int32), _K, _K), dict(), "float32, float16 or bfloat16"),
@@ -191,7 +195,8 @@ def test_handler_rejects_bad_operands_and_attributes(args, kwargs, message):
 def test_handler_rejects_missing_and_mistyped_attributes():
     attrs = _attrs()
     del attrs["bottom_right"]
-    out = (jax.ShapeDtypeStruct(_Q.shape, _Q.dtype), jax.ShapeDtypeStruct((1, 2, 4), jnp.float32))
+    out = (jax.ShapeDtypeStruct(_Q.shape, _Q.dtype), jax.ShapeDtypeStruct((1, 2, 4), jnp.float32),
+           jax.ShapeDtypeStruct((1, 2, 4), jnp.float32))
     with pytest.raises(jax.errors.JaxRuntimeError, match="attributes"):
         jax.block_until_ready(jax.ffi.ffi_call(FWD, out)(_Q, _K, _K, **attrs))
     # Attributes are typed: a float64 scale (what a Python float becomes under x64) is refused,
@@ -301,9 +306,10 @@ def test_fused_memory_is_linear_in_sequence_length():
 def test_zero_length_problems_write_exact_outputs_without_dispatch():
     rng = np.random.default_rng(1)
     q, k0 = _normal(rng, (2, 3, 4, 16)), jnp.zeros((2, 0, 2, 16), jnp.float32)
-    o, lse = _fwd_call(q, k0, k0)
+    o, lse, l2 = _fwd_call(q, k0, k0)
     assert np.array_equal(np.asarray(o), np.zeros(q.shape))
     assert np.array_equal(np.asarray(lse), np.full((2, 4, 3), -np.inf))
+    assert np.array_equal(np.asarray(l2), np.full((2, 4, 3), EMPTY_ROW_L2, np.float32))
     g = jnp.ones((2, 4, 3), jnp.float32)
     dq, dk, dv, _ = _bwd_call(q, k0, k0, q, g, q, g)
     assert np.array_equal(np.asarray(dq), np.zeros(q.shape)) and dk.shape == dv.shape == k0.shape

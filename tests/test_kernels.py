@@ -61,16 +61,18 @@ def test_matrix_matches_oracle(dtype, head_dim, batch, q_len, kv_len, heads, kv_
 
 def test_every_kernel_is_instantiated():
     names = set(emulator.kernel_names())
-    for kind, dtype, head_dim in itertools.product(
-            ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv"), kh.DTYPES.values(), kh.HEAD_DIMS):
-        assert kh.kernel_name(kind, dtype, head_dim) in names
+    for dtype, head_dim in itertools.product(kh.DTYPES.values(), kh.HEAD_DIMS):
+        assert kh.kernel_name("fwd", dtype, head_dim) in names
+    for dtype, head_dim in itertools.product(kh.DTYPES.values(), kh.BWD_HEAD_DIMS):
+        for name in kh.bwd_kernels(dtype, head_dim)[0]:
+            assert name in names
 
 
 def _run_all(q, k, v, do, g_lse, schedule="forward", seed=0, **mask):
-    o, lse = kh.forward(q, k, v, schedule=schedule, seed=seed, **mask)
-    dq, dk, dv, delta = kh.backward(q, k, v, o, lse, do, g_lse, schedule=schedule, seed=seed,
+    o, lse, l2 = kh.forward(q, k, v, schedule=schedule, seed=seed, **mask)
+    dq, dk, dv, delta = kh.backward(q, k, v, o, l2, do, g_lse, schedule=schedule, seed=seed,
                                     **mask)
-    return dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta)
+    return dict(o=o, lse=lse, l2=l2, dq=dq, dk=dk, dv=dv, delta=delta)
 
 
 def _assert_bit_identical(a, b):
@@ -119,7 +121,8 @@ def test_padding_past_lengths_is_never_read(dtype):
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_empty_rows_are_exact(dtype):
-    """Rows that see no key: O = 0 and LSE = -inf exactly, zero dQ; unseen keys: zero dK/dV."""
+    """Rows that see no key: O = 0, LSE = -inf and L2 = JFM_EMPTY_ROW_L2 exactly, zero dQ;
+    unseen keys: zero dK/dV."""
     # Window (2, -) with causal and bottom_right over q 12 / kv 5: early rows see nothing.
     mask = dict(is_causal=True, local_window_size=(2, None), causal_alignment="bottom_right",
                 query_seq_lengths=np.array([12, 3], np.int32),
@@ -137,6 +140,7 @@ def test_empty_rows_are_exact(dtype):
         assert (o[b, empty[b]] == 0).all() and (dq[b, empty[b]] == 0).all()
         assert np.isneginf(lse[b][:, empty[b]]).all()
         assert np.isfinite(lse[b][:, ~empty[b]]).all()
+        assert (got["l2"][b][:, empty[b]] == kh.EMPTY_ROW_L2).all()
         for name in ("dk", "dv"):
             assert (np.asarray(got[name][b, unseen[b]], np.float64) == 0).all()
     assert (got["delta"][1][:, 3:] == 0).all()  # rows past q_len
@@ -151,7 +155,7 @@ def test_kv_len_zero():
 
 
 def test_q_len_zero():
-    """No query rows: only bwd_dkdv is dispatched, and it writes zero dK/dV."""
+    """No query rows: only the dK/dV kernel is dispatched, and it writes zero dK/dV."""
     q, k, v, do, g_lse = kh.random_inputs(kh.DTYPES["bf16"], 2, 0, 16, 4, 2, 64)
     got = kh.check_against_oracle(q, k, v, do, g_lse, is_causal=True)
     assert got["o"].shape == (2, 0, 4, 64)
@@ -186,12 +190,12 @@ def test_zero_width_window_copies_v(dtype):
     """Window (0, 0): each row sees only its own key, so O = V and dV = dO bit for bit.
 
     dV needs the backward to recompute P = 1 exactly: scores bit-identical to the forward's and
-    the LSE round trip exact for a one-hot row.
+    P = exp2(S2 - L2) = 1 exactly for a one-hot row (L2 = m + log2(1) = m).
     """
     q, k, v, do, g_lse = kh.random_inputs(kh.DTYPES[dtype], 1, 33, 33, 2, 2, 48, seed=4)
-    o, lse = kh.forward(q, k, v, local_window_size=(0, 0))
+    o, _, l2 = kh.forward(q, k, v, local_window_size=(0, 0))
     assert o.tobytes() == v.tobytes()
-    _, _, dv, _ = kh.backward(q, k, v, o, lse, do, g_lse, local_window_size=(0, 0))
+    _, _, dv, _ = kh.backward(q, k, v, o, l2, do, g_lse, local_window_size=(0, 0))
     assert dv.tobytes() == do.tobytes()
 
 
@@ -205,10 +209,11 @@ def test_bf16_store_rounds_to_nearest_even():
     v = rng.standard_normal((1, 2, 1, 16)).astype(np.float32).astype(kh.DTYPES["bf16"])
     q = np.ones((1, 1, 1, 16), kh.DTYPES["bf16"])
     k = np.ones((1, 2, 1, 16), kh.DTYPES["bf16"])
-    o, lse = kh.forward(q, k, v, scale=0.0)
+    o, lse, l2 = kh.forward(q, k, v, scale=0.0)
     mean = (v[0, 0].astype(np.float32) + v[0, 1].astype(np.float32)) * np.float32(0.5)
     assert o[0, 0].tobytes() == mean.astype(kh.DTYPES["bf16"]).tobytes()
     np.testing.assert_allclose(lse, np.log(2.0), rtol=1e-6)
+    np.testing.assert_allclose(l2, 1.0, rtol=1e-6)  # base 2: log2(2)
 
 
 def test_huge_window_bounds_equal_unbounded():

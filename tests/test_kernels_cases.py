@@ -99,7 +99,7 @@ def test_c03_alignment(dtype, q_len, kv_len, alignment):
     got = kh.check_against_oracle(q, k, v, do, None, **mask)
     if (q_len, kv_len) == (1, 16):
         if alignment == "bottom_right":
-            plain, plain_lse = kh.forward(q, k, v)
+            plain, plain_lse, _ = kh.forward(q, k, v)
             assert got["o"].tobytes() == plain.tobytes()
             assert got["lse"].tobytes() == plain_lse.tobytes()
         else:
@@ -131,7 +131,7 @@ def test_c05_decode(kv_len):
                    draw((1, 1, 8, 32)))
     got = kh.check_against_oracle(q, k, v, do, None, scale=1 / 32)
     if kv_len > 1:
-        default_o, default_lse = kh.forward(q, k, v)
+        default_o, default_lse, _ = kh.forward(q, k, v)
         assert not np.array_equal(default_lse, got["lse"])
 
 
@@ -148,7 +148,7 @@ def test_c06_windows(dtype):
     b = kh.forward(q, k, v, local_window_size=(8, 0), is_causal=True)
     assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
     # (0, 0) gives O = V exactly.
-    o, _ = kh.forward(q, k, v, local_window_size=(0, 0))
+    o, _, _ = kh.forward(q, k, v, local_window_size=(0, 0))
     assert o.tobytes() == v.tobytes()
     # (63, 0) over length 64 equals plain causal.
     c = kh.forward(q, k, v, local_window_size=(63, 0))
@@ -171,8 +171,8 @@ def test_c07_large_logits(dtype):
     x = _normal((1, 256, 2, 128), 0, kh.DTYPES[dtype], factor=30.0)
     q = k = v = x
     do = _normal((1, 256, 2, 128), 1, kh.DTYPES[dtype])
-    o, lse = kh.forward(q, k, v)
-    dq, dk, dv, _ = kh.backward(q, k, v, o, lse, do)
+    o, lse, l2 = kh.forward(q, k, v)
+    dq, dk, dv, _ = kh.backward(q, k, v, o, l2, do)
     for name, got in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert np.isfinite(_f64(got)).all(), name
     want_o, want_lse = oracle.attention(q, k, v)
