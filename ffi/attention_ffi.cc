@@ -9,10 +9,10 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attention_params.h"
-#include "bwd_tile_shapes.h"
 #include "device.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -41,8 +41,6 @@ const char* dtype_suffix(ffi::DataType t) {
       return nullptr;
   }
 }
-
-uint32_t element_bytes(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
 
 std::string dtype_name(ffi::DataType t) {
   switch (t) {
@@ -81,6 +79,7 @@ struct Problem {
   int64_t batch = 0, q_len = 0, kv_len = 0, heads = 0, kv_heads = 0, head_dim = 0;
   ffi::DataType dtype = ffi::DataType::F32;
   const char* suffix = nullptr;  // f32 / f16 / bf16
+  int element_bytes = 4;
 
   std::vector<int64_t> q_shape() const { return {batch, q_len, heads, head_dim}; }
   std::vector<int64_t> kv_shape() const { return {batch, kv_len, kv_heads, head_dim}; }
@@ -123,6 +122,7 @@ ffi::Error read_problem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, Pr
   if (p->suffix == nullptr) {
     return invalid("query dtype must be float32, float16 or bfloat16");
   }
+  p->element_bytes = p->dtype == ffi::DataType::F32 ? 4 : 2;
   if (k.element_type() != p->dtype || v.element_type() != p->dtype) {
     return invalid("query, key and value must share one dtype");
   }
@@ -244,14 +244,28 @@ Array lengths_array(int index, std::vector<int32_t>& values) {
   return Array{index, values.data(), sizeof(int32_t), false};
 }
 
+// The kernel families of tile_shapes.h by stage name.
+constexpr std::pair<const char*, int> kStageKernels[] = {
+    {"fwd", JFM_KERNEL_FWD},
+    {"bwd_dq", JFM_KERNEL_BWD_DQ},
+    {"bwd_dkdv", JFM_KERNEL_BWD_DKDV},
+    {"bwd_dk", JFM_KERNEL_BWD_DK},
+    {"bwd_dv", JFM_KERNEL_BWD_DV}};
+
 struct Stage {
   std::string kernel;
   int64_t rows;   // q_len or kv_len
   int64_t heads;  // num_heads or num_kv_heads
   std::vector<Array> arrays;
-  uint32_t rows_per_group = JFM_ROWS_PER_GROUP;
-  uint32_t threads_per_group = JFM_THREADS_PER_GROUP;
+  TileShape shape;  // rows per threadgroup and threads, from tile_shapes.h
 };
+
+Stage make_stage(const char* stage, const Problem& p, int64_t rows, int64_t heads,
+                 std::vector<Array> arrays) {
+  Stage s{kernel_name(stage, p), rows, heads, std::move(arrays), {}};
+  tile_shape(stage, p.element_bytes, static_cast<int>(p.head_dim), &s.shape);
+  return s;
+}
 
 // One submission per chunk of whole batch elements, each running every stage in order on
 // its chunk; chunks are sized so that none exceeds the submission budget.
@@ -269,10 +283,10 @@ std::vector<Submission> plan(const Problem& p, const Options& o, const std::vect
     for (const Stage& stage : stages) {
       Dispatch d;
       d.kernel = stage.kernel;
-      d.groups = {static_cast<uint32_t>((stage.rows + stage.rows_per_group - 1) /
-                                        stage.rows_per_group),
+      const int64_t per_group = stage.shape.rows;
+      d.groups = {static_cast<uint32_t>((stage.rows + per_group - 1) / per_group),
                   static_cast<uint32_t>(stage.heads), static_cast<uint32_t>(nb)};
-      d.group_size = {stage.threads_per_group, 1, 1};
+      d.group_size = {static_cast<uint32_t>(stage.shape.threads), 1, 1};
       for (const Array& a : stage.arrays) {
         d.buffers.push_back(Binding{a.index, static_cast<char*>(a.base) + b0 * a.batch_stride,
                                     static_cast<size_t>(nb) * a.batch_stride, a.written});
@@ -327,16 +341,13 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
     std::fill(s2, s2 + l2.element_count(), JFM_EMPTY_ROW_L2);
     return ffi::Error::Success();
   }
-  const std::string kernel = kernel_name("fwd", p);
-  if (ffi::Error e = require_kernel(*device, kernel, p); e.failure()) return e;
-  std::vector<Stage> stages = {
-      {kernel,
-       p.q_len,
-       p.heads,
-       {whole(JFM_BUFFER_Q, q, p.batch, false), whole(JFM_BUFFER_K, k, p.batch, false),
-        whole(JFM_BUFFER_V, v, p.batch, false), lengths_array(JFM_BUFFER_Q_LENGTHS, q_lengths),
-        lengths_array(JFM_BUFFER_KV_LENGTHS, kv_lengths), whole(JFM_BUFFER_O, o, p.batch, true),
-        whole(JFM_BUFFER_LSE, lse, p.batch, true), whole(JFM_BUFFER_L2, l2, p.batch, true)}}};
+  const std::vector<Stage> stages = {make_stage(
+      "fwd", p, p.q_len, p.heads,
+      {whole(JFM_BUFFER_Q, q, p.batch, false), whole(JFM_BUFFER_K, k, p.batch, false),
+       whole(JFM_BUFFER_V, v, p.batch, false), lengths_array(JFM_BUFFER_Q_LENGTHS, q_lengths),
+       lengths_array(JFM_BUFFER_KV_LENGTHS, kv_lengths), whole(JFM_BUFFER_O, o, p.batch, true),
+       whole(JFM_BUFFER_LSE, lse, p.batch, true), whole(JFM_BUFFER_L2, l2, p.batch, true)})};
+  if (ffi::Error e = require_kernel(*device, stages[0].kernel, p); e.failure()) return e;
   // Q·K^T and P·V.
   const double work = 2.0 * static_cast<double>(p.q_len) * static_cast<double>(p.kv_len) *
                       static_cast<double>(p.heads) * static_cast<double>(p.head_dim);
@@ -373,20 +384,6 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
     zero(dv);
     return ffi::Error::Success();
   }
-  // dQ (its prologue writes delta), then dK/dV: one kernel, or a dK and a dV kernel for the
-  // widest heads (bwd_tile_shapes.h).
-  const uint32_t row_bytes = element_bytes(p.dtype) * static_cast<uint32_t>(p.head_dim);
-  const bool split = jfm_bwd_split_dkdv(static_cast<uint32_t>(p.head_dim));
-  std::vector<std::string> kernels = {kernel_name("bwd_dq", p)};
-  if (split) {
-    kernels.push_back(kernel_name("bwd_dk", p));
-    kernels.push_back(kernel_name("bwd_dv", p));
-  } else {
-    kernels.push_back(kernel_name("bwd_dkdv", p));
-  }
-  for (const std::string& kernel : kernels) {
-    if (ffi::Error e = require_kernel(*device, kernel, p); e.failure()) return e;
-  }
   const Array aq = whole(JFM_BUFFER_Q, q, p.batch, false);
   const Array ak = whole(JFM_BUFFER_K, k, p.batch, false);
   const Array av = whole(JFM_BUFFER_V, v, p.batch, false);
@@ -394,27 +391,26 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   const Array ado = whole(JFM_BUFFER_DO, d_o, p.batch, false);
   const Array aql = lengths_array(JFM_BUFFER_Q_LENGTHS, q_lengths);
   const Array akvl = lengths_array(JFM_BUFFER_KV_LENGTHS, kv_lengths);
-  const uint32_t simdgroups = jfm_bwd_simdgroups(row_bytes);
-  std::vector<Stage> stages;
-  stages.push_back({kernels[0], p.q_len, p.heads,
-                    {aq, ak, av, ado, al2, aql, akvl, whole(JFM_BUFFER_O, o, p.batch, false),
-                     whole(JFM_BUFFER_G_LSE, g_lse, p.batch, false),
-                     whole(JFM_BUFFER_DELTA, delta, p.batch, true),
-                     whole(JFM_BUFFER_DQ, dq, p.batch, true)}});
-  for (size_t n = 1; n < kernels.size(); ++n) {
-    stages.push_back({kernels[n], p.kv_len, p.kv_heads,
-                      {aq, ak, av, ado, al2, aql, akvl,
-                       whole(JFM_BUFFER_DELTA, delta, p.batch, false),
-                       whole(JFM_BUFFER_DK, dk, p.batch, true),
-                       whole(JFM_BUFFER_DV, dv, p.batch, true)}});
+  // dQ first: its prologue writes delta, which the dK/dV kernels read.
+  std::vector<Stage> stages = {make_stage(
+      "bwd_dq", p, p.q_len, p.heads,
+      {aq, ak, av, ado, al2, aql, akvl, whole(JFM_BUFFER_O, o, p.batch, false),
+       whole(JFM_BUFFER_G_LSE, g_lse, p.batch, false), whole(JFM_BUFFER_DELTA, delta, p.batch, true),
+       whole(JFM_BUFFER_DQ, dq, p.batch, true)})};
+  const std::vector<std::string> names = bwd_stages(static_cast<int>(p.head_dim));
+  for (size_t n = 1; n < names.size(); ++n) {
+    stages.push_back(make_stage(names[n].c_str(), p, p.kv_len, p.kv_heads,
+                                {aq, ak, av, ado, al2, aql, akvl,
+                                 whole(JFM_BUFFER_DELTA, delta, p.batch, false),
+                                 whole(JFM_BUFFER_DK, dk, p.batch, true),
+                                 whole(JFM_BUFFER_DV, dv, p.batch, true)}));
   }
-  for (Stage& stage : stages) {
-    stage.rows_per_group = 8 * simdgroups;
-    stage.threads_per_group = JFM_SIMD_WIDTH * simdgroups;
+  for (const Stage& stage : stages) {
+    if (ffi::Error e = require_kernel(*device, stage.kernel, p); e.failure()) return e;
   }
   // dQ recomputes S and dP and forms dS·K; dK/dV recompute S and dP and form P^T·dO and dS^T·Q
-  // (the split recomputes S once more).
-  const double work = (split ? 9.0 : 7.0) * static_cast<double>(p.q_len) *
+  // (the split pair recomputes S once more).
+  const double work = (names.size() == 3 ? 9.0 : 7.0) * static_cast<double>(p.q_len) *
                       static_cast<double>(p.kv_len) * static_cast<double>(p.heads) *
                       static_cast<double>(p.head_dim);
   return run(*device, plan(p, opt, stages, work));
@@ -504,6 +500,23 @@ Device* get_metal_device(std::string* why) {
 #endif
 
 }  // namespace
+
+std::vector<std::string> bwd_stages(int head_dim) {
+  if (jfm_bwd_split_dkdv(head_dim)) return {"bwd_dq", "bwd_dk", "bwd_dv"};
+  return {"bwd_dq", "bwd_dkdv"};
+}
+
+bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape) {
+  for (const auto& [name, family] : kStageKernels) {
+    if (stage != name) continue;
+    *shape = TileShape{jfm_tile_rows(family, element_bytes, head_dim),
+                       jfm_tile_cols(family, element_bytes, head_dim),
+                       jfm_tile_simdgroups(family, element_bytes, head_dim),
+                       jfm_tile_threads(family, element_bytes, head_dim)};
+    return true;
+  }
+  return false;
+}
 
 uint64_t set_submission_budget(uint64_t multiply_adds) {
   return g_submission_budget.exchange(std::max<uint64_t>(multiply_adds, 1));

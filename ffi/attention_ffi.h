@@ -23,6 +23,8 @@
 #define JAX_FLASH_METAL_ATTENTION_FFI_H_
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "xla/ffi/api/api.h"
 
@@ -39,6 +41,20 @@ namespace jfm {
 // batch elements so that no submission exceeds it (a single batch element is never split).
 // Returns the previous value. Tests lower it to exercise the split on the emulated device.
 uint64_t set_submission_budget(uint64_t multiply_adds);
+
+// One kernel family's dispatch shape from shaders/tile_shapes.h: rows per threadgroup, block size
+// of the traversed dimension, simdgroups and threads per threadgroup.
+struct TileShape {
+  int rows, cols, simdgroups, threads;
+};
+
+// The shape for stage "fwd", "bwd_dq", "bwd_dkdv", "bwd_dk" or "bwd_dv" (the stage part of a
+// kernel name), element size in bytes (4 or 2) and head dim; false for an unknown stage.
+bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape);
+
+// The backward stages in dispatch order: bwd_dq (which also writes delta), then bwd_dkdv, or
+// bwd_dk and bwd_dv for the widest heads (tile_shapes.h).
+std::vector<std::string> bwd_stages(int head_dim);
 
 }  // namespace jfm
 

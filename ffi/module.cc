@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "attention_ffi.h"
-#include "bwd_tile_shapes.h"
 #include "device.h"
 #include "shader_sources.h"
 
@@ -119,16 +118,6 @@ void bind_devices(nb::module_& m) {
         "Test hook: work per submission (command buffer) before a call is split by batch; "
         "returns the previous value.");
   m.def(
-      "_bwd_tile_shape",
-      [](uint32_t element_bytes, uint32_t head_dim) {
-        const uint32_t row_bytes = element_bytes * head_dim;
-        return nb::make_tuple(jfm_bwd_simdgroups(row_bytes), jfm_bwd_block(row_bytes),
-                              jfm_bwd_shared_stream(row_bytes), jfm_bwd_split_dkdv(head_dim));
-      },
-      nb::arg("element_bytes"), nb::arg("head_dim"),
-      "(simdgroups, block, shared_stream, split_dkdv) of the backward kernels "
-      "(shaders/bwd_tile_shapes.h), for the kernel test harness.");
-  m.def(
       "shader_sources",
       [] {
         nb::dict sources;
@@ -139,6 +128,31 @@ void bind_devices(nb::module_& m) {
       },
       "dict[str, str]: the embedded shaders/*.metal sources (quoted includes inlined) that the "
       "Metal device compiles at run time.");
+  m.def("bwd_stages", &bwd_stages, nb::arg("head_dim"),
+        "list[str]: the backward kernel stages the host dispatches, in order: 'bwd_dq' (which "
+        "also writes D), then 'bwd_dkdv', or 'bwd_dk' and 'bwd_dv' for the widest heads.");
+  m.def(
+      "tile_shape",
+      [](const std::string& stage, const std::string& dtype, int head_dim) {
+        const int element_bytes = dtype == "f32" ? 4 : dtype == "f16" || dtype == "bf16" ? 2 : 0;
+        TileShape shape;
+        if (element_bytes == 0 || !tile_shape(stage, element_bytes, head_dim, &shape)) {
+          throw nb::value_error(("no tile shape for stage '" + stage + "' and dtype '" + dtype +
+                                 "' (stages fwd, bwd_dq, bwd_dkdv, bwd_dk, bwd_dv; dtypes f32, "
+                                 "f16, bf16)").c_str());
+        }
+        nb::dict d;
+        d["rows"] = shape.rows;
+        d["cols"] = shape.cols;
+        d["simdgroups"] = shape.simdgroups;
+        d["threads"] = shape.threads;
+        return d;
+      },
+      nb::arg("stage"), nb::arg("dtype"), nb::arg("head_dim"),
+      "dict(rows, cols, simdgroups, threads): the dispatch shape of shaders/tile_shapes.h for a "
+      "kernel stage ('fwd', 'bwd_dq', 'bwd_dkdv', 'bwd_dk', 'bwd_dv'), dtype ('f32', 'f16', "
+      "'bf16') and head dim: rows per threadgroup, block size of the traversed dimension, "
+      "simdgroups and threads per threadgroup. ValueError for an unknown stage or dtype.");
 }
 
 }  // namespace

@@ -99,13 +99,6 @@ def kernel_names(implementation: str) -> frozenset[str]:
     return frozenset(_ext.kernel_names(implementation))
 
 
-def bwd_stages(dtype, head_dim: int) -> tuple:
-    """Backward kernel stages in dispatch order: dQ (which also writes D), then one dK/dV
-    kernel, or a dK and a dV kernel for the widest heads (shaders/bwd_tile_shapes.h)."""
-    split = _ext._bwd_tile_shape(np.dtype(dtype).itemsize, head_dim)[3]
-    return ("bwd_dq", "bwd_dk", "bwd_dv") if split else ("bwd_dq", "bwd_dkdv")
-
-
 def check_supported(implementation: str, dtype, head_dim: int, stages) -> None:
     """Raise ValueError unless every ``flash_attention_{stage}_{t}_d{head_dim}`` kernel exists.
 
@@ -169,7 +162,7 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     """
     q = ctx.avals_in[0]
     _check_built(implementation)
-    check_supported(implementation, q.dtype, q.shape[3], bwd_stages(q.dtype, q.shape[3]))
+    check_supported(implementation, q.dtype, q.shape[3], _ext.bwd_stages(q.shape[3]))
     batch, q_len, num_heads, _ = q.shape
     delta = ShapedArray((batch, num_heads, q_len), np.float32)
     keep = [n for n in range(len(args)) if n != _BWD_LSE_OPERAND]

@@ -4,6 +4,8 @@
 #ifndef JAX_FLASH_METAL_ATTENTION_PARAMS_H_
 #define JAX_FLASH_METAL_ATTENTION_PARAMS_H_
 
+#include "tile_shapes.h"
+
 #ifndef __METAL_VERSION__
 #include <cstdint>
 namespace jfm {
@@ -36,14 +38,9 @@ typedef uint32_t uint;
 // for every score |s2| < 1.7e38. The user's natural-log LSE of such a row is -inf.
 #define JFM_EMPTY_ROW_L2 1.70141173e38f
 
-// Dispatch shape shared by all kernels: a threadgroup has JFM_THREADS_PER_GROUP threads and
-// covers JFM_ROWS_PER_GROUP consecutive rows of one (batch, head). The grid is
-// (ceil(rows / JFM_ROWS_PER_GROUP), heads, batch) threadgroups, where rows/heads are
-// q_len/num_heads for fwd, bwd_preprocess and bwd_dq, and kv_len/num_kv_heads for bwd_dkdv.
-// Kernels declare all threadgroup memory statically (no [[threadgroup(n)]] arguments).
-#define JFM_SIMD_WIDTH 32
-#define JFM_ROWS_PER_GROUP 4
-#define JFM_THREADS_PER_GROUP (JFM_ROWS_PER_GROUP * JFM_SIMD_WIDTH)
+// Dispatch shapes (threads and rows per threadgroup, per kernel, dtype and head dim) are in
+// tile_shapes.h. Kernels declare all threadgroup memory statically (no [[threadgroup(n)]]
+// arguments).
 
 // Bound at JFM_BUFFER_PARAMS as `constant AttentionParams&`. Layout is plain 4-byte fields so
 // host C++ and MSL agree on it without padding rules.

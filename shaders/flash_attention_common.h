@@ -168,20 +168,23 @@ inline float jfm_dot(threadgroup const float* a, device const T* b) {
   return jfm_finite_or_nan((s0 + s1) + (s2 + s3));
 }
 
-// The same score with the roles of the operands' address spaces swapped: a is a device row
-// scaled by `factor` on the fly, b a staged row. Bit-identical to jfm_dot when the staged row of
-// jfm_dot held a * factor: same products, same fma chains, same order.
-template <typename T, int D>
-inline float jfm_dot_scaled(device const T* a, float factor, threadgroup const float* b) {
-  static_assert(D % 4 == 0, "head dim must be a multiple of 4");
-  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-  for (int d = 0; d < D; d += 4) {
-    s0 = fma(jfm_to_float(a[d]) * factor, b[d], s0);
-    s1 = fma(jfm_to_float(a[d + 1]) * factor, b[d + 1], s1);
-    s2 = fma(jfm_to_float(a[d + 2]) * factor, b[d + 2], s2);
-    s3 = fma(jfm_to_float(a[d + 3]) * factor, b[d + 3], s3);
+// The log2-domain score of a (query, key) pair as the tiled forward forms it, so a backward that
+// recomputes it gets the same bits: q.k summed over 8-element chunks in order (each chunk from 0,
+// as one 8x8x8 simdgroup multiply-accumulate, then added to the running sum), times
+// scale * log2(e); non-finite results are NaN (jfm_finite_or_nan). a and b are rows in any
+// address space.
+template <int D, typename PA, typename PB>
+inline float jfm_score_log2(PA a, PB b, float scale_log2) {
+  static_assert(D % 8 == 0, "head dim must be a multiple of 8");
+  float s = 0.0f;
+  for (int c = 0; c < D; c += 8) {
+    float chunk = 0.0f;
+    for (int d = c; d < c + 8; ++d) {
+      chunk += jfm_to_float(a[d]) * jfm_to_float(b[d]);
+    }
+    s = chunk + s;
   }
-  return jfm_finite_or_nan((s0 + s1) + (s2 + s3));
+  return jfm_finite_or_nan(s * scale_log2);
 }
 
 // Softmax probability of a log2-domain score s2 given the row's base-2 statistic

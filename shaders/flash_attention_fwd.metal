@@ -1,10 +1,9 @@
-// Forward attention: O = softmax(scale * Q K^T, masked) V, LSE (natural log) and the base-2
-// statistic L2 = m + log2(l) the backward needs, FlashAttention-2
-// online softmax in float32. See shaders/README.md for the dispatch shape and tiling.
-#include "flash_attention_common.h"
+// Forward attention, FlashAttention-2 Algorithm 1 on simdgroup_matrix tiles: O = softmax(S) V with
+// S = scale * Q K^T over the visible keys, the natural-log LSE, and the base-2 statistic
+// L2 = m + log2(l) the backward recomputes P = exp2(S2 - L2) from. Tile shapes: tile_shapes.h;
+// the loop, tiles and memory: shaders/README.md.
+#include "flash_attention_tiles.h"
 
-// Threadgroup memory: (JFM_ROWS_PER_GROUP * D + JFM_ROWS_PER_GROUP * 2 * 32) floats
-// = 16 * D + 1024 bytes: 1280 B for D = 16 up to 5120 B for D = 256.
 #define JFM_FWD_SIGNATURE(T)                                              \
   (device const T* q [[buffer(JFM_BUFFER_Q)]],                            \
    device const T* k [[buffer(JFM_BUFFER_K)]],                            \
@@ -16,128 +15,253 @@
    device float* l2 [[buffer(JFM_BUFFER_L2)]],                            \
    constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
    uint3 group [[threadgroup_position_in_grid]],                          \
+   uint thread_index [[thread_index_in_threadgroup]],                     \
    uint simd_index [[simdgroup_index_in_threadgroup]],                    \
    uint lane [[thread_index_in_simdgroup]])
 
-// One simdgroup per query row i of head h in batch b. Keys are visited in blocks of 32 over the
-// row's visible interval only; lane t scores key (block start + t) with a full dot product against
-// the query row staged in threadgroup memory (pre-multiplied by scale * log2(e), so scores feed
-// exp2), the block's probabilities go through threadgroup memory, and each lane accumulates its
-// own output dims lane + 32 * c. Per block the lanes meet twice: simd_max for the running max and
-// one simdgroup_barrier publishing p. The p tile is double-buffered (a block's writes cannot
-// overtake reads of the block before last, which precede the previous block's barrier), and each
-// lane keeps its own share of the softmax denominator, summed once at the end.
+#define JFM_FWD_THREADS(T, D) jfm_tile_threads(JFM_KERNEL_FWD, int(sizeof(T)), D)
+
+// Online softmax of one block of scores (base 2) for this lane's row: s holds S = Q K^T of the
+// row band in KF fragments; on return it holds P = exp2(S2 - m_new), m the running max, l this
+// lane's share of the running sum, and alpha = exp2(m_old - m_new) rescales the accumulator. EDGE
+// blocks test every element against the row's visible interval; others are all visible. A
+// non-finite score becomes NaN (jfm_finite_or_nan) so a NaN or Inf input poisons its row.
+template <int KF, bool EDGE>
+inline float jfm_online_softmax(thread JfmFrag* s, float scale_log2, JfmRange32 keys, int j0,
+                                JfmFragCoord at, thread float& m, thread float& l) {
+  float block_max = JFM_MASKED_SCORE;
+  for (int n = 0; n < KF; ++n) {
+    for (int e = 0; e < 2; ++e) {
+      const float s2 = jfm_finite_or_nan(s[n].thread_elements()[e] * scale_log2);
+      const bool visible = !EDGE || jfm_visible(keys, j0 + n * 8 + int(at.col) + e);
+      s[n].thread_elements()[e] = visible ? s2 : JFM_MASKED_SCORE;
+      block_max = max(block_max, s[n].thread_elements()[e]);
+    }
+  }
+  const float m_new = max(m, jfm_row_max(block_max));
+  const float alpha = fast::exp2(m - m_new);
+  float block_sum = 0.0f;
+  for (int n = 0; n < KF; ++n) {
+    for (int e = 0; e < 2; ++e) {
+      const bool visible = !EDGE || jfm_visible(keys, j0 + n * 8 + int(at.col) + e);
+      const float p = visible ? fast::exp2(s[n].thread_elements()[e] - m_new) : 0.0f;
+      s[n].thread_elements()[e] = p;
+      block_sum += p;
+    }
+  }
+  m = m_new;
+  l = l * alpha + block_sum;
+  return alpha;
+}
+
+// One threadgroup per block of BQ query rows of head h in batch b, 8 rows per simdgroup; lane
+// coordinates give each thread one query row. Per visible key block [j0, j0 + BK): stage K and V
+// (zero-filled outside the block's visible union, V sanitized), S = Q K^T by MMA, online softmax,
+// O = alpha O + P V by MMA. Every early return is threadgroup-uniform.
 template <typename T, int D>
-kernel void flash_attention_fwd JFM_FWD_SIGNATURE(T) {
-  threadgroup float q_tile[JFM_ROWS_PER_GROUP * D];
-  threadgroup float p_tile[JFM_ROWS_PER_GROUP * 2 * JFM_SIMD_WIDTH];
+[[max_total_threads_per_threadgroup(JFM_FWD_THREADS(T, D))]] kernel void flash_attention_fwd
+    JFM_FWD_SIGNATURE(T) {
+  constexpr int EB = int(sizeof(T));
+  constexpr int BQ = jfm_fwd_block_q(EB, D);
+  constexpr int BK = jfm_fwd_block_k(EB, D);
+  constexpr int THREADS = JFM_FWD_THREADS(T, D);
+  constexpr bool Q_IN_REGISTERS = jfm_fwd_q_in_registers(EB, D);
+  constexpr bool ONE_KV_BUFFER = jfm_fwd_kv_one_buffer(EB, D);
+  constexpr int LD = jfm_tile_stride<T>(D);
+  constexpr int DF = D / 8;   // fragments along the head dim
+  constexpr int KF = BK / 8;  // fragments along a key block
+  static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
+
+  threadgroup T q_tile[BQ * LD];
+  threadgroup T kv_tile[(ONE_KV_BUFFER ? 1 : 2) * BK * LD];
+  threadgroup int nonfinite_v_block[1];  // start of the latest key block whose V had Inf/NaN
 
   const JfmTile tile = jfm_tile_of(params, group);
-  const long i = long(tile.block) * JFM_ROWS_PER_GROUP + long(simd_index);
+  const int i0 = int(tile.block) * BQ;
   const uint h = tile.head;
   const uint b = tile.batch;
-  if (i >= long(params.q_len)) {
-    return;  // the whole simdgroup leaves together; no threadgroup-wide barrier follows
+  if (i0 >= int(params.q_len)) {
+    return;  // the whole threadgroup: before any barrier
   }
   const uint hk = h / (params.num_heads / params.num_kv_heads);
   const long q_valid = jfm_valid_len(params.has_q_lengths, q_lengths, b, params.q_len);
   const long kv_valid = jfm_valid_len(params.has_kv_lengths, kv_lengths, b, params.kv_len);
-  const JfmRange keys = jfm_keys_of_query(params, i, q_valid, kv_valid);
+  const int valid_rows = int(jfm_min(jfm_max(q_valid - i0, 0), BQ));  // rows < q_valid
 
-  device T* o_row = o + jfm_row_offset(b, i, h, params.q_len, params.num_heads, D);
-  const ulong lse_index = jfm_stat_offset(b, h, i, params.num_heads, params.q_len);
-  if (keys.lo > keys.hi) {
-    // No visible key (or a row past q_len): exactly 0 and -inf, no K/V read.
-    jfm_store_zero_row<T, D>(o_row, lane);
-    if (lane == 0) {
-      lse[lse_index] = jfm_negative_infinity();
-      l2[lse_index] = JFM_EMPTY_ROW_L2;
-    }
-    return;
+  // The block's visible union of keys, from its first and last valid rows (bounds monotone).
+  const JfmRange32 first_keys =
+      jfm_range32(jfm_keys_of_query(params, i0, q_valid, kv_valid), kv_valid);
+  const JfmRange32 last_keys =
+      jfm_range32(jfm_keys_of_query(params, i0 + valid_rows - 1, q_valid, kv_valid), kv_valid);
+  const int union_lo = first_keys.lo;
+  const int union_hi = valid_rows > 0 ? last_keys.hi : -1;
+
+  // This thread's query row and its visible keys (empty past q_valid).
+  const JfmFragCoord at = jfm_frag_coord(lane);
+  const int band = int(simd_index) * 8;  // the simdgroup's rows within the block
+  const int i = i0 + band + int(at.row);
+  const JfmRange32 keys = jfm_range32(jfm_keys_of_query(params, i, q_valid, kv_valid), kv_valid);
+
+  const uint q_stride = params.num_heads * uint(D);  // elements between consecutive rows
+  const uint kv_stride = params.num_kv_heads * uint(D);
+  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
+  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
+
+  float m = JFM_MAX_SENTINEL;  // running max of the row's base-2 scores
+  float l = 0.0f;              // this lane's share of the running sum of exp2(S2 - m)
+  JfmFrag acc[DF];             // the row band's unnormalised O
+  for (int d = 0; d < DF; ++d) {
+    acc[d] = jfm_frag_zero();
   }
 
-  threadgroup float* q_s = q_tile + simd_index * D;
-  threadgroup float* p_s = p_tile + simd_index * 2 * JFM_SIMD_WIDTH;
-  jfm_stage_row<T, D>(q_s, q + jfm_row_offset(b, i, h, params.q_len, params.num_heads, D),
-                      params.scale_log2, lane);
-  simdgroup_barrier(mem_flags::mem_threadgroup);
+  if (union_lo <= union_hi) {  // uniform: some row of the block sees some key
+    jfm_load_tile<T, BQ, D, THREADS, false>(
+        q_tile, q + jfm_row_offset(b, i0, h, params.q_len, params.num_heads, D), q_stride, 0,
+        valid_rows, thread_index);
+    if (thread_index == 0) {
+      nonfinite_v_block[0] = -1;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    threadgroup const T* q_band = q_tile + band * LD;
+    JfmFrag q_frag[Q_IN_REGISTERS ? DF : 1];
+    if (Q_IN_REGISTERS) {
+      for (int d = 0; d < DF; ++d) {
+        q_frag[d] = jfm_frag_load(q_band + d * 8, LD, at);
+      }
+    }
+    threadgroup T* k_tile = kv_tile;
+    threadgroup T* v_tile = kv_tile + (ONE_KV_BUFFER ? 0 : BK * LD);
 
-  const ulong kv_head_base = jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
-  const ulong kv_row_stride = ulong(params.num_kv_heads) * D;
+    for (int j0 = union_lo / BK * BK; j0 <= union_hi; j0 += BK) {
+      const int kind = jfm_classify_tile(first_keys, last_keys, valid_rows == BQ, j0, j0 + BK - 1);
+      if (kind == JFM_TILE_SKIP) {
+        continue;  // uniform
+      }
+      // Rows of the key block inside the union are loaded; the rest are zero-filled.
+      const int load_begin = max(union_lo - j0, 0);
+      const int load_end = min(union_hi - j0 + 1, BK);
+      const ulong block_offset = ulong(j0) * kv_stride;
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
+      jfm_load_tile<T, BK, D, THREADS, false>(k_tile, k_head + block_offset, kv_stride,
+                                              load_begin, load_end, thread_index);
+      if (!ONE_KV_BUFFER && jfm_load_tile<T, BK, D, THREADS, true>(
+                                v_tile, v_head + block_offset, kv_stride, load_begin, load_end,
+                                thread_index)) {
+        nonfinite_v_block[0] = j0;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  float m = JFM_MAX_SENTINEL;  // running max of log2-domain scores
-  float l_lane = 0.0f;         // this lane's share of sum exp2(score - m)
-  float acc[JFM_DIM_CHUNKS(D)];
-  for (int c = 0; c < JFM_DIM_CHUNKS(D); ++c) {
-    acc[c] = 0.0f;
+      // S = Q K^T for the row band.
+      JfmFrag s[KF];
+      for (int n = 0; n < KF; ++n) {
+        s[n] = jfm_frag_zero();
+      }
+      for (int d = 0; d < DF; ++d) {
+        const JfmFrag qd =
+            Q_IN_REGISTERS ? q_frag[Q_IN_REGISTERS ? d : 0] : jfm_frag_load(q_band + d * 8, LD, at);
+        for (int n = 0; n < KF; ++n) {
+          jfm_mma(s[n], qd, jfm_frag_load_transposed(k_tile + n * 8 * LD + d * 8, LD, at));
+        }
+      }
+
+      const float alpha =
+          kind == JFM_TILE_EDGE
+              ? jfm_online_softmax<KF, true>(s, params.scale_log2, keys, j0, at, m, l)
+              : jfm_online_softmax<KF, false>(s, params.scale_log2, keys, j0, at, m, l);
+      for (int d = 0; d < DF; ++d) {
+        acc[d].thread_elements() *= alpha;
+      }
+
+      if (ONE_KV_BUFFER) {  // V replaces K in the one buffer
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (jfm_load_tile<T, BK, D, THREADS, true>(v_tile, v_head + block_offset, kv_stride,
+                                                   load_begin, load_end, thread_index)) {
+          nonfinite_v_block[0] = j0;
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+      }
+
+      // O += P V.
+      for (int n = 0; n < KF; ++n) {
+        for (int d = 0; d < DF; ++d) {
+          jfm_mma(acc[d], s[n], jfm_frag_load(v_tile + n * 8 * LD + d * 8, LD, at));
+        }
+      }
+      if (nonfinite_v_block[0] == j0) {
+        // Rare: the staged V had Inf/NaN, stored as 0. Poison exactly the O elements whose row
+        // sees such a value, reading only this row's visible keys.
+        const int hi = min(keys.hi, j0 + BK - 1);
+        for (int j = max(keys.lo, j0); j <= hi; ++j) {
+          device const T* v_row = v_head + ulong(j) * kv_stride;
+          for (int d = 0; d < DF; ++d) {
+            for (int e = 0; e < 2; ++e) {
+              if (!jfm_is_finite(v_row[d * 8 + int(at.col) + e])) {
+                acc[d].thread_elements()[e] = as_type<float>(0x7fc00000u);
+              }
+            }
+          }
+        }
+      }
+    }
   }
 
-  uint tile_half = 0;  // which half of the double-buffered tile this block uses
-  for (long start = keys.lo; start <= keys.hi; start += JFM_SIMD_WIDTH) {
-    const long j = start + long(lane);
-    const bool visible = j <= keys.hi;
-    // Loads are guarded: keys outside [lo, hi] (padding past kv_len included) are never read.
-    const float s = visible ? jfm_dot<T, D>(q_s, k + kv_head_base + ulong(j) * kv_row_stride)
-                            : JFM_MASKED_SCORE;
-    const float m_new = max(m, simd_max(s));
-    const float p = visible ? exp2(s - m_new) : 0.0f;
-    const float alpha = exp2(m - m_new);
-    l_lane = l_lane * alpha + p;
-    m = m_new;
-
-    threadgroup float* p_block = p_s + tile_half;
-    p_block[lane] = p;
-    simdgroup_barrier(mem_flags::mem_threadgroup);
-    for (int c = 0; c < JFM_DIM_CHUNKS(D); ++c) {
-      acc[c] *= alpha;
+  // Epilogue: normalise and store this lane's row (rows past the allocated q_len do not exist).
+  const float row_l = jfm_row_sum(l);
+  if (i < int(params.q_len)) {
+    const bool empty = keys.lo > keys.hi;
+    device T* o_row = o + jfm_row_offset(b, i, h, params.q_len, params.num_heads, D);
+    for (int d = 0; d < DF; ++d) {
+      // An empty row accumulated only P = 0 times finite (sanitized) V: acc is exactly 0.
+      jfm_frag_store_row(o_row + d * 8, acc[d], empty ? 0.0f : 1.0f / row_l, at);
     }
-    const int n = int(jfm_min(keys.hi - start + 1, JFM_SIMD_WIDTH));
-    for (int t = 0; t < n; ++t) {
-      jfm_axpy_row<T, D>(acc, p_block[t], v + kv_head_base + ulong(start + t) * kv_row_stride,
-                         lane);
+    if (at.col == 0) {  // one lane per row writes the statistics
+      const ulong stat = jfm_stat_offset(b, h, i, params.num_heads, params.q_len);
+      const float row_l2 = m + precise::log2(row_l);
+      l2[stat] = empty ? JFM_EMPTY_ROW_L2 : row_l2;
+      lse[stat] = empty ? jfm_negative_infinity() : row_l2 * JFM_LN2;
     }
-    tile_half ^= JFM_SIMD_WIDTH;
-  }
-
-  const float l = simd_sum(l_lane);
-  jfm_store_row<T, D>(o_row, acc, 1.0f / l, lane);
-  if (lane == 0) {
-    const float row_l2 = m + log2(l);  // see jfm_probability
-    l2[lse_index] = row_l2;
-    lse[lse_index] = row_l2 * JFM_LN2;
   }
 }
 
-// Explicit instantiations under the host names of attention_params.h.
+// Explicit instantiations, one line per (type, head dim), under the host names.
 #define JFM_INSTANTIATE_FWD(NAME, T, D) \
   template [[host_name(NAME)]] kernel void flash_attention_fwd<T, D> JFM_FWD_SIGNATURE(T);
 
+JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d8", float, 8)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d16", float, 16)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d32", float, 32)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d48", float, 48)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d64", float, 64)
+JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d72", float, 72)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d80", float, 80)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d96", float, 96)
+JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d112", float, 112)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d128", float, 128)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d160", float, 160)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d192", float, 192)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d256", float, 256)
+JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d8", half, 8)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d16", half, 16)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d32", half, 32)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d48", half, 48)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d64", half, 64)
+JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d72", half, 72)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d80", half, 80)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d96", half, 96)
+JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d112", half, 112)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d128", half, 128)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d160", half, 160)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d192", half, 192)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d256", half, 256)
+JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d8", ushort, 8)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d16", ushort, 16)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d32", ushort, 32)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d48", ushort, 48)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d64", ushort, 64)
+JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d72", ushort, 72)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d80", ushort, 80)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d96", ushort, 96)
+JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d112", ushort, 112)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d128", ushort, 128)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d160", ushort, 160)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d192", ushort, 192)

@@ -1,12 +1,12 @@
 """Runs the attention kernels of shaders/*.metal on the MSL-on-CPU emulator, the way the host does.
 
 `AttentionParams` is packed with a NumPy structured dtype that mirrors shaders/attention_params.h
-field for field; grids follow that header: (ceil(rows / 4), heads, batch) threadgroups of 128
-threads for the forward; the backward kernels' tile shapes come from shaders/bwd_tile_shapes.h
-(bwd_kernels); rows/heads are q_len/num_heads for fwd and bwd_dq and kv_len/num_kv_heads for
-bwd_dkdv (bwd_dk, bwd_dv), and zero-size grids are not dispatched. Inputs and outputs are NumPy arrays of
-float32, float16 or ml_dtypes.bfloat16 (passed to the kernels as uint16 bits). Outputs start
-filled with NaN so anything a kernel fails to write shows up.
+field for field; grids follow shaders/tile_shapes.h (read through the extension's `tile_shape`):
+(ceil(rows / rows_per_group), heads, batch) threadgroups, rows/heads = q_len/num_heads for fwd
+and bwd_dq and kv_len/num_kv_heads for bwd_dkdv (bwd_dk, bwd_dv), and zero-size grids are not
+dispatched. Inputs and outputs are NumPy arrays of float32, float16 or ml_dtypes.bfloat16
+(passed to the kernels as uint16 bits). Outputs start filled with NaN so anything a kernel fails
+to write shows up.
 """
 
 import math
@@ -14,16 +14,11 @@ import math
 import ml_dtypes
 import numpy as np
 
-from jax_flash_metal import _ext
-from jax_flash_metal.ffi_lowering import bwd_stages
-from jax_flash_metal._ext import emulator
+from jax_flash_metal._ext import bwd_stages, emulator, tile_shape
 
-ROWS_PER_GROUP = 4  # JFM_ROWS_PER_GROUP
-THREADS_PER_GROUP = 128  # JFM_THREADS_PER_GROUP
 UNBOUNDED = -1  # JFM_UNBOUNDED
 EMPTY_ROW_L2 = np.float32(1.70141173e38)  # JFM_EMPTY_ROW_L2
-HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256)
-BWD_HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
+HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
 DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
           "bf16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -105,25 +100,15 @@ def _lengths(lengths):
     return np.ascontiguousarray(np.asarray(lengths, dtype=np.int32))
 
 
-def _dispatch(name, buffers, rows, heads, batch, schedule, seed,
-              rows_per_group=ROWS_PER_GROUP, threads=THREADS_PER_GROUP):
-    groups = (math.ceil(rows / rows_per_group), heads, batch)
+def _dispatch(kind, dtype, head_dim, buffers, rows, heads, batch, schedule, seed):
+    shape = tile_shape(kind, type_name(dtype), head_dim)
+    groups = (math.ceil(rows / shape["rows"]), heads, batch)
     if 0 in groups:
         return  # the host never dispatches an empty grid
     bound = {index: _device(array) for index, array in buffers.items()}
     # Outputs are created C-contiguous, so `bound` holds them or uint16 views of them.
-    emulator.run(name, bound, groups, (threads, 1, 1), schedule=schedule, seed=seed)
-
-
-def bwd_kernels(dtype, head_dim):
-    """Backward kernel names in dispatch order and their (rows, threads) per threadgroup.
-
-    Stages as the host dispatches them (ffi_lowering.bwd_stages); every backward kernel owns 8
-    rows per simdgroup, simdgroups from shaders/bwd_tile_shapes.h.
-    """
-    simdgroups = _ext._bwd_tile_shape(np.dtype(dtype).itemsize, head_dim)[0]
-    names = [kernel_name(stage, dtype, head_dim) for stage in bwd_stages(dtype, head_dim)]
-    return names, (8 * simdgroups, 32 * simdgroups)
+    emulator.run(kernel_name(kind, dtype, head_dim), bound, groups, (shape["threads"], 1, 1),
+                 schedule=schedule, seed=seed)
 
 
 def forward(q, k, v, *, schedule="forward", seed=0, **mask):
@@ -138,7 +123,7 @@ def forward(q, k, v, *, schedule="forward", seed=0, **mask):
     o = _output(q.shape, q.dtype)
     lse = _output((batch, heads, q_len), np.float32)
     l2 = _output((batch, heads, q_len), np.float32)
-    _dispatch(kernel_name("fwd", q.dtype, head_dim),
+    _dispatch("fwd", q.dtype, head_dim,
               {Q: q, K: k, V: v, Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
                KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths")), O: o, LSE: lse, L2: l2,
                PARAMS: params}, q_len, heads, batch, schedule, seed)
@@ -146,10 +131,11 @@ def forward(q, k, v, *, schedule="forward", seed=0, **mask):
 
 
 def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, **mask):
-    """Runs the backward kernels (bwd_kernels). Returns (dq, dk, dv, delta).
+    """Runs the backward stages as the host does (bwd_stages): bwd_dq, which also writes delta,
+    then bwd_dkdv (or bwd_dk and bwd_dv). Returns (dq, dk, dv, delta).
 
     o, l2: the forward's outputs; do like o; g_lse float32 [B, H, Tq] or None (zeros).
-    dq has q's shape and dtype, dk/dv k's; delta is float32 [B, H, Tq], written by bwd_dq.
+    dq has q's shape and dtype, dk/dv k's; delta is float32 [B, H, Tq].
     """
     batch, q_len, heads, head_dim = q.shape
     _, kv_len, kv_heads, _ = k.shape
@@ -160,15 +146,16 @@ def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, **ma
     dq = _output(q.shape, q.dtype)
     dk = _output(k.shape, k.dtype)
     dv = _output(v.shape, v.dtype)
-    inputs = {Q: q, K: k, V: v, DO: do, L2: l2, Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
-              KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths")), PARAMS: params}
-    (dq_kernel, *dkdv_kernels), (rows, threads) = bwd_kernels(q.dtype, head_dim)
-    _dispatch(dq_kernel,
+    inputs = {Q: q, K: k, V: v, DO: do, L2: l2, PARAMS: params,
+              Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
+              KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths"))}
+    dq_stage, *dkdv_stages = bwd_stages(head_dim)
+    _dispatch(dq_stage, q.dtype, head_dim,
               {**inputs, O: o, G_LSE: np.ascontiguousarray(g_lse, dtype=np.float32),
-               DELTA: delta, DQ: dq}, q_len, heads, batch, schedule, seed, rows, threads)
-    for name in dkdv_kernels:
-        _dispatch(name, {**inputs, DELTA: delta, DK: dk, DV: dv}, kv_len, kv_heads, batch,
-                  schedule, seed, rows, threads)
+               DELTA: delta, DQ: dq}, q_len, heads, batch, schedule, seed)
+    for stage in dkdv_stages:
+        _dispatch(stage, q.dtype, head_dim, {**inputs, DELTA: delta, DK: dk, DV: dv},
+                  kv_len, kv_heads, batch, schedule, seed)
     return dq, dk, dv, delta
 
 
@@ -229,13 +216,33 @@ def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0,
     o, lse, l2 = forward(q, k, v, schedule=schedule, seed=seed, **mask)
     dq, dk, dv, delta = backward(q, k, v, o, l2, do, g_lse, schedule=schedule, seed=seed, **mask)
     got = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+    return _assert_against_oracle(got, q, k, v, do, g_lse, tolerance.OUTPUTS, mask,
+                                  l2=l2, delta=delta)
+
+
+def check_forward_against_oracle(q, k, v, *, schedule="forward", seed=0, **mask):
+    """Runs only the forward kernel and asserts O and LSE against the oracle (tolerances as in
+    check_against_oracle) and L2 against its definition: LSE / ln 2 on rows with a visible key,
+    JFM_EMPTY_ROW_L2 on the others. Returns dict(o, lse, l2)."""
+    o, lse, l2 = forward(q, k, v, schedule=schedule, seed=seed, **mask)
+    empty = np.isneginf(lse)
+    assert (l2[empty] == EMPTY_ROW_L2).all(), "L2 of rows with no visible key"
+    np.testing.assert_allclose(l2[~empty] * np.log(2.0), lse[~empty], rtol=1e-6, atol=1e-6)
+    do = np.zeros(q.shape, q.dtype)
+    return _assert_against_oracle(dict(o=o, lse=lse), q, k, v, do, None, ("o", "lse"), mask,
+                                  l2=l2)
+
+
+def _assert_against_oracle(got, q, k, v, do, g_lse, names, mask, **extra):
+    import tolerance
+
     if q.size == 0 or k.size == 0:
         # No (query, key) pair exists, so DESIGN.md section 3 fixes every value exactly (and the
         # oracle's max-reduction needs a key axis): O = 0, LSE = -inf, zero gradients.
         for name, x in got.items():
             expected = -np.inf if name == "lse" else 0.0
             assert (np.asarray(x, np.float64) == expected).all(), name
-        got.update(l2=l2, delta=delta)
+        got.update(extra)
         return got
     base_inputs = None
     if q.dtype != np.float32:
@@ -244,6 +251,7 @@ def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0,
         g = None if g_lse is None else np.nan_to_num(g_lse, nan=0.0)
         base_inputs = (_yardstick_input(q, qs, q_len), _yardstick_input(k, ks, kv_len),
                        _yardstick_input(v, ks, kv_len), _yardstick_input(do, qs, q_len), g)
-    tolerance.assert_all_match_oracle(got, q, k, v, do, g_lse, baseline_inputs=base_inputs, **mask)
-    got.update(l2=l2, delta=delta)
+    tolerance.assert_all_match_oracle(got, q, k, v, do, g_lse, baseline_inputs=base_inputs,
+                                      names=names, **mask)
+    got.update(extra)
     return got

@@ -32,6 +32,11 @@ def test_max_total_threads_per_threadgroup():
     np.testing.assert_array_equal(out, 1)
     with pytest.raises(RuntimeError, match=r"max_total_threads_per_threadgroup\(64\)"):
         emulator.run("emu_max_threads", {0: out}, (1, 1, 1), (128, 1, 1))
+    # The bound of a template kernel may depend on its template parameters.
+    emulator.run("emu_max_threads_t2", {0: out}, (2, 1, 1), (64, 1, 1))
+    np.testing.assert_array_equal(out, 2)
+    with pytest.raises(RuntimeError, match=r"max_total_threads_per_threadgroup\(64\)"):
+        emulator.run("emu_max_threads_t2", {0: out}, (1, 1, 1), (96, 1, 1))
 
 
 def test_swizzles():

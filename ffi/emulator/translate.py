@@ -586,14 +586,16 @@ class Translator:
             lines.append(f"    static const ::jfm::rt::BufferUse b[] = {{{', '.join(bufs)}}};")
             lines.append("    return b;")
             lines.append("  };")
+            # Inside the (template) struct, so the bound may depend on the template parameters.
+            mt = f"uint32_t({k.max_threads})" if k.max_threads else "0"
+            lines.append(f"  static constexpr uint32_t max_threads = {mt};")
             lines.append("};")
         table = []
         for name, k, targs in entries:
             t = f"jfm_kernel_{k.name}" + (f"<{targs}>" if targs is not None else "")
             file, line = self.src.where(k.tok.start)
-            mt = f"uint32_t({k.max_threads})" if k.max_threads else "0"
-            table.append(f'  {{"{name}", &{t}::launch, &{t}::buffers, {k.num_buffers}, {mt}, '
-                         f'"{file_label}", {line}}},')
+            table.append(f'  {{"{name}", &{t}::launch, &{t}::buffers, {k.num_buffers}, '
+                         f'{t}::max_threads, "{file_label}", {line}}},')
         out = ["", "#ifndef JFM_STRICT", "// ---- launchers (generated) ----", "namespace {"]
         out += lines
         if table:

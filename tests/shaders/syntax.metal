@@ -46,6 +46,15 @@ kernel void emu_max_threads(device float* out [[buffer(0)]], uint i [[thread_pos
   out[i] = 1.0f;
 }
 
+// A bound that depends on the template parameters (one per instantiation).
+template <int SIMDGROUPS>
+[[max_total_threads_per_threadgroup(SIMDGROUPS * 32)]] kernel void emu_max_threads_t(
+    device float* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  out[i] = float(SIMDGROUPS);
+}
+template [[host_name("emu_max_threads_t2")]] kernel void emu_max_threads_t<2>(
+    device float* out [[buffer(0)]], uint i [[thread_position_in_grid]]);
+
 // Swizzles: read, write-back, compound assignment, as operands, constructor parts, simd and
 // as_type arguments. 8 floats per thread.
 kernel void emu_swizzle(device const float4* in [[buffer(0)]],
