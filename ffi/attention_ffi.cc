@@ -512,7 +512,10 @@ bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileS
     *shape = TileShape{jfm_tile_rows(family, element_bytes, head_dim),
                        jfm_tile_cols(family, element_bytes, head_dim),
                        jfm_tile_simdgroups(family, element_bytes, head_dim),
-                       jfm_tile_threads(family, element_bytes, head_dim)};
+                       jfm_tile_threads(family, element_bytes, head_dim),
+                       family == JFM_KERNEL_FWD &&
+                           jfm_fwd_q_in_registers(element_bytes, head_dim),
+                       family == JFM_KERNEL_FWD && jfm_fwd_kv_one_buffer(element_bytes, head_dim)};
     return true;
   }
   return false;

@@ -43,9 +43,11 @@ namespace jfm {
 uint64_t set_submission_budget(uint64_t multiply_adds);
 
 // One kernel family's dispatch shape from shaders/tile_shapes.h: rows per threadgroup, block size
-// of the traversed dimension, simdgroups and threads per threadgroup.
+// of the traversed dimension, simdgroups and threads per threadgroup, and (forward only) whether
+// Q stays in registers and whether K and V share one threadgroup buffer.
 struct TileShape {
   int rows, cols, simdgroups, threads;
+  bool q_in_registers, kv_one_buffer;
 };
 
 // The shape for stage "fwd", "bwd_dq", "bwd_dkdv", "bwd_dk" or "bwd_dv" (the stage part of a

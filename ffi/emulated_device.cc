@@ -8,6 +8,7 @@
 
 #include "device.h"
 #include "emulator/emulator.h"
+#include "emulator_profile.h"
 
 namespace jfm {
 namespace {
@@ -17,6 +18,10 @@ std::atomic<uint64_t> g_seed{0};
 
 std::mutex g_fault_mutex;
 std::string g_fault_kernel;  // guarded by g_fault_mutex
+
+std::atomic<bool> g_profiling{false};
+std::mutex g_profile_mutex;
+std::vector<ProfileRecord> g_profile;  // guarded by g_profile_mutex
 
 const char* schedule_name(emu::Schedule s) {
   switch (s) {
@@ -61,8 +66,15 @@ class EmulatedDevice final : public Device {
             emu::Arg{const_cast<uint8_t*>(d.constants.data()), d.constants.size()};
         launch.groups = d.groups;
         launch.group_size = d.group_size;
+        ProfileRecord record{d.kernel, d.groups, d.group_size, {}};
+        const bool profiling = g_profiling.load();
+        launch.profile = profiling ? &record.counts : nullptr;
         std::string error = emu::run(d.kernel, args, launch);
         if (!error.empty()) return error;
+        if (profiling) {
+          std::lock_guard<std::mutex> lock(g_profile_mutex);
+          g_profile.push_back(record);
+        }
       }
     }
     return "";
@@ -97,6 +109,23 @@ std::string emulator_schedule_name() {
 }
 
 uint64_t emulator_schedule_seed() { return g_seed.load(); }
+
+std::string set_emulator_profiling(bool on) {
+  if (on && !emu::has_counting_variant())
+    return "this build has no counting kernel variants (configured with "
+           "JFM_EMULATOR_COUNTING=OFF or a compiler without -fsanitize=thread)";
+  std::lock_guard<std::mutex> lock(g_profile_mutex);
+  g_profile.clear();
+  g_profiling.store(on);
+  return "";
+}
+
+std::vector<ProfileRecord> take_emulator_profile() {
+  std::lock_guard<std::mutex> lock(g_profile_mutex);
+  std::vector<ProfileRecord> records;
+  records.swap(g_profile);
+  return records;
+}
 
 void set_emulator_fault(const std::string& kernel) {
   std::lock_guard<std::mutex> lock(g_fault_mutex);

@@ -9,12 +9,14 @@
 
 #include "attention_ffi.h"
 #include "device.h"
+#include "emulator_profile.h"
 #include "shader_sources.h"
 
 namespace nb = nanobind;
 
 namespace jfm {
-void bind_emulator(nb::module_& m);  // ffi/emulator/bindings.cc
+void bind_emulator(nb::module_& m);                // ffi/emulator/bindings.cc
+nb::dict profile_to_dict(const emu::Profile& p);  // ffi/emulator/bindings.cc
 
 namespace {
 
@@ -114,6 +116,32 @@ void bind_devices(nb::module_& m) {
       "_set_emulator_fault", [](const std::string& kernel) { set_emulator_fault(kernel); },
       nb::arg("kernel"),
       "Test hook: emulated runs of this kernel fail with a device error ('' turns it off).");
+  m.def(
+      "set_emulator_profiling",
+      [](bool on) {
+        std::string error = set_emulator_profiling(on);
+        if (!error.empty()) throw std::runtime_error(error);
+      },
+      nb::arg("on"),
+      "Kernel profile: while on, every kernel the emulated device runs uses its counting "
+      "variant and is recorded (turning it on clears earlier records). RuntimeError if this "
+      "build has no counting variants.");
+  m.def(
+      "take_emulator_profile",
+      [] {
+        nb::list records;
+        for (const ProfileRecord& r : take_emulator_profile()) {
+          nb::dict d = profile_to_dict(r.counts);
+          d["kernel"] = r.kernel;
+          d["groups"] = nb::make_tuple(r.groups[0], r.groups[1], r.groups[2]);
+          d["group_size"] = nb::make_tuple(r.group_size[0], r.group_size[1], r.group_size[2]);
+          records.append(d);
+        }
+        return records;
+      },
+      "list[dict]: one record per kernel launch since profiling was turned on, in launch "
+      "order (kernel, groups, group_size and the counts of emulator.run(..., profile=True)); "
+      "clears them.");
   m.def("_set_submission_budget", &set_submission_budget, nb::arg("multiply_adds"),
         "Test hook: work per submission (command buffer) before a call is split by batch; "
         "returns the previous value.");
@@ -146,13 +174,17 @@ void bind_devices(nb::module_& m) {
         d["cols"] = shape.cols;
         d["simdgroups"] = shape.simdgroups;
         d["threads"] = shape.threads;
+        d["q_in_registers"] = shape.q_in_registers;
+        d["kv_one_buffer"] = shape.kv_one_buffer;
         return d;
       },
       nb::arg("stage"), nb::arg("dtype"), nb::arg("head_dim"),
-      "dict(rows, cols, simdgroups, threads): the dispatch shape of shaders/tile_shapes.h for a "
-      "kernel stage ('fwd', 'bwd_dq', 'bwd_dkdv', 'bwd_dk', 'bwd_dv'), dtype ('f32', 'f16', "
-      "'bf16') and head dim: rows per threadgroup, block size of the traversed dimension, "
-      "simdgroups and threads per threadgroup. ValueError for an unknown stage or dtype.");
+      "dict(rows, cols, simdgroups, threads, q_in_registers, kv_one_buffer): the tile shape of "
+      "shaders/tile_shapes.h for a kernel stage ('fwd', 'bwd_dq', 'bwd_dkdv', 'bwd_dk', "
+      "'bwd_dv'), dtype ('f32', 'f16', 'bf16') and head dim: rows per threadgroup, block size "
+      "of the traversed dimension, simdgroups and threads per threadgroup; forward only: Q kept "
+      "in registers, K and V sharing one threadgroup buffer. ValueError for an unknown stage or "
+      "dtype.");
 }
 
 }  // namespace

@@ -88,6 +88,71 @@ struct Worker {
 
 // Set when a worker is driving fibers on this OS thread.
 thread_local Worker* t_worker = nullptr;
+
+// Counts of one worker during a profiled launch (emu::Launch::profile). The counting variant of
+// a kernel reports every memory access it makes (compiler instrumentation, see the __tsan_*
+// callbacks below); tally_access classifies it by address: the worker's threadgroup memory, one
+// of the bound buffers, or neither (a thread's own stack: registers on a GPU, not counted).
+struct Counts {
+  uint64_t read[kMaxBuffers] = {};  // by [[buffer(n)]] index
+  uint64_t written[kMaxBuffers] = {};
+  uint64_t threadgroup_read = 0, threadgroup_written = 0;
+  uint64_t mma_ops = 0, simd_ops = 0, barriers = 0, threadgroup_memory = 0, fma_ops = 0;
+
+  void add(const Counts& o) {
+    for (int b = 0; b < kMaxBuffers; ++b) {
+      read[b] += o.read[b];
+      written[b] += o.written[b];
+    }
+    threadgroup_read += o.threadgroup_read;
+    threadgroup_written += o.threadgroup_written;
+    mma_ops += o.mma_ops;
+    simd_ops += o.simd_ops;
+    barriers += o.barriers;
+    fma_ops += o.fma_ops;
+    threadgroup_memory = std::max(threadgroup_memory, o.threadgroup_memory);
+  }
+};
+
+struct Tally {
+  uintptr_t arena = 0;  // the worker's threadgroup memory
+  int num_ranges = 0;   // bound buffers: [lo, lo + size) is [[buffer(index)]]
+  uintptr_t lo[kMaxBuffers] = {};
+  uint64_t size[kMaxBuffers] = {};
+  int index[kMaxBuffers] = {};
+  int last = 0;  // the range of the previous access (size 0 when there is none)
+  Counts counts;
+};
+// Initial-exec TLS: one load per access instead of a __tls_get_addr call.
+__attribute__((tls_model("initial-exec"))) thread_local Tally* t_tally = nullptr;
+
+inline void tally_access(const void* p, uint64_t n, bool write) {
+  Tally* t = t_tally;
+  if (!t) return;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (a - t->arena < kMaxThreadgroupMemory) {
+    (write ? t->counts.threadgroup_written : t->counts.threadgroup_read) += n;
+    return;
+  }
+  int i = t->last;  // consecutive accesses mostly hit the same buffer
+  if (a - t->lo[i] >= t->size[i]) {
+    for (i = 0; i < t->num_ranges && a - t->lo[i] >= t->size[i]; ++i) {
+    }
+    if (i == t->num_ranges) return;
+    t->last = i;
+  }
+  (write ? t->counts.written : t->counts.read)[t->index[i]] += n;
+}
+
+// A resolved simd collective, by the operation name the shim passes.
+void tally_collective(Counts* c, const char* what) {
+  if (std::strncmp(what, "simdgroup_multiply", 18) == 0) {
+    ++c->mma_ops;  // simdgroup_multiply and simdgroup_multiply_accumulate
+  } else if (std::strncmp(what, "simdgroup_load", 14) != 0 &&
+             std::strncmp(what, "simdgroup_store", 15) != 0) {
+    ++c->simd_ops;  // loads/stores are counted as memory traffic instead
+  }
+}
 // makecontext passes int arguments only; the fiber being started is handed over here.
 thread_local Fiber* t_starting = nullptr;
 
@@ -202,6 +267,7 @@ struct Job {
   std::atomic<bool> failed{false};
   std::mutex error_mutex;
   std::string error;
+  Tally* tally = nullptr;  // profiled launch: buffer ranges in, every worker's counts summed
 
   void set_error(const std::string& e) {
     std::lock_guard<std::mutex> lock(error_mutex);
@@ -337,6 +403,7 @@ std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
               std::to_string(s) + " of threadgroup " + format_id(gid) + ")";
         break;
       }
+      if (t_tally) tally_collective(&t_tally->counts, first->what);
       for (uint32_t i = lo; i < hi; ++i)
         if (lanes[i - lo]) w->fibers[i]->state = State::kReady;
       progressed = true;
@@ -380,6 +447,11 @@ std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
       break;
     }
     for (uint32_t i = 0; i < n; ++i) w->fibers[i]->state = State::kReady;
+    if (t_tally) ++t_tally->counts.barriers;
+  }
+  if (t_tally) {
+    uint64_t& m = t_tally->counts.threadgroup_memory;
+    m = std::max<uint64_t>(m, w->arena_used);
   }
   if (!err.empty()) {
     // Abandoned fibers hold frames of the failed group: give them fresh stacks next time.
@@ -417,6 +489,13 @@ void work(Job& job) {
     return;
   }
   t_worker = w.get();
+  Tally tally;
+  if (job.tally) {
+    tally = *job.tally;
+    tally.counts = Counts{};  // this worker's own counts, summed into the job's at the end
+    tally.arena = reinterpret_cast<uintptr_t>(w->arena);
+    t_tally = &tally;
+  }
   const uint64_t total = uint64_t(job.groups[0]) * job.groups[1] * job.groups[2];
   for (;;) {
     if (job.failed.load(std::memory_order_relaxed)) break;
@@ -434,18 +513,32 @@ void work(Job& job) {
     if (!e.empty()) job.set_error(e);
   }
   t_worker = nullptr;
+  if (job.tally) {
+    t_tally = nullptr;
+    std::lock_guard<std::mutex> lock(job.error_mutex);
+    job.tally->counts.add(tally.counts);
+  }
   give_worker(std::move(w));
 }
 
-const std::map<std::string, const KernelDef*>& registry() {
-  static const std::map<std::string, const KernelDef*> reg = [] {
-    std::map<std::string, const KernelDef*> m;
-    int ntables = 0;
-    const KernelTable* tables = all_kernel_tables(&ntables);
-    for (int t = 0; t < ntables; ++t)
-      for (int k = 0; k < tables[t].count; ++k) m[tables[t].defs[k].name] = &tables[t].defs[k];
-    return m;
-  }();
+using Registry = std::map<std::string, const KernelDef*>;
+
+Registry make_registry(const KernelTable* (*all_tables)(int*)) {
+  Registry m;
+  int ntables = 0;
+  const KernelTable* tables = all_tables(&ntables);
+  for (int t = 0; t < ntables; ++t)
+    for (int k = 0; k < tables[t].count; ++k) m[tables[t].defs[k].name] = &tables[t].defs[k];
+  return m;
+}
+
+const Registry& registry() {
+  static const Registry reg = make_registry(&all_kernel_tables);
+  return reg;
+}
+
+const Registry& counting_registry() {
+  static const Registry reg = make_registry(&all_counting_kernel_tables);
   return reg;
 }
 
@@ -485,6 +578,10 @@ void* threadgroup_alloc(const void* site_marker, size_t size, size_t align, cons
   return w->arena + offset;
 }
 
+void count_fma() {
+  if (t_tally) ++t_tally->counts.fma_ops;
+}
+
 uint32_t current_lane() { return current_fiber()->ctx.thread_index_in_simdgroup; }
 
 void fail(const char* message) {
@@ -506,10 +603,19 @@ std::vector<std::string> kernel_names() {
 
 bool has_kernel(const std::string& name) { return rt::registry().count(name) != 0; }
 
+bool has_counting_variant() { return !rt::counting_registry().empty(); }
+
 std::string run(const std::string& kernel, const std::vector<Arg>& args, const Launch& launch) {
   auto it = rt::registry().find(kernel);
   if (it == rt::registry().end()) return "emulator: unknown kernel '" + kernel + "'";
   const rt::KernelDef* def = it->second;
+  if (launch.profile) {
+    auto c = rt::counting_registry().find(kernel);
+    if (c == rt::counting_registry().end())
+      return "emulator: no counting variant of kernel '" + kernel +
+             "' (built with JFM_EMULATOR_COUNTING=OFF)";
+    def = c->second;
+  }
   const std::string k = "kernel " + kernel + ": ";
   uint64_t threads = 1;
   for (int d = 0; d < 3; ++d) {
@@ -533,6 +639,19 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
              std::to_string(args[u.index].size) + " bytes, needs " + std::to_string(u.min_size);
     buffers[u.index] = args[u.index].data;
   }
+  rt::Tally tally;
+  if (launch.profile) {
+    *launch.profile = Profile{};
+    for (int b = 0; b < def->num_buffers; ++b) {
+      const rt::BufferUse& u = uses[b];
+      tally.lo[b] = reinterpret_cast<uintptr_t>(args[u.index].data);
+      tally.size[b] = args[u.index].size;
+      tally.index[b] = u.index;
+      launch.profile->buffer_bound[u.index] = true;
+      launch.profile->constant_buffer[u.index] = u.constant_space;
+    }
+    tally.num_ranges = def->num_buffers;
+  }
   const uint64_t groups = uint64_t(launch.groups[0]) * launch.groups[1] * launch.groups[2];
   if (groups == 0) return "";
   rt::Job job;
@@ -542,6 +661,7 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
   job.group_size = launch.group_size;
   job.schedule = launch.schedule;
   job.seed = launch.seed;
+  job.tally = launch.profile ? &tally : nullptr;
   int workers = launch.num_workers > 0 ? launch.num_workers
                                        : int(std::max(1u, std::thread::hardware_concurrency()));
   workers = int(std::min<uint64_t>(uint64_t(workers), groups));
@@ -552,8 +672,91 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
   }
   rt::work(job);  // the calling thread is a worker too
   for (std::thread& t : pool) t.join();
+  if (Profile* p = launch.profile) {
+    const rt::Counts& c = tally.counts;
+    p->threadgroups = groups;
+    p->threads_per_threadgroup = threads;
+    p->threadgroup_memory_bytes = c.threadgroup_memory;
+    for (int b = 0; b < rt::kMaxBuffers; ++b) {
+      p->buffer_bytes_read[b] = c.read[b];
+      p->buffer_bytes_written[b] = c.written[b];
+      if (!p->constant_buffer[b]) {
+        p->device_bytes_read += c.read[b];
+        p->device_bytes_written += c.written[b];
+      }
+    }
+    p->threadgroup_bytes_read = c.threadgroup_read;
+    p->threadgroup_bytes_written = c.threadgroup_written;
+    p->mma_ops = c.mma_ops;
+    p->simd_ops = c.simd_ops;
+    p->barriers = c.barriers;
+    p->fma_ops = c.fma_ops;
+  }
   return job.error;
 }
 
 }  // namespace emu
 }  // namespace jfm
+
+// ---- callbacks of the counting variant ----------------------------------------------------------
+// The counting variant of every translated shader is compiled with -fsanitize=thread, which makes
+// the compiler call these functions at every memory access and atomic operation of the optimized
+// code (GCC and clang share the interface; no sanitizer runtime is linked: these definitions are
+// the whole runtime). Atomics perform the operation and count one successful read-modify-write.
+extern "C" {
+using jfm::rt::tally_access;
+#define JFM_TSAN_ACCESS(N)                                                               \
+  void __tsan_read##N(void* p) { tally_access(p, N, false); }                            \
+  void __tsan_write##N(void* p) { tally_access(p, N, true); }                            \
+  void __tsan_unaligned_read##N(void* p) { tally_access(p, N, false); }                  \
+  void __tsan_unaligned_write##N(void* p) { tally_access(p, N, true); }                  \
+  void __tsan_volatile_read##N(void* p) { tally_access(p, N, false); }                   \
+  void __tsan_volatile_write##N(void* p) { tally_access(p, N, true); }
+JFM_TSAN_ACCESS(1)
+JFM_TSAN_ACCESS(2)
+JFM_TSAN_ACCESS(4)
+JFM_TSAN_ACCESS(8)
+JFM_TSAN_ACCESS(16)
+#undef JFM_TSAN_ACCESS
+void __tsan_read_range(void* p, unsigned long n) { tally_access(p, n, false); }
+void __tsan_write_range(void* p, unsigned long n) { tally_access(p, n, true); }
+void* __tsan_memcpy(void* d, const void* s, unsigned long n) {
+  tally_access(s, n, false);
+  tally_access(d, n, true);
+  return std::memcpy(d, s, n);
+}
+void* __tsan_memmove(void* d, const void* s, unsigned long n) {
+  tally_access(s, n, false);
+  tally_access(d, n, true);
+  return std::memmove(d, s, n);
+}
+void* __tsan_memset(void* d, int c, unsigned long n) {
+  tally_access(d, n, true);
+  return std::memset(d, c, n);
+}
+void __tsan_init() {}
+void __tsan_func_entry(void*) {}
+void __tsan_func_exit() {}
+
+typedef int32_t jfm_a32;
+jfm_a32 __tsan_atomic32_load(const volatile jfm_a32* a, int) {
+  return __atomic_load_n(a, __ATOMIC_RELAXED);  // counted with the read-modify-write that follows
+}
+int __tsan_atomic32_compare_exchange_strong(volatile jfm_a32* a, jfm_a32* c, jfm_a32 v, int, int) {
+  const bool ok = __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  if (ok) {
+    tally_access(const_cast<jfm_a32*>(a), 4, false);
+    tally_access(const_cast<jfm_a32*>(a), 4, true);
+  }
+  return ok;
+}
+int __tsan_atomic32_compare_exchange_weak(volatile jfm_a32* a, jfm_a32* c, jfm_a32 v, int mo,
+                                          int fmo) {
+  return __tsan_atomic32_compare_exchange_strong(a, c, v, mo, fmo);
+}
+jfm_a32 __tsan_atomic32_compare_exchange_val(volatile jfm_a32* a, jfm_a32 c, jfm_a32 v, int mo,
+                                             int fmo) {
+  __tsan_atomic32_compare_exchange_strong(a, &c, v, mo, fmo);
+  return c;
+}
+}  // extern "C"

@@ -55,6 +55,8 @@ void threadgroup_barrier(const char* file, int line);
 // floats) when the group starts using it. name/file/line identify the declaration in errors.
 void* threadgroup_alloc(const void* site, size_t size, size_t align, const char* name,
                         const char* file, int line);
+// Counting variant only: one scalar fma executed by the calling GPU thread.
+void count_fma();
 // Lane id of the calling GPU thread (simdgroup_matrix diagonal constructor).
 uint32_t current_lane();
 // Ends the calling GPU thread's group with an error (e.g. a non-uniform simdgroup_load).
@@ -65,6 +67,7 @@ uint32_t current_lane();
 struct BufferUse {
   int index;
   size_t min_size;
+  bool constant_space;  // `constant` (not `device`) address space
   const char* name;
 };
 
@@ -84,6 +87,9 @@ struct KernelTable {
   int count;
 };
 const KernelTable* all_kernel_tables(int* count);
+// The same kernels compiled with memory-access instrumentation (JFM_COUNTING); empty when the
+// build has no counting variant (JFM_EMULATOR_COUNTING=OFF).
+const KernelTable* all_counting_kernel_tables(int* count);
 
 }  // namespace rt
 }  // namespace jfm

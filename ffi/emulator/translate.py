@@ -9,8 +9,9 @@ Subcommands (run by ffi/emulator/CMakeLists.txt at build time, and by the tests)
       against shim/metal_shim.h (runtime) or shim/metal_strict.h (strict pass), and append one
       launcher per instantiated kernel plus a table ``jfm::rt::jfm_table_S``. Writes F.cc and
       F.cc.kernels (the kernel names, one per line).
-  registry --output R.cc S1.cc.kernels S2.cc.kernels ...
-      Write the list of tables; fails if two files define the same kernel name.
+  registry --output R.cc [--counting] S1.cc.kernels S2.cc.kernels ...
+      Write the list of tables (and of the counting variants' tables, compiled from the same
+      F.cc with -DJFM_COUNTING); fails if two files define the same kernel name.
   strict --input F.cc --clang CLANG
       The strict pass: clang -fsyntax-only in C++14 with device/constant/threadgroup as distinct
       address spaces (see shim/metal_strict.h).
@@ -77,6 +78,26 @@ LINE_MARKER_RE = re.compile(r'^\s*#\s*(?:line\s+)?(\d+)\s+"((?:\\.|[^"\\])*)"')
 FLOAT_RE = re.compile(r"^((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)([fFhH]?)$")
 SWIZZLE_RE = re.compile(r"^[xyzw]{2,4}$")  # (.rgba swizzles would clash with field names)
 HEX_FLOAT_RE = re.compile(r"^(0[xX][0-9a-fA-F.]+[pP][+-]?[0-9]+)([fF]?)$")
+
+
+# Start of every translated file. JFM_STRICT: the strict pass. JFM_COUNTING: the counting build
+# variant (compiled a second time with memory-access instrumentation, see README.md), whose shim
+# and shader code live in namespace jfm_counting so they never merge with the normal build's
+# inline functions and template instances; the shim's headers are included first, outside it.
+HEADER = """#ifdef JFM_STRICT
+#include "metal_strict.h"
+#elif defined(JFM_COUNTING)
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include "runtime.h"
+#define JFM_ROOT ::jfm_counting
+namespace jfm_counting {
+#include "metal_shim.h"
+#else
+#include "metal_shim.h"
+#endif
+"""
 
 
 class TranslateError(Exception):
@@ -551,23 +572,24 @@ class Translator:
                     if "device" not in words and "constant" not in words:
                         self.src.error(p.tok, f"buffer parameter '{p.name}' needs the device or "
                                        "constant address space")
+                    space = "true" if "constant" in words else "false"
                     if p.type_text.endswith("*"):
                         args.append(f"static_cast<{p.type_text}>(c.buffers[{index}])")
-                        bufs.append(f"{{{index}, 0, \"{p.name}\"}}")
+                        bufs.append(f"{{{index}, 0, {space}, \"{p.name}\"}}")
                     elif p.type_text.endswith("&"):
                         pointee = p.type_text[:-1].strip()
                         args.append(f"*static_cast<{pointee}*>(c.buffers[{index}])")
-                        bufs.append(f"{{{index}, sizeof({pointee}), \"{p.name}\"}}")
+                        bufs.append(f"{{{index}, sizeof({pointee}), {space}, \"{p.name}\"}}")
                     else:
                         self.src.error(p.tok, f"buffer parameter '{p.name}' must be a pointer or reference")
                 elif attr in BUILTINS_3D:
                     if plain not in TYPES_3D:
                         self.src.error(p.tok, f"[[{attr}]] needs one of {sorted(TYPES_3D)}, not '{p.type_text}'")
-                    args.append(f"::jfm::rt::builtin<{plain}>(c.{attr})")
+                    args.append(f"JFM_ROOT::jfm::rt::builtin<{plain}>(c.{attr})")
                 elif attr in BUILTINS_1D:
                     if plain not in TYPES_1D:
                         self.src.error(p.tok, f"[[{attr}]] needs uint or ushort, not '{p.type_text}'")
-                    args.append(f"::jfm::rt::builtin<{plain}>(c.{BUILTINS_1D[attr]})")
+                    args.append(f"JFM_ROOT::jfm::rt::builtin<{plain}>(c.{BUILTINS_1D[attr]})")
                 elif attr == "threadgroup":
                     self.src.error(atok, "[[threadgroup(n)]] arguments are not supported: declare "
                                    "threadgroup memory statically in the kernel body")
@@ -575,7 +597,7 @@ class Translator:
                     self.src.error(atok, f"unsupported kernel parameter attribute '{attr}'")
             call = k.name + (f"<{', '.join(k.template_names)}>" if k.template_names else "")
             if not bufs:
-                bufs.append('{-1, 0, ""}')
+                bufs.append('{-1, 0, false, ""}')
             k.num_buffers = len(used)
             lines.append(f"template <{k.template_params}>" if k.template_params is not None else "")
             lines.append(f"struct jfm_kernel_{k.name} {{")
@@ -603,11 +625,20 @@ class Translator:
             out += table
             out.append("};")
         out.append("}  // namespace")
+        defs = "jfm_defs" if table else "nullptr"
+        out.append("#ifdef JFM_COUNTING")
+        out.append("}  // namespace jfm_counting")
+        out.append("namespace jfm { namespace rt {")
+        out.append(f"extern const KernelTable jfm_counting_table_{stem};")
+        out.append(f"const KernelTable jfm_counting_table_{stem} = "
+                   f"{{{'jfm_counting::' + defs if table else defs}, {len(table)}}};")
+        out.append("} }  // namespace jfm::rt")
+        out.append("#else")
         out.append("namespace jfm { namespace rt {")
         out.append(f"extern const KernelTable jfm_table_{stem};")
-        defs = "jfm_defs" if table else "nullptr"
         out.append(f"const KernelTable jfm_table_{stem} = {{{defs}, {len(table)}}};")
         out.append("} }  // namespace jfm::rt")
+        out.append("#endif  // JFM_COUNTING")
         out.append("#endif  // JFM_STRICT")
         return "\n".join(out) + "\n", [name for name, _, _ in entries]
 
@@ -632,8 +663,7 @@ def translate(input_path, output_path, stem, cxx):
     body = tr.run()
     launchers, names = tr.launchers(stem, os.path.basename(input_path))
     header = (f"// Generated by ffi/emulator/translate.py from {os.path.basename(input_path)}; "
-              "do not edit.\n#ifdef JFM_STRICT\n#include \"metal_strict.h\"\n#else\n"
-              "#include \"metal_shim.h\"\n#endif\n")
+              "do not edit.\n" + HEADER)
     with open(output_path, "w") as f:
         f.write(header + body + launchers)
     with open(output_path + ".kernels", "w") as f:
@@ -641,9 +671,27 @@ def translate(input_path, output_path, stem, cxx):
     return names
 
 
-def write_registry(output, kernel_lists):
-    """Writes the C++ list of all kernel tables (rewritten only when it changes); raises
-    TranslateError if two shader files define the same kernel name."""
+def table_list(function, prefix, stems):
+    """C++ lines of `const KernelTable* function(int* count)` returning tables prefix + stem."""
+    lines = [f"extern const KernelTable {prefix}{s};" for s in stems]
+    lines.append(f"const KernelTable* {function}(int* count) {{")
+    if stems:
+        lines.append(f"  static const KernelTable* const tables[] = {{{', '.join('&' + prefix + s for s in stems)}}};")
+        lines.append(f"  static KernelTable copy[{len(stems)}];")
+        lines.append(f"  for (int i = 0; i < {len(stems)}; ++i) copy[i] = *tables[i];")
+        lines.append(f"  *count = {len(stems)};")
+        lines.append("  return copy;")
+    else:
+        lines.append("  *count = 0;")
+        lines.append("  return nullptr;")
+    lines.append("}")
+    return lines
+
+
+def write_registry(output, kernel_lists, counting):
+    """Writes the C++ list of all kernel tables, and of the counting variants' tables when
+    `counting` (else that list is empty), rewritten only when it changes; raises TranslateError
+    if two shader files define the same kernel name."""
     seen, stems = {}, []
     for path in kernel_lists:
         stem = os.path.basename(path)[: -len(".cc.kernels")]
@@ -655,18 +703,9 @@ def write_registry(output, kernel_lists):
                 seen[name] = stem
     lines = ["// Generated by ffi/emulator/translate.py: the kernel tables of all translated shaders.",
              '#include "runtime.h"', "namespace jfm { namespace rt {"]
-    lines += [f"extern const KernelTable jfm_table_{s};" for s in stems]
-    lines.append("const KernelTable* all_kernel_tables(int* count) {")
-    if stems:
-        lines.append(f"  static const KernelTable* const tables[] = {{{', '.join('&jfm_table_' + s for s in stems)}}};")
-        lines.append(f"  static KernelTable copy[{len(stems)}];")
-        lines.append(f"  for (int i = 0; i < {len(stems)}; ++i) copy[i] = *tables[i];")
-        lines.append(f"  *count = {len(stems)};")
-        lines.append("  return copy;")
-    else:
-        lines.append("  *count = 0;")
-        lines.append("  return nullptr;")
-    lines.append("}")
+    lines += table_list("all_kernel_tables", "jfm_table_", stems)
+    lines += table_list("all_counting_kernel_tables", "jfm_counting_table_",
+                        stems if counting else [])
     lines.append("} }  // namespace jfm::rt")
     content = "\n".join(lines) + "\n"
     if not os.path.exists(output) or open(output).read() != content:
@@ -698,6 +737,8 @@ def main(argv):
     p.add_argument("--cxx", required=True)
     p = sub.add_parser("registry")
     p.add_argument("--output", required=True)
+    p.add_argument("--counting", action="store_true",
+                   help="the counting build variants are compiled too (JFM_COUNTING)")
     p.add_argument("lists", nargs="*")
     p = sub.add_parser("strict")
     p.add_argument("--input", required=True)
@@ -712,7 +753,7 @@ def main(argv):
         if args.cmd == "shader":
             translate(args.input, args.output, args.stem, args.cxx)
         elif args.cmd == "registry":
-            write_registry(args.output, args.lists)
+            write_registry(args.output, args.lists, args.counting)
         elif args.cmd == "strict":
             strict(args.clang, args.input)
             if args.stamp:

@@ -22,6 +22,13 @@
 #define __METAL_VERSION__ 300
 #endif
 
+// The namespace this shim and the translated shader live in: global for the normal build; the
+// counting build (JFM_COUNTING, see ffi/emulator/README.md) includes both inside
+// `namespace jfm_counting` so its instrumented inline functions never merge with the normal ones.
+#ifndef JFM_ROOT
+#define JFM_ROOT
+#endif
+
 // Address spaces are plain memory on the CPU; the strict pass checks them.
 #define device
 #define constant
@@ -114,12 +121,12 @@ inline float bf16_to_f32(uint16_t b) { return bitcast<float>(uint32_t(b) << 16);
   struct NAME {                                                                                \
     uint16_t bits;                                                                             \
     NAME() = default;                                                                          \
-    NAME(float f) : bits(::jfm::shim::TO_BITS(f)) {}                                          \
+    NAME(float f) : bits(JFM_ROOT::jfm::shim::TO_BITS(f)) {}                                       \
     template <class T, typename std::enable_if<std::is_arithmetic<T>::value &&                 \
                                                    !std::is_same<T, float>::value,             \
                                                int>::type = 0>                                 \
-    NAME(T v) : bits(::jfm::shim::TO_BITS(float(v))) {}                                       \
-    operator float() const { return ::jfm::shim::FROM_BITS(bits); }                           \
+    NAME(T v) : bits(JFM_ROOT::jfm::shim::TO_BITS(float(v))) {}                                    \
+    operator float() const { return JFM_ROOT::jfm::shim::FROM_BITS(bits); }                        \
     static NAME from_bits(uint16_t b) {                                                        \
       NAME r;                                                                                  \
       r.bits = b;                                                                              \
@@ -154,9 +161,9 @@ using enable_integral = typename std::enable_if<std::is_integral<T>::value, int>
   inline float operator OP(float a, H b) { return a OP float(b); }                           \
   inline float operator OP(H a, double b) { return float(a) OP float(b); }                   \
   inline float operator OP(double a, H b) { return float(a) OP float(b); }                   \
-  template <class I, ::jfm::shim::enable_integral<I> = 0>                                    \
+  template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>                                  \
   inline H operator OP(H a, I b) { return H(float(a) OP float(b)); }                         \
-  template <class I, ::jfm::shim::enable_integral<I> = 0>                                    \
+  template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>                                  \
   inline H operator OP(I a, H b) { return H(float(a) OP float(b)); }                         \
   template <class U>                                                                          \
   inline H& operator OP##=(H & a, U b) { return a = H(a OP b); }
@@ -166,9 +173,9 @@ using enable_integral = typename std::enable_if<std::is_integral<T>::value, int>
   inline bool operator OP(float a, H b) { return a OP float(b); }                            \
   inline bool operator OP(H a, double b) { return float(a) OP float(b); }                    \
   inline bool operator OP(double a, H b) { return float(a) OP float(b); }                    \
-  template <class I, ::jfm::shim::enable_integral<I> = 0>                                    \
+  template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>                                  \
   inline bool operator OP(H a, I b) { return float(a) OP float(b); }                         \
-  template <class I, ::jfm::shim::enable_integral<I> = 0>                                    \
+  template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>                                  \
   inline bool operator OP(I a, H b) { return float(a) OP float(b); }
 #define JFM_F16_OPS(H)                                                                       \
   JFM_F16_BINOP(H, +) JFM_F16_BINOP(H, -) JFM_F16_BINOP(H, *) JFM_F16_BINOP(H, /)           \
@@ -276,7 +283,7 @@ struct vec : jfm_vec_base<T, N> {
   template <class U>
   void put(int& k, const U& s) {
     if constexpr (jfm::shim::is_vector<U>::value) {
-      const typename jfm::shim::vector_of<U>::type& v = s;
+      const typename JFM_ROOT::jfm::shim::vector_of<U>::type& v = s;
       for (int j = 0; j < v.size; ++j) (*this)[k++] = T(v[j]);
     } else {
       (*this)[k++] = T(s);
@@ -422,13 +429,13 @@ inline vec<bool, N> operator!(const vec<bool, N>& a) {
 
 namespace metal {
 
-using ::bfloat;
-using ::half;
-using ::uchar;
-using ::uint;
-using ::ulong;
-using ::ushort;
-using ::vec;
+using JFM_ROOT::bfloat;
+using JFM_ROOT::half;
+using JFM_ROOT::uchar;
+using JFM_ROOT::uint;
+using JFM_ROOT::ulong;
+using JFM_ROOT::ushort;
+using JFM_ROOT::vec;
 
 enum class mem_flags : unsigned {
   mem_none = 0,
@@ -443,7 +450,7 @@ constexpr mem_flags operator|(mem_flags a, mem_flags b) {
 
 template <class To, class From>
 inline To as_type(const From& f) {
-  return ::jfm::shim::bitcast<To>(typename ::jfm::shim::value_of<From>::type(f));
+  return JFM_ROOT::jfm::shim::bitcast<To>(typename JFM_ROOT::jfm::shim::value_of<From>::type(f));
 }
 
 // ---- math -------------------------------------------------------------------------------------
@@ -523,23 +530,23 @@ JFM_BINARY(step, y < x ? 0.0f : 1.0f)
 #undef JFM_BINARY
 
 // Integer max/min/abs/clamp.
-template <class I, ::jfm::shim::enable_integral<I> = 0>
+template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>
 inline I max(I a, I b) {
   return a > b ? a : b;
 }
-template <class I, ::jfm::shim::enable_integral<I> = 0>
+template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>
 inline I min(I a, I b) {
   return a < b ? a : b;
 }
-template <class I, ::jfm::shim::enable_integral<I> = 0>
+template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>
 inline I abs(I a) {
   return a < 0 ? I(-a) : a;
 }
-template <class I, ::jfm::shim::enable_integral<I> = 0>
+template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>
 inline I clamp(I x, I lo, I hi) {
   return min(max(x, lo), hi);
 }
-template <class I, ::jfm::shim::enable_integral<I> = 0>
+template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>
 inline I popcount(I x) {
   return I(__builtin_popcountll((unsigned long long)(typename std::make_unsigned<I>::type)(x)));
 }
@@ -550,8 +557,19 @@ template <class T, int N, class L>
 inline vec<T, N> clamp(const vec<T, N>& x, const L& lo, const L& hi) {
   return min(max(x, lo), hi);
 }
-inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+// The counting variant counts every scalar fma (the kernels' scalar dot products and axpys):
+// the profile's "executed matmul FLOPs" next to simdgroup_matrix operations.
+#ifdef JFM_COUNTING
+#define JFM_COUNT_FMA() ::jfm::rt::count_fma()
+#else
+#define JFM_COUNT_FMA() ((void)0)
+#endif
+inline float fma(float a, float b, float c) {
+  JFM_COUNT_FMA();
+  return __builtin_fmaf(a, b, c);
+}
 inline half fma(half a, half b, half c) {
+  JFM_COUNT_FMA();
   return half(__builtin_fma(double(float(a)), double(float(b)), double(float(c))));
 }
 template <class T, int N>
@@ -807,7 +825,7 @@ inline T collective(::jfm::rt::ResolveFn fn, const T& x, uint64_t arg, const cha
 }  // namespace detail
 
 #define JFM_SIMD_REDUCE(NAME, RESOLVE)                                                      \
-  template <class X, class T = typename ::jfm::shim::value_of<X>::type>                     \
+  template <class X, class T = typename JFM_ROOT::jfm::shim::value_of<X>::type>                    \
   inline T NAME(const X& x, const char* file = __builtin_FILE(), int line = __builtin_LINE()) { \
     return detail::collective(&detail::RESOLVE<T>, T(x), 0, #NAME, file, line);             \
   }
@@ -834,7 +852,7 @@ inline T simd_prefix_exclusive_sum(T x, const char* file = __builtin_FILE(),
 }
 
 #define JFM_SIMD_SHUFFLE(NAME, MODE)                                                          \
-  template <class X, class T = typename ::jfm::shim::value_of<X>::type>                       \
+  template <class X, class T = typename JFM_ROOT::jfm::shim::value_of<X>::type>                    \
   inline T NAME(const X& x, ushort v, const char* file = __builtin_FILE(),                    \
                 int line = __builtin_LINE()) {                                                \
     return detail::collective(&detail::resolve_shuffle<T>, T(x),                              \
@@ -1073,8 +1091,8 @@ inline T atomic_update(volatile atomic<T>* obj, F f) {
   volatile uint32_t* p = reinterpret_cast<volatile uint32_t*>(&obj->value);
   uint32_t old = __atomic_load_n(p, __ATOMIC_RELAXED);
   for (;;) {
-    T o = ::jfm::shim::bitcast<T>(old);
-    uint32_t n = ::jfm::shim::bitcast<uint32_t>(T(f(o)));
+    T o = JFM_ROOT::jfm::shim::bitcast<T>(old);
+    uint32_t n = JFM_ROOT::jfm::shim::bitcast<uint32_t>(T(f(o)));
     if (__atomic_compare_exchange_n(p, &old, n, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
       return o;
   }
@@ -1112,12 +1130,11 @@ template <class T>
 inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* obj, T* expected,
                                                   typename detail::same<T>::type desired,
                                                   memory_order, memory_order) {
+  using JFM_ROOT::jfm::shim::bitcast;
   T seen = detail::atomic_update(obj, [&](T o) {
-    return ::jfm::shim::bitcast<uint32_t>(o) == ::jfm::shim::bitcast<uint32_t>(*expected)
-               ? desired
-               : o;
+    return bitcast<uint32_t>(o) == bitcast<uint32_t>(*expected) ? desired : o;
   });
-  bool ok = ::jfm::shim::bitcast<uint32_t>(seen) == ::jfm::shim::bitcast<uint32_t>(*expected);
+  bool ok = bitcast<uint32_t>(seen) == bitcast<uint32_t>(*expected);
   *expected = seen;
   return ok;
 }
@@ -1138,9 +1155,9 @@ struct Builtin<ushort> {
   static ushort get(const uint32_t* v) { return ushort(v[0]); }
 };
 template <class T, int N>
-struct Builtin<::vec<T, N>> {
-  static ::vec<T, N> get(const uint32_t* v) {
-    ::vec<T, N> r;
+struct Builtin<JFM_ROOT::vec<T, N>> {
+  static JFM_ROOT::vec<T, N> get(const uint32_t* v) {
+    JFM_ROOT::vec<T, N> r;
     for (int i = 0; i < N; ++i) r[i] = T(v[i]);
     return r;
   }

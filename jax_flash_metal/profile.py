@@ -1,0 +1,369 @@
+"""Kernel profile: exact counts of every Metal kernel an attention call launches, and a roofline
+model of them on named Apple GPUs.
+
+Run ``python -m jax_flash_metal.profile --help``. The problem given by the flags runs through
+``flash_attention(..., implementation="emulator")`` under ``jax.jit`` (the forward, and
+``jax.vjp``'s backward for the backward pass), so the real dispatch plan decides which kernels run
+with which grids. While it runs, the emulated device executes the counting variant of each kernel
+(ffi/emulator/README.md, "Kernel profile") and records one profile per launch.
+
+Measured (exact counts on the emulator): threadgroups, threads per threadgroup, static threadgroup
+memory, device bytes read / written (through ``device`` pointers, at the size of each access),
+threadgroup bytes, ``simdgroup_matrix`` multiply-accumulates (8x8x8 each), other simd
+collectives, threadgroup barriers, and scalar ``fma`` calls.
+
+Analytic: useful FLOPs, 4·D per visible (query, key) pair for the forward and 10·D for the
+backward as a whole (visible pairs counted exactly from causal / window / lengths with
+``reference.visibility``). Of the backward's 10·D, the dK/dV kernel is credited 8·D (recomputed
+scores and dP, dV, dK) and the dQ kernel 2·D; the preprocess (rowsum(dO·O)) 0.
+Derived: MMA FLOPs = mma_ops · 2 · 512; executed matmul FLOPs = MMA FLOPs + 2 · scalar fma calls
+(every dot product and axpy of the kernels is written with fma; other arithmetic, e.g. exp2, is
+not counted); MMA share = MMA FLOPs / executed matmul FLOPs; device intensity = useful FLOPs per
+device byte (read + written).
+
+Modelled (``roofline.py``, not measured): per launch and GPU, the bound (compute / device /
+threadgroup memory), the modelled time and the modelled percent of peak FLOP/s.
+
+``--json PATH`` writes a JSON list with one record per launch, in launch order, with exactly the
+keys of ``JSON_KEYS``: the problem (kernel, dtype, head_dim, batch, q_len, kv_len, heads,
+kv_heads, causal), the exact counts (threadgroups, threads_per_threadgroup,
+threadgroup_memory_bytes, device_bytes_read, device_bytes_written, threadgroup_bytes_read,
+threadgroup_bytes_written: bytes; mma_ops, simd_ops, barriers: counts as defined in
+ffi/emulator/README.md), useful_flops (analytic), and ``model``: the roofline MODEL, not a
+measurement, {GPU name: {"bound": "compute" | "device" | "threadgroup", "seconds": modelled
+time, "percent_of_peak": modelled useful FLOP/s over peak FLOP/s, in percent}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import reference, validation
+from .attention import flash_attention
+from .roofline import GPUS, model_launch
+
+DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
+PASSES = ("forward", "backward")
+
+PROBLEM_KEYS = ("dtype", "head_dim", "batch", "q_len", "kv_len", "heads", "kv_heads", "causal")
+# Exact counts of one launch, as the emulator reports them.
+COUNT_KEYS = ("threadgroups", "threads_per_threadgroup", "threadgroup_memory_bytes",
+              "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
+              "threadgroup_bytes_written", "mma_ops", "simd_ops", "barriers")
+# Keys of each --json record, in order.
+JSON_KEYS = ("kernel", *PROBLEM_KEYS, *COUNT_KEYS, "useful_flops", "model")
+
+# Useful FLOPs per visible (query, key) pair, in units of the head dim D, credited to each kernel
+# stage (kernel names are flash_attention_<stage>_<dtype>_d<D>). Forward 4·D; backward 10·D as a
+# whole. A new kernel stage must be added here.
+USEFUL_FLOPS_PER_PAIR = {"fwd": 4, "decode": 4, "bwd_dq": 2, "bwd_dkdv": 8,
+                         "bwd_dk": 6, "bwd_dv": 2}  # the split pair: 8 as bwd_dkdv
+MMA_FLOPS = 2 * 8 * 8 * 8  # one simdgroup_multiply_accumulate: an 8x8x8 multiply-add
+KERNEL_NAME = re.compile(r"^flash_attention_(?P<stage>\w+?)_(?:f32|f16|bf16)_d\d+$")
+
+def _ext():
+    from . import _ext as ext  # the native extension; absent in an unbuilt source tree
+    return ext
+
+
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _window(text):
+    """"W" -> (W, W); "L,R" -> (L, R); an empty side ("L," or ",R") is unbounded (None), as
+    flash_attention's local_window_size takes it."""
+    parts = text.split(",")
+    if len(parts) > 2:
+        raise argparse.ArgumentTypeError(f"expected W or LEFT,RIGHT, got {text!r}")
+    try:
+        bounds = [None if p == "" else int(p) for p in parts]
+        left, right = validation.check_window(bounds[0] if len(bounds) == 1 else tuple(bounds))
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"bad window {text!r}: {e}") from None
+    return tuple(None if b == validation.UNBOUNDED else b for b in (left, right))
+
+
+def _lengths(text):
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+    if any(x < 0 for x in values):
+        raise argparse.ArgumentTypeError(f"lengths must be >= 0, got {text!r}")
+    return values
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jax_flash_metal.profile",
+        description="Exact per-launch counts of the attention kernels (MSL-on-CPU emulator, "
+                    "through the real dispatch plan) and a roofline MODEL of them per Apple GPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["float16"],
+                   help="input dtype(s)")
+    p.add_argument("--head-dim", nargs="+", type=_positive, default=[64, 128],
+                   help="head dim(s) D")
+    p.add_argument("--batch", type=_positive, default=1, help="batch size")
+    p.add_argument("--q-len", type=_positive, default=1024, help="query length")
+    p.add_argument("--kv-len", type=_positive, default=None,
+                   help="key/value length (default: --q-len)")
+    p.add_argument("--heads", type=_positive, default=4, help="query heads")
+    p.add_argument("--kv-heads", type=_positive, default=4,
+                   help="key/value heads (divides --heads)")
+    p.add_argument("--causal", action="store_true", help="causal masking")
+    p.add_argument("--causal-alignment", choices=("top_left", "bottom_right"), default="top_left",
+                   help="alignment of the causal diagonal and the window")
+    p.add_argument("--window", type=_window, default=None, metavar="W|LEFT,RIGHT",
+                   help="local window (inclusive); an empty side is unbounded")
+    p.add_argument("--q-lengths", type=_lengths, default=None, metavar="N,N,...",
+                   help="valid query length per batch entry")
+    p.add_argument("--kv-lengths", type=_lengths, default=None, metavar="N,N,...",
+                   help="valid key/value length per batch entry")
+    p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES),
+                   help="which kernels to run: the forward's and/or the backward's")
+    p.add_argument("--gpu", nargs="+", choices=list(GPUS), default=list(GPUS),
+                   metavar="GPU", help=f"GPUs of the roofline model: {', '.join(GPUS)}")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="also write one JSON record per launch to PATH")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    return p
+
+
+class Problem:
+    """One attention problem of the profile: shapes, dtype, masking."""
+
+    def __init__(self, args, dtype: str, head_dim: int):
+        self.dtype, self.head_dim = dtype, head_dim
+        self.batch, self.q_len, self.heads, self.kv_heads = (args.batch, args.q_len, args.heads,
+                                                             args.kv_heads)
+        self.kv_len = args.kv_len or args.q_len
+        self.causal = args.causal
+        self.bottom_right = args.causal_alignment == "bottom_right"
+        self.window = args.window
+        self.q_lengths, self.kv_lengths = args.q_lengths, args.kv_lengths
+        self.seed = args.seed
+
+    def shapes(self):
+        q = jax.ShapeDtypeStruct((self.batch, self.q_len, self.heads, self.head_dim),
+                                 DTYPES[self.dtype])
+        kv = jax.ShapeDtypeStruct((self.batch, self.kv_len, self.kv_heads, self.head_dim),
+                                  DTYPES[self.dtype])
+        return q, kv
+
+    def attention(self, q, k, v):
+        lengths = {}
+        if self.q_lengths is not None:
+            lengths["query_seq_lengths"] = jnp.asarray(self.q_lengths, jnp.int32)
+        if self.kv_lengths is not None:
+            lengths["key_value_seq_lengths"] = jnp.asarray(self.kv_lengths, jnp.int32)
+        return flash_attention(
+            q, k, v, is_causal=self.causal, local_window_size=self.window,
+            causal_alignment="bottom_right" if self.bottom_right else "top_left",
+            implementation="emulator", **lengths)
+
+    def check(self):
+        """Lowers the forward and backward (the kernels of this dtype and head dim must exist);
+        raises the library's ValueError / TypeError / NotImplementedError otherwise."""
+        q, kv = self.shapes()
+        jax.jit(self.attention).lower(q, kv, kv)
+        loss = lambda q, k, v: self.attention(q, k, v).astype(jnp.float32).sum()
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv)
+
+    def visibility(self) -> np.ndarray:
+        """bool [batch, q_len, kv_len]: may query row i see key j (reference.visibility)."""
+        left, right = validation.check_window(self.window)
+        lengths = [None if x is None else jnp.asarray(x, jnp.int32)
+                   for x in (self.q_lengths, self.kv_lengths)]
+        mask, _ = reference.visibility(self.batch, self.q_len, self.kv_len, *lengths,
+                                       is_causal=self.causal, window_left=left,
+                                       window_right=right, bottom_right=self.bottom_right)
+        return np.asarray(mask)
+
+    def visible_pairs(self) -> np.ndarray:
+        """Visible (query, key) pairs per batch entry, one head (int64 [batch])."""
+        return self.visibility().sum(axis=(1, 2), dtype=np.int64)
+
+    def inputs(self):
+        rng = np.random.default_rng(self.seed)
+        q, kv = self.shapes()
+        return [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in (q, kv, kv)]
+
+
+def _recorded(fn, *args):
+    """Runs fn(*args) with the emulated device's profiling on; returns its launch records."""
+    ext = _ext()
+    ext.set_emulator_profiling(True)
+    try:
+        jax.block_until_ready(fn(*args))
+        return ext.take_emulator_profile()
+    finally:
+        ext.set_emulator_profiling(False)
+
+
+def run_problem(problem: Problem, passes) -> list[tuple[str, dict]]:
+    """(pass name, launch record) for every kernel launch of the forward and/or backward."""
+    q, k, v = problem.inputs()
+    runs = []
+    if "forward" in passes:
+        runs += [("forward", r) for r in _recorded(jax.jit(problem.attention), q, k, v)]
+    if "backward" in passes:
+        out, vjp = jax.vjp(problem.attention, q, k, v)  # forward run without profiling
+        ct = jnp.asarray(np.random.default_rng(problem.seed + 1).standard_normal(out.shape),
+                         out.dtype)
+        backward = jax.jit(lambda vjp, ct: vjp(ct))  # vjp is a pytree (jax.tree_util.Partial)
+        runs += [("backward", r) for r in _recorded(backward, vjp, ct)]
+    return runs
+
+
+def _stage(kernel: str) -> str:
+    m = KERNEL_NAME.match(kernel)
+    if not m or m.group("stage") not in USEFUL_FLOPS_PER_PAIR:
+        raise ValueError(f"profile: no useful-FLOPs rule for kernel {kernel!r}: add its stage to "
+                         "USEFUL_FLOPS_PER_PAIR in jax_flash_metal/profile.py")
+    return m.group("stage")
+
+
+def useful_flops(problem: Problem, runs: list[tuple[str, dict]]) -> list[int]:
+    """Analytic useful FLOPs of each launch of ``runs`` ((pass, record) pairs).
+
+    A stage's total (USEFUL_FLOPS_PER_PAIR[stage] · D · visible pairs · query heads) is exact.
+    When a call is split into several submissions a stage has several launches; they share the
+    total in proportion to their executed matmul FLOPs (exact for today's kernels, whose fma count
+    is proportional to the visible pairs they cover; by threadgroups if a stage executes none).
+    """
+    pairs = int(problem.visible_pairs().sum()) * problem.heads
+    weights, members = [], {}
+    for n, (pass_name, r) in enumerate(runs):
+        stage = _stage(r["kernel"])
+        weights.append(_executed_flops(r))
+        members.setdefault((pass_name, stage), []).append(n)
+    flops = [0] * len(runs)
+    for (_, stage), launches in members.items():
+        total = USEFUL_FLOPS_PER_PAIR[stage] * problem.head_dim * pairs
+        w = [weights[n] for n in launches]
+        if not sum(w):
+            w = [runs[n][1]["threadgroups"] for n in launches]
+        shares = [total * x // max(sum(w), 1) for x in w]
+        shares[-1] += total - sum(shares)  # integer shares that add up to the total
+        for n, share in zip(launches, shares):
+            flops[n] = share
+    return flops
+
+
+def _executed_flops(r: dict) -> int:
+    """Executed matmul FLOPs of a launch record: MMA (8x8x8 each) plus scalar fma."""
+    return r["mma_ops"] * MMA_FLOPS + 2 * r["fma_ops"]
+
+
+def profile_records(problem: Problem, passes, gpus) -> list[dict]:
+    """One record per launch: the JSON keys plus "pass" and derived figures for the table."""
+    runs = run_problem(problem, passes)
+    flops = useful_flops(problem, runs)
+    out = []
+    for (pass_name, r), useful in zip(runs, flops):
+        device_bytes = r["device_bytes_read"] + r["device_bytes_written"]
+        tg_bytes = r["threadgroup_bytes_read"] + r["threadgroup_bytes_written"]
+        mma_flops = r["mma_ops"] * MMA_FLOPS
+        executed = _executed_flops(r)
+        record = {
+            "kernel": r["kernel"], **{k: getattr(problem, k) for k in PROBLEM_KEYS},
+            **{k: r[k] for k in COUNT_KEYS},
+            "useful_flops": useful,
+            "model": {g: model_launch(GPUS[g], executed_flops=executed, useful_flops=useful,
+                                      device_bytes=device_bytes, threadgroup_bytes=tg_bytes,
+                                      threadgroups=r["threadgroups"]) for g in gpus},
+        }
+        record.update({"pass": pass_name, "groups": r["groups"], "mma_flops": mma_flops,
+                       "executed_flops": executed})
+        out.append(record)
+    return out
+
+
+def _ratio(a, b, fmt):
+    return fmt.format(a / b) if b else "-"
+
+
+BOUND_ABBREVIATIONS = {"compute": "comp", "device": "dev", "threadgroup": "tg"}
+
+
+def format_tables(records: list[dict], gpus) -> str:
+    """The measured table (one row per launch) and the roofline-model table."""
+    head = (f"{'kernel':<40} {'pass':<8} {'grid':>13} {'thr/tg':>6} {'tg KB':>6} "
+            f"{'dev MB rd':>10} {'dev MB wr':>9} {'tg MB':>9} {'useful GF':>9} {'MMA GF':>7} "
+            f"{'dev FLOP/B':>10} {'MMA share':>9}")
+    lines = ["measured (exact, emulator counting variant):", head, "-" * len(head)]
+    for r in records:
+        tg_mb = (r["threadgroup_bytes_read"] + r["threadgroup_bytes_written"]) / 1e6
+        device = r["device_bytes_read"] + r["device_bytes_written"]
+        grid = "x".join(str(g) for g in r["groups"])
+        lines.append(
+            f"{r['kernel']:<40} {r['pass']:<8} {grid:>13} {r['threads_per_threadgroup']:>6} "
+            f"{r['threadgroup_memory_bytes'] / 1024:>6.1f} {r['device_bytes_read'] / 1e6:>10.1f} "
+            f"{r['device_bytes_written'] / 1e6:>9.2f} {tg_mb:>9.1f} "
+            f"{r['useful_flops'] / 1e9:>9.3f} "
+            f"{r['mma_flops'] / 1e9:>7.3f} {_ratio(r['useful_flops'], device, '{:.2f}'):>10} "
+            f"{_ratio(r['mma_flops'], r['executed_flops'], '{:.0%}'):>9}")
+    cell = 21
+    head = f"{'kernel':<40} " + " ".join(f"{g:>{cell}}" for g in gpus)
+    lines += ["", "roofline MODEL (not measured; per GPU: bound (comp = compute, dev = device "
+              "memory, tg = threadgroup memory), modelled time, modelled % of peak FLOP/s; see "
+              "jax_flash_metal/roofline.py):", head, "-" * len(head)]
+    for r in records:
+        cells = []
+        for g in gpus:
+            m = r["model"][g]
+            cells.append(f"{BOUND_ABBREVIATIONS[m['bound']]:>4} {m['seconds'] * 1e3:>9.3f}ms "
+                         f"{m['percent_of_peak']:>4.1f}%")
+        lines.append(f"{r['kernel']:<40} " + " ".join(f"{c:>{cell}}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    for name in ("q_lengths", "kv_lengths"):
+        values = getattr(args, name)
+        if values is not None and len(values) != args.batch:
+            parser.error(f"--{name.replace('_', '-')} needs {args.batch} values (--batch), got "
+                         f"{len(values)}")
+    problems = [Problem(args, d, h) for d in args.dtype for h in args.head_dim]
+    for problem in problems:
+        try:
+            problem.check()
+        except (TypeError, ValueError, NotImplementedError) as e:
+            parser.error(f"--dtype {problem.dtype} --head-dim {problem.head_dim}: {e}")
+    if not _ext().emulator.has_counting_variant():
+        parser.error("this build has no counting kernel variants (JFM_EMULATOR_COUNTING=OFF)")
+    records = []
+    for problem in problems:
+        start = time.perf_counter()
+        new = profile_records(problem, args.passes, args.gpu)
+        records += new
+        print(f"# {problem.dtype} D={problem.head_dim} batch={problem.batch} q_len={problem.q_len} "
+              f"kv_len={problem.kv_len} heads={problem.heads} kv_heads={problem.kv_heads} "
+              f"causal={problem.causal} window={problem.window}: {len(new)} launches, "
+              f"{time.perf_counter() - start:.0f} s on the emulator", file=sys.stderr)
+    print(format_tables(records, args.gpu))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: r[k] for k in JSON_KEYS} for r in records], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Roofline model of Apple GPUs for the kernel profile (``python -m jax_flash_metal.profile``).
+
+This is a model, not a measurement: a launch's time is modelled as the largest of its compute
+time (executed matmul FLOPs at peak FLOP/s), its device-memory time (device bytes at DRAM
+bandwidth) and its threadgroup-memory time (threadgroup bytes at the threadgroup bandwidth of the
+cores it can occupy). It ignores latency, occupancy, caches (device bytes are counted as if every
+access went to DRAM, so re-read K/V rows that a real GPU serves from cache make the device figure
+an upper bound), launch overhead, and non-matmul instructions (exp2, max, shuffles).
+
+Figures per GPU (largest configuration of each chip), with their sources:
+
+- Cores and GPU clock: philipturner/applegpuinfo reports (M1, M1 Max, M2 Max; issues #11, #2,
+  #10 of github.com/philipturner/applegpuinfo), hmc-tech.com GPU pages (M3 Max 40-core 1398 MHz,
+  M4 10-core 1470 MHz, M4 Max 1678 MHz) and Apple's announcements for core counts.
+- Peak FP32 FLOP/s = cores x 128 ALUs x 2 (FMA) x clock (the 128 FP32 ALUs per core of
+  github.com/philipturner/metal-benchmarks, "Layout of a GPU core"). This reproduces the published
+  figures: 2.617 TFLOPS M1 and 10.617 TFLOPS M1 Max (applegpuinfo), 13.6 TFLOPS M2 Max
+  (applegpuinfo #10), 14.32 TFLOPS 40-core M3 Max and 3.76 TFLOPS M4 (hmc-tech.com). M4 Max:
+  40 x 128 x 2 x 1.678 GHz, derived (no published figure for the 40-core part).
+- Peak FP16 FLOP/s equals FP32 on M1 and later (metal-benchmarks overview table, "GFLOPS F16" =
+  "GFLOPS F32"; hmc-tech.com lists equal FP16/FP32 for M3 and M4); simdgroup_matrix runs on the
+  same ALUs, so the same peak applies to MMA.
+- DRAM bandwidth: 68.25 GB/s M1 (LPDDR4X-4266, 128-bit; applegpuinfo #11 reports 68.3 GB/s),
+  409.6 GB/s M1 Max and M2 Max (applegpuinfo #2, #10; Apple: "400GB/s"), 400 GB/s M3 Max and
+  546 GB/s M4 Max (Apple, 30 Oct 2024 M4 Pro/Max announcement, as reported by macmegasite.com),
+  120 GB/s M4 (Apple, 7 May 2024 M4 announcement, as reported by fonearena.com).
+- Threadgroup-memory bandwidth per core: not published by Apple. Derived as 64 bytes per core per
+  clock (metal-benchmarks "On-Chip Memory" table, "Shared BW/Cycle" = 64 B for Apple 7 and 8,
+  i.e. M1 and M2) times the clock. For M3 and M4 (Apple 9 and later, not measured there) the same
+  64 B/cycle is assumed, following the metal-benchmarks author's statement that per-core-cycle
+  bandwidth ratios are the same across Apple GPU generations
+  (github.com/philipturner/metal-flash-attention issue #12).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+THREADGROUP_BYTES_PER_CORE_CYCLE = 64  # metal-benchmarks "Shared BW/Cycle", Apple 7/8 (derived)
+FP32_FLOPS_PER_CORE_CYCLE = 128 * 2    # 128 ALUs per core, one FMA (2 FLOPs) each per cycle
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """Published (or derived, see the module docstring) figures of one Apple GPU."""
+
+    name: str
+    cores: int
+    clock_ghz: float
+    dram_gb_per_s: float  # DRAM (unified memory) bandwidth, GB/s (1e9 bytes)
+
+    @property
+    def peak_flops(self) -> float:
+        """Peak FLOP/s for float32 and float16 alike (equal on M1 and later)."""
+        return self.cores * FP32_FLOPS_PER_CORE_CYCLE * self.clock_ghz * 1e9
+
+    @property
+    def threadgroup_bytes_per_s_per_core(self) -> float:
+        return THREADGROUP_BYTES_PER_CORE_CYCLE * self.clock_ghz * 1e9
+
+
+GPUS = {g.name: g for g in (
+    Gpu("M1", cores=8, clock_ghz=1.278, dram_gb_per_s=68.25),
+    Gpu("M1 Max", cores=32, clock_ghz=1.296, dram_gb_per_s=409.6),
+    Gpu("M2 Max", cores=38, clock_ghz=1.398, dram_gb_per_s=409.6),
+    Gpu("M3 Max", cores=40, clock_ghz=1.398, dram_gb_per_s=400.0),
+    Gpu("M4", cores=10, clock_ghz=1.470, dram_gb_per_s=120.0),
+    Gpu("M4 Max", cores=40, clock_ghz=1.678, dram_gb_per_s=546.0),
+)}
+
+
+def model_launch(gpu: Gpu, *, executed_flops: float, useful_flops: float, device_bytes: float,
+                 threadgroup_bytes: float, threadgroups: int) -> dict:
+    """Modelled bound, time and percent of peak of one kernel launch on ``gpu``.
+
+    executed_flops: matmul FLOPs the launch performs (MMA plus scalar fma FLOPs);
+    useful_flops: the analytic FLOPs of the launch's share of attention; device_bytes and
+    threadgroup_bytes: bytes read plus written; threadgroups: launched threadgroups (a launch
+    with fewer threadgroups than cores leaves cores idle: compute and threadgroup bandwidth
+    scale with min(threadgroups, cores)).
+    Returns {"bound": "compute" | "device" | "threadgroup", "seconds": float,
+    "percent_of_peak": useful FLOP/s over peak FLOP/s, in percent}.
+    """
+    active = min(max(threadgroups, 1), gpu.cores) / gpu.cores
+    times = {
+        "compute": executed_flops / (gpu.peak_flops * active),
+        "device": device_bytes / (gpu.dram_gb_per_s * 1e9),
+        "threadgroup": threadgroup_bytes / (gpu.threadgroup_bytes_per_s_per_core * gpu.cores
+                                            * active),
+    }
+    bound = max(times, key=times.get)
+    seconds = times[bound]
+    percent = 100.0 * useful_flops / seconds / gpu.peak_flops if seconds > 0 else 0.0
+    return {"bound": bound, "seconds": seconds, "percent_of_peak": percent}

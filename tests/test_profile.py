@@ -1,0 +1,373 @@
+"""Kernel profile: the emulator's exact counters (tests/shaders/profile.metal kernels with counts
+known by construction, and today's attention kernels against the closed forms of their loop
+structure), the CLI ``python -m jax_flash_metal.profile`` (JSON schema, errors) and the roofline
+model's figures."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from jax_flash_metal import profile, roofline
+from jax_flash_metal import _ext as ext
+from jax_flash_metal._ext import emulator
+
+ZERO = dict(threadgroup_bytes_read=0, threadgroup_bytes_written=0, mma_ops=0, simd_ops=0,
+            barriers=0, fma_ops=0, threadgroup_memory_bytes=0)
+
+
+def counts(kernel, buffers, groups, group_size, **kw):
+    """Profiled run; also checks that the counting variant computes what the normal one does."""
+    plain = {i: b.copy() for i, b in buffers.items()}
+    emulator.run(kernel, plain, groups, group_size, **kw)
+    result = emulator.run(kernel, buffers, groups, group_size, profile=True, **kw)
+    for i in buffers:
+        np.testing.assert_array_equal(buffers[i], plain[i])
+    return result
+
+
+def assert_counts(result, **expected):
+    got = {k: result[k] for k in expected}
+    assert got == expected
+
+
+def test_profile_off_returns_none():
+    a = np.ones(8, np.float32)
+    assert emulator.run("profile_copy_f32", {0: a, 1: np.zeros_like(a),
+                                             2: np.array([8], np.uint32)}, (1, 1, 1),
+                        (8, 1, 1)) is None
+
+
+@pytest.mark.parametrize("name,dtype,width", [("profile_copy_f32", np.float32, 1),
+                                              ("profile_copy_f16", np.float16, 1),
+                                              ("profile_copy_f32x4", np.float32, 4)])
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_copy(name, dtype, width, num_workers):
+    n, group, groups = 1000, 64, 16  # 1024 threads, the last 24 past n
+    src = np.arange(n * width, dtype=dtype)
+    dst = np.zeros_like(src)
+    r = counts(name, {0: src, 1: dst, 2: np.array([n], np.uint32)}, (groups, 1, 1), (group, 1, 1),
+               num_workers=num_workers)
+    element = width * np.dtype(dtype).itemsize
+    assert_counts(r, threadgroups=groups, threads_per_threadgroup=group,
+                  device_bytes_read=n * element, device_bytes_written=n * element, **ZERO)
+    # The constant n is read once by every thread; constant bytes are not device bytes.
+    assert r["buffers"] == {0: {"read": n * element, "written": 0, "constant": False},
+                            1: {"read": 0, "written": n * element, "constant": False},
+                            2: {"read": 4 * groups * group, "written": 0, "constant": True}}
+    np.testing.assert_array_equal(dst, src)
+
+
+def test_strided_read():
+    threads, stride, count = 96, 97, 5
+    src = np.arange(threads + stride * count, dtype=np.float32) / 7
+    out = np.zeros(threads, np.float32)
+    r = counts("profile_strided", {0: src, 1: out, 2: np.array([stride, count], np.uint32)},
+               (3, 1, 1), (32, 1, 1))
+    assert_counts(r, threadgroups=3, threads_per_threadgroup=32,
+                  device_bytes_read=threads * count * 4, device_bytes_written=threads * 4,
+                  **{**ZERO, "fma_ops": threads * count})
+
+
+@pytest.mark.parametrize("schedule", ["forward", "random"])
+def test_tiled_gemm(schedule):
+    m, n, k = 32, 48, 40
+    rng = np.random.default_rng(0)
+    a = rng.integers(-4, 5, (m, k)).astype(np.float16)  # small integers: exact products
+    b = rng.integers(-4, 5, (k, n)).astype(np.float16)
+    c = np.zeros((m, n), np.float32)
+    groups = (n // 16) * (m // 16)
+    steps = k // 8
+    r = counts("profile_gemm", {0: a, 1: b, 2: c, 3: np.array([m, n, k, 0], np.uint32)},
+               (n // 16, m // 16, 1), (128, 1, 1), schedule=schedule, seed=3)
+    assert_counts(
+        r, threadgroups=groups, threads_per_threadgroup=128,
+        # Per step every thread stages one half of A and one of B.
+        device_bytes_read=groups * steps * 2 * 128 * 2,
+        threadgroup_bytes_written=groups * steps * 2 * 128 * 2,
+        # Per step each of the 4 simdgroups loads two 8x8 half tiles.
+        threadgroup_bytes_read=groups * steps * 4 * 2 * 64 * 2,
+        device_bytes_written=m * n * 4,  # simdgroup_store of the float accumulators
+        mma_ops=groups * steps * 4, barriers=groups * steps * 2, simd_ops=0, fma_ops=0,
+        threadgroup_memory_bytes=2 * 128 * 2)
+    np.testing.assert_array_equal(c, a.astype(np.float32) @ b.astype(np.float32))
+
+
+def test_barrier_loop():
+    rounds, groups, group = 7, 3, 64
+    out = np.zeros(groups * group, np.float32)
+    r = counts("profile_barrier_loop", {0: out, 1: np.array([rounds], np.uint32)}, (groups, 1, 1),
+               (group, 1, 1), schedule="reverse")
+    assert_counts(r, threadgroups=groups, threads_per_threadgroup=group, device_bytes_read=0,
+                  device_bytes_written=groups * group * 4,
+                  threadgroup_bytes_written=groups * rounds * group * 4,
+                  threadgroup_bytes_read=groups * rounds * group * 4,
+                  barriers=groups * rounds * 2, simd_ops=groups * rounds * 2 * (group // 32),
+                  mma_ops=0, fma_ops=0, threadgroup_memory_bytes=group * 4)
+
+
+# ---- today's attention kernels: the tiled forward, and the backward with one simdgroup per row
+# (JFM_ROWS_PER_GROUP = 4) ----------------------------------------------------------------------
+# The closed forms below follow the loop structure of shaders/flash_attention_{fwd,bwd}.metal. The
+# tiled backward kernels replace the row-per-simdgroup ones: replace their formulas with those of
+# the new loop structure (test_attention_counts stays as it is).
+
+ROWS_PER_GROUP = 4
+SIMD = 32
+
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+TYPE_NAME = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def tiled_forward_counts(problem, mask):
+    """Counts of the tiled forward: per threadgroup (a block of BQ query rows), Q staged once,
+    then for every key block meeting the block's visible union [lo, hi]: K and V staged (only
+    their rows inside the union read from device memory), S = Q K^T and O += P V as 8x8 MMAs,
+    two row-max shuffles; at the end two row-sum shuffles and the stores of O, LSE and L2."""
+    shape = ext.tile_shape("fwd", TYPE_NAME[problem.dtype], problem.head_dim)
+    bq, bk, sg, threads = shape["rows"], shape["cols"], shape["simdgroups"], shape["threads"]
+    s, d, h = ITEMSIZE[problem.dtype], problem.head_dim, problem.heads
+    df, kf = d // 8, bk // 8
+    stride = d + 16 // s  # padded tile rows
+    lengths_read = 4 * threads * ((problem.q_lengths is not None)
+                                  + (problem.kv_lengths is not None))
+    q_valid = (np.asarray(problem.q_lengths) if problem.q_lengths is not None
+               else np.full(problem.batch, problem.q_len))
+    c = dict(threadgroups=0, device_bytes_read=0, device_bytes_written=0,
+             threadgroup_bytes_written=0, threadgroup_bytes_read=0, simd_ops=0, barriers=0,
+             mma_ops=0, fma_ops=0)
+    for b in range(problem.batch):
+        for i0 in range(0, problem.q_len, bq):
+            rows = min(bq, problem.q_len - i0)
+            c["threadgroups"] += 1
+            c["device_bytes_read"] += lengths_read
+            c["device_bytes_written"] += rows * (d * s + 8)
+            c["simd_ops"] += 2 * sg
+            keys = np.flatnonzero(mask[b, i0:i0 + bq].any(axis=0))
+            if keys.size == 0:
+                continue  # no row of the block sees a key: nothing staged
+            lo, hi = keys[0], keys[-1]
+            blocks = hi // bk - lo // bk + 1
+            valid = int(np.clip(q_valid[b] - i0, 0, bq))
+            c["device_bytes_read"] += (valid + 2 * (hi - lo + 1)) * d * s
+            c["threadgroup_bytes_written"] += bq * d * s + 4 + blocks * 2 * bk * d * s
+            q_frag_reads = 1 if shape["q_in_registers"] else blocks
+            c["threadgroup_bytes_read"] += threads * (
+                q_frag_reads * df * 2 * s + blocks * (2 * kf * df * 2 * s + 4))
+            c["barriers"] += 1 + blocks * (4 if shape["kv_one_buffer"] else 2)
+            c["mma_ops"] += blocks * sg * 2 * df * kf
+            c["simd_ops"] += blocks * 2 * sg
+    c = {k: int(v) * (h if k != "fma_ops" else 1) for k, v in c.items()}
+    c["threadgroup_memory_bytes"] = (bq + (1 if shape["kv_one_buffer"] else 2) * bk) * stride * s + 4
+    return c
+
+
+def expected_counts(problem):
+    """{stage: counts} of the fwd, bwd_preprocess, bwd_dq and bwd_dkdv kernels."""
+    mask = problem.visibility()  # reference.visibility: the semantics, not the kernels
+    s = ITEMSIZE[problem.dtype]
+    d, h, hk = problem.head_dim, problem.heads, problem.kv_heads
+    g = h // hk
+    lanes_lengths = 4 * SIMD * ((problem.q_lengths is not None) + (problem.kv_lengths is not None))
+    q_valid = (np.asarray(problem.q_lengths) if problem.q_lengths is not None
+               else np.full(problem.batch, problem.q_len))
+    out = {}
+
+    def tally(**c):
+        return {k: int(v) for k, v in c.items()}
+
+    out["fwd"] = tiled_forward_counts(problem, mask)
+    n = mask.sum(axis=2)          # [batch, q_len] visible keys per query row
+    nb = -(-n // SIMD)            # key blocks of 32
+    live = n > 0
+    rows = problem.batch * problem.q_len * h
+    valid = np.arange(problem.q_len)[None, :] < q_valid[:, None]  # [batch, q_len]
+    q_lengths_read = 4 * SIMD * (problem.q_lengths is not None)
+    out["bwd_preprocess"] = tally(
+        threadgroups=-(-problem.q_len // ROWS_PER_GROUP) * h * problem.batch,
+        device_bytes_read=h * (valid.sum() * (2 * d * s + 4)) + rows * q_lengths_read,
+        device_bytes_written=rows * 4,
+        threadgroup_bytes_written=0, threadgroup_bytes_read=0,
+        simd_ops=h * valid.sum(), barriers=0, mma_ops=0, fma_ops=h * valid.sum() * d,
+        threadgroup_memory_bytes=0)
+    out["bwd_dq"] = tally(
+        threadgroups=-(-problem.q_len // ROWS_PER_GROUP) * h * problem.batch,
+        # q and dO rows staged, lse and delta read by all 32 lanes, K twice and V once per key.
+        device_bytes_read=h * (live * (2 * d * s + 2 * 4 * SIMD) + 3 * n * d * s).sum()
+        + rows * lanes_lengths,
+        device_bytes_written=rows * d * s,
+        threadgroup_bytes_written=h * (live * 2 * 4 * d + 4 * SIMD * nb).sum(),
+        threadgroup_bytes_read=h * (2 * 4 * d * n + 4 * SIMD * n).sum(),
+        # fma in the dP dot product and the dS K axpy; the score is formed without fma, in the
+        # forward's MMA order (jfm_score_log2).
+        simd_ops=h * (live + nb).sum(), barriers=0, mma_ops=0, fma_ops=h * (2 * n * d).sum(),
+        threadgroup_memory_bytes=ROWS_PER_GROUP * (2 * d + 2 * SIMD) * 4)
+    m = mask.sum(axis=1)          # [batch, kv_len] visible queries per key row
+    mb = -(-m // SIMD)
+    live_k = m > 0
+    key_rows = problem.batch * problem.kv_len * hk
+    out["bwd_dkdv"] = tally(
+        threadgroups=-(-problem.kv_len // ROWS_PER_GROUP) * hk * problem.batch,
+        # k and v rows staged; per query of each head: q and dO twice each, lse and delta.
+        device_bytes_read=hk * (live_k * 2 * d * s + g * m * (4 * d * s + 8)).sum()
+        + key_rows * lanes_lengths,
+        device_bytes_written=key_rows * 2 * d * s,
+        threadgroup_bytes_written=hk * (live_k * 2 * 4 * d + g * mb * 2 * 4 * SIMD).sum(),
+        threadgroup_bytes_read=hk * (g * m * (2 * 4 * d + 2 * 4 * SIMD)).sum(),
+        simd_ops=hk * (live_k + g * mb).sum(), barriers=0, mma_ops=0,
+        fma_ops=hk * (g * m * 3 * d).sum(),  # dP, and the dV and dK axpys
+        threadgroup_memory_bytes=ROWS_PER_GROUP * (2 * d + 4 * SIMD) * 4)
+    return out
+
+
+ATTENTION_CASES = [
+    # rows not a multiple of 4 or 32, grouped-query attention, causal
+    ["--dtype", "float32", "--head-dim", "16", "--q-len", "45", "--heads", "4", "--kv-heads", "2",
+     "--causal"],
+    # cross attention, local window, per-batch lengths (one batch entry with empty rows)
+    ["--dtype", "float16", "--head-dim", "32", "--batch", "2", "--q-len", "24", "--kv-len", "70",
+     "--heads", "2", "--kv-heads", "2", "--window", "20,3", "--q-lengths", "24,9",
+     "--kv-lengths", "70,30", "--causal-alignment", "bottom_right"],
+    # bf16, D with a partial last chunk of lanes (48 = 32 + 16)
+    ["--dtype", "bfloat16", "--head-dim", "48", "--q-len", "33", "--heads", "1", "--kv-heads", "1"],
+]
+
+
+def make_problem(argv):
+    args = profile.make_parser().parse_args(argv)
+    return profile.Problem(args, args.dtype[0], args.head_dim[0])
+
+
+@pytest.mark.parametrize("argv", ATTENTION_CASES, ids=["causal-gqa", "window-lengths", "bf16"])
+def test_attention_counts(argv):
+    problem = make_problem(argv)
+    expected = expected_counts(problem)
+    runs = profile.run_problem(problem, profile.PASSES)
+    seen = []
+    for _, r in runs:
+        stage = profile.KERNEL_NAME.match(r["kernel"]).group("stage")
+        seen.append(stage)
+        shape = ext.tile_shape(stage, TYPE_NAME[problem.dtype], problem.head_dim)
+        assert r["threads_per_threadgroup"] == shape["threads"]
+        got = {k: r[k] for k in expected[stage]}
+        assert got == expected[stage], stage
+    assert seen == ["fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv"]
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+
+TINY = ["--q-len", "20", "--kv-len", "36", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+        "--causal", "--causal-alignment", "bottom_right"]
+
+
+def test_json_schema_and_useful_flops(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    assert profile.main([*TINY, "--dtype", "float32", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "roofline MODEL" in out
+    records = json.loads(path.read_text())
+    assert [r["kernel"] for r in records] == [
+        f"flash_attention_{s}_f32_d16" for s in ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")]
+    keys = ["kernel", "dtype", "head_dim", "batch", "q_len", "kv_len", "heads", "kv_heads",
+            "causal", "threadgroups", "threads_per_threadgroup", "threadgroup_memory_bytes",
+            "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
+            "threadgroup_bytes_written", "mma_ops", "simd_ops", "barriers", "useful_flops",
+            "model"]
+    for r in records:
+        assert list(r) == keys
+        assert (r["dtype"], r["head_dim"], r["q_len"], r["kv_len"], r["causal"]) == (
+            "float32", 16, 20, 36, True)
+        assert set(r["model"]) == set(roofline.GPUS)
+        for m in r["model"].values():
+            assert set(m) == {"bound", "seconds", "percent_of_peak"}
+            assert m["bound"] in ("compute", "device", "threadgroup")
+            assert m["seconds"] > 0 and 0 <= m["percent_of_peak"] <= 100
+    # Bottom-right causal with kv_len - q_len = 16: query i sees keys 0..i + 16.
+    pairs = sum(i + 17 for i in range(20))
+    assert records[0]["useful_flops"] == 4 * 16 * pairs * 2
+    assert sum(r["useful_flops"] for r in records[1:]) == 10 * 16 * pairs * 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dtype", "float64"], "invalid choice: 'float64'"),
+    (["--head-dim", "24"], "head_dim 24"),
+    (["--heads", "3", "--kv-heads", "2"], "must be a multiple of --kv-heads"),
+    (["--batch", "2", "--q-lengths", "5"], "needs 2 values"),
+    (["--window", "a,b"], "bad window"),
+    (["--q-len", "0"], "must be a positive integer"),
+    (["--gpu", "M9"], "invalid choice: 'M9'"),
+])
+def test_cli_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        profile.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        profile.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: ['float16'])", "(default: [64, 128])",
+                    "--batch BATCH batch size (default: 1)",
+                    "(default: 1024)", "--heads HEADS query heads (default: 4)",
+                    "(default: ['forward', 'backward'])"):
+        assert default in text
+
+
+# ---- roofline model -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,tflops", [("M1", 2.617), ("M1 Max", 10.617), ("M2 Max", 13.6),
+                                         ("M3 Max", 14.32), ("M4", 3.76)])
+def test_peaks_reproduce_published_figures(name, tflops):
+    assert roofline.GPUS[name].peak_flops / 1e12 == pytest.approx(tflops, rel=2e-3)
+
+
+def test_model_bounds():
+    gpu = roofline.GPUS["M1"]
+    # 1 GB through DRAM dominates: device-bound, time = bytes / bandwidth.
+    m = roofline.model_launch(gpu, executed_flops=1e9, useful_flops=1e9, device_bytes=1e9,
+                              threadgroup_bytes=0, threadgroups=1000)
+    assert m["bound"] == "device"
+    assert m["seconds"] == pytest.approx(1e9 / 68.25e9)
+    assert m["percent_of_peak"] == pytest.approx(100 * 1e9 / m["seconds"] / gpu.peak_flops)
+    # Compute-bound at full peak; one threadgroup uses one of 8 cores: 8x the time.
+    full = roofline.model_launch(gpu, executed_flops=1e12, useful_flops=1e12, device_bytes=0,
+                                 threadgroup_bytes=0, threadgroups=8)
+    assert full["bound"] == "compute" and full["percent_of_peak"] == pytest.approx(100)
+    one = roofline.model_launch(gpu, executed_flops=1e12, useful_flops=1e12, device_bytes=0,
+                                threadgroup_bytes=0, threadgroups=1)
+    assert one["seconds"] == pytest.approx(8 * full["seconds"])
+    # Threadgroup memory: 64 B per core-cycle.
+    t = roofline.model_launch(gpu, executed_flops=0, useful_flops=0, device_bytes=0,
+                              threadgroup_bytes=64 * 8 * 1.278e9, threadgroups=64)
+    assert t["bound"] == "threadgroup" and t["seconds"] == pytest.approx(1.0)
+    assert math.isclose(t["percent_of_peak"], 0.0)
+
+
+def test_split_submissions_share_counts_and_useful_flops():
+    """A call split into one submission per batch entry launches every kernel twice; the launches'
+    counts and useful FLOPs add up to those of the unsplit call."""
+    from jax_flash_metal import _ext
+    problem = make_problem(["--dtype", "float32", "--head-dim", "16", "--batch", "2", "--q-len",
+                            "12", "--kv-len", "20", "--heads", "2", "--kv-heads", "1",
+                            "--q-lengths", "12,5", "--window", "4,"])
+    whole = profile.profile_records(problem, profile.PASSES, ["M1"])
+    previous = _ext._set_submission_budget(1)
+    try:
+        split = profile.profile_records(problem, profile.PASSES, ["M1"])
+    finally:
+        _ext._set_submission_budget(previous)
+    assert len(split) == 2 * len(whole)
+    additive = [k for k in profile.COUNT_KEYS
+                if k not in ("threads_per_threadgroup", "threadgroup_memory_bytes")]
+    for r in whole:
+        parts = [s for s in split if s["kernel"] == r["kernel"]]
+        assert len(parts) == 2
+        for k in additive + ["useful_flops"]:
+            assert sum(p[k] for p in parts) == r[k], (r["kernel"], k)
+    pairs = problem.visible_pairs().sum()
+    assert sum(r["useful_flops"] for r in split if r["pass"] == "forward") == 4 * 16 * 2 * pairs
+    assert sum(r["useful_flops"] for r in split if r["pass"] == "backward") == 10 * 16 * 2 * pairs
