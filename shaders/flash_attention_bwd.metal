@@ -260,8 +260,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   threadgroup T k_tile[BKV * LD];
   threadgroup T v_tile[WANT_DK ? BKV * LD : 16 / EB];
   threadgroup T qdo_tile[(ONE_QDO_BUFFER ? 1 : 2) * BQ * LD];
-  threadgroup float l2_tile[BQ];
-  threadgroup float delta_tile[BQ];
+  threadgroup float2 stats_tile[BQ];  // (L2, D) of the block's query rows, read as one pair
 
   const JfmTile tile = jfm_tile_of(params, group);
   const int j0 = int(tile.block) * BKV;
@@ -342,8 +341,8 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
       if (int(thread_index) < BQ) {
         const bool loaded = int(thread_index) >= load_begin && int(thread_index) < load_end;
         const ulong row = stat_head + ulong(i0) + thread_index;
-        l2_tile[thread_index] = loaded ? l2[row] : JFM_EMPTY_ROW_L2;
-        delta_tile[thread_index] = loaded ? delta[row] : 0.0f;
+        stats_tile[thread_index] =
+            loaded ? float2(l2[row], delta[row]) : float2(JFM_EMPTY_ROW_L2, 0.0f);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -365,11 +364,12 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
         for (int e = 0; e < 2; ++e) {
           const int c = n * 8 + int(at.col) + e;
           const float s2 = jfm_finite_or_nan(st[n].thread_elements()[e] * params.scale_log2);
-          const float p = jfm_probability(s2, l2_tile[c]);
+          const float2 stats = stats_tile[c];
+          const float p = jfm_probability(s2, stats.x);
           const bool visible = kind == JFM_TILE_FULL || jfm_visible(queries, i0 + c);
           st[n].thread_elements()[e] = visible ? p : 0.0f;
           if (WANT_DK) {
-            const float ds = p * (dp[n].thread_elements()[e] - delta_tile[c]);
+            const float ds = p * (dp[n].thread_elements()[e] - stats.y);
             dp[n].thread_elements()[e] = visible ? ds : 0.0f;
           }
         }
