@@ -111,6 +111,13 @@ def _dispatch(kind, dtype, head_dim, buffers, rows, heads, batch, schedule, seed
                  schedule=schedule, seed=seed)
 
 
+def blocks(stage, dtype, head_dim):
+    """(rows per threadgroup, block of the traversed dimension) of a stage (tile_shapes.h);
+    dtype 'f32' | 'f16' | 'bf16'."""
+    shape = tile_shape(stage, dtype, head_dim)
+    return shape["rows"], shape["cols"]
+
+
 def forward(q, k, v, *, schedule="forward", seed=0, **mask):
     """Runs flash_attention_fwd. Returns (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32,
     l2 [B, H, Tq] float32: the base-2 statistic the backward takes).

@@ -91,8 +91,7 @@ def test_build_has_emulator_targets_and_every_contract_kernel():
     assert {FWD, BWD} <= set(ext.ffi_targets())
     assert "emulator" in ffi_lowering.available_implementations()
     names = set(ext.kernel_names("emulator"))
-    for dtype in (np.float32, np.float16, jnp.bfloat16):
-        t = ffi_lowering._DTYPE_SUFFIX[np.dtype(dtype)]
+    for t in ("f32", "f16", "bf16"):
         for d in HEAD_DIMS:
             for stage in ("fwd", *ext.bwd_stages(d)):
                 assert f"flash_attention_{stage}_{t}_d{d}" in names
@@ -132,7 +131,7 @@ def test_embedded_shader_sources_inline_quoted_includes(request):
         embedded = set(text.splitlines())
         original = (shader_dir / name).read_text().splitlines()
         assert all(line in embedded for line in original if '#include "' not in line), name
-        assert all(line in embedded for line in header_lines), name
+        assert all(line in embedded for line in header_lines if '#include "' not in line), name
 
 
 def test_embed_script_inlines_each_header_once_and_escapes_exactly(request, tmp_path):
@@ -225,7 +224,7 @@ def test_lowering_types_attributes_exactly_under_x64():
 def test_unsupported_head_dim_fails_at_trace_time():
     q = jax.ShapeDtypeStruct((1, 8, 2, 24), jnp.float16)
     fwd = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation="emulator"))
-    with pytest.raises(ValueError, match=r"head_dim 24 .* not supported .*'emulator'.*\[16, 32"):
+    with pytest.raises(ValueError, match=r"head_dim 24 .* not supported .*'emulator'.*\[8, 16, 32"):
         fwd.lower(q, q, q)
     grad = jax.jit(jax.grad(lambda q, k, v: flash_attention(
         q, k, v, implementation="emulator").astype(jnp.float32).sum()))

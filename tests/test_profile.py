@@ -169,13 +169,10 @@ def tiled_dq_counts(problem, mask):
     dO O^T (O read once, 2 row-sum shuffles), L2 and g_lse read by the 4 lanes of each valid row,
     D stored; then per key block meeting the block's visible union: V and K staged, dP, S and
     dS K as MMAs; dQ stored."""
-    shape = ext.tile_shape("bwd_dq", TYPE_NAME[problem.dtype], problem.head_dim)
-    bq, bk, sg, threads = shape["rows"], shape["cols"], shape["simdgroups"], shape["threads"]
+    bq, bk, sg, threads, lengths_read = _launch(problem, "bwd_dq")
     one_buffer = profile_shared_stream(problem)
     s, d, h = ITEMSIZE[problem.dtype], problem.head_dim, problem.heads
     df, kf = d // 8, bk // 8
-    lengths_read = 4 * threads * ((problem.q_lengths is not None)
-                                  + (problem.kv_lengths is not None))
     q_valid = _valid(problem.q_lengths, problem.q_len, problem.batch)
     c = _zero_counts()
     for b in range(problem.batch):
@@ -210,15 +207,12 @@ def tiled_dkdv_counts(problem, mask, stage):
     if some query sees a key of the block; per query head of the group and query block meeting
     the visible union: dO and/or Q staged (the one-buffer kernels restage in between), L2 and D
     staged, dP^T (dK), S^T, dK += dS^T Q, dV += P^T dO as MMAs; dK/dV stored."""
-    shape = ext.tile_shape(stage, TYPE_NAME[problem.dtype], problem.head_dim)
-    bkv, bq, sg, threads = shape["rows"], shape["cols"], shape["simdgroups"], shape["threads"]
+    bkv, bq, sg, threads, lengths_read = _launch(problem, stage)
     want_dk, want_dv = stage != "bwd_dv", stage != "bwd_dk"
     one_buffer = profile_shared_stream(problem)
     s, d, hk = ITEMSIZE[problem.dtype], problem.head_dim, problem.kv_heads
     g = problem.heads // hk
     df, qf = d // 8, bq // 8
-    lengths_read = 4 * threads * ((problem.q_lengths is not None)
-                                  + (problem.kv_lengths is not None))
     kv_valid = _valid(problem.kv_lengths, problem.kv_len, problem.batch)
     c = _zero_counts()
     for b in range(problem.batch):
@@ -249,6 +243,15 @@ def tiled_dkdv_counts(problem, mask, stage):
     c["threadgroup_memory_bytes"] = (bkv * stride_bytes + (bkv * stride_bytes if want_dk else 16)
                                      + (1 if one_buffer else 2) * bq * stride_bytes + 8 * bq)
     return c
+
+
+def _launch(problem, stage):
+    """(rows, cols, simdgroups, threads) of a stage's tile shape, and the bytes every
+    threadgroup reads from the length buffers (each thread reads its batch entry)."""
+    shape = ext.tile_shape(stage, TYPE_NAME[problem.dtype], problem.head_dim)
+    lengths_read = 4 * shape["threads"] * ((problem.q_lengths is not None)
+                                           + (problem.kv_lengths is not None))
+    return shape["rows"], shape["cols"], shape["simdgroups"], shape["threads"], lengths_read
 
 
 def profile_shared_stream(problem):
