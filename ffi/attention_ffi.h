@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "dispatch_plan.h"
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionFwdEmulator);
@@ -37,10 +38,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionBwdMetal);
 
 namespace jfm {
 
-// Work per submission (command buffer), in multiply-adds: a call is split into chunks of whole
-// batch elements so that no submission exceeds it (a single batch element is never split).
-// Returns the previous value. Tests lower it to exercise the split on the emulated device.
-uint64_t set_submission_budget(uint64_t multiply_adds);
+// The kernels a call runs, in order, with their grids and estimated work: forward the fwd
+// kernel; backward bwd_stages: bwd_dq (and D), bwd_dkdv or bwd_dk, bwd_dv. The handlers cut these into
+// submissions with plan_submissions (dispatch_plan.h); tests read them through _ext.
+std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
+                                         int64_t q_len, int64_t kv_len, int64_t heads,
+                                         int64_t kv_heads, int64_t head_dim);
 
 // One kernel family's dispatch shape from shaders/tile_shapes.h: rows per threadgroup, block size
 // of the traversed dimension, simdgroups and threads per threadgroup, and (forward only) whether

@@ -104,9 +104,14 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   constexpr int KF = BK / 8;
   static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
-  threadgroup T q_tile[BQ * LD];
-  threadgroup T do_tile[BQ * LD];
-  threadgroup T kv_tile[(ONE_KV_BUFFER ? 1 : 2) * BK * LD];
+  // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned.
+  constexpr int ROW_WORDS = LD * EB / 16;
+  threadgroup uint4 q_words[BQ * ROW_WORDS];
+  threadgroup uint4 do_words[BQ * ROW_WORDS];
+  threadgroup uint4 kv_words[(ONE_KV_BUFFER ? 1 : 2) * BK * ROW_WORDS];
+  threadgroup T* q_tile = (threadgroup T*)q_words;
+  threadgroup T* do_tile = (threadgroup T*)do_words;
+  threadgroup T* kv_tile = (threadgroup T*)kv_words;
 
   const JfmTile tile = jfm_tile_of(params, group);
   const int i0 = int(tile.block) * BQ;
@@ -255,12 +260,16 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   constexpr int QF = BQ / 8;
   static_assert(D % 8 == 0 && BKV == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
-  // Every tile a whole number of 16-byte words (so the next one stays 16-byte aligned for the
-  // loader's uint4 accesses), the unused V tile of the dV kernel too.
-  threadgroup T k_tile[BKV * LD];
-  threadgroup T v_tile[WANT_DK ? BKV * LD : 16 / EB];
-  threadgroup T qdo_tile[(ONE_QDO_BUFFER ? 1 : 2) * BQ * LD];
+  // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned; the dV
+  // kernel needs no V tile.
+  constexpr int ROW_WORDS = LD * EB / 16;
+  threadgroup uint4 k_words[BKV * ROW_WORDS];
+  threadgroup uint4 v_words[WANT_DK ? BKV * ROW_WORDS : 1];
+  threadgroup uint4 qdo_words[(ONE_QDO_BUFFER ? 1 : 2) * BQ * ROW_WORDS];
   threadgroup float2 stats_tile[BQ];  // (L2, D) of the block's query rows, read as one pair
+  threadgroup T* k_tile = (threadgroup T*)k_words;
+  threadgroup T* v_tile = (threadgroup T*)v_words;
+  threadgroup T* qdo_tile = (threadgroup T*)qdo_words;
 
   const JfmTile tile = jfm_tile_of(params, group);
   const int j0 = int(tile.block) * BKV;
@@ -408,7 +417,9 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   }
 }
 
-// ---- instantiations under the host names: one line per (dtype, head dim) ----
+// ---- instantiations under the host names: one line per (dtype, head dim), each inside
+// JFM_IF_FAMILY (the Metal device compiles one family at a time and finds a kernel's source by
+// its quoted name, so names are written out in full) ----
 
 #define JFM_INSTANTIATE_DQ(NAME, T, D) \
   template [[host_name(NAME)]] kernel void flash_attention_bwd_dq<T, D> JFM_BWD_DQ_SIGNATURE(T);
@@ -416,51 +427,74 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   template [[host_name(NAME)]] kernel void flash_attention_bwd_dkdv<T, D, FAMILY> \
       JFM_BWD_DKDV_SIGNATURE(T);
 
-// head_dim < 160: dQ and one dK/dV kernel; head_dim >= 160: dQ, dK and dV kernels.
-#define JFM_INSTANTIATE_BWD(TN, T, D)                            \
-  JFM_INSTANTIATE_DQ("flash_attention_bwd_dq_" TN "_d" #D, T, D) \
-  JFM_INSTANTIATE_DKDV("flash_attention_bwd_dkdv_" TN "_d" #D, T, D, JFM_KERNEL_BWD_DKDV)
-#define JFM_INSTANTIATE_BWD_SPLIT(TN, T, D)                                          \
-  JFM_INSTANTIATE_DQ("flash_attention_bwd_dq_" TN "_d" #D, T, D)                     \
-  JFM_INSTANTIATE_DKDV("flash_attention_bwd_dk_" TN "_d" #D, T, D, JFM_KERNEL_BWD_DK) \
-  JFM_INSTANTIATE_DKDV("flash_attention_bwd_dv_" TN "_d" #D, T, D, JFM_KERNEL_BWD_DV)
+// head_dim < 160: dQ and one dK/dV kernel.
+#define JFM_INSTANTIATE_BWD(DQ_NAME, DKDV_NAME, T, D) \
+  JFM_IF_FAMILY(T, D, JFM_INSTANTIATE_DQ(DQ_NAME, T, D) \
+                          JFM_INSTANTIATE_DKDV(DKDV_NAME, T, D, JFM_KERNEL_BWD_DKDV))
+// head_dim >= 160: dQ, dK and dV kernels.
+#define JFM_INSTANTIATE_BWD_SPLIT(DQ_NAME, DK_NAME, DV_NAME, T, D)          \
+  JFM_IF_FAMILY(T, D, JFM_INSTANTIATE_DQ(DQ_NAME, T, D)                     \
+                          JFM_INSTANTIATE_DKDV(DK_NAME, T, D, JFM_KERNEL_BWD_DK) \
+                              JFM_INSTANTIATE_DKDV(DV_NAME, T, D, JFM_KERNEL_BWD_DV))
 
-JFM_INSTANTIATE_BWD("f32", float, 8)
-JFM_INSTANTIATE_BWD("f32", float, 16)
-JFM_INSTANTIATE_BWD("f32", float, 32)
-JFM_INSTANTIATE_BWD("f32", float, 48)
-JFM_INSTANTIATE_BWD("f32", float, 64)
-JFM_INSTANTIATE_BWD("f32", float, 72)
-JFM_INSTANTIATE_BWD("f32", float, 80)
-JFM_INSTANTIATE_BWD("f32", float, 96)
-JFM_INSTANTIATE_BWD("f32", float, 112)
-JFM_INSTANTIATE_BWD("f32", float, 128)
-JFM_INSTANTIATE_BWD_SPLIT("f32", float, 160)
-JFM_INSTANTIATE_BWD_SPLIT("f32", float, 192)
-JFM_INSTANTIATE_BWD_SPLIT("f32", float, 256)
-JFM_INSTANTIATE_BWD("f16", half, 8)
-JFM_INSTANTIATE_BWD("f16", half, 16)
-JFM_INSTANTIATE_BWD("f16", half, 32)
-JFM_INSTANTIATE_BWD("f16", half, 48)
-JFM_INSTANTIATE_BWD("f16", half, 64)
-JFM_INSTANTIATE_BWD("f16", half, 72)
-JFM_INSTANTIATE_BWD("f16", half, 80)
-JFM_INSTANTIATE_BWD("f16", half, 96)
-JFM_INSTANTIATE_BWD("f16", half, 112)
-JFM_INSTANTIATE_BWD("f16", half, 128)
-JFM_INSTANTIATE_BWD_SPLIT("f16", half, 160)
-JFM_INSTANTIATE_BWD_SPLIT("f16", half, 192)
-JFM_INSTANTIATE_BWD_SPLIT("f16", half, 256)
-JFM_INSTANTIATE_BWD("bf16", ushort, 8)
-JFM_INSTANTIATE_BWD("bf16", ushort, 16)
-JFM_INSTANTIATE_BWD("bf16", ushort, 32)
-JFM_INSTANTIATE_BWD("bf16", ushort, 48)
-JFM_INSTANTIATE_BWD("bf16", ushort, 64)
-JFM_INSTANTIATE_BWD("bf16", ushort, 72)
-JFM_INSTANTIATE_BWD("bf16", ushort, 80)
-JFM_INSTANTIATE_BWD("bf16", ushort, 96)
-JFM_INSTANTIATE_BWD("bf16", ushort, 112)
-JFM_INSTANTIATE_BWD("bf16", ushort, 128)
-JFM_INSTANTIATE_BWD_SPLIT("bf16", ushort, 160)
-JFM_INSTANTIATE_BWD_SPLIT("bf16", ushort, 192)
-JFM_INSTANTIATE_BWD_SPLIT("bf16", ushort, 256)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d8", "flash_attention_bwd_dkdv_f32_d8", float, 8)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d16", "flash_attention_bwd_dkdv_f32_d16", float, 16)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d32", "flash_attention_bwd_dkdv_f32_d32", float, 32)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d48", "flash_attention_bwd_dkdv_f32_d48", float, 48)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d64", "flash_attention_bwd_dkdv_f32_d64", float, 64)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d72", "flash_attention_bwd_dkdv_f32_d72", float, 72)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d80", "flash_attention_bwd_dkdv_f32_d80", float, 80)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d96", "flash_attention_bwd_dkdv_f32_d96", float, 96)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d112", "flash_attention_bwd_dkdv_f32_d112",
+                    float, 112)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d128", "flash_attention_bwd_dkdv_f32_d128",
+                    float, 128)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f32_d160", "flash_attention_bwd_dk_f32_d160",
+                          "flash_attention_bwd_dv_f32_d160", float, 160)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f32_d192", "flash_attention_bwd_dk_f32_d192",
+                          "flash_attention_bwd_dv_f32_d192", float, 192)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f32_d256", "flash_attention_bwd_dk_f32_d256",
+                          "flash_attention_bwd_dv_f32_d256", float, 256)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d8", "flash_attention_bwd_dkdv_f16_d8", half, 8)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d16", "flash_attention_bwd_dkdv_f16_d16", half, 16)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d32", "flash_attention_bwd_dkdv_f16_d32", half, 32)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d48", "flash_attention_bwd_dkdv_f16_d48", half, 48)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d64", "flash_attention_bwd_dkdv_f16_d64", half, 64)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d72", "flash_attention_bwd_dkdv_f16_d72", half, 72)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d80", "flash_attention_bwd_dkdv_f16_d80", half, 80)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d96", "flash_attention_bwd_dkdv_f16_d96", half, 96)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d112", "flash_attention_bwd_dkdv_f16_d112",
+                    half, 112)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d128", "flash_attention_bwd_dkdv_f16_d128",
+                    half, 128)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f16_d160", "flash_attention_bwd_dk_f16_d160",
+                          "flash_attention_bwd_dv_f16_d160", half, 160)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f16_d192", "flash_attention_bwd_dk_f16_d192",
+                          "flash_attention_bwd_dv_f16_d192", half, 192)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f16_d256", "flash_attention_bwd_dk_f16_d256",
+                          "flash_attention_bwd_dv_f16_d256", half, 256)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d8", "flash_attention_bwd_dkdv_bf16_d8", ushort, 8)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d16", "flash_attention_bwd_dkdv_bf16_d16",
+                    ushort, 16)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d32", "flash_attention_bwd_dkdv_bf16_d32",
+                    ushort, 32)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d48", "flash_attention_bwd_dkdv_bf16_d48",
+                    ushort, 48)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d64", "flash_attention_bwd_dkdv_bf16_d64",
+                    ushort, 64)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d72", "flash_attention_bwd_dkdv_bf16_d72",
+                    ushort, 72)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d80", "flash_attention_bwd_dkdv_bf16_d80",
+                    ushort, 80)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d96", "flash_attention_bwd_dkdv_bf16_d96",
+                    ushort, 96)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d112", "flash_attention_bwd_dkdv_bf16_d112",
+                    ushort, 112)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d128", "flash_attention_bwd_dkdv_bf16_d128",
+                    ushort, 128)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_bf16_d160", "flash_attention_bwd_dk_bf16_d160",
+                          "flash_attention_bwd_dv_bf16_d160", ushort, 160)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_bf16_d192", "flash_attention_bwd_dk_bf16_d192",
+                          "flash_attention_bwd_dv_bf16_d192", ushort, 192)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_bf16_d256", "flash_attention_bwd_dk_bf16_d256",
+                          "flash_attention_bwd_dv_bf16_d256", ushort, 256)

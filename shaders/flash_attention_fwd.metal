@@ -72,9 +72,13 @@ template <typename T, int D>
   constexpr int KF = BK / 8;  // fragments along a key block
   static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
-  threadgroup T q_tile[BQ * LD];
-  threadgroup T kv_tile[(ONE_KV_BUFFER ? 1 : 2) * BK * LD];
+  // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned.
+  constexpr int ROW_WORDS = LD * EB / 16;
+  threadgroup uint4 q_words[BQ * ROW_WORDS];
+  threadgroup uint4 kv_words[(ONE_KV_BUFFER ? 1 : 2) * BK * ROW_WORDS];
   threadgroup int nonfinite_v_block[1];  // start of the latest key block whose V had Inf/NaN
+  threadgroup T* q_tile = (threadgroup T*)q_words;
+  threadgroup T* kv_tile = (threadgroup T*)kv_words;
 
   const JfmTile tile = jfm_tile_of(params, group);
   const int i0 = int(tile.block) * BQ;
@@ -225,7 +229,8 @@ template <typename T, int D>
 
 // Explicit instantiations, one line per (type, head dim), under the host names.
 #define JFM_INSTANTIATE_FWD(NAME, T, D) \
-  template [[host_name(NAME)]] kernel void flash_attention_fwd<T, D> JFM_FWD_SIGNATURE(T);
+  JFM_IF_FAMILY(T, D,                  \
+      template [[host_name(NAME)]] kernel void flash_attention_fwd<T, D> JFM_FWD_SIGNATURE(T);)
 
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d8", float, 8)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d16", float, 16)

@@ -37,7 +37,8 @@ inline uint jfm_finite_mask(uint word, ushort) { return jfm_finite_mask16(word, 
 // group call it with the same arguments; each moves 16 bytes per step. With SANITIZE, non-finite
 // elements are stored as 0 and the return value says whether this thread met one (the caller
 // publishes it): a value invisible to one row of an MMA must not reach it as 0 * NaN.
-// src and src_stride must keep 16-byte alignment (D * sizeof(T) is a multiple of 16).
+// src, src_stride and dst must keep 16-byte alignment (D * sizeof(T) is a multiple of 16; declare
+// the tile as threadgroup uint4 words and point a T* at it).
 template <typename T, int R, int D, int THREADS, bool SANITIZE>
 inline bool jfm_load_tile(threadgroup T* dst, device const T* src, uint src_stride,
                           int valid_begin, int valid_end, uint thread_index) {

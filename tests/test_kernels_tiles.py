@@ -2,8 +2,8 @@
 
 Lengths just below, at and above each family's query block BQ and key block BK (and several
 blocks plus one), causal with q_len much larger and much smaller than kv_len, windows narrower
-than a key block, grouped-query groups of 1 to 8, and bit-identical results under every emulator
-schedule. Forward only (O, LSE, L2) against the float64 oracle with DESIGN.md tolerances; the
+than a key block, grouped-query groups of 1 to 8, bit-identical results under every emulator
+schedule, and a bounded random differential test over the feature space (fixed seeds). Forward only (O, LSE, L2) against the float64 oracle with DESIGN.md tolerances; the
 backward has its own tests.
 """
 
@@ -80,3 +80,36 @@ def test_schedules_are_bit_identical(dtype, head_dim):
         got = kh.forward(q, k, v, schedule=schedule, seed=seed, **mask)
         for name, x in zip(("o", "lse", "l2"), got):
             assert x.tobytes() == reference[name].tobytes(), (schedule, seed, name)
+
+
+def _random_problem(index):
+    """Problem `index` of a fixed-seed draw over the forward's feature space: dtype, head dim,
+    shapes, GQA, causal with either alignment, windows (a side may be unbounded), per-batch
+    lengths (clamped from either side), scale."""
+    rng = np.random.default_rng([2026, index])
+    dtype = str(rng.choice(list(kh.DTYPES)))
+    head_dim = int(rng.choice(kh.HEAD_DIMS))
+    kv_heads = int(rng.choice([1, 2]))
+    heads = kv_heads * int(rng.choice([1, 2, 4]))
+    batch = int(rng.integers(1, 3))
+    q_len, kv_len = int(rng.integers(1, 90)), int(rng.integers(1, 90))
+    mask = dict(is_causal=bool(rng.integers(2)),
+                causal_alignment=str(rng.choice(["top_left", "bottom_right"])),
+                scale=None if rng.integers(2) else float(rng.uniform(-0.5, 0.5)))
+    if rng.integers(2):
+        mask["local_window_size"] = tuple(
+            None if rng.integers(3) == 0 else int(rng.integers(0, 40)) for _ in range(2))
+    if rng.integers(2):
+        mask["query_seq_lengths"] = rng.integers(-2, q_len + 3, batch).astype(np.int32)
+        mask["key_value_seq_lengths"] = rng.integers(-2, kv_len + 3, batch).astype(np.int32)
+    return dtype, head_dim, batch, q_len, kv_len, heads, kv_heads, mask
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_random_problems_match_the_oracle(index):
+    """A bounded random differential test (fixed seeds, small shapes): emulator vs oracle."""
+    dtype, head_dim, batch, q_len, kv_len, heads, kv_heads, mask = _random_problem(index)
+    q, k, v = _inputs(dtype, batch, q_len, kv_len, heads, kv_heads, head_dim, seed=index,
+                      query_seq_lengths=mask.get("query_seq_lengths"),
+                      key_value_seq_lengths=mask.get("key_value_seq_lengths"))
+    kh.check_forward_against_oracle(q, k, v, **mask)

@@ -435,10 +435,10 @@ class Translator:
         toks = self.toks
         if not host:
             self.src.error(tok, "explicit kernel instantiation needs [[host_name(\"...\")]]")
-        # One string literal, or adjacent literals (concatenated, as C++ does).
-        if not re.fullmatch(r'\s*(?:"[^"\\]*"\s*)+', host[0]):
+        name = host[0].strip()
+        if not (name.startswith('"') and name.endswith('"')):
             self.src.error(tok, "host_name needs a string literal")
-        name = "".join(re.findall(r'"([^"\\]*)"', host[0]))
+        name = name[1:-1]
         end = len(idx)
         if toks[idx[-1]].text == ")":  # parameter list: drop it
             open_paren = self.match[idx[-1]]
