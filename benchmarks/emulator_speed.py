@@ -9,22 +9,13 @@ attention kernels (shaders/*.metal) at a small shape, per dtype. Needs the built
 """
 
 import argparse
-import math
+import os
+import sys
 import time
 
-import ml_dtypes
 import numpy as np
 
 from jax_flash_metal._ext import emulator
-
-# AttentionParams of shaders/attention_params.h (14 four-byte fields).
-PARAMS = np.dtype([(n, "<u4") for n in ("batch", "q_len", "kv_len", "num_heads", "num_kv_heads",
-                                        "head_dim")]
-                  + [("scale", "<f4"), ("scale_log2", "<f4"), ("window_left", "<i4"),
-                     ("window_right", "<i4")]
-                  + [(n, "<u4") for n in ("causal", "bottom_right", "has_q_lengths",
-                                          "has_kv_lengths")])
-
 
 def best(fn, repeat):
     times = []
@@ -60,51 +51,23 @@ def barrier_row(workers, repeat):
             groups * (2 * rounds + 1), "")
 
 
-def attention_rows(workers, repeat):
+def attention_rows(repeat):
+    """One causal forward and backward per dtype through tests/kernel_harness.py, which binds
+    and dispatches the attention kernels the way the host does (all cores)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import kernel_harness as kh
+
     rows = []
     batch, seq, heads, kv_heads, d = 1, 256, 4, 2, 64
-    for tname, dtype in (("f32", np.float32), ("f16", np.float16), ("bf16", ml_dtypes.bfloat16)):
-        rng = np.random.default_rng(1)
-
-        def draw(shape):
-            x = rng.standard_normal(shape).astype(dtype)
-            return x.view(np.uint16) if tname == "bf16" else x
-
-        q, do = draw((batch, seq, heads, d)), draw((batch, seq, heads, d))
-        k, v = draw((batch, seq, kv_heads, d)), draw((batch, seq, kv_heads, d))
-        p = np.zeros((), PARAMS)
-        p["batch"], p["q_len"], p["kv_len"] = batch, seq, seq
-        p["num_heads"], p["num_kv_heads"], p["head_dim"] = heads, kv_heads, d
-        p["scale"] = 1 / math.sqrt(d)
-        p["scale_log2"] = p["scale"] * math.log2(math.e)
-        p["window_left"] = p["window_right"] = -1
-        p["causal"] = 1
-        params = np.frombuffer(p.tobytes(), np.uint8).copy()
-        lengths = np.zeros(4, np.int32)
-        o, dq = np.zeros_like(q), np.zeros_like(q)
-        dk, dv = np.zeros_like(k), np.zeros_like(k)
-        lse = np.zeros((batch, heads, seq), np.float32)
-        delta, g_lse = np.zeros_like(lse), np.zeros_like(lse)
-        grid_q = (math.ceil(seq / 4), heads, batch)
-        grid_kv = (math.ceil(seq / 4), kv_heads, batch)
-        common = {0: q, 1: k, 2: v, 8: lengths, 9: lengths, 13: params}
-
-        def fwd():
-            emulator.run(f"flash_attention_fwd_{tname}_d{d}", {**common, 3: o, 4: lse}, grid_q,
-                         (128, 1, 1), num_workers=workers)
-
-        def bwd():
-            b = {**common, 3: o, 4: lse, 5: do, 6: delta, 7: g_lse}
-            emulator.run(f"flash_attention_bwd_preprocess_{tname}_d{d}", b, grid_q, (128, 1, 1),
-                         num_workers=workers)
-            emulator.run(f"flash_attention_bwd_dq_{tname}_d{d}", {**b, 10: dq}, grid_q,
-                         (128, 1, 1), num_workers=workers)
-            emulator.run(f"flash_attention_bwd_dkdv_{tname}_d{d}", {**b, 11: dk, 12: dv},
-                         grid_kv, (128, 1, 1), num_workers=workers)
-
+    for tname, dtype in kh.DTYPES.items():
+        q, k, v, do, g_lse = kh.random_inputs(dtype, batch, seq, seq, heads, kv_heads, d, seed=1)
+        o, _, l2 = kh.forward(q, k, v, is_causal=True)
         shape = f"[{batch},{seq},{heads}/{kv_heads},{d}] causal"
-        rows.append((f"attention fwd {tname} {shape}", best(fwd, repeat), None, ""))
-        rows.append((f"attention bwd {tname} {shape}", best(bwd, repeat), None, ""))
+        rows.append((f"attention fwd {tname} {shape}",
+                     best(lambda: kh.forward(q, k, v, is_causal=True), repeat), None, ""))
+        rows.append((f"attention bwd {tname} {shape}",
+                     best(lambda: kh.backward(q, k, v, o, l2, do, g_lse, is_causal=True), repeat),
+                     None, ""))
     return rows
 
 
@@ -118,7 +81,7 @@ def main():
             barrier_row(args.workers, args.repeat)]
     names = set(emulator.kernel_names())
     if "flash_attention_fwd_f32_d64" in names:
-        rows += attention_rows(args.workers, args.repeat)
+        rows += attention_rows(args.repeat)
     print(f"{'kernel':<52} {'time':>10} {'collectives/s':>14}  note")
     for name, t, ops, note in rows:
         rate = f"{ops / t:14.3g}" if ops else f"{'':14}"

@@ -356,18 +356,19 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   const std::vector<StageShape> stages = stages_of(true, p);
   if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
-                bv = whole(JFM_BUFFER_V, v, false), bo = whole(JFM_BUFFER_O, o, false),
-                bl2 = whole(JFM_BUFFER_L2, l2, false), bdo = whole(JFM_BUFFER_DO, d_o, false),
-                bglse = whole(JFM_BUFFER_G_LSE, g_lse, false),
+                bv = whole(JFM_BUFFER_V, v, false), bl2 = whole(JFM_BUFFER_L2, l2, false),
+                bdo = whole(JFM_BUFFER_DO, d_o, false),
                 bql = lengths_binding(JFM_BUFFER_Q_LENGTHS, q_lengths),
-                bkvl = lengths_binding(JFM_BUFFER_KV_LENGTHS, kv_lengths),
-                delta_in = whole(JFM_BUFFER_DELTA, delta, false);
-  return run_stages(
-      *device, p, opt, stages,
-      {{bo, bdo, bglse, bql, bkvl, whole(JFM_BUFFER_DELTA, delta, true)},
-       {bq, bk, bv, bdo, bl2, delta_in, bql, bkvl, whole(JFM_BUFFER_DQ, dq, true)},
-       {bq, bk, bv, bdo, bl2, delta_in, bql, bkvl, whole(JFM_BUFFER_DK, dk, true),
-        whole(JFM_BUFFER_DV, dv, true)}});
+                bkvl = lengths_binding(JFM_BUFFER_KV_LENGTHS, kv_lengths);
+  // dQ first: it also writes delta, which the dK/dV kernels (one, or the split pair) read.
+  std::vector<std::vector<Binding>> buffers = {
+      {bq, bk, bv, bl2, bdo, bql, bkvl, whole(JFM_BUFFER_O, o, false),
+       whole(JFM_BUFFER_G_LSE, g_lse, false), whole(JFM_BUFFER_DELTA, delta, true),
+       whole(JFM_BUFFER_DQ, dq, true)}};
+  buffers.resize(stages.size(),
+                 {bq, bk, bv, bl2, bdo, bql, bkvl, whole(JFM_BUFFER_DELTA, delta, false),
+                  whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)});
+  return run_stages(*device, p, opt, stages, buffers);
 }
 
 // Handler bodies, one per (direction, device); the device getter is a template argument so the
@@ -455,6 +456,11 @@ Device* get_metal_device(std::string* why) {
 
 }  // namespace
 
+std::vector<std::string> bwd_stages(int head_dim) {
+  if (jfm_bwd_split_dkdv(head_dim)) return {"bwd_dq", "bwd_dk", "bwd_dv"};
+  return {"bwd_dq", "bwd_dkdv"};
+}
+
 std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
                                          int64_t q_len, int64_t kv_len, int64_t heads,
                                          int64_t kv_heads, int64_t head_dim) {
@@ -477,17 +483,24 @@ std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix
                tkv = static_cast<double>(kv_len),
                group = kv_heads > 0 ? static_cast<double>(heads / kv_heads) : 0.0;
   if (!backward) return {stage("fwd", q_len, heads, 2 * tkv * d)};  // Q·K^T and P·V
-  return {stage("bwd_preprocess", q_len, heads, d),                 // rowsum(dO * O)
-          stage("bwd_dq", q_len, heads, 3 * tkv * d),               // S, dP and dS·K
-          stage("bwd_dkdv", kv_len, kv_heads, 4 * tq * group * d)};  // S, dP, P^T·dO, dS^T·Q
+  const std::vector<std::string> names = bwd_stages(static_cast<int>(head_dim));
+  // D (the diagonal of an 8x8 dO·O^T per row band), S, dP and dS·K
+  std::vector<StageShape> stages = {stage("bwd_dq", q_len, heads, (3 * tkv + 8) * d)};
+  for (size_t n = 1; n < names.size(); ++n) {
+    // S^T, then dP^T and dS^T·Q for dK, P^T·dO for dV
+    const double products = names[n] == "bwd_dkdv" ? 4 : names[n] == "bwd_dk" ? 3 : 2;
+    stages.push_back(stage(names[n].c_str(), kv_len, kv_heads, products * tq * group * d));
+  }
+  return stages;
 }
 
 // The kernel families of tile_shapes.h by stage name.
 constexpr std::pair<const char*, int> kStageKernels[] = {
     {"fwd", JFM_KERNEL_FWD},
-    {"bwd_preprocess", JFM_KERNEL_BWD_PREPROCESS},
     {"bwd_dq", JFM_KERNEL_BWD_DQ},
-    {"bwd_dkdv", JFM_KERNEL_BWD_DKDV}};
+    {"bwd_dkdv", JFM_KERNEL_BWD_DKDV},
+    {"bwd_dk", JFM_KERNEL_BWD_DK},
+    {"bwd_dv", JFM_KERNEL_BWD_DV}};
 
 bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape) {
   for (const auto& [name, family] : kStageKernels) {

@@ -39,7 +39,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionBwdMetal);
 namespace jfm {
 
 // The kernels a call runs, in order, with their grids and estimated work: forward the fwd
-// kernel; backward bwd_preprocess (D), bwd_dq, bwd_dkdv. The handlers cut exactly these into
+// kernel; backward bwd_stages: bwd_dq (and D), bwd_dkdv or bwd_dk, bwd_dv. The handlers cut these into
 // submissions with plan_submissions (dispatch_plan.h); tests read them through _ext.
 std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
                                          int64_t q_len, int64_t kv_len, int64_t heads,
@@ -53,9 +53,13 @@ struct TileShape {
   bool q_in_registers, kv_one_buffer;
 };
 
-// The shape for stage "fwd", "bwd_preprocess", "bwd_dq" or "bwd_dkdv" (the stage part of a
+// The shape for stage "fwd", "bwd_dq", "bwd_dkdv", "bwd_dk" or "bwd_dv" (the stage part of a
 // kernel name), element size in bytes (4 or 2) and head dim; false for an unknown stage.
 bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape);
+
+// The backward stages in dispatch order: bwd_dq (which also writes delta), then bwd_dkdv, or
+// bwd_dk and bwd_dv for the widest heads (tile_shapes.h).
+std::vector<std::string> bwd_stages(int head_dim);
 
 }  // namespace jfm
 

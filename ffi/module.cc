@@ -230,6 +230,9 @@ void bind_devices(nb::module_& m) {
       },
       "dict[str, str]: the embedded shaders/*.metal sources (quoted includes inlined) that the "
       "Metal device compiles at run time.");
+  m.def("bwd_stages", &bwd_stages, nb::arg("head_dim"),
+        "list[str]: the backward kernel stages the host dispatches, in order: 'bwd_dq' (which "
+        "also writes D), then 'bwd_dkdv', or 'bwd_dk' and 'bwd_dv' for the widest heads.");
   m.def(
       "tile_shape",
       [](const std::string& stage, const std::string& dtype, int head_dim) {
@@ -237,7 +240,7 @@ void bind_devices(nb::module_& m) {
         TileShape shape;
         if (element_bytes == 0 || !tile_shape(stage, element_bytes, head_dim, &shape)) {
           throw nb::value_error(("no tile shape for stage '" + stage + "' and dtype '" + dtype +
-                                 "' (stages fwd, bwd_preprocess, bwd_dq, bwd_dkdv; dtypes f32, "
+                                 "' (stages fwd, bwd_dq, bwd_dkdv, bwd_dk, bwd_dv; dtypes f32, "
                                  "f16, bf16)").c_str());
         }
         nb::dict d;
@@ -251,8 +254,8 @@ void bind_devices(nb::module_& m) {
       },
       nb::arg("stage"), nb::arg("dtype"), nb::arg("head_dim"),
       "dict(rows, cols, simdgroups, threads, q_in_registers, kv_one_buffer): the tile shape of "
-      "shaders/tile_shapes.h for a kernel stage ('fwd', 'bwd_preprocess', 'bwd_dq', "
-      "'bwd_dkdv'), dtype ('f32', 'f16', 'bf16') and head dim: rows per threadgroup, block size "
+      "shaders/tile_shapes.h for a kernel stage ('fwd', 'bwd_dq', 'bwd_dkdv', 'bwd_dk', "
+      "'bwd_dv'), dtype ('f32', 'f16', 'bf16') and head dim: rows per threadgroup, block size "
       "of the traversed dimension, simdgroups and threads per threadgroup; forward only: Q kept "
       "in registers, K and V sharing one threadgroup buffer. ValueError for an unknown stage or "
       "dtype.");

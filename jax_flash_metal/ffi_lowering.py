@@ -36,10 +36,6 @@ _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
                  np.dtype(jax.numpy.bfloat16): "bf16"}
 
 
-# The kernels (stages) each direction runs, as in ffi/attention_ffi.cc.
-STAGES = {"fwd": ("fwd",), "bwd": ("bwd_preprocess", "bwd_dq", "bwd_dkdv")}
-
-
 def _target(direction: str, implementation: str) -> str:
     return f"jax_flash_metal_attention_{direction}_{implementation}"
 
@@ -123,7 +119,8 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
     if suffix is None:
         return (f"flash_attention: dtype {dtype} has no {implementation} kernels "
                 f"(float32, float16, bfloat16 only)")
-    stages = STAGES[direction]
+    # The kernels (stages) the direction runs, as ffi/attention_ffi.cc dispatches them.
+    stages = ("fwd",) if direction == "fwd" else tuple(_ext.bwd_stages(head_dim))
     names = kernel_names(implementation)
     missing = [f"flash_attention_{s}_{suffix}_d{head_dim}" for s in stages
                if f"flash_attention_{s}_{suffix}_d{head_dim}" not in names]

@@ -1,318 +1,500 @@
-// Backward attention (FlashAttention-2 recompute): a preprocess kernel for
-// delta_i = rowsum(dO_i * O_i) - g_lse_i, a dQ kernel parallel over query rows and a dK/dV kernel
-// parallel over key rows that loops over its kv head's query-head group. Every output element is
-// written by exactly one simdgroup: no atomics, bit-identical results run to run.
-// With log2-domain scores s2 = scale * log2(e) * q.k (jfm_score_log2: bit-identical to the
-// forward's), the softmax probability of a visible pair is p = exp2(s2 - L2) with the forward's
-// base-2 statistic L2 = m + log2(l) (jfm_probability), dS = p * (dO.v - delta),
-// dQ = scale * dS K, dK = scale * dS^T Q, dV = P^T dO.
-#include "flash_attention_common.h"
+// Backward attention, FlashAttention-2 Algorithm 2 (recompute) on simdgroup_matrix tiles.
+//
+// Two kernel families, each output tile written by exactly one threadgroup (no atomics):
+//   dQ:    one threadgroup per query block; its prologue also writes D = rowsum(dO * O) - g_lse
+//          (dO is staged there anyway), which the dK/dV kernels read.
+//   dK/dV: one threadgroup per key block, looping over its kv head's query-head group and the
+//          visible query blocks; for head_dim >= 160 a dK and a dV kernel (tile_shapes.h).
+// Scores S2 = (Q K^T) * scale * log2(e), by MMA over head-dim chunks in ascending order from 0,
+// exactly as the forward forms them (K Q^T multiplies the same pairs in the same order), so
+// P = exp2(S2 - L2) reproduces the forward's probabilities bit for bit: a one-hot row gives P = 1.
+// Loops, tiles and memory: shaders/README.md.
+#include "flash_attention_tiles.h"
 
-// ---- preprocess: no threadgroup memory ----
+#define JFM_BWD_INPUTS(T)                                                 \
+  device const T* q [[buffer(JFM_BUFFER_Q)]],                             \
+      device const T* k [[buffer(JFM_BUFFER_K)]],                         \
+      device const T* v [[buffer(JFM_BUFFER_V)]],                         \
+      device const T* d_o [[buffer(JFM_BUFFER_DO)]],                      \
+      device const float* l2 [[buffer(JFM_BUFFER_L2)]],                   \
+      device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],       \
+      device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],     \
+      constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],     \
+      uint3 group [[threadgroup_position_in_grid]],                       \
+      uint thread_index [[thread_index_in_threadgroup]],                  \
+      uint simd_index [[simdgroup_index_in_threadgroup]],                 \
+      uint lane [[thread_index_in_simdgroup]]
 
-#define JFM_BWD_PREPROCESS_SIGNATURE(T)                                   \
-  (device const T* o [[buffer(JFM_BUFFER_O)]],                            \
-   device const T* d_o [[buffer(JFM_BUFFER_DO)]],                         \
+#define JFM_BWD_DQ_SIGNATURE(T)                                           \
+  (JFM_BWD_INPUTS(T), device const T* o [[buffer(JFM_BUFFER_O)]],        \
    device const float* g_lse [[buffer(JFM_BUFFER_G_LSE)]],                \
-   device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],          \
    device float* delta [[buffer(JFM_BUFFER_DELTA)]],                      \
-   constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
-   uint3 group [[threadgroup_position_in_grid]],                          \
-   uint simd_index [[simdgroup_index_in_threadgroup]],                    \
-   uint lane [[thread_index_in_simdgroup]])
+   device T* dq [[buffer(JFM_BUFFER_DQ)]])
 
-// One simdgroup per query row: lanes take dims lane + 32 * c, simd_sum reduces. Rows past the
-// batch's q_len get 0 and read nothing.
-template <typename T, int D>
-kernel void flash_attention_bwd_preprocess JFM_BWD_PREPROCESS_SIGNATURE(T) {
-  const JfmTile tile = jfm_tile_of(params, group);
-  const long i = long(tile.block) * JFM_ROWS_PER_GROUP + long(simd_index);
-  const uint h = tile.head;
-  const uint b = tile.batch;
-  if (i >= long(params.q_len)) {
-    return;
+#define JFM_BWD_DKDV_SIGNATURE(T)                                             \
+  (JFM_BWD_INPUTS(T), device const float* delta [[buffer(JFM_BUFFER_DELTA)]], \
+   device T* dk [[buffer(JFM_BUFFER_DK)]], device T* dv [[buffer(JFM_BUFFER_DV)]])
+
+#define JFM_BWD_THREADS(FAMILY, T, D) jfm_tile_threads(FAMILY, int(sizeof(T)), D)
+
+// Transposed fragment straight from device rows `stride` elements apart: (r, c) = rows[c *
+// stride + r], 0 for rows c >= valid (never read).
+template <typename T>
+inline JfmFrag jfm_frag_load_transposed_rows(device const T* rows, uint stride, int valid,
+                                             JfmFragCoord at) {
+  JfmFrag f;
+  const int c = int(at.col);
+  f.thread_elements()[0] = c < valid ? jfm_to_float(rows[uint(c) * stride + at.row]) : 0.0f;
+  f.thread_elements()[1] =
+      c + 1 < valid ? jfm_to_float(rows[uint(c + 1) * stride + at.row]) : 0.0f;
+  return f;
+}
+
+// acc[f] = A B^T for the simdgroup's 8 rows: A rows from `a` (its 8-row band), B rows from `b`
+// (BR rows, fragment f covering rows 8f..8f+7), both tiles of D columns with row stride LD; the
+// sum over the head dim runs over chunks of 8 in ascending order (the forward's score order).
+template <typename T, int D, int LD, int BF>
+inline void jfm_mma_abt(thread JfmFrag* acc, threadgroup const T* a, threadgroup const T* b,
+                        JfmFragCoord at) {
+  for (int f = 0; f < BF; ++f) {
+    acc[f] = jfm_frag_zero();
   }
-  const ulong stat_index = jfm_stat_offset(b, h, i, params.num_heads, params.q_len);
-  const long q_valid = jfm_valid_len(params.has_q_lengths, q_lengths, b, params.q_len);
-  if (i >= q_valid) {
-    if (lane == 0) {
-      delta[stat_index] = 0.0f;
+  for (int d = 0; d < D / 8; ++d) {
+    const JfmFrag ad = jfm_frag_load(a + d * 8, LD, at);
+    for (int f = 0; f < BF; ++f) {
+      jfm_mma(acc[f], ad, jfm_frag_load_transposed(b + f * 8 * LD + d * 8, LD, at));
     }
-    return;
-  }
-  const ulong row = jfm_row_offset(b, i, h, params.q_len, params.num_heads, D);
-  float partial = 0.0f;
-  for (uint d = lane; d < uint(D); d += JFM_SIMD_WIDTH) {
-    partial = fma(jfm_to_float(d_o[row + d]), jfm_to_float(o[row + d]), partial);
-  }
-  const float total = simd_sum(partial);
-  if (lane == 0) {
-    delta[stat_index] = total - g_lse[stat_index];
   }
 }
 
-// ---- dQ: threadgroup memory (2 * JFM_ROWS_PER_GROUP * D + JFM_ROWS_PER_GROUP * 2 * 32) floats
-// = 32 * D + 1024 bytes: 1536 B for D = 16 up to 9216 B for D = 256 ----
+// acc[d] += sum_f P[f] B[8f.., 8d..]: a [8 x 8 BF] float operand in fragments times a tile of
+// 8 BF rows and D columns. FINITE_ONLY reads Inf/NaN elements of the tile as 0 (edge blocks).
+template <typename T, int D, int LD, int BF, bool FINITE_ONLY>
+inline void jfm_mma_ab(thread JfmFrag* acc, thread const JfmFrag* p, threadgroup const T* b,
+                       JfmFragCoord at) {
+  for (int d = 0; d < D / 8; ++d) {
+    for (int f = 0; f < BF; ++f) {
+      threadgroup const T* tile = b + f * 8 * LD + d * 8;
+      jfm_mma(acc[d], p[f],
+              FINITE_ONLY ? jfm_frag_load_finite(tile, LD, at) : jfm_frag_load(tile, LD, at));
+    }
+  }
+}
 
-#define JFM_BWD_SIGNATURE(T, OUTPUTS)                                     \
-  (device const T* q [[buffer(JFM_BUFFER_Q)]],                            \
-   device const T* k [[buffer(JFM_BUFFER_K)]],                            \
-   device const T* v [[buffer(JFM_BUFFER_V)]],                            \
-   device const T* d_o [[buffer(JFM_BUFFER_DO)]],                         \
-   device const float* l2 [[buffer(JFM_BUFFER_L2)]],                      \
-   device const float* delta [[buffer(JFM_BUFFER_DELTA)]],                \
-   device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],          \
-   device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],        \
-   OUTPUTS,                                                               \
-   constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
-   uint3 group [[threadgroup_position_in_grid]],                          \
-   uint simd_index [[simdgroup_index_in_threadgroup]],                    \
-   uint lane [[thread_index_in_simdgroup]])
+// ---- dQ ----
 
-#define JFM_DQ_OUTPUTS(T) device T* dq [[buffer(JFM_BUFFER_DQ)]]
-#define JFM_DKDV_OUTPUTS(T) \
-  device T* dk [[buffer(JFM_BUFFER_DK)]], device T* dv [[buffer(JFM_BUFFER_DV)]]
-
-// One simdgroup per query row i of head h: over the row's visible keys in blocks of 32, lane t
-// recomputes p and dS for key (block start + t); dS goes through threadgroup memory and each lane
-// accumulates its dims of dS K. Empty rows (and rows past q_len) write 0 and read no K/V.
-// The dS tile is double-buffered, so one simdgroup_barrier per block suffices (see the forward).
+// Owner: query rows [i0, i0 + BQ) of head h, 8 per simdgroup (the lane's row: jfm_frag_coord).
+//   stage Q_i, dO_i;  D_i = rowsum(dO_i * O_i) - g_lse_i  (written for the dK/dV kernels)
+//   for each key block j of the block's visible union (skip blocks never visited):
+//     stage K_j, V_j (rows outside the union zero-filled)
+//     dP = dO_i V_j^T;  S2 = Q_i K_j^T * scale log2(e);  P = exp2(S2 - L2_i)
+//     dS = P (dP - D_i)                       (edge blocks: 0 where not visible)
+//     dQ_i += dS K_j
+//   dQ_i *= scale
 template <typename T, int D>
-kernel void flash_attention_bwd_dq JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T)) {
-  threadgroup float q_tile[JFM_ROWS_PER_GROUP * D];
-  threadgroup float do_tile[JFM_ROWS_PER_GROUP * D];
-  threadgroup float ds_tile[JFM_ROWS_PER_GROUP * 2 * JFM_SIMD_WIDTH];
+[[max_total_threads_per_threadgroup(JFM_BWD_THREADS(JFM_KERNEL_BWD_DQ, T, D))]] kernel void
+flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
+  constexpr int EB = int(sizeof(T));
+  constexpr int THREADS = JFM_BWD_THREADS(JFM_KERNEL_BWD_DQ, T, D);
+  constexpr int BQ = jfm_tile_rows(JFM_KERNEL_BWD_DQ, EB, D);
+  constexpr int BK = jfm_tile_cols(JFM_KERNEL_BWD_DQ, EB, D);
+  constexpr bool ONE_KV_BUFFER = jfm_bwd_shared_stream(EB, D);
+  constexpr int LD = jfm_tile_stride<T>(D);
+  constexpr int DF = D / 8;
+  constexpr int KF = BK / 8;
+  static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
+
+  // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned.
+  constexpr int ROW_WORDS = LD * EB / 16;
+  threadgroup uint4 q_words[BQ * ROW_WORDS];
+  threadgroup uint4 do_words[BQ * ROW_WORDS];
+  threadgroup uint4 kv_words[(ONE_KV_BUFFER ? 1 : 2) * BK * ROW_WORDS];
+  threadgroup T* q_tile = (threadgroup T*)q_words;
+  threadgroup T* do_tile = (threadgroup T*)do_words;
+  threadgroup T* kv_tile = (threadgroup T*)kv_words;
 
   const JfmTile tile = jfm_tile_of(params, group);
-  const long i = long(tile.block) * JFM_ROWS_PER_GROUP + long(simd_index);
+  const int i0 = int(tile.block) * BQ;
   const uint h = tile.head;
   const uint b = tile.batch;
-  if (i >= long(params.q_len)) {
-    return;
+  if (i0 >= int(params.q_len)) {
+    return;  // the whole threadgroup: before any barrier
   }
   const uint hk = h / (params.num_heads / params.num_kv_heads);
   const long q_valid = jfm_valid_len(params.has_q_lengths, q_lengths, b, params.q_len);
   const long kv_valid = jfm_valid_len(params.has_kv_lengths, kv_lengths, b, params.kv_len);
-  const JfmRange keys = jfm_keys_of_query(params, i, q_valid, kv_valid);
+  const int valid_rows = int(jfm_min(jfm_max(q_valid - i0, 0), BQ));
 
-  const ulong row = jfm_row_offset(b, i, h, params.q_len, params.num_heads, D);
-  if (keys.lo > keys.hi) {
-    jfm_store_zero_row<T, D>(dq + row, lane);
-    return;
+  // The block's visible union of keys, from its first and last valid rows (bounds monotone).
+  const JfmRange32 first_keys =
+      jfm_range32(jfm_keys_of_query(params, i0, q_valid, kv_valid), kv_valid);
+  const JfmRange32 last_keys =
+      jfm_range32(jfm_keys_of_query(params, i0 + valid_rows - 1, q_valid, kv_valid), kv_valid);
+  const int union_lo = first_keys.lo;
+  const int union_hi = valid_rows > 0 ? last_keys.hi : -1;
+
+  const JfmFragCoord at = jfm_frag_coord(lane);
+  const int band = int(simd_index) * 8;
+  const int i = i0 + band + int(at.row);
+  const JfmRange32 keys = jfm_range32(jfm_keys_of_query(params, i, q_valid, kv_valid), kv_valid);
+
+  const uint q_stride = params.num_heads * uint(D);
+  const uint kv_stride = params.num_kv_heads * uint(D);
+  const ulong q_block = jfm_row_offset(b, i0, h, params.q_len, params.num_heads, D);
+  const ulong stat = jfm_stat_offset(b, h, i0, params.num_heads, params.q_len);
+  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
+  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
+
+  jfm_load_tile<T, BQ, D, THREADS, false>(q_tile, q + q_block, q_stride, 0, valid_rows,
+                                          thread_index);
+  jfm_load_tile<T, BQ, D, THREADS, false>(do_tile, d_o + q_block, q_stride, 0, valid_rows,
+                                          thread_index);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  threadgroup const T* q_band = q_tile + band * LD;
+  threadgroup const T* do_band = do_tile + band * LD;
+
+  // D = rowsum(dO * O) as the diagonal of dO O^T, by MMA in the order dP = dO V^T is formed, so
+  // a one-hot row (O_i = V_j bit for bit) gets dP - D = 0 exactly; 0 for rows past q_len_b.
+  JfmFrag dot = jfm_frag_zero();
+  device const T* o_band = o + q_block + uint(band) * q_stride;
+  for (int d = 0; d < DF; ++d) {
+    jfm_mma(dot, jfm_frag_load(do_band + d * 8, LD, at),
+            jfm_frag_load_transposed_rows(o_band + d * 8, q_stride, valid_rows - band, at));
   }
-
-  threadgroup float* q_s = q_tile + simd_index * D;
-  threadgroup float* do_s = do_tile + simd_index * D;
-  threadgroup float* ds_s = ds_tile + simd_index * 2 * JFM_SIMD_WIDTH;
-  jfm_stage_row<T, D>(q_s, q + row, 1.0f, lane);
-  jfm_stage_row<T, D>(do_s, d_o + row, 1.0f, lane);
-  simdgroup_barrier(mem_flags::mem_threadgroup);
-
-  const ulong stat_index = jfm_stat_offset(b, h, i, params.num_heads, params.q_len);
-  const float l2_i = l2[stat_index];
-  const float delta_i = delta[stat_index];
-  const ulong kv_head_base = jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
-  const ulong kv_row_stride = ulong(params.num_kv_heads) * D;
-
-  float acc[JFM_DIM_CHUNKS(D)];
-  for (int c = 0; c < JFM_DIM_CHUNKS(D); ++c) {
-    acc[c] = 0.0f;
+  const bool own_diagonal = at.col == (at.row & ~1u);  // this lane holds (row, row)
+  const float rowsum = jfm_row_sum(own_diagonal ? dot.thread_elements()[at.row & 1u] : 0.0f);
+  const float row_delta = i < q_valid ? rowsum - g_lse[stat + band + at.row] : 0.0f;
+  if (at.col == 0 && i < int(params.q_len)) {  // one lane per row
+    delta[stat + band + at.row] = row_delta;
   }
+  const float row_l2 = i < q_valid ? l2[stat + band + at.row] : JFM_EMPTY_ROW_L2;
 
-  uint tile_half = 0;  // which half of the double-buffered tile this block uses
-  for (long start = keys.lo; start <= keys.hi; start += JFM_SIMD_WIDTH) {
-    const long j = start + long(lane);
-    float ds = 0.0f;
-    if (j <= keys.hi) {
-      const ulong key_row = kv_head_base + ulong(j) * kv_row_stride;
-      const float p = jfm_probability(jfm_score_log2<D>(q_s, k + key_row, params.scale_log2),
-                                      l2_i);
-      ds = p * (jfm_dot<T, D>(do_s, v + key_row) - delta_i);
+  JfmFrag acc[DF];  // the band's dQ / scale
+  for (int d = 0; d < DF; ++d) {
+    acc[d] = jfm_frag_zero();
+  }
+  threadgroup T* k_tile = kv_tile;
+  threadgroup T* v_tile = kv_tile + (ONE_KV_BUFFER ? 0 : BK * LD);
+  for (int j0 = union_lo / BK * BK; j0 <= union_hi; j0 += BK) {
+    const int kind = jfm_classify_tile(first_keys, last_keys, valid_rows == BQ, j0, j0 + BK - 1);
+    if (kind == JFM_TILE_SKIP) {
+      continue;  // uniform
     }
-    threadgroup float* ds_block = ds_s + tile_half;
-    ds_block[lane] = ds;
-    simdgroup_barrier(mem_flags::mem_threadgroup);
-    const int n = int(jfm_min(keys.hi - start + 1, JFM_SIMD_WIDTH));
-    for (int t = 0; t < n; ++t) {
-      jfm_axpy_row<T, D>(acc, ds_block[t], k + kv_head_base + ulong(start + t) * kv_row_stride,
-                         lane);
+    const int load_begin = max(union_lo - j0, 0);
+    const int load_end = min(union_hi - j0 + 1, BK);
+    const ulong block_offset = ulong(j0) * kv_stride;
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
+    jfm_load_tile<T, BK, D, THREADS, false>(v_tile, v_head + block_offset, kv_stride, load_begin,
+                                            load_end, thread_index);
+    if (!ONE_KV_BUFFER) {
+      jfm_load_tile<T, BK, D, THREADS, false>(k_tile, k_head + block_offset, kv_stride,
+                                              load_begin, load_end, thread_index);
     }
-    tile_half ^= JFM_SIMD_WIDTH;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    JfmFrag dp[KF];
+    jfm_mma_abt<T, D, LD, KF>(dp, do_band, v_tile, at);  // dP = dO V^T
+    if (ONE_KV_BUFFER) {  // K replaces V in the one buffer
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      jfm_load_tile<T, BK, D, THREADS, false>(k_tile, k_head + block_offset, kv_stride,
+                                              load_begin, load_end, thread_index);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    JfmFrag s[KF];
+    jfm_mma_abt<T, D, LD, KF>(s, q_band, k_tile, at);  // S = Q K^T
+
+    // dS = P (dP - D) into s; edge blocks select 0 where not visible, so a masked pair adds
+    // nothing even when its score or dP is NaN.
+    for (int n = 0; n < KF; ++n) {
+      for (int e = 0; e < 2; ++e) {
+        const float s2 = jfm_finite_or_nan(s[n].thread_elements()[e] * params.scale_log2);
+        const float ds = jfm_probability(s2, row_l2) * (dp[n].thread_elements()[e] - row_delta);
+        const bool visible =
+            kind == JFM_TILE_FULL || jfm_visible(keys, j0 + n * 8 + int(at.col) + e);
+        s[n].thread_elements()[e] = visible ? ds : 0.0f;
+      }
+    }
+    // dQ += dS K. In an edge block a key that another row sees may hold Inf/NaN: it enters as
+    // 0 (no 0 * Inf in rows that do not see it), and every row that sees it already has NaN dS.
+    if (kind == JFM_TILE_EDGE) {
+      jfm_mma_ab<T, D, LD, KF, true>(acc, s, k_tile, at);
+    } else {
+      jfm_mma_ab<T, D, LD, KF, false>(acc, s, k_tile, at);
+    }
   }
 
-  jfm_store_row<T, D>(dq + row, acc, params.scale, lane);
+  if (i < int(params.q_len)) {
+    device T* dq_row = dq + q_block + uint(band + int(at.row)) * q_stride;
+    for (int d = 0; d < DF; ++d) {
+      jfm_frag_store_row(dq_row + d * 8, acc[d], params.scale, at);
+    }
+  }
 }
 
-// ---- dK/dV: threadgroup memory (2 * JFM_ROWS_PER_GROUP * D + 2 * JFM_ROWS_PER_GROUP * 2 * 32)
-// floats = 32 * D + 2048 bytes: 2560 B for D = 16 up to 10240 B for D = 256 ----
+// ---- dK/dV ----
 
-// One simdgroup per key row j of kv head hk: for each query head of the group and each block of
-// 32 queries that see key j, lane t recomputes p and dS for query (block start + t); p and dS go
-// through threadgroup memory and each lane accumulates its dims of P^T dO and dS^T Q. Keys past
-// kv_len and keys no query sees write 0. The p/dS tiles are double-buffered (one barrier a block).
-template <typename T, int D>
-kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
-  threadgroup float k_tile[JFM_ROWS_PER_GROUP * D];
-  threadgroup float v_tile[JFM_ROWS_PER_GROUP * D];
-  threadgroup float p_tile[JFM_ROWS_PER_GROUP * 2 * JFM_SIMD_WIDTH];
-  threadgroup float ds_tile[JFM_ROWS_PER_GROUP * 2 * JFM_SIMD_WIDTH];
+// Owner: key rows [j0, j0 + BKV) of kv head hk, 8 per simdgroup (the lane's key: its row).
+//   stage K_j (and V_j for dK)
+//   for each query head h of hk's group, for each query block i of the visible union:
+//     stage Q_i, dO_i, L2_i, D_i (rows outside the union zero-filled)
+//     S2^T = K_j Q_i^T * scale log2(e);  P^T = exp2(S2^T - L2_i)  (edge blocks: 0 where not
+//     visible)
+//     dV_j += P^T dO_i
+//     dP^T = V_j dO_i^T;  dS^T = P^T (dP^T - D_i);  dK_j += dS^T Q_i
+//   dK_j *= scale
+// FAMILY: JFM_KERNEL_BWD_DKDV (both outputs), JFM_KERNEL_BWD_DK or JFM_KERNEL_BWD_DV.
+template <typename T, int D, int FAMILY>
+[[max_total_threads_per_threadgroup(JFM_BWD_THREADS(FAMILY, T, D))]] kernel void
+flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
+  constexpr int EB = int(sizeof(T));
+  constexpr bool WANT_DK = FAMILY != JFM_KERNEL_BWD_DV;
+  constexpr bool WANT_DV = FAMILY != JFM_KERNEL_BWD_DK;
+  constexpr int THREADS = JFM_BWD_THREADS(FAMILY, T, D);
+  constexpr int BKV = jfm_tile_rows(FAMILY, EB, D);
+  constexpr int BQ = jfm_tile_cols(FAMILY, EB, D);
+  // One streamed buffer: the operand needed first (dO for dK, Q for dV), then the other.
+  constexpr bool ONE_QDO_BUFFER = jfm_bwd_shared_stream(EB, D);
+  static_assert(!ONE_QDO_BUFFER || FAMILY != JFM_KERNEL_BWD_DKDV, "one buffer serves one output");
+  constexpr int LD = jfm_tile_stride<T>(D);
+  constexpr int DF = D / 8;
+  constexpr int QF = BQ / 8;
+  static_assert(D % 8 == 0 && BKV == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
+
+  // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned; the dV
+  // kernel needs no V tile.
+  constexpr int ROW_WORDS = LD * EB / 16;
+  threadgroup uint4 k_words[BKV * ROW_WORDS];
+  threadgroup uint4 v_words[WANT_DK ? BKV * ROW_WORDS : 1];
+  threadgroup uint4 qdo_words[(ONE_QDO_BUFFER ? 1 : 2) * BQ * ROW_WORDS];
+  threadgroup float2 stats_tile[BQ];  // (L2, D) of the block's query rows, read as one pair
+  threadgroup T* k_tile = (threadgroup T*)k_words;
+  threadgroup T* v_tile = (threadgroup T*)v_words;
+  threadgroup T* qdo_tile = (threadgroup T*)qdo_words;
 
   const JfmTile tile = jfm_tile_of(params, group);
-  const long j = long(tile.block) * JFM_ROWS_PER_GROUP + long(simd_index);
+  const int j0 = int(tile.block) * BKV;
   const uint hk = tile.head;
   const uint b = tile.batch;
-  if (j >= long(params.kv_len)) {
-    return;
+  if (j0 >= int(params.kv_len)) {
+    return;  // the whole threadgroup: before any barrier
   }
   const long q_valid = jfm_valid_len(params.has_q_lengths, q_lengths, b, params.q_len);
   const long kv_valid = jfm_valid_len(params.has_kv_lengths, kv_lengths, b, params.kv_len);
-  const JfmRange queries = jfm_queries_of_key(params, j, q_valid, kv_valid);
+  const int valid_keys = int(jfm_min(jfm_max(kv_valid - j0, 0), BKV));
 
-  const ulong key_row = jfm_row_offset(b, j, hk, params.kv_len, params.num_kv_heads, D);
-  if (queries.lo > queries.hi) {
-    jfm_store_zero_row<T, D>(dk + key_row, lane);
-    jfm_store_zero_row<T, D>(dv + key_row, lane);
-    return;
+  // The block's visible union of queries, from its first and last valid keys.
+  const JfmRange32 first_queries =
+      jfm_range32(jfm_queries_of_key(params, j0, q_valid, kv_valid), q_valid);
+  const JfmRange32 last_queries =
+      jfm_range32(jfm_queries_of_key(params, j0 + valid_keys - 1, q_valid, kv_valid), q_valid);
+  const int union_lo = first_queries.lo;
+  const int union_hi = valid_keys > 0 ? last_queries.hi : -1;
+
+  const JfmFragCoord at = jfm_frag_coord(lane);
+  const int band = int(simd_index) * 8;
+  const int j = j0 + band + int(at.row);
+  const JfmRange32 queries =
+      jfm_range32(jfm_queries_of_key(params, j, q_valid, kv_valid), q_valid);
+
+  const uint q_stride = params.num_heads * uint(D);
+  const uint kv_stride = params.num_kv_heads * uint(D);
+  const ulong kv_block = jfm_row_offset(b, j0, hk, params.kv_len, params.num_kv_heads, D);
+  if (union_lo <= union_hi) {  // uniform; the first query block's barrier publishes the tiles
+    jfm_load_tile<T, BKV, D, THREADS, false>(k_tile, k + kv_block, kv_stride, 0, valid_keys,
+                                             thread_index);
+    if (WANT_DK) {
+      jfm_load_tile<T, BKV, D, THREADS, false>(v_tile, v + kv_block, kv_stride, 0, valid_keys,
+                                               thread_index);
+    }
   }
+  threadgroup const T* k_band = k_tile + band * LD;
+  threadgroup const T* v_band = v_tile + band * LD;
+  threadgroup T* q_tile = qdo_tile;
+  threadgroup T* do_tile = qdo_tile + (ONE_QDO_BUFFER ? 0 : BQ * LD);
 
-  threadgroup float* k_s = k_tile + simd_index * D;
-  threadgroup float* v_s = v_tile + simd_index * D;
-  threadgroup float* p_s = p_tile + simd_index * 2 * JFM_SIMD_WIDTH;
-  threadgroup float* ds_s = ds_tile + simd_index * 2 * JFM_SIMD_WIDTH;
-  jfm_stage_row<T, D>(k_s, k + key_row, 1.0f, lane);
-  jfm_stage_row<T, D>(v_s, v + key_row, 1.0f, lane);
-  simdgroup_barrier(mem_flags::mem_threadgroup);
-
-  const uint group_size = params.num_heads / params.num_kv_heads;
-  const ulong q_row_stride = ulong(params.num_heads) * D;
-
-  float dk_acc[JFM_DIM_CHUNKS(D)];
-  float dv_acc[JFM_DIM_CHUNKS(D)];
-  for (int c = 0; c < JFM_DIM_CHUNKS(D); ++c) {
-    dk_acc[c] = 0.0f;
-    dv_acc[c] = 0.0f;
-  }
-
-  uint tile_half = 0;  // which half of the double-buffered tile this block uses
-  for (uint g = 0; g < group_size; ++g) {
-    const uint h = hk * group_size + g;
-    const ulong head_base = jfm_row_offset(b, 0, h, params.q_len, params.num_heads, D);
-    const ulong stat_base = jfm_stat_offset(b, h, 0, params.num_heads, params.q_len);
-    for (long start = queries.lo; start <= queries.hi; start += JFM_SIMD_WIDTH) {
-      const long i = start + long(lane);
-      float p = 0.0f;
-      float ds = 0.0f;
-      if (i <= queries.hi) {
-        // Query i sees key j, so its row is not empty and its L2 is a real statistic.
-        const ulong q_row = head_base + ulong(i) * q_row_stride;
-        p = jfm_probability(jfm_score_log2<D>(q + q_row, k_s, params.scale_log2),
-                            l2[stat_base + ulong(i)]);
-        ds = p * (jfm_dot<T, D>(v_s, d_o + q_row) - delta[stat_base + ulong(i)]);
-      }
-      threadgroup float* p_block = p_s + tile_half;
-      threadgroup float* ds_block = ds_s + tile_half;
-      p_block[lane] = p;
-      ds_block[lane] = ds;
-      simdgroup_barrier(mem_flags::mem_threadgroup);
-      const int n = int(jfm_min(queries.hi - start + 1, JFM_SIMD_WIDTH));
-      for (int t = 0; t < n; ++t) {
-        const ulong q_row = head_base + ulong(start + t) * q_row_stride;
-        jfm_axpy_row<T, D>(dv_acc, p_block[t], d_o + q_row, lane);
-        jfm_axpy_row<T, D>(dk_acc, ds_block[t], q + q_row, lane);
-      }
-      tile_half ^= JFM_SIMD_WIDTH;
+  JfmFrag dk_acc[WANT_DK ? DF : 1];  // the band's dK / scale
+  JfmFrag dv_acc[WANT_DV ? DF : 1];
+  for (int d = 0; d < DF; ++d) {
+    if (WANT_DK) {
+      dk_acc[d] = jfm_frag_zero();
+    }
+    if (WANT_DV) {
+      dv_acc[d] = jfm_frag_zero();
     }
   }
 
-  jfm_store_row<T, D>(dk + key_row, dk_acc, params.scale, lane);
-  jfm_store_row<T, D>(dv + key_row, dv_acc, 1.0f, lane);
+  const uint group_size = params.num_heads / params.num_kv_heads;
+  for (uint g = 0; g < group_size; ++g) {
+    const uint h = hk * group_size + g;
+    device const T* q_head = q + jfm_row_offset(b, 0, h, params.q_len, params.num_heads, D);
+    device const T* do_head = d_o + jfm_row_offset(b, 0, h, params.q_len, params.num_heads, D);
+    const ulong stat_head = jfm_stat_offset(b, h, 0, params.num_heads, params.q_len);
+    for (int i0 = union_lo / BQ * BQ; i0 <= union_hi; i0 += BQ) {
+      const int kind =
+          jfm_classify_tile(first_queries, last_queries, valid_keys == BKV, i0, i0 + BQ - 1);
+      if (kind == JFM_TILE_SKIP) {
+        continue;  // uniform
+      }
+      const int load_begin = max(union_lo - i0, 0);
+      const int load_end = min(union_hi - i0 + 1, BQ);
+      const ulong block_offset = ulong(i0) * q_stride;
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
+      if (!ONE_QDO_BUFFER || WANT_DK) {
+        jfm_load_tile<T, BQ, D, THREADS, false>(do_tile, do_head + block_offset, q_stride,
+                                                load_begin, load_end, thread_index);
+      }
+      if (!ONE_QDO_BUFFER || !WANT_DK) {
+        jfm_load_tile<T, BQ, D, THREADS, false>(q_tile, q_head + block_offset, q_stride,
+                                                load_begin, load_end, thread_index);
+      }
+      if (int(thread_index) < BQ) {
+        const bool loaded = int(thread_index) >= load_begin && int(thread_index) < load_end;
+        const ulong row = stat_head + ulong(i0) + thread_index;
+        stats_tile[thread_index] =
+            loaded ? float2(l2[row], delta[row]) : float2(JFM_EMPTY_ROW_L2, 0.0f);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+
+      JfmFrag dp[WANT_DK ? QF : 1];
+      if (WANT_DK) {
+        jfm_mma_abt<T, D, LD, QF>(dp, v_band, do_tile, at);  // dP^T = V dO^T
+        if (ONE_QDO_BUFFER) {  // Q replaces dO in the one buffer
+          threadgroup_barrier(mem_flags::mem_threadgroup);
+          jfm_load_tile<T, BQ, D, THREADS, false>(q_tile, q_head + block_offset, q_stride,
+                                                  load_begin, load_end, thread_index);
+          threadgroup_barrier(mem_flags::mem_threadgroup);
+        }
+      }
+      JfmFrag st[QF];
+      jfm_mma_abt<T, D, LD, QF>(st, k_band, q_tile, at);  // S^T = K Q^T
+
+      // P^T into st, dS^T = P^T (dP^T - D) into dp; edge blocks select 0 where not visible.
+      for (int n = 0; n < QF; ++n) {
+        for (int e = 0; e < 2; ++e) {
+          const int c = n * 8 + int(at.col) + e;
+          const float s2 = jfm_finite_or_nan(st[n].thread_elements()[e] * params.scale_log2);
+          const float2 stats = stats_tile[c];
+          const float p = jfm_probability(s2, stats.x);
+          const bool visible = kind == JFM_TILE_FULL || jfm_visible(queries, i0 + c);
+          st[n].thread_elements()[e] = visible ? p : 0.0f;
+          if (WANT_DK) {
+            const float ds = p * (dp[n].thread_elements()[e] - stats.y);
+            dp[n].thread_elements()[e] = visible ? ds : 0.0f;
+          }
+        }
+      }
+      // dK += dS^T Q. In an edge block a query row that another key sees may hold Inf/NaN: it
+      // enters as 0, and every key that sees it already has NaN dS^T from its score.
+      if (WANT_DK) {
+        if (kind == JFM_TILE_EDGE) {
+          jfm_mma_ab<T, D, LD, QF, true>(dk_acc, dp, q_tile, at);
+        } else {
+          jfm_mma_ab<T, D, LD, QF, false>(dk_acc, dp, q_tile, at);
+        }
+      }
+      if (WANT_DV) {
+        if (ONE_QDO_BUFFER) {  // dO replaces Q in the one buffer
+          threadgroup_barrier(mem_flags::mem_threadgroup);
+          jfm_load_tile<T, BQ, D, THREADS, false>(do_tile, do_head + block_offset, q_stride,
+                                                  load_begin, load_end, thread_index);
+          threadgroup_barrier(mem_flags::mem_threadgroup);
+        }
+        jfm_mma_ab<T, D, LD, QF, false>(dv_acc, st, do_tile, at);  // dV += P^T dO
+      }
+    }
+  }
+
+  if (j < int(params.kv_len)) {
+    const ulong row = kv_block + uint(band + int(at.row)) * kv_stride;
+    for (int d = 0; d < DF; ++d) {
+      if (WANT_DK) {
+        jfm_frag_store_row(dk + row + d * 8, dk_acc[d], params.scale, at);
+      }
+      if (WANT_DV) {
+        jfm_frag_store_row(dv + row + d * 8, dv_acc[d], 1.0f, at);
+      }
+    }
+  }
 }
 
-// Explicit instantiations under the host names of attention_params.h.
-#define JFM_INSTANTIATE_BWD(PRE_NAME, DQ_NAME, DKDV_NAME, T, D)                                \
-  JFM_IF_FAMILY(T, D,                                                                          \
-      template [[host_name(PRE_NAME)]] kernel void flash_attention_bwd_preprocess<T, D>        \
-          JFM_BWD_PREPROCESS_SIGNATURE(T);                                                     \
-      template [[host_name(DQ_NAME)]] kernel void flash_attention_bwd_dq<T, D>                 \
-          JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T));                                             \
-      template [[host_name(DKDV_NAME)]] kernel void flash_attention_bwd_dkdv<T, D>             \
-          JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T));)
+// ---- instantiations under the host names: one line per (dtype, head dim), each inside
+// JFM_IF_FAMILY (the Metal device compiles one family at a time and finds a kernel's source by
+// its quoted name, so names are written out in full) ----
 
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d16", "flash_attention_bwd_dq_f32_d16",
-                    "flash_attention_bwd_dkdv_f32_d16", float, 16)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d32", "flash_attention_bwd_dq_f32_d32",
-                    "flash_attention_bwd_dkdv_f32_d32", float, 32)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d48", "flash_attention_bwd_dq_f32_d48",
-                    "flash_attention_bwd_dkdv_f32_d48", float, 48)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d64", "flash_attention_bwd_dq_f32_d64",
-                    "flash_attention_bwd_dkdv_f32_d64", float, 64)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d80", "flash_attention_bwd_dq_f32_d80",
-                    "flash_attention_bwd_dkdv_f32_d80", float, 80)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d96", "flash_attention_bwd_dq_f32_d96",
-                    "flash_attention_bwd_dkdv_f32_d96", float, 96)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d128", "flash_attention_bwd_dq_f32_d128",
-                    "flash_attention_bwd_dkdv_f32_d128", float, 128)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d160", "flash_attention_bwd_dq_f32_d160",
-                    "flash_attention_bwd_dkdv_f32_d160", float, 160)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d192", "flash_attention_bwd_dq_f32_d192",
-                    "flash_attention_bwd_dkdv_f32_d192", float, 192)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d256", "flash_attention_bwd_dq_f32_d256",
-                    "flash_attention_bwd_dkdv_f32_d256", float, 256)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d16", "flash_attention_bwd_dq_f16_d16",
-                    "flash_attention_bwd_dkdv_f16_d16", half, 16)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d32", "flash_attention_bwd_dq_f16_d32",
-                    "flash_attention_bwd_dkdv_f16_d32", half, 32)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d48", "flash_attention_bwd_dq_f16_d48",
-                    "flash_attention_bwd_dkdv_f16_d48", half, 48)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d64", "flash_attention_bwd_dq_f16_d64",
-                    "flash_attention_bwd_dkdv_f16_d64", half, 64)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d80", "flash_attention_bwd_dq_f16_d80",
-                    "flash_attention_bwd_dkdv_f16_d80", half, 80)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d96", "flash_attention_bwd_dq_f16_d96",
-                    "flash_attention_bwd_dkdv_f16_d96", half, 96)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d128", "flash_attention_bwd_dq_f16_d128",
-                    "flash_attention_bwd_dkdv_f16_d128", half, 128)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d160", "flash_attention_bwd_dq_f16_d160",
-                    "flash_attention_bwd_dkdv_f16_d160", half, 160)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d192", "flash_attention_bwd_dq_f16_d192",
-                    "flash_attention_bwd_dkdv_f16_d192", half, 192)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d256", "flash_attention_bwd_dq_f16_d256",
-                    "flash_attention_bwd_dkdv_f16_d256", half, 256)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d16", "flash_attention_bwd_dq_bf16_d16",
-                    "flash_attention_bwd_dkdv_bf16_d16", ushort, 16)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d32", "flash_attention_bwd_dq_bf16_d32",
-                    "flash_attention_bwd_dkdv_bf16_d32", ushort, 32)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d48", "flash_attention_bwd_dq_bf16_d48",
-                    "flash_attention_bwd_dkdv_bf16_d48", ushort, 48)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d64", "flash_attention_bwd_dq_bf16_d64",
-                    "flash_attention_bwd_dkdv_bf16_d64", ushort, 64)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d80", "flash_attention_bwd_dq_bf16_d80",
-                    "flash_attention_bwd_dkdv_bf16_d80", ushort, 80)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d96", "flash_attention_bwd_dq_bf16_d96",
-                    "flash_attention_bwd_dkdv_bf16_d96", ushort, 96)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d128", "flash_attention_bwd_dq_bf16_d128",
-                    "flash_attention_bwd_dkdv_bf16_d128", ushort, 128)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d160", "flash_attention_bwd_dq_bf16_d160",
-                    "flash_attention_bwd_dkdv_bf16_d160", ushort, 160)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d192", "flash_attention_bwd_dq_bf16_d192",
-                    "flash_attention_bwd_dkdv_bf16_d192", ushort, 192)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d256", "flash_attention_bwd_dq_bf16_d256",
-                    "flash_attention_bwd_dkdv_bf16_d256", ushort, 256)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d8", "flash_attention_bwd_dq_f32_d8",
-                    "flash_attention_bwd_dkdv_f32_d8", float, 8)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d72", "flash_attention_bwd_dq_f32_d72",
-                    "flash_attention_bwd_dkdv_f32_d72", float, 72)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d112", "flash_attention_bwd_dq_f32_d112",
-                    "flash_attention_bwd_dkdv_f32_d112", float, 112)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d8", "flash_attention_bwd_dq_f16_d8",
-                    "flash_attention_bwd_dkdv_f16_d8", half, 8)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d72", "flash_attention_bwd_dq_f16_d72",
-                    "flash_attention_bwd_dkdv_f16_d72", half, 72)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f16_d112", "flash_attention_bwd_dq_f16_d112",
-                    "flash_attention_bwd_dkdv_f16_d112", half, 112)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d8", "flash_attention_bwd_dq_bf16_d8",
-                    "flash_attention_bwd_dkdv_bf16_d8", ushort, 8)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d72", "flash_attention_bwd_dq_bf16_d72",
-                    "flash_attention_bwd_dkdv_bf16_d72", ushort, 72)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_bf16_d112", "flash_attention_bwd_dq_bf16_d112",
-                    "flash_attention_bwd_dkdv_bf16_d112", ushort, 112)
+#define JFM_INSTANTIATE_DQ(NAME, T, D) \
+  template [[host_name(NAME)]] kernel void flash_attention_bwd_dq<T, D> JFM_BWD_DQ_SIGNATURE(T);
+#define JFM_INSTANTIATE_DKDV(NAME, T, D, FAMILY)                                   \
+  template [[host_name(NAME)]] kernel void flash_attention_bwd_dkdv<T, D, FAMILY> \
+      JFM_BWD_DKDV_SIGNATURE(T);
+
+// head_dim < 160: dQ and one dK/dV kernel.
+#define JFM_INSTANTIATE_BWD(DQ_NAME, DKDV_NAME, T, D) \
+  JFM_IF_FAMILY(T, D, JFM_INSTANTIATE_DQ(DQ_NAME, T, D) \
+                          JFM_INSTANTIATE_DKDV(DKDV_NAME, T, D, JFM_KERNEL_BWD_DKDV))
+// head_dim >= 160: dQ, dK and dV kernels.
+#define JFM_INSTANTIATE_BWD_SPLIT(DQ_NAME, DK_NAME, DV_NAME, T, D)          \
+  JFM_IF_FAMILY(T, D, JFM_INSTANTIATE_DQ(DQ_NAME, T, D)                     \
+                          JFM_INSTANTIATE_DKDV(DK_NAME, T, D, JFM_KERNEL_BWD_DK) \
+                              JFM_INSTANTIATE_DKDV(DV_NAME, T, D, JFM_KERNEL_BWD_DV))
+
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d8", "flash_attention_bwd_dkdv_f32_d8", float, 8)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d16", "flash_attention_bwd_dkdv_f32_d16", float, 16)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d32", "flash_attention_bwd_dkdv_f32_d32", float, 32)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d48", "flash_attention_bwd_dkdv_f32_d48", float, 48)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d64", "flash_attention_bwd_dkdv_f32_d64", float, 64)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d72", "flash_attention_bwd_dkdv_f32_d72", float, 72)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d80", "flash_attention_bwd_dkdv_f32_d80", float, 80)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d96", "flash_attention_bwd_dkdv_f32_d96", float, 96)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d112", "flash_attention_bwd_dkdv_f32_d112",
+                    float, 112)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d128", "flash_attention_bwd_dkdv_f32_d128",
+                    float, 128)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f32_d160", "flash_attention_bwd_dk_f32_d160",
+                          "flash_attention_bwd_dv_f32_d160", float, 160)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f32_d192", "flash_attention_bwd_dk_f32_d192",
+                          "flash_attention_bwd_dv_f32_d192", float, 192)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f32_d256", "flash_attention_bwd_dk_f32_d256",
+                          "flash_attention_bwd_dv_f32_d256", float, 256)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d8", "flash_attention_bwd_dkdv_f16_d8", half, 8)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d16", "flash_attention_bwd_dkdv_f16_d16", half, 16)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d32", "flash_attention_bwd_dkdv_f16_d32", half, 32)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d48", "flash_attention_bwd_dkdv_f16_d48", half, 48)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d64", "flash_attention_bwd_dkdv_f16_d64", half, 64)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d72", "flash_attention_bwd_dkdv_f16_d72", half, 72)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d80", "flash_attention_bwd_dkdv_f16_d80", half, 80)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d96", "flash_attention_bwd_dkdv_f16_d96", half, 96)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d112", "flash_attention_bwd_dkdv_f16_d112",
+                    half, 112)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d128", "flash_attention_bwd_dkdv_f16_d128",
+                    half, 128)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f16_d160", "flash_attention_bwd_dk_f16_d160",
+                          "flash_attention_bwd_dv_f16_d160", half, 160)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f16_d192", "flash_attention_bwd_dk_f16_d192",
+                          "flash_attention_bwd_dv_f16_d192", half, 192)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f16_d256", "flash_attention_bwd_dk_f16_d256",
+                          "flash_attention_bwd_dv_f16_d256", half, 256)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d8", "flash_attention_bwd_dkdv_bf16_d8", ushort, 8)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d16", "flash_attention_bwd_dkdv_bf16_d16",
+                    ushort, 16)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d32", "flash_attention_bwd_dkdv_bf16_d32",
+                    ushort, 32)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d48", "flash_attention_bwd_dkdv_bf16_d48",
+                    ushort, 48)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d64", "flash_attention_bwd_dkdv_bf16_d64",
+                    ushort, 64)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d72", "flash_attention_bwd_dkdv_bf16_d72",
+                    ushort, 72)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d80", "flash_attention_bwd_dkdv_bf16_d80",
+                    ushort, 80)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d96", "flash_attention_bwd_dkdv_bf16_d96",
+                    ushort, 96)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d112", "flash_attention_bwd_dkdv_bf16_d112",
+                    ushort, 112)
+JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d128", "flash_attention_bwd_dkdv_bf16_d128",
+                    ushort, 128)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_bf16_d160", "flash_attention_bwd_dk_bf16_d160",
+                          "flash_attention_bwd_dv_bf16_d160", ushort, 160)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_bf16_d192", "flash_attention_bwd_dk_bf16_d192",
+                          "flash_attention_bwd_dv_bf16_d192", ushort, 192)
+JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_bf16_d256", "flash_attention_bwd_dk_bf16_d256",
+                          "flash_attention_bwd_dv_bf16_d256", ushort, 256)

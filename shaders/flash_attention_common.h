@@ -1,5 +1,6 @@
 // Shared helpers of the attention kernels: element conversion (f32/f16/bf16), per-batch lengths,
-// the visibility interval of DESIGN.md section 3, and row addressing. MSL 3.0 (C++14 base).
+// the visibility interval of DESIGN.md section 3, addressing and the base-2 softmax probability.
+// MSL 3.0 (C++14 base).
 #ifndef JAX_FLASH_METAL_FLASH_ATTENTION_COMMON_H_
 #define JAX_FLASH_METAL_FLASH_ATTENTION_COMMON_H_
 
@@ -9,17 +10,12 @@
 
 using namespace metal;
 
-// Every kernel maps one simdgroup to one row (a query row, or a key row for dK/dV) and keys (or
-// queries) to lanes in blocks of JFM_SIMD_WIDTH; a lane also owns output dims lane + 32 * c.
-#define JFM_DIM_CHUNKS(D) (((D) + JFM_SIMD_WIDTH - 1) / JFM_SIMD_WIDTH)
-
 // Scores of masked lanes; simd_max ignores them next to any real score. Finite on purpose: the
 // kernels never rely on infinities, so they behave the same under fast math.
 #define JFM_MASKED_SCORE (-3.40282347e38f)
 // Initial running max: finite, and far enough below any real score that exp2(m - m_new) is 0.
 #define JFM_MAX_SENTINEL (-1.70141173e38f)
 #define JFM_LN2 0.693147180559945309f
-#define JFM_LOG2E 1.44269504088896341f
 
 // ---- instantiation families (lazy compiles) ----
 
@@ -172,85 +168,14 @@ inline ulong jfm_stat_offset(uint b, uint h, long t, uint heads, uint len) {
   return (ulong(b) * ulong(heads) + ulong(h)) * ulong(len) + ulong(t);
 }
 
-// ---- row helpers; lanes own dims lane + 32 * c ----
-
-// Dot product of a float row staged in threadgroup memory with a device row, in float32;
-// non-finite results are NaN (jfm_finite_or_nan). Four partial sums shorten the dependency chain.
-template <typename T, int D>
-inline float jfm_dot(threadgroup const float* a, device const T* b) {
-  static_assert(D % 4 == 0, "head dim must be a multiple of 4");
-  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-  for (int d = 0; d < D; d += 4) {
-    s0 = fma(a[d], jfm_to_float(b[d]), s0);
-    s1 = fma(a[d + 1], jfm_to_float(b[d + 1]), s1);
-    s2 = fma(a[d + 2], jfm_to_float(b[d + 2]), s2);
-    s3 = fma(a[d + 3], jfm_to_float(b[d + 3]), s3);
-  }
-  return jfm_finite_or_nan((s0 + s1) + (s2 + s3));
-}
-
-// The log2-domain score of a (query, key) pair as the tiled forward forms it, so a backward that
-// recomputes it gets the same bits: q.k summed over 8-element chunks in order (each chunk from 0,
-// as one 8x8x8 simdgroup multiply-accumulate, then added to the running sum), times
-// scale * log2(e); non-finite results are NaN (jfm_finite_or_nan). a and b are rows in any
-// address space.
-template <int D, typename PA, typename PB>
-inline float jfm_score_log2(PA a, PB b, float scale_log2) {
-  static_assert(D % 8 == 0, "head dim must be a multiple of 8");
-  float s = 0.0f;
-  for (int c = 0; c < D; c += 8) {
-    float chunk = 0.0f;
-    for (int d = c; d < c + 8; ++d) {
-      chunk += jfm_to_float(a[d]) * jfm_to_float(b[d]);
-    }
-    s = chunk + s;
-  }
-  return jfm_finite_or_nan(s * scale_log2);
-}
+// ---- softmax ----
 
 // Softmax probability of a log2-domain score s2 given the row's base-2 statistic
 // L2 = m + log2(l) (m its max score). The backward recomputes s2 bit for bit and subtracts once,
 // so a row whose softmax is one-hot (l = 1) gets p = exp2(0) = 1 exactly; an empty row's
 // JFM_EMPTY_ROW_L2 gives p = 0 without any infinity.
 inline float jfm_probability(float s2, float l2) {
-  return exp2(s2 - l2);
-}
-
-// Copies a device row into threadgroup memory as float times `factor`, lane-strided.
-template <typename T, int D>
-inline void jfm_stage_row(threadgroup float* dst, device const T* src, float factor, uint lane) {
-  for (uint d = lane; d < uint(D); d += JFM_SIMD_WIDTH) {
-    dst[d] = jfm_to_float(src[d]) * factor;
-  }
-}
-
-// Writes this lane's dims of a row: acc[c] * factor to dims lane + 32 * c.
-template <typename T, int D>
-inline void jfm_store_row(device T* dst, thread const float* acc, float factor, uint lane) {
-  for (int c = 0; c < JFM_DIM_CHUNKS(D); ++c) {
-    uint d = lane + uint(c) * JFM_SIMD_WIDTH;
-    if (d < uint(D)) {
-      jfm_store(dst + d, acc[c] * factor);
-    }
-  }
-}
-
-template <typename T, int D>
-inline void jfm_store_zero_row(device T* dst, uint lane) {
-  for (uint d = lane; d < uint(D); d += JFM_SIMD_WIDTH) {
-    jfm_store(dst + d, 0.0f);
-  }
-}
-
-// acc[c] += w * row[lane + 32 * c] for this lane's dims.
-template <typename T, int D>
-inline void jfm_axpy_row(thread float* acc, float w, device const T* row, uint lane) {
-  for (int c = 0; c < JFM_DIM_CHUNKS(D); ++c) {
-    uint d = lane + uint(c) * JFM_SIMD_WIDTH;
-    if (d < uint(D)) {
-      acc[c] = fma(w, jfm_to_float(row[d]), acc[c]);
-    }
-  }
+  return fast::exp2(s2 - l2);
 }
 
 #endif  // JAX_FLASH_METAL_FLASH_ATTENTION_COMMON_H_

@@ -103,6 +103,17 @@ inline JfmFrag jfm_frag_load(threadgroup const T* tile, uint stride, JfmFragCoor
   return f;
 }
 
+// jfm_frag_load with Inf/NaN elements read as 0: the second operand of an edge block's product,
+// whose masked entries are 0 and must not meet a non-finite value another row sees (0 * Inf).
+template <typename T>
+inline JfmFrag jfm_frag_load_finite(threadgroup const T* tile, uint stride, JfmFragCoord at) {
+  JfmFrag f;
+  threadgroup const T* p = tile + at.row * stride + at.col;
+  f.thread_elements()[0] = jfm_is_finite(p[0]) ? jfm_to_float(p[0]) : 0.0f;
+  f.thread_elements()[1] = jfm_is_finite(p[1]) ? jfm_to_float(p[1]) : 0.0f;
+  return f;
+}
+
 // The transposed read: fragment (r, c) = tile[c * stride + r], e.g. a K^T fragment (head dims x
 // keys) from a row-major K tile, so every tile is stored one way (row-major) only.
 template <typename T>

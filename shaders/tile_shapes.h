@@ -6,8 +6,8 @@
 //
 // Dispatch: a threadgroup of jfm_tile_threads(...) threads (32 per simdgroup) owns
 // jfm_tile_rows(...) consecutive rows of one (batch, head); the grid is
-// (ceil(rows / jfm_tile_rows), heads, batch), where rows/heads are q_len/num_heads for fwd,
-// bwd_preprocess and bwd_dq, and kv_len/num_kv_heads for bwd_dkdv. jfm_tile_cols is the block
+// (ceil(rows / jfm_tile_rows), heads, batch), where rows/heads are q_len/num_heads for fwd and
+// bwd_dq, and kv_len/num_kv_heads for bwd_dkdv (bwd_dk, bwd_dv). jfm_tile_cols is the block
 // size of the traversed dimension (keys for fwd/dQ, queries for dK/dV).
 #ifndef JAX_FLASH_METAL_TILE_SHAPES_H_
 #define JAX_FLASH_METAL_TILE_SHAPES_H_
@@ -18,15 +18,12 @@ namespace jfm {
 
 // Kernel families (the stage part of the kernel name flash_attention_{stage}_{type}_d{D}).
 #define JFM_KERNEL_FWD 0
-#define JFM_KERNEL_BWD_PREPROCESS 1
-#define JFM_KERNEL_BWD_DQ 2
-#define JFM_KERNEL_BWD_DKDV 3
+#define JFM_KERNEL_BWD_DQ 1
+#define JFM_KERNEL_BWD_DKDV 2  // dK and dV in one kernel (head_dim < 160)
+#define JFM_KERNEL_BWD_DK 3    // the split pair (head_dim >= 160)
+#define JFM_KERNEL_BWD_DV 4
 
 #define JFM_SIMD_WIDTH 32
-
-// Rows per threadgroup of the kernels that map one simdgroup to one row (the backward, until it
-// is tiled): 4 simdgroups, 4 rows.
-#define JFM_ROWS_PER_GROUP 4
 
 // Forward, KERNELS.md section 4: 8 query rows per simdgroup; BK halves as D and the element size
 // grow so the Q, K and V tiles stay within ~26 KiB.
@@ -48,15 +45,35 @@ constexpr bool jfm_fwd_kv_one_buffer(int element_bytes, int head_dim) {
   return element_bytes == 4 ? head_dim > 64 : head_dim > 128;
 }
 
-constexpr int jfm_tile_rows(int family, int element_bytes, int head_dim) {
-  return family == JFM_KERNEL_FWD ? jfm_fwd_block_q(element_bytes, head_dim) : JFM_ROWS_PER_GROUP;
+// Backward, KERNELS.md section 4. Every backward kernel holds two owner tiles (Q and dO for dQ;
+// K and V for dK/dV) of 8 * simdgroups rows and two streamed tiles (K and V; Q and dO) of
+// `block` rows, each row head_dim * element_bytes + 16 bytes, so threadgroup memory depends on
+// the bytes per row only: the families are chosen by row bytes (<= 26112 B, shaders/README.md).
+constexpr int jfm_bwd_simdgroups(int element_bytes, int head_dim) {
+  return element_bytes * head_dim <= 256 ? 4 : (element_bytes * head_dim <= 512 ? 2 : 1);
 }
-constexpr int jfm_tile_cols(int family, int element_bytes, int head_dim) {
-  return family == JFM_KERNEL_FWD ? jfm_fwd_block_k(element_bytes, head_dim) : JFM_SIMD_WIDTH;
+constexpr int jfm_bwd_block(int element_bytes, int head_dim) {
+  return element_bytes * head_dim <= 128 ? 32 : (element_bytes * head_dim <= 256 ? 16 : 8);
 }
+// One streamed tile holds the two streamed operands in turn (V then K for dQ; the operand the
+// split dK or dV kernel needs first, then the other) where two would not fit.
+constexpr bool jfm_bwd_shared_stream(int element_bytes, int head_dim) {
+  return element_bytes * head_dim > 512;
+}
+// dK and dV by two kernels (one head_dim-wide float accumulator each) where two accumulators
+// would not fit the register budget.
+constexpr bool jfm_bwd_split_dkdv(int head_dim) { return head_dim >= 160; }
+
 constexpr int jfm_tile_simdgroups(int family, int element_bytes, int head_dim) {
   return family == JFM_KERNEL_FWD ? jfm_fwd_block_q(element_bytes, head_dim) / 8
-                                  : JFM_ROWS_PER_GROUP;
+                                  : jfm_bwd_simdgroups(element_bytes, head_dim);
+}
+constexpr int jfm_tile_rows(int family, int element_bytes, int head_dim) {
+  return 8 * jfm_tile_simdgroups(family, element_bytes, head_dim);
+}
+constexpr int jfm_tile_cols(int family, int element_bytes, int head_dim) {
+  return family == JFM_KERNEL_FWD ? jfm_fwd_block_k(element_bytes, head_dim)
+                                  : jfm_bwd_block(element_bytes, head_dim);
 }
 constexpr int jfm_tile_threads(int family, int element_bytes, int head_dim) {
   return jfm_tile_simdgroups(family, element_bytes, head_dim) * JFM_SIMD_WIDTH;

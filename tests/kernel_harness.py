@@ -2,11 +2,11 @@
 
 `AttentionParams` is packed with a NumPy structured dtype that mirrors shaders/attention_params.h
 field for field; grids follow shaders/tile_shapes.h (read through the extension's `tile_shape`):
-(ceil(rows / rows_per_group), heads, batch) threadgroups, rows/heads = q_len/num_heads for fwd,
-bwd_preprocess and bwd_dq and kv_len/num_kv_heads for bwd_dkdv, and zero-size grids are not
-dispatched. Inputs and outputs are NumPy arrays of
-float32, float16 or ml_dtypes.bfloat16 (passed to the kernels as uint16 bits). Outputs start
-filled with NaN so anything a kernel fails to write shows up.
+(ceil(rows / rows_per_group), heads, batch) threadgroups, rows/heads = q_len/num_heads for fwd
+and bwd_dq and kv_len/num_kv_heads for bwd_dkdv (bwd_dk, bwd_dv), and zero-size grids are not
+dispatched. Inputs and outputs are NumPy arrays of float32, float16 or ml_dtypes.bfloat16
+(passed to the kernels as uint16 bits). Outputs start filled with NaN so anything a kernel fails
+to write shows up.
 """
 
 import math
@@ -14,7 +14,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from jax_flash_metal._ext import emulator, tile_shape
+from jax_flash_metal._ext import bwd_stages, emulator, tile_shape
 
 UNBOUNDED = -1  # JFM_UNBOUNDED
 EMPTY_ROW_L2 = np.float32(1.70141173e38)  # JFM_EMPTY_ROW_L2
@@ -111,6 +111,13 @@ def _dispatch(kind, dtype, head_dim, buffers, rows, heads, batch, schedule, seed
                  schedule=schedule, seed=seed)
 
 
+def blocks(stage, dtype, head_dim):
+    """(rows per threadgroup, block of the traversed dimension) of a stage (tile_shapes.h);
+    dtype 'f32' | 'f16' | 'bf16'."""
+    shape = tile_shape(stage, dtype, head_dim)
+    return shape["rows"], shape["cols"]
+
+
 def forward(q, k, v, *, schedule="forward", seed=0, **mask):
     """Runs flash_attention_fwd. Returns (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32,
     l2 [B, H, Tq] float32: the base-2 statistic the backward takes).
@@ -131,7 +138,8 @@ def forward(q, k, v, *, schedule="forward", seed=0, **mask):
 
 
 def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, **mask):
-    """Runs bwd_preprocess, bwd_dq and bwd_dkdv. Returns (dq, dk, dv, delta).
+    """Runs the backward stages as the host does (bwd_stages): bwd_dq, which also writes delta,
+    then bwd_dkdv (or bwd_dk and bwd_dv). Returns (dq, dk, dv, delta).
 
     o, l2: the forward's outputs; do like o; g_lse float32 [B, H, Tq] or None (zeros).
     dq has q's shape and dtype, dk/dv k's; delta is float32 [B, H, Tq].
@@ -139,24 +147,22 @@ def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, **ma
     batch, q_len, heads, head_dim = q.shape
     _, kv_len, kv_heads, _ = k.shape
     params = pack_params(q.shape, k.shape, **mask)
-    q_lengths = _lengths(mask.get("query_seq_lengths"))
-    kv_lengths = _lengths(mask.get("key_value_seq_lengths"))
     if g_lse is None:
         g_lse = np.zeros((batch, heads, q_len), np.float32)
-    g_lse = np.ascontiguousarray(g_lse, dtype=np.float32)
     delta = _output((batch, heads, q_len), np.float32)
-    _dispatch("bwd_preprocess", q.dtype, head_dim,
-              {O: o, DO: do, G_LSE: g_lse, Q_LENGTHS: q_lengths, DELTA: delta, PARAMS: params},
-              q_len, heads, batch, schedule, seed)
-    inputs = {Q: q, K: k, V: v, DO: do, L2: l2, DELTA: delta, Q_LENGTHS: q_lengths,
-              KV_LENGTHS: kv_lengths, PARAMS: params}
     dq = _output(q.shape, q.dtype)
-    _dispatch("bwd_dq", q.dtype, head_dim, {**inputs, DQ: dq},
-              q_len, heads, batch, schedule, seed)
     dk = _output(k.shape, k.dtype)
     dv = _output(v.shape, v.dtype)
-    _dispatch("bwd_dkdv", q.dtype, head_dim, {**inputs, DK: dk, DV: dv},
-              kv_len, kv_heads, batch, schedule, seed)
+    inputs = {Q: q, K: k, V: v, DO: do, L2: l2, PARAMS: params,
+              Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
+              KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths"))}
+    dq_stage, *dkdv_stages = bwd_stages(head_dim)
+    _dispatch(dq_stage, q.dtype, head_dim,
+              {**inputs, O: o, G_LSE: np.ascontiguousarray(g_lse, dtype=np.float32),
+               DELTA: delta, DQ: dq}, q_len, heads, batch, schedule, seed)
+    for stage in dkdv_stages:
+        _dispatch(stage, q.dtype, head_dim, {**inputs, DELTA: delta, DK: dk, DV: dv},
+                  kv_len, kv_heads, batch, schedule, seed)
     return dq, dk, dv, delta
 
 

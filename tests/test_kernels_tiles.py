@@ -11,16 +11,10 @@ import numpy as np
 import pytest
 
 import kernel_harness as kh
-from jax_flash_metal._ext import tile_shape
 
 # One (dtype, head dim) per forward family of tile_shapes.h: every BQ/BK and K/V layout.
 FAMILIES = [("f16", 16), ("bf16", 64), ("f32", 32), ("bf16", 128), ("f32", 112), ("f16", 192),
             ("f32", 256)]
-
-
-def _blocks(dtype, head_dim):
-    shape = tile_shape("fwd", dtype, head_dim)
-    return shape["rows"], shape["cols"]
 
 
 def _inputs(dtype, batch, q_len, kv_len, heads, kv_heads, head_dim, seed=0, **lengths):
@@ -32,7 +26,7 @@ def _inputs(dtype, batch, q_len, kv_len, heads, kv_heads, head_dim, seed=0, **le
 def test_lengths_around_the_tiles(dtype, head_dim):
     """q_len and kv_len at tile - 1, tile, tile + 1 and 3 tiles + 1, causal or not, one length
     buffer cutting a block in the middle."""
-    bq, bk = _blocks(dtype, head_dim)
+    bq, bk = kh.blocks("fwd", dtype, head_dim)
     for n, (q_len, kv_len) in enumerate(zip((bq - 1, bq, bq + 1, 3 * bq + 1),
                                             (bk + 1, bk - 1, 3 * bk + 1, bk))):
         mask = dict(is_causal=n % 2 == 1, causal_alignment="bottom_right" if n == 3 else
@@ -74,7 +68,7 @@ def test_grouped_query_groups(kv_heads):
 @pytest.mark.parametrize("dtype,head_dim", [("f16", 64), ("f32", 128), ("f32", 256)])
 def test_schedules_are_bit_identical(dtype, head_dim):
     """Barriers order every tile load before its use: resume order cannot change a bit."""
-    bq, bk = _blocks(dtype, head_dim)
+    bq, bk = kh.blocks("fwd", dtype, head_dim)
     mask = dict(is_causal=True, local_window_size=(bk + 3, None),
                 query_seq_lengths=np.array([2 * bq + 1, bq], np.int32),
                 key_value_seq_lengths=np.array([2 * bk + 5, 2 * bk], np.int32))

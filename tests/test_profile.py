@@ -107,14 +107,8 @@ def test_barrier_loop():
                   mma_ops=0, fma_ops=0, threadgroup_memory_bytes=group * 4)
 
 
-# ---- today's attention kernels: the tiled forward, and the backward with one simdgroup per row
-# (JFM_ROWS_PER_GROUP = 4) ----------------------------------------------------------------------
-# The closed forms below follow the loop structure of shaders/flash_attention_{fwd,bwd}.metal. The
-# tiled backward kernels replace the row-per-simdgroup ones: replace their formulas with those of
-# the new loop structure (test_attention_counts stays as it is).
-
-ROWS_PER_GROUP = 4
-SIMD = 32
+# ---- today's attention kernels: the tiled forward and the tiled backward -----------------------
+# The closed forms below follow the loop structure of shaders/flash_attention_{fwd,bwd}.metal.
 
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -165,61 +159,123 @@ def tiled_forward_counts(problem, mask):
     return c
 
 
+def _union(visible):
+    """(lo, hi) of the indices some row of a block sees (visible: bool [rows, cols]), or None."""
+    cols = np.flatnonzero(visible.any(axis=0))
+    return (cols[0], cols[-1]) if cols.size else None
+
+
+def tiled_dq_counts(problem, mask):
+    """Counts of bwd_dq: per threadgroup (BQ query rows), Q and dO staged, D as the diagonal of
+    dO O^T (O read once, 2 row-sum shuffles), L2 and g_lse read by the 4 lanes of each valid row,
+    D stored; then per key block meeting the block's visible union: V and K staged, dP, S and
+    dS K as MMAs; dQ stored."""
+    bq, bk, sg, threads, lengths_read = _launch(problem, "bwd_dq")
+    one_buffer = profile_shared_stream(problem)
+    s, d, h = ITEMSIZE[problem.dtype], problem.head_dim, problem.heads
+    df, kf = d // 8, bk // 8
+    q_valid = _valid(problem.q_lengths, problem.q_len, problem.batch)
+    c = _zero_counts()
+    for b in range(problem.batch):
+        for i0 in range(0, problem.q_len, bq):
+            rows = min(bq, problem.q_len - i0)
+            valid = int(np.clip(q_valid[b] - i0, 0, bq))
+            c["threadgroups"] += 1
+            c["device_bytes_read"] += lengths_read + 3 * valid * d * s + 2 * 4 * 4 * valid
+            c["device_bytes_written"] += rows * (d * s + 4)
+            c["threadgroup_bytes_written"] += 2 * bq * d * s
+            c["threadgroup_bytes_read"] += threads * df * 2 * s
+            c["simd_ops"] += 2 * sg
+            c["mma_ops"] += sg * df
+            c["barriers"] += 1
+            union = _union(mask[b, i0:i0 + bq])
+            if union is None:
+                continue
+            lo, hi = union
+            blocks = hi // bk - lo // bk + 1
+            c["device_bytes_read"] += 2 * (hi - lo + 1) * d * s
+            c["threadgroup_bytes_written"] += blocks * 2 * bk * d * s
+            c["threadgroup_bytes_read"] += blocks * threads * 2 * s * df * (2 + 3 * kf)
+            c["barriers"] += blocks * (4 if one_buffer else 2)
+            c["mma_ops"] += blocks * 3 * sg * df * kf
+    c = {k: int(v) * h for k, v in c.items()}
+    c["threadgroup_memory_bytes"] = (2 * bq + (1 if one_buffer else 2) * bk) * (d * s + 16)
+    return c
+
+
+def tiled_dkdv_counts(problem, mask, stage):
+    """Counts of bwd_dkdv (bwd_dk, bwd_dv): per threadgroup (BKV keys), K (and V for dK) staged
+    if some query sees a key of the block; per query head of the group and query block meeting
+    the visible union: dO and/or Q staged (the one-buffer kernels restage in between), L2 and D
+    staged, dP^T (dK), S^T, dK += dS^T Q, dV += P^T dO as MMAs; dK/dV stored."""
+    bkv, bq, sg, threads, lengths_read = _launch(problem, stage)
+    want_dk, want_dv = stage != "bwd_dv", stage != "bwd_dk"
+    one_buffer = profile_shared_stream(problem)
+    s, d, hk = ITEMSIZE[problem.dtype], problem.head_dim, problem.kv_heads
+    g = problem.heads // hk
+    df, qf = d // 8, bq // 8
+    kv_valid = _valid(problem.kv_lengths, problem.kv_len, problem.batch)
+    c = _zero_counts()
+    for b in range(problem.batch):
+        for j0 in range(0, problem.kv_len, bkv):
+            keys = min(bkv, problem.kv_len - j0)
+            c["threadgroups"] += 1
+            c["device_bytes_read"] += lengths_read
+            c["device_bytes_written"] += keys * d * s * (want_dk + want_dv)
+            union = _union(mask[b, :, j0:j0 + bkv].T)
+            if union is None:
+                continue
+            lo, hi = union
+            valid = int(np.clip(kv_valid[b] - j0, 0, bkv))
+            c["device_bytes_read"] += (1 + want_dk) * valid * d * s
+            c["threadgroup_bytes_written"] += (1 + want_dk) * bkv * d * s
+            blocks = g * (hi // bq - lo // bq + 1)
+            c["device_bytes_read"] += g * (2 * (hi - lo + 1) * d * s + 8 * (hi - lo + 1))
+            c["threadgroup_bytes_written"] += blocks * (2 * bq * d * s + 8 * bq)  # Q, dO, L2, D
+            # S^T, and dP^T, dK += dS^T Q for dK, dV += P^T dO for dV
+            c["mma_ops"] += blocks * sg * df * qf * (1 + 2 * want_dk + want_dv)
+            abt = (1 + want_dk) * (df + df * qf)  # fragments of S^T (and dP^T)
+            ab = (want_dk + want_dv) * df * qf
+            stats = 2 * qf * (8 if want_dk else 4)  # (L2, D) per element; L2 only for dV
+            c["threadgroup_bytes_read"] += blocks * threads * (2 * s * (abt + ab) + stats)
+            c["barriers"] += blocks * (4 if one_buffer else 2)
+    c = {k: int(v) * hk for k, v in c.items()}
+    stride_bytes = d * s + 16
+    c["threadgroup_memory_bytes"] = (bkv * stride_bytes + (bkv * stride_bytes if want_dk else 16)
+                                     + (1 if one_buffer else 2) * bq * stride_bytes + 8 * bq)
+    return c
+
+
+def _launch(problem, stage):
+    """(rows, cols, simdgroups, threads) of a stage's tile shape, and the bytes every
+    threadgroup reads from the length buffers (each thread reads its batch entry)."""
+    shape = ext.tile_shape(stage, TYPE_NAME[problem.dtype], problem.head_dim)
+    lengths_read = 4 * shape["threads"] * ((problem.q_lengths is not None)
+                                           + (problem.kv_lengths is not None))
+    return shape["rows"], shape["cols"], shape["simdgroups"], shape["threads"], lengths_read
+
+
+def profile_shared_stream(problem):
+    """Whether the backward kernels of this problem use one streamed tile (tile_shapes.h)."""
+    return ITEMSIZE[problem.dtype] * problem.head_dim > 512
+
+
+def _valid(lengths, allocated, batch):
+    return np.asarray(lengths) if lengths is not None else np.full(batch, allocated)
+
+
+def _zero_counts():
+    return dict(threadgroups=0, device_bytes_read=0, device_bytes_written=0,
+                threadgroup_bytes_written=0, threadgroup_bytes_read=0, simd_ops=0, barriers=0,
+                mma_ops=0, fma_ops=0)
+
+
 def expected_counts(problem):
-    """{stage: counts} of the fwd, bwd_preprocess, bwd_dq and bwd_dkdv kernels."""
+    """{stage: counts} of the fwd kernel and of the backward stages (ext.bwd_stages)."""
     mask = problem.visibility()  # reference.visibility: the semantics, not the kernels
-    s = ITEMSIZE[problem.dtype]
-    d, h, hk = problem.head_dim, problem.heads, problem.kv_heads
-    g = h // hk
-    lanes_lengths = 4 * SIMD * ((problem.q_lengths is not None) + (problem.kv_lengths is not None))
-    q_valid = (np.asarray(problem.q_lengths) if problem.q_lengths is not None
-               else np.full(problem.batch, problem.q_len))
-    out = {}
-
-    def tally(**c):
-        return {k: int(v) for k, v in c.items()}
-
-    out["fwd"] = tiled_forward_counts(problem, mask)
-    n = mask.sum(axis=2)          # [batch, q_len] visible keys per query row
-    nb = -(-n // SIMD)            # key blocks of 32
-    live = n > 0
-    rows = problem.batch * problem.q_len * h
-    valid = np.arange(problem.q_len)[None, :] < q_valid[:, None]  # [batch, q_len]
-    q_lengths_read = 4 * SIMD * (problem.q_lengths is not None)
-    out["bwd_preprocess"] = tally(
-        threadgroups=-(-problem.q_len // ROWS_PER_GROUP) * h * problem.batch,
-        device_bytes_read=h * (valid.sum() * (2 * d * s + 4)) + rows * q_lengths_read,
-        device_bytes_written=rows * 4,
-        threadgroup_bytes_written=0, threadgroup_bytes_read=0,
-        simd_ops=h * valid.sum(), barriers=0, mma_ops=0, fma_ops=h * valid.sum() * d,
-        threadgroup_memory_bytes=0)
-    out["bwd_dq"] = tally(
-        threadgroups=-(-problem.q_len // ROWS_PER_GROUP) * h * problem.batch,
-        # q and dO rows staged, lse and delta read by all 32 lanes, K twice and V once per key.
-        device_bytes_read=h * (live * (2 * d * s + 2 * 4 * SIMD) + 3 * n * d * s).sum()
-        + rows * lanes_lengths,
-        device_bytes_written=rows * d * s,
-        threadgroup_bytes_written=h * (live * 2 * 4 * d + 4 * SIMD * nb).sum(),
-        threadgroup_bytes_read=h * (2 * 4 * d * n + 4 * SIMD * n).sum(),
-        # fma in the dP dot product and the dS K axpy; the score is formed without fma, in the
-        # forward's MMA order (jfm_score_log2).
-        simd_ops=h * (live + nb).sum(), barriers=0, mma_ops=0, fma_ops=h * (2 * n * d).sum(),
-        threadgroup_memory_bytes=ROWS_PER_GROUP * (2 * d + 2 * SIMD) * 4)
-    m = mask.sum(axis=1)          # [batch, kv_len] visible queries per key row
-    mb = -(-m // SIMD)
-    live_k = m > 0
-    key_rows = problem.batch * problem.kv_len * hk
-    out["bwd_dkdv"] = tally(
-        threadgroups=-(-problem.kv_len // ROWS_PER_GROUP) * hk * problem.batch,
-        # k and v rows staged; per query of each head: q and dO twice each, lse and delta.
-        device_bytes_read=hk * (live_k * 2 * d * s + g * m * (4 * d * s + 8)).sum()
-        + key_rows * lanes_lengths,
-        device_bytes_written=key_rows * 2 * d * s,
-        threadgroup_bytes_written=hk * (live_k * 2 * 4 * d + g * mb * 2 * 4 * SIMD).sum(),
-        threadgroup_bytes_read=hk * (g * m * (2 * 4 * d + 2 * 4 * SIMD)).sum(),
-        simd_ops=hk * (live_k + g * mb).sum(), barriers=0, mma_ops=0,
-        fma_ops=hk * (g * m * 3 * d).sum(),  # dP, and the dV and dK axpys
-        threadgroup_memory_bytes=ROWS_PER_GROUP * (2 * d + 4 * SIMD) * 4)
+    out = {"fwd": tiled_forward_counts(problem, mask), "bwd_dq": tiled_dq_counts(problem, mask)}
+    for stage in ext.bwd_stages(problem.head_dim)[1:]:
+        out[stage] = tiled_dkdv_counts(problem, mask, stage)
     return out
 
 
@@ -233,6 +289,11 @@ ATTENTION_CASES = [
      "--kv-lengths", "70,30", "--causal-alignment", "bottom_right"],
     # bf16, D with a partial last chunk of lanes (48 = 32 + 16)
     ["--dtype", "bfloat16", "--head-dim", "48", "--q-len", "33", "--heads", "1", "--kv-heads", "1"],
+    # split dK and dV kernels (D >= 160); float32: one streamed tile, one simdgroup
+    ["--dtype", "float16", "--head-dim", "192", "--q-len", "21", "--kv-len", "30", "--heads", "2",
+     "--kv-heads", "1", "--causal", "--causal-alignment", "bottom_right"],
+    ["--dtype", "float32", "--head-dim", "160", "--q-len", "19", "--kv-len", "12", "--heads", "2",
+     "--kv-heads", "2", "--window", "5,2"],
 ]
 
 
@@ -241,7 +302,8 @@ def make_problem(argv):
     return profile.Problem(args, args.dtype[0], args.head_dim[0])
 
 
-@pytest.mark.parametrize("argv", ATTENTION_CASES, ids=["causal-gqa", "window-lengths", "bf16"])
+@pytest.mark.parametrize("argv", ATTENTION_CASES,
+                         ids=["causal-gqa", "window-lengths", "bf16", "split", "one-buffer"])
 def test_attention_counts(argv):
     problem = make_problem(argv)
     expected = expected_counts(problem)
@@ -254,7 +316,7 @@ def test_attention_counts(argv):
         assert r["threads_per_threadgroup"] == shape["threads"]
         got = {k: r[k] for k in expected[stage]}
         assert got == expected[stage], stage
-    assert seen == ["fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv"]
+    assert seen == ["fwd", *ext.bwd_stages(problem.head_dim)]
 
 
 # ---- CLI ------------------------------------------------------------------------------------
@@ -270,7 +332,7 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
     assert "roofline MODEL" in out
     records = json.loads(path.read_text())
     assert [r["kernel"] for r in records] == [
-        f"flash_attention_{s}_f32_d16" for s in ("fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv")]
+        f"flash_attention_{s}_f32_d16" for s in ("fwd", "bwd_dq", "bwd_dkdv")]
     keys = ["kernel", "dtype", "head_dim", "batch", "q_len", "kv_len", "heads", "kv_heads",
             "causal", "threadgroups", "threads_per_threadgroup", "threadgroup_memory_bytes",
             "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
