@@ -9,7 +9,9 @@
 //          results: o [B,Tq,H,D] (dtype of q), lse float32 [B,H,Tq] (natural log, -inf for a
 //                   row with no visible key), l2 float32 [B,H,Tq] (the base-2 statistic
 //                   L2 = m + log2(l) of the log2-domain scores; JFM_EMPTY_ROW_L2 for an empty
-//                   row; the residual the backward needs)
+//                   row; the residual the backward needs), workspace float32
+//                   [decode_workspace_elements(...)] (the decode's split partials; [0] when
+//                   the tiled forward runs; planned by XLA like the backward's delta)
 // Backward args:    q, k, v, o, l2 (the forward's), do [B,Tq,H,D], g_lse float32 [B,H,Tq]
 //                   (the LSE cotangent), then the optional
 //                   lengths as above
@@ -39,11 +41,24 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionBwdMetal);
 namespace jfm {
 
 // The kernels a call runs, in order, with their grids and estimated work: forward the fwd
-// kernel; backward bwd_stages: bwd_dq (and D), bwd_dkdv or bwd_dk, bwd_dv. The handlers cut these into
+// kernel, or for a decode call (decode_splits > 0) decode_partial then decode_combine; backward
+// bwd_stages: bwd_dq (and D), bwd_dkdv or bwd_dk, bwd_dv. The handlers cut these into
 // submissions with plan_submissions (dispatch_plan.h); tests read them through _ext.
 std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
                                          int64_t q_len, int64_t kv_len, int64_t heads,
-                                         int64_t kv_heads, int64_t head_dim);
+                                         int64_t kv_heads, int64_t head_dim, int gpu_cores);
+
+// The decode's key splits per (batch, kv head) on a GPU of `gpu_cores` cores, or 0 when the
+// forward runs the tiled kernel: decode needs 1 <= q_len <= JFM_DECODE_MAX_Q_LEN and the
+// (heads / kv_heads) * q_len rows of one KV head within one pass-1 tile (tile_shapes.h). The
+// lowering sizes the forward's workspace result with it (through _ext), the handler checks it.
+int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, int64_t kv_len,
+                      int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores);
+
+// float32 elements of the decode workspace: [batch, kv_heads, splits, G * q_len, head_dim + 2]
+// (partial O, then m and l, per row); 0 when splits is 0.
+int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t kv_heads,
+                                  int64_t head_dim, int64_t splits);
 
 // One kernel family's dispatch shape from shaders/tile_shapes.h: rows per threadgroup, block size
 // of the traversed dimension, simdgroups and threads per threadgroup, and (forward only) whether

@@ -120,7 +120,8 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
         return (f"flash_attention: dtype {dtype} has no {implementation} kernels "
                 f"(float32, float16, bfloat16 only)")
     # The kernels (stages) the direction runs, as ffi/attention_ffi.cc dispatches them.
-    stages = ("fwd",) if direction == "fwd" else tuple(_ext.bwd_stages(head_dim))
+    stages = (("fwd", "decode_partial", "decode_combine") if direction == "fwd"
+              else tuple(_ext.bwd_stages(head_dim)))
     names = kernel_names(implementation)
     missing = [f"flash_attention_{s}_{suffix}_d{head_dim}" for s in stages
                if f"flash_attention_{s}_{suffix}_d{head_dim}" not in names]
@@ -158,15 +159,26 @@ def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q
 def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):
     """Emit the forward FFI call: args (q, k, v, [q_lengths], [kv_lengths]) -> (o, lse, l2).
 
+    Short queries against a long KV cache take the split-KV decode kernels (the handler decides,
+    ``ffi/attention_ffi.h`` decode_splits); their float32 workspace is a fourth result of the
+    custom call, sized here by the extension's own rule (``_ext.decode_splits`` for this device,
+    0 elements for the tiled forward) and dropped, like the backward's delta.
+
     ``params`` are the primitive's static params (scale, is_causal, window_left, window_right,
     bottom_right, has_q_lengths, has_kv_lengths). Raises ValueError for a head dim or dtype the
     device has no kernel for, or when ``implementation`` is not in this build.
     """
-    q = ctx.avals_in[0]
+    q, k = ctx.avals_in[0], ctx.avals_in[1]
     _check_built(implementation)
     check_supported(implementation, "fwd", q.dtype, q.shape[3])
+    batch, q_len, num_heads, head_dim = q.shape
+    _, workspace_elements = _ext.decode_splits(
+        _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, k.shape[1], num_heads, k.shape[2],
+        head_dim, implementation)
+    workspace = ShapedArray((workspace_elements,), np.float32)
+    call_ctx = ctx.replace(avals_out=(*ctx.avals_out, workspace))
     rule = jax.ffi.ffi_lowering(_target("fwd", implementation))
-    return rule(ctx, *args, **_attributes(**params))
+    return list(rule(call_ctx, *args, **_attributes(**params)))[:3]
 
 
 def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):

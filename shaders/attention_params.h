@@ -31,6 +31,7 @@ typedef uint32_t uint;
 #define JFM_BUFFER_DV 12
 #define JFM_BUFFER_PARAMS 13
 #define JFM_BUFFER_L2 14
+#define JFM_BUFFER_WORKSPACE 15  // the decode's float32 split partials (jfm_decode_workspace_row)
 
 // The forward's base-2 softmax statistic L2 = m + log2(l) (float32 [B, H, Tq], the residual the
 // backward recomputes P = exp2(S2 - L2) from) for a row with no visible key: finite, so no
@@ -65,10 +66,11 @@ struct AttentionParams {
   uint block_offset;
   uint head_offset;
   uint batch_offset;
+  uint splits;  // decode only: key splits per (batch, kv head), the pass-1 grid's x extent
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(AttentionParams) == 68, "AttentionParams layout must match the shaders");
+static_assert(sizeof(AttentionParams) == 72, "AttentionParams layout must match the shaders");
 }  // namespace jfm
 #endif
 
