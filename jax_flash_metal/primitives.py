@@ -9,7 +9,8 @@ implementation: str | None. A length operand is present only when its has_* flag
 
 Rules per primitive: abstract eval, eager impl (a cached ``jax.jit`` of the bind, so eager calls use
 the same lowering as compiled ones), a batching rule that folds vmapped axes into the batch
-dimension, a default lowering (``mlir.lower_fun`` of the jnp reference, every platform) and a
+dimension, a default lowering (``mlir.lower_fun`` of the xla implementation, ``xla_attention``,
+every platform) and a
 ``cpu`` lowering that resolves ``implementation`` and, for "metal"/"emulator", hands over to
 ``ffi_lowering``. The organisation follows JAX's own cuDNN attention primitives.
 """
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import implementations, reference
+from . import implementations, xla_attention
 from ._jax_private import ShapedArray
 
 fwd_p = Primitive("flash_attention_fwd")
@@ -163,19 +164,19 @@ ad.primitive_jvps[bwd_p] = _make_no_jvp(bwd_p)
 
 # ---------------------------------------------------------------- lowering
 
-def _reference_fwd(*args, has_q_lengths, has_kv_lengths, **params):
+def _xla_fwd(*args, has_q_lengths, has_kv_lengths, **params):
     (q, k, v), ql, kl = _split(fwd_p, args, has_q_lengths, has_kv_lengths)
-    return list(reference.forward(q, k, v, ql, kl, **params))
+    return list(xla_attention.forward(q, k, v, ql, kl, **params))
 
 
-def _reference_bwd(*args, has_q_lengths, has_kv_lengths, **params):
+def _xla_bwd(*args, has_q_lengths, has_kv_lengths, **params):
     main, ql, kl = _split(bwd_p, args, has_q_lengths, has_kv_lengths)
-    return list(reference.backward(*main, ql, kl, **params))
+    return list(xla_attention.backward(*main, ql, kl, **params))
 
 
-_REFERENCE_LOWERING = {
-    fwd_p: mlir.lower_fun(_reference_fwd, multiple_results=True),
-    bwd_p: mlir.lower_fun(_reference_bwd, multiple_results=True),
+_XLA_LOWERING = {
+    fwd_p: mlir.lower_fun(_xla_fwd, multiple_results=True),
+    bwd_p: mlir.lower_fun(_xla_bwd, multiple_results=True),
 }
 
 
@@ -184,11 +185,11 @@ def _platforms(ctx):
 
 
 def _make_default_lowering(prim):
-    """Every platform without a specific rule: the jnp reference ("xla")."""
+    """Every platform without a specific rule: the xla implementation."""
     def lowering(ctx, *args, **params):
         for platform in _platforms(ctx):
             implementations.resolve(params["implementation"], platform)  # raises if fused asked
-        return _REFERENCE_LOWERING[prim](ctx, *args, **params)
+        return _XLA_LOWERING[prim](ctx, *args, **params)
     return lowering
 
 
@@ -200,9 +201,9 @@ def _make_cpu_lowering(prim, ffi_name):
     def lowering(ctx, *args, **params):
         params = coerce_params(**params)
         impl = implementations.resolve(params["implementation"], "cpu")
-        # Empty problems need no kernel launch; the reference returns the right zeros / -inf.
+        # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):
-            return _REFERENCE_LOWERING[prim](ctx, *args, **params)
+            return _XLA_LOWERING[prim](ctx, *args, **params)
         from . import ffi_lowering
         params["implementation"] = impl
         return getattr(ffi_lowering, ffi_name)(ctx, *args, **params)

@@ -1,10 +1,10 @@
-"""Plain ``jax.numpy`` attention: the "xla" implementation and the documented reference.
+"""``reference_attention``: the plain dense ``jax.numpy`` definition of DESIGN.md section 3.
 
 ``forward`` materialises the [batch, kv_heads, group, q_len, kv_len] score tensor and applies the
-visibility rules of DESIGN.md section 3 with ``where`` (never by adding large negatives), so rows
-with no visible key give exactly 0 output and ``-inf`` LSE. ``backward`` is the FlashAttention-2
-recompute backward (Dao, "FlashAttention-2", 2023, Algorithm 2) from (q, k, v, o, lse, dO, g_lse),
-not autodiff of ``forward``: it is the oracle the fused Metal backward kernels are checked against.
+visibility rules (``visibility.Band``) with ``where`` (never by adding large negatives), so rows
+with no visible key give exactly 0 output and ``-inf`` LSE. Its gradients come from ordinary JAX
+autodiff, to any order and in forward mode too. The primitives do not lower to it: their
+memory-linear lowering is ``xla_attention``.
 
 All math is float32 (matmuls at HIGHEST precision); outputs are cast back to the input dtype; LSE is
 float32 ``[batch, num_heads, q_len]`` in natural log. Query head n uses kv head
@@ -17,40 +17,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import validation
+from . import validation, visibility
 
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
-
-
-def _lengths(lengths, batch, full):
-    if lengths is None:
-        return jnp.full((batch,), full, jnp.int32)
-    return lengths.astype(jnp.int32)
-
-
-def visibility(batch, q_len, kv_len, q_lengths, kv_lengths, *, is_causal, window_left,
-               window_right, bottom_right):
-    """Boolean mask [batch, q_len, kv_len]: may query row i see key j (DESIGN.md section 3)?
-
-    Also returns the per-batch valid-row mask [batch, q_len] (i < q_len_b).
-    """
-    ql = _lengths(q_lengths, batch, q_len)[:, None, None]
-    kl = _lengths(kv_lengths, batch, kv_len)[:, None, None]
-    i = jnp.arange(q_len, dtype=jnp.int32)[None, :, None]
-    j = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
-    diag = i + (kl - ql if bottom_right else 0)  # the key aligned with query row i
-    row_ok = i < ql
-    mask = row_ok & (j < kl)
-    if is_causal:
-        mask &= j <= diag
-    # Compare offsets from the diagonal, not diag +/- bound: a bound near INT32_MAX must not
-    # overflow int32.
-    if window_left >= 0:
-        mask &= diag - j <= window_left
-    if window_right >= 0:
-        mask &= j - diag <= window_right
-    return mask, row_ok[:, :, 0]
 
 
 def _split_heads(x, num_kv_heads):
@@ -99,9 +69,10 @@ def forward(q, k, v, q_lengths=None, kv_lengths=None, *, scale, is_causal=False,
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
     batch, q_len, num_heads, _ = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
-    mask, _ = visibility(
-        batch, q_len, kv_len, q_lengths, kv_lengths, is_causal=is_causal,
-        window_left=window_left, window_right=window_right, bottom_right=bottom_right)
+    band = visibility.Band(batch, q_len, kv_len, q_lengths, kv_lengths, is_causal=is_causal,
+                           window_left=window_left, window_right=window_right,
+                           bottom_right=bottom_right)
+    mask = band.mask(jnp.arange(q_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32))
     qf = _split_heads(q.astype(_F32), num_kv_heads)
     s, m4 = _scores(qf, k.astype(_F32), scale, mask)
     has_key = jnp.any(m4, axis=-1)  # [B, 1, 1, Tq]
@@ -119,47 +90,6 @@ def forward(q, k, v, q_lengths=None, kv_lengths=None, *, scale, is_causal=False,
     o = o.reshape(q.shape).astype(q.dtype)
     lse = lse.reshape(batch, num_heads, q_len)
     return o, lse
-
-
-def backward(q, k, v, o, lse, do, g_lse, q_lengths=None, kv_lengths=None, *, scale,
-             is_causal=False, window_left=-1, window_right=-1, bottom_right=False,
-             **unused_static):
-    """FlashAttention-2 recompute backward; returns (dq, dk, dv) in the input dtypes.
-
-    D_i = rowsum(dO_i * O_i) - g_lse_i (0 for rows past q_len); P = exp(S - lse) on visible
-    entries and exactly 0 elsewhere (so an empty row with lse = -inf gives 0, never NaN);
-    dV = P^T dO; dP = dO V^T; dS = P * (dP - D); dQ = scale dS K; dK = scale dS^T Q, with dK/dV
-    summed over the query heads of each kv head group.
-    """
-    del unused_static
-    batch, q_len, num_heads, _ = q.shape
-    _, kv_len, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    mask, row_ok = visibility(
-        batch, q_len, kv_len, q_lengths, kv_lengths, is_causal=is_causal,
-        window_left=window_left, window_right=window_right, bottom_right=bottom_right)
-    qf = _split_heads(q.astype(_F32), num_kv_heads)
-    dof = _split_heads(do.astype(_F32), num_kv_heads)
-    of = _split_heads(o.astype(_F32), num_kv_heads)
-    kf = k.astype(_F32)
-    lse5 = lse.astype(_F32).reshape(batch, num_kv_heads, group, q_len)
-    g5 = g_lse.astype(_F32).reshape(batch, num_kv_heads, group, q_len)
-    delta = jnp.einsum("bqhgd,bqhgd->bhgq", dof, of, precision=_HI) - g5
-    delta = jnp.where(row_ok[:, None, None, :], delta, 0.0)
-
-    s, m4 = _scores(qf, kf, scale, mask)
-    p = jnp.where(m4, jnp.exp(jnp.where(m4, s - lse5[..., None], 0.0)), 0.0)
-    maskf = mask.astype(_F32)  # [B, Tq, Tkv], the same for every head
-    dv = _contract("bhgqk,bqhgd->bkhd", p, dof)
-    dv = _poison(dv, jnp.einsum("bqk,bqhd->bkhd", maskf, _nonfinite(dof).sum(axis=3)))
-    # Invisible (i, j) pairs are selected away, so a NaN there (e.g. in a padded V row) is dropped.
-    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dof, v.astype(_F32), precision=_HI)
-    ds = jnp.where(m4, p * (dp - delta[..., None]), 0.0)
-    dq = _contract("bhgqk,bkhd->bqhgd", ds, kf) * jnp.float32(scale)
-    dq = _poison(dq, jnp.einsum("bqk,bkhd->bqhd", maskf, _nonfinite(kf))[:, :, :, None, :])
-    dk = _contract("bhgqk,bqhgd->bkhd", ds, qf) * jnp.float32(scale)
-    dk = _poison(dk, jnp.einsum("bqk,bqhd->bkhd", maskf, _nonfinite(qf).sum(axis=3)))
-    return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
 
 
 def reference_attention(query, key, value, *, scale=None, is_causal=False, local_window_size=None,
