@@ -4,8 +4,9 @@ Key j is visible to query row i of batch b when i < q_len_b, j < kv_len_b, and (
 ``diag = i + off_b``, ``off_b = kv_len_b - q_len_b`` for bottom-right alignment, else 0) the causal
 and local-window bounds hold: ``diag - left <= j <= diag + right``. ``Band`` holds these rules with
 the per-batch lengths (traced int32) and answers two questions: the boolean mask of any block of
-(rows, keys), and the span of keys (or rows) that a block of rows (or keys) can possibly touch, so
-blockwise code visits only the blocks that intersect the band.
+(rows, keys), and the interval of keys each row sees (or of rows that see each key): visibility
+is always one contiguous interval per row, which lets blockwise code visit only the blocks that
+intersect the band and count visible entries with prefix sums.
 """
 
 from __future__ import annotations
@@ -44,41 +45,56 @@ class Band:
         right = min(window_right, reach) if window_right >= 0 else None
         self.right = 0 if is_causal else right  # causal: j <= diag (window right >= 0 is looser)
 
-    def mask(self, rows, keys):
+    def mask(self, rows, keys, *, check_rows=True, check_keys=True):
         """bool [batch, len(rows), len(keys)] for int32 query indices ``rows`` and key indices
-        ``keys`` (absolute positions; positions past the lengths are simply invisible)."""
+        ``keys`` (absolute positions; positions past the lengths are simply invisible).
+
+        ``check_rows=False`` / ``check_keys=False`` promise that every given row / key is within
+        the lengths (no lengths were given and nothing is padded), which skips those compares;
+        the result is then None when every pair is visible.
+        """
         i = rows[None, :, None]
         j = keys[None, None, :]
-        visible = (i < self.q_lengths[:, None, None]) & (j < self.kv_lengths[:, None, None])
+        conditions = []
+        if check_rows:
+            conditions.append(i < self.q_lengths[:, None, None])
+        if check_keys:
+            conditions.append(j < self.kv_lengths[:, None, None])
         diag = i + self.offset[:, None, None]
         # Offsets from the diagonal, not diag +/- bound, so nothing can overflow int32.
         if self.right is not None:
-            visible &= j - diag <= self.right
+            conditions.append(j - diag <= self.right)
         if self.left is not None:
-            visible &= diag - j <= self.left
-        return visible
+            conditions.append(diag - j <= self.left)
+        if not conditions:
+            return None
+        visible = conditions[0]
+        for c in conditions[1:]:
+            visible = visible & c
+        return jnp.broadcast_to(visible, (self.offset.shape[0], rows.shape[0], keys.shape[0]))
 
-    def key_span(self, row_lo, row_hi):
-        """Half-open key range [lo, hi) (int32 scalars, hi >= lo) outside which no row in
-        [row_lo, row_hi) of any batch entry sees a key; empty when those rows see nothing."""
-        row_hi = jnp.minimum(row_hi, jnp.max(self.q_lengths, initial=0))
-        lo = jnp.int32(0)
-        hi = jnp.max(self.kv_lengths, initial=0)
+    def key_intervals(self, rows):
+        """(lo, hi) int32 [batch, len(rows)]: query row i sees exactly the keys lo <= j < hi
+        (lo == hi for a row that sees none). Visibility is always such an interval."""
+        i = rows[None, :]
+        diag = i + self.offset[:, None]
+        lo = jnp.zeros_like(diag)
+        hi = jnp.broadcast_to(self.kv_lengths[:, None], diag.shape)
         if self.left is not None:
-            lo = jnp.maximum(lo, row_lo + jnp.min(self.offset, initial=0) - self.left)
+            lo = jnp.maximum(lo, diag - self.left)
         if self.right is not None:
-            hi = jnp.minimum(hi, row_hi + jnp.max(self.offset, initial=0) + self.right)
-        hi = jnp.where(row_lo < row_hi, hi, lo)
-        return lo, jnp.maximum(hi, lo)
+            hi = jnp.minimum(hi, diag + self.right + 1)
+        hi = jnp.where(i < self.q_lengths[:, None], jnp.maximum(hi, lo), lo)
+        return lo, hi
 
-    def row_span(self, key_lo, key_hi):
-        """Half-open row range [lo, hi) outside which no row sees a key in [key_lo, key_hi)."""
-        key_hi = jnp.minimum(key_hi, jnp.max(self.kv_lengths, initial=0))
-        lo = jnp.int32(0)
-        hi = jnp.max(self.q_lengths, initial=0)
-        if self.right is not None:
-            lo = jnp.maximum(lo, key_lo - jnp.max(self.offset, initial=0) - self.right)
-        if self.left is not None:
-            hi = jnp.minimum(hi, key_hi - jnp.min(self.offset, initial=0) + self.left)
-        hi = jnp.where(key_lo < key_hi, hi, lo)
-        return lo, jnp.maximum(hi, lo)
+    def row_intervals(self, keys):
+        """(lo, hi) int32 [batch, len(keys)]: key j is seen by exactly the rows lo <= i < hi."""
+        j = keys[None, :]
+        lo = jnp.zeros((self.offset.shape[0], keys.shape[0]), jnp.int32)
+        hi = jnp.broadcast_to(self.q_lengths[:, None], lo.shape)
+        if self.right is not None:  # j <= i + off + right
+            lo = jnp.maximum(lo, j - self.offset[:, None] - self.right)
+        if self.left is not None:  # i + off - left <= j
+            hi = jnp.minimum(hi, j - self.offset[:, None] + self.left + 1)
+        hi = jnp.where(j < self.kv_lengths[:, None], jnp.maximum(hi, lo), lo)
+        return lo, hi

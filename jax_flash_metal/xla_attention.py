@@ -30,7 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import visibility
+from . import nonfinite, visibility
 from . import xla_tiles as tiles
 
 F32 = tiles.F32
@@ -112,7 +112,9 @@ def _from_row_blocks(x, length):
 
 
 def _all_finite(*xs):
-    return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in xs])
+    # x * 0 is 0 for finite x and NaN otherwise; a float sum compiles far faster than a
+    # boolean all-reduction on XLA:CPU.
+    return jnp.isfinite(functools.reduce(jnp.add, [jnp.sum(x * 0.0) for x in xs]))
 
 
 def _block(x, i):
@@ -123,107 +125,157 @@ def _add_block(x, i, part):
     return jax.lax.dynamic_update_index_in_dim(x, _block(x, i) + part, i, 0)
 
 
-def _block_range(lo, hi, size):
-    """Indices of the blocks of ``size`` that cover positions [lo, hi)."""
-    return lo // size, (hi + size - 1) // size
+def _block_ranges(lo, hi, n, size, other):
+    """Per block of ``size`` positions (``n`` blocks), the range [first, last) of blocks of
+    ``other`` positions that its intervals lo, hi [B, n * size] touch in any batch entry."""
+    lo, hi = lo.reshape(-1, n, size), hi.reshape(-1, n, size)
+    empty = hi <= lo
+    first = jnp.min(jnp.where(empty, jnp.iinfo(jnp.int32).max, lo), axis=(0, 2))
+    last = jnp.max(jnp.where(empty, 0, hi), axis=(0, 2))
+    none = last <= first
+    return (jnp.where(none, 0, first // other),
+            jnp.where(none, 0, (last + other - 1) // other))
 
 
-def _band(batch, q_len, kv_len, q_lengths, kv_lengths, is_causal, window_left, window_right,
-          bottom_right):
-    return visibility.Band(batch, q_len, kv_len, q_lengths, kv_lengths, is_causal=is_causal,
+def _nan_rows(x):
+    """A key row with any non-finite entry becomes all-NaN, so its scores are NaN (adding the
+    row's sum of x * 0: 0 for a finite row, NaN otherwise)."""
+    return x + jnp.sum(x * 0.0, axis=-1, keepdims=True)
+
+
+def _zero_nonfinite(x):
+    return jnp.where(jnp.isfinite(x), x, 0.0)
+
+
+class _Blocks:
+    """The block grid of one call: the band, the tiling, and the two loop drivers.
+
+    ``check_rows`` / ``check_keys``: whether tiles must compare positions with the lengths
+    (lengths were given, or the last block is padded).
+    """
+
+    def __init__(self, band, t: _Tiling, q_len, kv_len, has_q_lengths, has_kv_lengths):
+        self.band, self.t = band, t
+        self.check_rows = has_q_lengths or t.nq * t.br != q_len
+        self.check_keys = has_kv_lengths or t.nk * t.bc != kv_len
+
+    def visible(self, r, c):
+        t = self.t
+        return self.band.mask(r * t.br + jnp.arange(t.br, dtype=jnp.int32),
+                              c * t.bc + jnp.arange(t.bc, dtype=jnp.int32),
+                              check_rows=self.check_rows, check_keys=self.check_keys)
+
+    def over_query_blocks(self, init, step, finish, qb):
+        """For each query block r (rows of ``qb`` [nq, ...]): state = init(q_r), then
+        state = step(state, c, q_r, visible) for every key block c that r can see, then
+        finish(state). Returns the stacked results ([nq, ...] leaves)."""
+        t = self.t
+        if t.dense:
+            q = qb[0]
+            return jax.tree_util.tree_map(lambda x: x[None],
+                                          finish(step(init(q), 0, q, self.visible(0, 0))))
+        lo, hi = self.band.key_intervals(jnp.arange(t.nq * t.br, dtype=jnp.int32))
+        firsts, lasts = _block_ranges(lo, hi, t.nq, t.br, t.bc)
+
+        def query_block(_, xs):
+            r, q, first, last = xs
+            state = jax.lax.fori_loop(first, last,
+                                      lambda c, s: step(s, c, q, self.visible(r, c)), init(q))
+            return None, finish(state)
+
+        return jax.lax.scan(query_block, None,
+                            (jnp.arange(t.nq, dtype=jnp.int32), qb, firsts, lasts))[1]
+
+    def over_key_blocks(self, row_init, tile, key_xs):
+        """For each key block c (``key_xs``: arrays [nk, ...]) and every query block r that can
+        see it, ``tile(r, xs_c, visible)`` -> (row part, key part); row parts are summed into
+        ``row_init`` (leaves [nq, ...]) at block r, key parts per key block, in a fixed order
+        (deterministic). Returns (row sums, stacked key sums [nk, ...])."""
+        t = self.t
+        if t.dense:
+            rows, keys = tile(0, jax.tree_util.tree_map(lambda x: x[0], key_xs),
+                              self.visible(0, 0))
+            return (jax.tree_util.tree_map(lambda x: x[None], rows),
+                    jax.tree_util.tree_map(lambda x: x[None], keys))
+        lo, hi = self.band.row_intervals(jnp.arange(t.nk * t.bc, dtype=jnp.int32))
+        firsts, lasts = _block_ranges(lo, hi, t.nk, t.bc, t.br)
+
+        def key_block(row_acc, xs):
+            c, first, last, xs = xs
+            # The key sums start at zero, shaped like one tile's key part.
+            zero_keys = jax.tree_util.tree_map(
+                lambda s: jnp.zeros(s.shape, s.dtype),
+                jax.eval_shape(lambda: tile(0, xs, self.visible(0, c))[1]))
+
+            def body(r, accs):
+                rows, keys = tile(r, xs, self.visible(r, c))
+                row_acc = jax.tree_util.tree_map(lambda a, p: _add_block(a, r, p), accs[0], rows)
+                return row_acc, jax.tree_util.tree_map(jnp.add, accs[1], keys)
+
+            return jax.lax.fori_loop(first, last, body, (row_acc, zero_keys))
+
+        return jax.lax.scan(key_block, row_init,
+                            (jnp.arange(t.nk, dtype=jnp.int32), firsts, lasts, key_xs))
+
+
+def _setup(q, k, q_lengths, kv_lengths, is_causal, window_left, window_right, bottom_right):
+    batch, q_len, _, _ = q.shape
+    kv_len = k.shape[1]
+    band = visibility.Band(batch, q_len, kv_len, q_lengths, kv_lengths, is_causal=is_causal,
                            window_left=window_left, window_right=window_right,
                            bottom_right=bottom_right)
+    t = tiling(q_len, kv_len)
+    return _Blocks(band, t, q_len, kv_len, q_lengths is not None, kv_lengths is not None), t
+
+
+def _heads_major(x):
+    """[B, T, N, D] -> [B, N, T, D] (the sequence axis where ``nonfinite`` counts along it)."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _poison_if(pred, out, counts_fn):
+    """out with NaN where ``counts_fn()`` (computed only when ``pred``) is positive."""
+    return jax.lax.cond(pred, lambda o: nonfinite.poison(o, counts_fn()), lambda o: o, out)
+
+
+def _per_query_head(counts):
+    """Counts [B, HKV, T, D] of a kv head -> [B, T, HKV, 1, D] against [B, T, HKV, G, D]."""
+    return _heads_major(counts)[:, :, :, None, :]
 
 
 # ------------------------------------------------------------------------- forward
-
-def _forward_blocks(band, t: _Tiling, qb, kb, vb, exact_nonfinite):
-    """(o [nq, B, HKV, G, Br, D], lse [nq, B, HKV, G, Br]) for blocked inputs."""
-    rows_in = jnp.arange(t.br, dtype=jnp.int32)
-    keys_in = jnp.arange(t.bc, dtype=jnp.int32)
-    hits_shape = qb.shape[1:3] + qb.shape[4:]
-
-    def step(state, q, c, rows):
-        visible = band.mask(rows, c * t.bc + keys_in)
-        return tiles.forward_step(state, q, _block(kb, c), _block(vb, c), visible,
-                                  exact_nonfinite)
-
-    if t.dense:
-        state = step(tiles.running_init(qb[0], hits_shape, exact_nonfinite), qb[0], 0, rows_in)
-        return tuple(x[None] for x in tiles.forward_finish(state))
-
-    def query_block(_, xs):
-        r, q = xs
-        rows = r * t.br + rows_in
-        c_lo, c_hi = _block_range(*band.key_span(r * t.br, (r + 1) * t.br), t.bc)
-        state = jax.lax.fori_loop(c_lo, c_hi, lambda c, s: step(s, q, c, rows),
-                                  tiles.running_init(q, hits_shape, exact_nonfinite))
-        return None, tiles.forward_finish(state)
-
-    return jax.lax.scan(query_block, None, (jnp.arange(t.nq, dtype=jnp.int32), qb))[1]
-
 
 def forward(q, k, v, q_lengths=None, kv_lengths=None, *, scale, is_causal=False, window_left=-1,
             window_right=-1, bottom_right=False, **unused_static):
     """(o [B, Tq, H, D] in q.dtype, lse float32 [B, H, Tq]); see the module docstring."""
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
-    batch, q_len, num_heads, _ = q.shape
+    batch, q_len, num_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     if 0 in (batch, q_len, kv_len):
         return jnp.zeros(q.shape, q.dtype), jnp.full((batch, num_heads, q_len), -jnp.inf, F32)
-    band = _band(batch, q_len, kv_len, q_lengths, kv_lengths, is_causal, window_left,
-                 window_right, bottom_right)
-    t = tiling(q_len, kv_len)
+    blocks, t = _setup(q, k, q_lengths, kv_lengths, is_causal, window_left, window_right,
+                       bottom_right)
     kv_valid = _valid(kv_lengths, kv_len)
     qb = _query_blocks(q, kv_heads, t, _valid(q_lengths, q_len), scale)
     kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
-    run = lambda exact: functools.partial(_forward_blocks, band, t, exact_nonfinite=exact)  # noqa: E731
-    o, lse = jax.lax.cond(_all_finite(qb, kb, vb), run(False), run(True), qb, kb, vb)
-    return _from_query_blocks(o, q_len, q.dtype), _from_row_blocks(lse, q_len)
+    k_nan, v_zeroed = _nan_rows(kb), _zero_nonfinite(vb)
+
+    def step(state, c, q, visible):
+        return tiles.forward_step(state, q, _block(k_nan, c), _block(v_zeroed, c), visible)
+
+    o, lse = blocks.over_query_blocks(tiles.running_init, step, tiles.forward_finish, qb)
+    o = _from_query_blocks(o, q_len, F32).reshape(batch, q_len, kv_heads, -1, head_dim)
+
+    def counts():
+        lo, hi = blocks.band.key_intervals(jnp.arange(q_len, dtype=jnp.int32))
+        return _per_query_head(nonfinite.interval_counts(
+            nonfinite.indicator(_heads_major(v)), lo, hi))
+
+    o = _poison_if(~_all_finite(vb), o, counts)
+    return o.reshape(q.shape).astype(q.dtype), _from_row_blocks(lse, q_len)
 
 
 # ------------------------------------------------------------------------- backward
-
-def _backward_blocks(band, t: _Tiling, qb, kb, vb, dob, lseb, deltab, exact_nonfinite):
-    """(dq [nq, B, HKV, G, Br, D] unscaled, dk, dv [nk, B, HKV, Bc, D]) for blocked inputs."""
-    rows_in = jnp.arange(t.br, dtype=jnp.int32)
-    keys_in = jnp.arange(t.bc, dtype=jnp.int32)
-
-    def tile(r, k, v, keys):
-        visible = band.mask(r * t.br + rows_in, keys)
-        return tiles.backward_tile(_block(qb, r), k, v, _block(dob, r), _block(lseb, r),
-                                   _block(deltab, r), visible, exact_nonfinite)
-
-    if t.dense:
-        g = tile(0, kb[0], vb[0], keys_in)
-        return (tiles.poison(g.dq, g.dq_hits, per_group=True)[None],
-                tiles.poison(g.dk, g.dk_hits)[None], tiles.poison(g.dv, g.dv_hits)[None])
-
-    def add_tile(r, acc, k, v, keys):
-        g = tile(r, k, v, keys)
-        at_row = lambda a, b: None if a is None else _add_block(a, r, b)  # noqa: E731
-        plus = lambda a, b: None if a is None else a + b  # noqa: E731
-        return tiles.Grads(at_row(acc.dq, g.dq), plus(acc.dk, g.dk), plus(acc.dv, g.dv),
-                           at_row(acc.dq_hits, g.dq_hits), plus(acc.dk_hits, g.dk_hits),
-                           plus(acc.dv_hits, g.dv_hits))
-
-    def key_block(dq_acc, xs):
-        c, k, v = xs
-        keys = c * t.bc + keys_in
-        r_lo, r_hi = _block_range(*band.row_span(c * t.bc, (c + 1) * t.bc), t.br)
-        zeros = jnp.zeros(k.shape, F32)
-        init = tiles.Grads(dq_acc[0], zeros, zeros, dq_acc[1],
-                           *((zeros, zeros) if exact_nonfinite else (None, None)))
-        acc = jax.lax.fori_loop(r_lo, r_hi, lambda r, a: add_tile(r, a, k, v, keys), init)
-        dk, dv = tiles.poison(acc.dk, acc.dk_hits), tiles.poison(acc.dv, acc.dv_hits)
-        return (acc.dq, acc.dq_hits), (dk, dv)
-
-    dq_hits = jnp.zeros(qb.shape[:3] + qb.shape[4:], F32) if exact_nonfinite else None
-    (dq, dq_hits), (dk, dv) = jax.lax.scan(
-        key_block, (jnp.zeros(qb.shape, F32), dq_hits), (jnp.arange(t.nk, dtype=jnp.int32), kb,
-                                                          vb))
-    return tiles.poison(dq, dq_hits, per_group=True), dk, dv
-
 
 def backward(q, k, v, o, lse, do, g_lse, q_lengths=None, kv_lengths=None, *, scale,
              is_causal=False, window_left=-1, window_right=-1, bottom_right=False,
@@ -232,24 +284,49 @@ def backward(q, k, v, o, lse, do, g_lse, q_lengths=None, kv_lengths=None, *, sca
     g_lse: delta = rowsum(dO * O) - g_lse (0 for rows past q_len), then the FlashAttention-2
     recompute backward. Rows with no visible key and padding contribute nothing."""
     del unused_static
-    batch, q_len, num_heads, _ = q.shape
+    batch, q_len, num_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     if 0 in (batch, q_len, kv_len):
         return jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape,
                                                                                    v.dtype)
-    band = _band(batch, q_len, kv_len, q_lengths, kv_lengths, is_causal, window_left,
-                 window_right, bottom_right)
-    t = tiling(q_len, kv_len)
+    blocks, t = _setup(q, k, q_lengths, kv_lengths, is_causal, window_left, window_right,
+                       bottom_right)
     q_valid, kv_valid = _valid(q_lengths, q_len), _valid(kv_lengths, kv_len)
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(F32), o.astype(F32),
                        precision=jax.lax.Precision.HIGHEST) - g_lse.astype(F32)
     if q_valid is not None:
         delta = jnp.where(q_valid[:, None, :], delta, 0.0)
-    blocks = (_query_blocks(q, kv_heads, t, q_valid, scale), _key_blocks(k, t, kv_valid),
-              _key_blocks(v, t, kv_valid), _query_blocks(do, kv_heads, t, q_valid),
-              _row_blocks(lse, kv_heads, t), _row_blocks(delta, kv_heads, t))
-    finite = _all_finite(*blocks[:4], blocks[5]) & ~jnp.any(jnp.isnan(blocks[4]))
-    run = lambda exact: functools.partial(_backward_blocks, band, t, exact_nonfinite=exact)  # noqa: E731
-    dq, dk, dv = jax.lax.cond(finite, run(False), run(True), *blocks)
-    return (_from_query_blocks(dq * jnp.float32(scale), q_len, q.dtype),
-            _from_key_blocks(dk, kv_len, k.dtype), _from_key_blocks(dv, kv_len, v.dtype))
+    qb, dob = _query_blocks(q, kv_heads, t, q_valid, scale), _query_blocks(do, kv_heads, t,
+                                                                           q_valid)
+    kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
+    row_xs = (qb, _zero_nonfinite(qb), dob, _zero_nonfinite(dob), _row_blocks(lse, kv_heads, t),
+              _row_blocks(delta, kv_heads, t))
+
+    def tile(r, xs, visible):
+        q_r, q_zeroed, do_r, do_zeroed, lse_r, delta_r = (_block(x, r) for x in row_xs)
+        dq, dk, dv = tiles.backward_tile(tiles.BackwardOperands(
+            q_r, q_zeroed, *xs, do_r, do_zeroed, lse_r, delta_r), visible)
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = blocks.over_key_blocks(jnp.zeros(qb.shape, F32), tile,
+                                          (_nan_rows(kb), _zero_nonfinite(kb), vb))
+    dq = _from_query_blocks(dq * jnp.float32(scale), q_len, F32)
+    dk, dv = _from_key_blocks(dk, kv_len, F32), _from_key_blocks(dv, kv_len, F32)
+
+    def poisoned(grads):
+        dq, dk, dv = grads
+        lo, hi = blocks.band.key_intervals(jnp.arange(q_len, dtype=jnp.int32))
+        dq_counts = _per_query_head(nonfinite.interval_counts(
+            nonfinite.indicator(_heads_major(k)), lo, hi))
+        lo, hi = blocks.band.row_intervals(jnp.arange(kv_len, dtype=jnp.int32))
+        group = (batch, q_len, kv_heads, num_heads // kv_heads, head_dim)
+
+        def key_counts(x):  # [B, Tkv, HKV, D]: visible rows with a non-finite x, over the group
+            bad = nonfinite.indicator(x.reshape(group), group_axis=3)
+            return _heads_major(nonfinite.interval_counts(_heads_major(bad), lo, hi))
+
+        dq = nonfinite.poison(dq.reshape(group), dq_counts).reshape(q.shape)
+        return dq, nonfinite.poison(dk, key_counts(q)), nonfinite.poison(dv, key_counts(do))
+
+    dq, dk, dv = jax.lax.cond(~_all_finite(qb, kb, dob), poisoned, lambda g: g, (dq, dk, dv))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

@@ -1,18 +1,18 @@
 """The per-tile math of the xla implementation: one (query block, key block) step of
 FlashAttention-2 (Dao, "FlashAttention-2", 2023: Algorithm 1 forward, Algorithm 2 backward).
 
-Layout inside a tile (float32): q, dO, O ``[B, HKV, G, Br, D]`` (query head ``hkv * G + g``, so
+Layout inside a tile (float32): q, dO ``[B, HKV, G, Br, D]`` (query head ``hkv * G + g``, so
 grouped-query attention never repeats K/V), k, v ``[B, HKV, Bc, D]``, row statistics
-``[B, HKV, G, Br]``, ``visible`` bool ``[B, Br, Bc]`` (the same for every head). q arrives
-multiplied by the softmax scale.
+``[B, HKV, G, Br]``, ``visible`` bool ``[B, Br, Bc]`` (the same for every head) or None when every
+pair of the tile is visible. q arrives multiplied by the softmax scale.
 
-Every function takes ``exact_nonfinite``. False is the fast path, valid when every value operand
-is finite: plain matmuls, because a probability of exactly 0 at an invisible pair times a finite
-value is 0. True keeps DESIGN.md's NaN placement when some input is non-finite: non-finite
-values are zeroed before each contraction (so a weight of 0 cannot turn them into NaN) and counted
-at the visible pairs that read them (``hits``); the outputs are set to NaN where a count is
-positive. Scores and weights are always selected with ``visible`` before they reach a sum, so a
-NaN weight only ever reaches the outputs of visible pairs.
+Non-finite inputs (DESIGN.md section 3) cost nothing here: the caller passes each operand in the
+form that makes plain matmuls place NaN exactly. Scores use k with every non-finite key row made
+all-NaN (a key with an Inf entry scores NaN, not a -inf that would quietly weigh it 0) and raw q;
+dP uses raw v and dO; and scores, P and dS are selected with ``visible`` before any sum, so a NaN
+there reaches only the outputs of visible pairs. The operands that are weighted by P or dS (v in
+the forward; dO, k, q in the backward) arrive with non-finite entries zeroed, since a weight of
+exactly 0 times NaN would be NaN; ``nonfinite`` puts the NaN back where a visible pair read one.
 """
 
 from __future__ import annotations
@@ -30,112 +30,70 @@ def _dot(spec, a, b):
     return jnp.einsum(spec, a, b, precision=_HI, preferred_element_type=F32)
 
 
-def _finite_values(x, exact_nonfinite):
-    return jnp.where(jnp.isfinite(x), x, 0.0) if exact_nonfinite else x
-
-
-def _nonfinite(x, group_axis=None):
-    """1.0 where x is NaN/Inf (summed over the query-head group axis when given)."""
-    bad = (~jnp.isfinite(x)).astype(F32)
-    return bad if group_axis is None else jnp.sum(bad, axis=group_axis)
-
-
-def _hits(spec, visible, bad):
-    """How many visible pairs read a non-finite entry (``bad`` from _nonfinite), per output."""
-    return _dot(spec, visible.astype(F32), bad)
-
-
-def poison(out, hits, per_group=False):
-    """NaN wherever a visible pair read a non-finite value (hits > 0). ``per_group``: out has
-    the query-head group axis before its last two (rows, head_dim) and hits does not."""
-    if hits is None:
-        return out
-    return jnp.where((hits[..., None, :, :] if per_group else hits) > 0, jnp.nan, out)
-
-
-def scores(q, k, visible, exact_nonfinite):
-    """Scaled scores [B, HKV, G, Br, Bc], ``-inf`` at invisible pairs. A key with a non-finite
-    entry scores NaN (not a -inf that would quietly weigh it 0)."""
-    s = _dot("bhgqd,bhkd->bhgqk", q, _finite_values(k, exact_nonfinite))
-    if exact_nonfinite:
-        bad_key = ~jnp.all(jnp.isfinite(k), axis=-1)[:, :, None, None, :]
-        s = jnp.where(bad_key, jnp.nan, s)
-    return jnp.where(visible[:, None, None], s, -jnp.inf)
+def _masked(visible, x, fill):
+    """x [B, HKV, G, Br, Bc] with ``fill`` at invisible pairs."""
+    return x if visible is None else jnp.where(visible[:, None, None], x, fill)
 
 
 class Running(NamedTuple):
-    """Online-softmax state of a block of query rows: running max m, running sum l,
-    unnormalised output acc, and (exact_nonfinite only) the non-finite hit count of acc."""
+    """Online-softmax state of a block of query rows: running max m, running sum l and the
+    unnormalised output acc."""
 
     m: jax.Array
     l: jax.Array
     acc: jax.Array
-    hits: jax.Array | None
 
 
-def running_init(q, kv_heads_shape, exact_nonfinite):
-    """The state before any key: m = -inf, l = 0, acc = 0."""
+# The running max starts at the lowest finite float, not -inf: every visible score is >= it, and
+# exp(-inf - LOWEST) = 0 for invisible ones, so no step needs a -inf - -inf guard.
+LOWEST = float(jnp.finfo(F32).min)
+
+
+def running_init(q):
+    """The state before any key: m = LOWEST, l = 0, acc = 0."""
     rows = q.shape[:-1]
-    hits = jnp.zeros(kv_heads_shape, F32) if exact_nonfinite else None
-    return Running(jnp.full(rows, -jnp.inf, F32), jnp.zeros(rows, F32), jnp.zeros(q.shape, F32),
-                   hits)
+    return Running(jnp.full(rows, LOWEST, F32), jnp.zeros(rows, F32), jnp.zeros(q.shape, F32))
 
 
-def forward_step(state, q, k, v, visible, exact_nonfinite):
+def forward_step(state, q, k_nan, v_zeroed, visible):
     """Fold one key block into the running state (rescaling by exp(m_old - m_new))."""
-    s = scores(q, k, visible, exact_nonfinite)
+    s = _masked(visible, _dot("bhgqd,bhkd->bhgqk", q, k_nan), -jnp.inf)
     m = jnp.maximum(state.m, jnp.max(s, axis=-1))
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)  # no key seen yet: exp(-inf - 0) = 0, never NaN
-    p = jnp.exp(s - m_safe[..., None])
-    alpha = jnp.exp(state.m - m_safe)
-    l = alpha * state.l + jnp.sum(p, axis=-1)
-    acc = alpha[..., None] * state.acc + _dot("bhgqk,bhkd->bhgqd", p,
-                                              _finite_values(v, exact_nonfinite))
-    hits = state.hits
-    if exact_nonfinite:
-        hits = hits + _hits("bqk,bhkd->bhqd", visible, _nonfinite(v))
-    return Running(m, l, acc, hits)
+    p = jnp.exp(s - m[..., None])
+    alpha = jnp.exp(state.m - m)
+    return Running(m, alpha * state.l + jnp.sum(p, axis=-1),
+                   alpha[..., None] * state.acc + _dot("bhgqk,bhkd->bhgqd", p, v_zeroed))
 
 
 def forward_finish(state):
-    """(o, lse) of the finished rows: o = acc / l and lse = m + log l, or exactly 0 and -inf for
-    a row that saw no key (l == 0). A NaN l (a NaN score) keeps o and lse NaN."""
+    """(o, lse) of finished rows: o = acc / l and lse = m + log l, or exactly 0 and -inf for a
+    row that saw no key (l == 0). A NaN l (a NaN score) keeps o and lse NaN."""
     empty = state.l == 0.0
     o = jnp.where(empty[..., None], 0.0, state.acc / state.l[..., None])
-    o = poison(o, state.hits, per_group=True)
     return o, jnp.where(empty, -jnp.inf, state.m + jnp.log(state.l))
 
 
-class Grads(NamedTuple):
-    """One tile's contributions: dq (unscaled) to the query block, dk/dv to the key block, and
-    with exact_nonfinite their hit counts (dq_hits [B, HKV, Br, D] shared by the group)."""
+class BackwardOperands(NamedTuple):
+    """One tile's backward inputs, each in the form the module docstring gives."""
 
-    dq: jax.Array
-    dk: jax.Array
-    dv: jax.Array
-    dq_hits: jax.Array | None
-    dk_hits: jax.Array | None
-    dv_hits: jax.Array | None
+    q: jax.Array         # raw (times scale)
+    q_zeroed: jax.Array  # non-finite entries 0 (for dK)
+    k_nan: jax.Array     # non-finite key rows all-NaN (for the scores)
+    k_zeroed: jax.Array  # (for dQ)
+    v: jax.Array         # raw (for dP)
+    do: jax.Array        # raw (for dP)
+    do_zeroed: jax.Array  # (for dV)
+    lse: jax.Array
+    delta: jax.Array
 
 
-def backward_tile(q, k, v, do, lse, delta, visible, exact_nonfinite):
-    """FlashAttention-2 backward of one tile from the forward's lse (float32 rows, ``-inf`` for
-    empty rows) and delta = rowsum(dO * O) - g_lse: P = exp(S - lse), dV = P^T dO,
-    dP = dO V^T, dS = P (dP - delta), dQ = dS K, dK = dS^T (scale q)."""
-    lse_safe = jnp.where(lse == -jnp.inf, 0.0, lse)  # an empty row has only -inf scores
-    p = jnp.exp(scores(q, k, visible, exact_nonfinite) - lse_safe[..., None])
-    # dP uses raw V and dO: a non-finite entry there reaches dS only at visible pairs.
-    dp = _dot("bhgqd,bhkd->bhgqk", do, v)
-    ds = p * (dp - delta[..., None])
-    if exact_nonfinite:  # a NaN lse or dP at an invisible pair must not leak into dS or dV
-        vis = visible[:, None, None]
-        p = jnp.where(vis, p, 0.0)
-        ds = jnp.where(vis, ds, 0.0)
-    dv = _dot("bhgqk,bhgqd->bhkd", p, _finite_values(do, exact_nonfinite))
-    dq = _dot("bhgqk,bhkd->bhgqd", ds, _finite_values(k, exact_nonfinite))
-    dk = _dot("bhgqk,bhgqd->bhkd", ds, _finite_values(q, exact_nonfinite))
-    if not exact_nonfinite:
-        return Grads(dq, dk, dv, None, None, None)
-    return Grads(dq, dk, dv, _hits("bqk,bhkd->bhqd", visible, _nonfinite(k)),
-                 _hits("bqk,bhqd->bhkd", visible, _nonfinite(q, group_axis=2)),
-                 _hits("bqk,bhqd->bhkd", visible, _nonfinite(do, group_axis=2)))
+def backward_tile(x: BackwardOperands, visible):
+    """(dq unscaled, dk, dv) contributions of one tile: P = exp(S - lse) (lse = -inf for empty
+    rows), dV = P^T dO, dP = dO V^T, dS = P (dP - delta), dQ = dS K, dK = dS^T (scale q)."""
+    lse = jnp.maximum(x.lse, LOWEST)  # an empty row (-inf) has only invisible pairs
+    s = _dot("bhgqd,bhkd->bhgqk", x.q, x.k_nan)
+    p = jnp.exp(_masked(visible, s - lse[..., None], -jnp.inf))
+    dp = _dot("bhgqd,bhkd->bhgqk", x.do, x.v)
+    ds = _masked(visible, p * (dp - x.delta[..., None]), 0.0)
+    return (_dot("bhgqk,bhkd->bhgqd", ds, x.k_zeroed), _dot("bhgqk,bhgqd->bhkd", ds, x.q_zeroed),
+            _dot("bhgqk,bhgqd->bhkd", p, x.do_zeroed))
