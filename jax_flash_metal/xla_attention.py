@@ -34,9 +34,9 @@ from . import nonfinite, visibility
 from . import xla_tiles as tiles
 
 F32 = tiles.F32
-DENSE_MAX_LEN = 512
-BLOCK_Q = 256
-BLOCK_K = 256
+DENSE_MAX_LEN = 256
+BLOCK_Q = 128
+BLOCK_K = 128
 
 
 class _Tiling(NamedTuple):
@@ -318,15 +318,15 @@ def backward(q, k, v, o, lse, do, g_lse, q_lengths=None, kv_lengths=None, *, sca
         lo, hi = blocks.band.key_intervals(jnp.arange(q_len, dtype=jnp.int32))
         dq_counts = _per_query_head(nonfinite.interval_counts(
             nonfinite.indicator(_heads_major(k)), lo, hi))
+        # dK and dV counts in one pass: q's and dO's indicators side by side on the last axis.
         lo, hi = blocks.band.row_intervals(jnp.arange(kv_len, dtype=jnp.int32))
         group = (batch, q_len, kv_heads, num_heads // kv_heads, head_dim)
-
-        def key_counts(x):  # [B, Tkv, HKV, D]: visible rows with a non-finite x, over the group
-            bad = nonfinite.indicator(x.reshape(group), group_axis=3)
-            return _heads_major(nonfinite.interval_counts(_heads_major(bad), lo, hi))
-
+        bad = jnp.concatenate([nonfinite.indicator(x.reshape(group), group_axis=3)
+                               for x in (q, do)], axis=-1)
+        key_counts = _heads_major(nonfinite.interval_counts(_heads_major(bad), lo, hi))
         dq = nonfinite.poison(dq.reshape(group), dq_counts).reshape(q.shape)
-        return dq, nonfinite.poison(dk, key_counts(q)), nonfinite.poison(dv, key_counts(do))
+        return (dq, nonfinite.poison(dk, key_counts[..., :head_dim]),
+                nonfinite.poison(dv, key_counts[..., head_dim:]))
 
     dq, dk, dv = jax.lax.cond(~_all_finite(qb, kb, dob), poisoned, lambda g: g, (dq, dk, dv))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
