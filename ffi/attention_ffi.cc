@@ -4,7 +4,6 @@
 #include "attention_ffi.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -13,16 +12,13 @@
 
 #include "attention_params.h"
 #include "device.h"
+#include "dispatch_plan.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace jfm {
 namespace {
-
-// 2^36 multiply-adds: well under a second on any Apple GPU even at low utilisation, far from
-// the watchdog's multi-second limit.
-std::atomic<uint64_t> g_submission_budget{uint64_t{1} << 36};
 
 ffi::Error invalid(const std::string& message) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_flash_metal: " + message);
@@ -190,9 +186,8 @@ ffi::Error read_lengths(ffi::RemainingArgs rest, const Options& o, const Problem
   return load(o.has_kv_lengths, "kv_lengths", p.kv_len, kv_lengths);
 }
 
-std::string kernel_name(const char* stage, const Problem& p) {
-  return std::string("flash_attention_") + stage + "_" + p.suffix + "_d" +
-         std::to_string(p.head_dim);
+std::string kernel_name(const char* stage, const char* suffix, int64_t head_dim) {
+  return std::string("flash_attention_") + stage + "_" + suffix + "_d" + std::to_string(head_dim);
 }
 
 ffi::Error require_kernel(Device& device, const std::string& kernel, const Problem& p) {
@@ -224,61 +219,25 @@ AttentionParams make_params(const Problem& p, const Options& o) {
   return params;
 }
 
-// A whole array split along its leading batch dimension.
-struct Array {
-  int index;             // JFM_BUFFER_*
-  void* base;
-  size_t batch_stride;  // bytes per batch element
-  bool written;
-};
-
-Array whole(int index, ffi::AnyBuffer buffer, int64_t batch, bool written) {
-  return Array{index, buffer.untyped_data(), buffer.size_bytes() / static_cast<size_t>(batch),
-               written};
+Binding whole(int index, ffi::AnyBuffer buffer, bool written) {
+  return Binding{index, buffer.untyped_data(), buffer.size_bytes(), written, false};
 }
 
-Array lengths_array(int index, std::vector<int32_t>& values) {
-  return Array{index, values.data(), sizeof(int32_t), false};
+Binding lengths_binding(int index, std::vector<int32_t>& values) {
+  return Binding{index, values.data(), values.size() * sizeof(int32_t), false, true};
 }
 
-struct Stage {
-  std::string kernel;
-  int64_t rows;   // q_len or kv_len
-  int64_t heads;  // num_heads or num_kv_heads
-  std::vector<Array> arrays;
-};
+std::vector<StageShape> stages_of(bool backward, const Problem& p) {
+  return attention_stages(backward, p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads,
+                          p.head_dim);
+}
 
-// One submission per chunk of whole batch elements, each running every stage in order on
-// its chunk; chunks are sized so that none exceeds the submission budget.
-std::vector<Submission> plan(const Problem& p, const Options& o, const std::vector<Stage>& stages,
-                             double multiply_adds_per_batch) {
-  const double budget = static_cast<double>(g_submission_budget.load());
-  const int64_t chunk = std::clamp<int64_t>(
-      static_cast<int64_t>(budget / std::max(multiply_adds_per_batch, 1.0)), 1, p.batch);
-  std::vector<Submission> submissions;
-  for (int64_t b0 = 0; b0 < p.batch; b0 += chunk) {
-    const int64_t nb = std::min(chunk, p.batch - b0);
-    AttentionParams params = make_params(p, o);
-    params.batch = static_cast<uint32_t>(nb);
-    Submission submission;
-    for (const Stage& stage : stages) {
-      Dispatch d;
-      d.kernel = stage.kernel;
-      d.groups = {static_cast<uint32_t>((stage.rows + JFM_ROWS_PER_GROUP - 1) / JFM_ROWS_PER_GROUP),
-                  static_cast<uint32_t>(stage.heads), static_cast<uint32_t>(nb)};
-      d.group_size = {JFM_THREADS_PER_GROUP, 1, 1};
-      for (const Array& a : stage.arrays) {
-        d.buffers.push_back(Binding{a.index, static_cast<char*>(a.base) + b0 * a.batch_stride,
-                                    static_cast<size_t>(nb) * a.batch_stride, a.written});
-      }
-      d.constants.resize(sizeof(AttentionParams));
-      std::memcpy(d.constants.data(), &params, sizeof(AttentionParams));
-      d.constants_index = JFM_BUFFER_PARAMS;
-      submission.push_back(std::move(d));
-    }
-    submissions.push_back(std::move(submission));
+ffi::Error require_kernels(Device& device, const std::vector<StageShape>& stages,
+                           const Problem& p) {
+  for (const StageShape& stage : stages) {
+    if (ffi::Error e = require_kernel(device, stage.kernel, p); e.failure()) return e;
   }
-  return submissions;
+  return ffi::Error::Success();
 }
 
 ffi::Error run(Device& device, const std::vector<Submission>& submissions) {
@@ -286,6 +245,37 @@ ffi::Error run(Device& device, const std::vector<Submission>& submissions) {
   if (error.empty()) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kInternal,
                     std::string("jax_flash_metal: ") + device.kind() + " device error: " + error);
+}
+
+// Runs the stages (stage i binds buffers[i]) in the submissions of the dispatch plan, each
+// chunk with its offsets in AttentionParams.
+ffi::Error run_stages(Device& device, const Problem& p, const Options& o,
+                      const std::vector<StageShape>& stages,
+                      const std::vector<std::vector<Binding>>& buffers) {
+  const AttentionParams base = make_params(p, o);
+  std::vector<Submission> submissions;
+  for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
+    Submission submission;
+    for (const Chunk& chunk : chunks) {
+      const StageShape& stage = stages[chunk.stage];
+      AttentionParams params = base;
+      params.block_offset = chunk.offset[0];
+      params.head_offset = chunk.offset[1];
+      params.batch_offset = chunk.offset[2];
+      Dispatch d;
+      d.kernel = stage.kernel;
+      d.groups = chunk.groups;
+      d.group_size = {stage.threads, 1, 1};
+      d.buffers = buffers[chunk.stage];
+      d.constants.resize(sizeof(AttentionParams));
+      std::memcpy(d.constants.data(), &params, sizeof(AttentionParams));
+      d.constants_index = JFM_BUFFER_PARAMS;
+      d.multiply_adds = chunk.multiply_adds;
+      submission.push_back(std::move(d));
+    }
+    submissions.push_back(std::move(submission));
+  }
+  return run(device, submissions);
 }
 
 ffi::Error unavailable(const std::string& why) {
@@ -316,20 +306,14 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
     std::fill(l, l + lse.element_count(), -std::numeric_limits<float>::infinity());
     return ffi::Error::Success();
   }
-  const std::string kernel = kernel_name("fwd", p);
-  if (ffi::Error e = require_kernel(*device, kernel, p); e.failure()) return e;
-  std::vector<Stage> stages = {
-      {kernel,
-       p.q_len,
-       p.heads,
-       {whole(JFM_BUFFER_Q, q, p.batch, false), whole(JFM_BUFFER_K, k, p.batch, false),
-        whole(JFM_BUFFER_V, v, p.batch, false), lengths_array(JFM_BUFFER_Q_LENGTHS, q_lengths),
-        lengths_array(JFM_BUFFER_KV_LENGTHS, kv_lengths), whole(JFM_BUFFER_O, o, p.batch, true),
-        whole(JFM_BUFFER_LSE, lse, p.batch, true)}}};
-  // Q·K^T and P·V.
-  const double work = 2.0 * static_cast<double>(p.q_len) * static_cast<double>(p.kv_len) *
-                      static_cast<double>(p.heads) * static_cast<double>(p.head_dim);
-  return run(*device, plan(p, opt, stages, work));
+  const std::vector<StageShape> stages = stages_of(false, p);
+  if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
+  return run_stages(*device, p, opt, stages,
+                    {{whole(JFM_BUFFER_Q, q, false), whole(JFM_BUFFER_K, k, false),
+                      whole(JFM_BUFFER_V, v, false),
+                      lengths_binding(JFM_BUFFER_Q_LENGTHS, q_lengths),
+                      lengths_binding(JFM_BUFFER_KV_LENGTHS, kv_lengths),
+                      whole(JFM_BUFFER_O, o, true), whole(JFM_BUFFER_LSE, lse, true)}});
 }
 
 ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -362,38 +346,21 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
     zero(dv);
     return ffi::Error::Success();
   }
-  const std::string pre = kernel_name("bwd_preprocess", p);
-  const std::string kdq = kernel_name("bwd_dq", p);
-  const std::string kdkdv = kernel_name("bwd_dkdv", p);
-  for (const std::string* kernel : {&pre, &kdq, &kdkdv}) {
-    if (ffi::Error e = require_kernel(*device, *kernel, p); e.failure()) return e;
-  }
-  const Array aq = whole(JFM_BUFFER_Q, q, p.batch, false);
-  const Array ak = whole(JFM_BUFFER_K, k, p.batch, false);
-  const Array av = whole(JFM_BUFFER_V, v, p.batch, false);
-  const Array ao = whole(JFM_BUFFER_O, o, p.batch, false);
-  const Array alse = whole(JFM_BUFFER_LSE, lse, p.batch, false);
-  const Array ado = whole(JFM_BUFFER_DO, d_o, p.batch, false);
-  const Array aglse = whole(JFM_BUFFER_G_LSE, g_lse, p.batch, false);
-  const Array aql = lengths_array(JFM_BUFFER_Q_LENGTHS, q_lengths);
-  const Array akvl = lengths_array(JFM_BUFFER_KV_LENGTHS, kv_lengths);
-  const Array delta_out = whole(JFM_BUFFER_DELTA, delta, p.batch, true);
-  const Array delta_in = whole(JFM_BUFFER_DELTA, delta, p.batch, false);
-  const std::vector<Stage> stages = {
-      {pre, p.q_len, p.heads, {ao, ado, aglse, aql, akvl, delta_out}},
-      {kdq,
-       p.q_len,
-       p.heads,
-       {aq, ak, av, ado, alse, delta_in, aql, akvl, whole(JFM_BUFFER_DQ, dq, p.batch, true)}},
-      {kdkdv,
-       p.kv_len,
-       p.kv_heads,
-       {aq, ak, av, ado, alse, delta_in, aql, akvl, whole(JFM_BUFFER_DK, dk, p.batch, true),
-        whole(JFM_BUFFER_DV, dv, p.batch, true)}}};
-  // dQ recomputes S and dP and forms dS·K; dK/dV recompute S and dP and form P^T·dO and dS^T·Q.
-  const double work = 7.0 * static_cast<double>(p.q_len) * static_cast<double>(p.kv_len) *
-                      static_cast<double>(p.heads) * static_cast<double>(p.head_dim);
-  return run(*device, plan(p, opt, stages, work));
+  const std::vector<StageShape> stages = stages_of(true, p);
+  if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
+  const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
+                bv = whole(JFM_BUFFER_V, v, false), bo = whole(JFM_BUFFER_O, o, false),
+                blse = whole(JFM_BUFFER_LSE, lse, false), bdo = whole(JFM_BUFFER_DO, d_o, false),
+                bglse = whole(JFM_BUFFER_G_LSE, g_lse, false),
+                bql = lengths_binding(JFM_BUFFER_Q_LENGTHS, q_lengths),
+                bkvl = lengths_binding(JFM_BUFFER_KV_LENGTHS, kv_lengths),
+                delta_in = whole(JFM_BUFFER_DELTA, delta, false);
+  return run_stages(
+      *device, p, opt, stages,
+      {{bo, bdo, bglse, bql, bkvl, whole(JFM_BUFFER_DELTA, delta, true)},
+       {bq, bk, bv, bdo, blse, delta_in, bql, bkvl, whole(JFM_BUFFER_DQ, dq, true)},
+       {bq, bk, bv, bdo, blse, delta_in, bql, bkvl, whole(JFM_BUFFER_DK, dk, true),
+        whole(JFM_BUFFER_DV, dv, true)}});
 }
 
 // Handler bodies, one per (direction, device); the device getter is a template argument so the
@@ -479,8 +446,28 @@ Device* get_metal_device(std::string* why) {
 
 }  // namespace
 
-uint64_t set_submission_budget(uint64_t multiply_adds) {
-  return g_submission_budget.exchange(std::max<uint64_t>(multiply_adds, 1));
+std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
+                                         int64_t q_len, int64_t kv_len, int64_t heads,
+                                         int64_t kv_heads, int64_t head_dim) {
+  auto stage = [&](const char* name, int64_t rows, int64_t stage_heads,
+                   double multiply_adds_per_row) {
+    StageShape s;
+    s.kernel = kernel_name(name, dtype_suffix, head_dim);
+    s.rows = rows;
+    s.heads = stage_heads;
+    s.batch = batch;
+    s.rows_per_group = JFM_ROWS_PER_GROUP;
+    s.threads = JFM_THREADS_PER_GROUP;
+    s.multiply_adds_per_group = multiply_adds_per_row * s.rows_per_group;
+    return s;
+  };
+  const double d = static_cast<double>(head_dim), tq = static_cast<double>(q_len),
+               tkv = static_cast<double>(kv_len),
+               group = kv_heads > 0 ? static_cast<double>(heads / kv_heads) : 0.0;
+  if (!backward) return {stage("fwd", q_len, heads, 2 * tkv * d)};  // Q·K^T and P·V
+  return {stage("bwd_preprocess", q_len, heads, d),                 // rowsum(dO * O)
+          stage("bwd_dq", q_len, heads, 3 * tkv * d),               // S, dP and dS·K
+          stage("bwd_dkdv", kv_len, kv_heads, 4 * tq * group * d)};  // S, dP, P^T·dO, dS^T·Q
 }
 
 }  // namespace jfm

@@ -19,7 +19,9 @@
 #define JAX_FLASH_METAL_ATTENTION_FFI_H_
 
 #include <cstdint>
+#include <vector>
 
+#include "dispatch_plan.h"
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionFwdEmulator);
@@ -31,10 +33,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionBwdMetal);
 
 namespace jfm {
 
-// Work per submission (command buffer), in multiply-adds: a call is split into chunks of whole
-// batch elements so that no submission exceeds it (a single batch element is never split).
-// Returns the previous value. Tests lower it to exercise the split on the emulated device.
-uint64_t set_submission_budget(uint64_t multiply_adds);
+// The kernels a call runs, in order, with their grids and estimated work: forward the fwd
+// kernel; backward bwd_preprocess (D), bwd_dq, bwd_dkdv. The handlers cut exactly these into
+// submissions with plan_submissions (dispatch_plan.h); tests read them through _ext.
+std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
+                                         int64_t q_len, int64_t kv_len, int64_t heads,
+                                         int64_t kv_heads, int64_t head_dim);
 
 }  // namespace jfm
 

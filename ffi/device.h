@@ -18,6 +18,9 @@ struct Binding {
   void* data = nullptr;
   size_t size = 0;      // bytes
   bool written = false;  // the kernel writes it (a staging copy must be copied back)
+  // A small read-only host array (the lengths) that the device copies when encoding instead of
+  // binding the memory in place (Metal: setBytes up to 4 KB, else a staging buffer).
+  bool copy = false;
 };
 
 // One kernel launch: grid of `groups` threadgroups of `group_size` threads.
@@ -28,12 +31,18 @@ struct Dispatch {
   std::vector<Binding> buffers;
   std::vector<uint8_t> constants;  // bytes bound as `constant T&` at constants_index
   int constants_index = 0;
+  double multiply_adds = 0;  // the plan's estimate of its work (Metal calibrates from it)
 };
 
 // Dispatches that run in order, each seeing the writes of the ones before it. On Metal a
 // submission is one command buffer; a call is split into several submissions when it is large
-// enough to risk the GPU watchdog.
+// enough to risk the GPU watchdog (dispatch_plan.h).
 using Submission = std::vector<Dispatch>;
+
+// The throughput a plan assumes before anything was measured: multiply-adds per second of the
+// attention kernels on the slowest supported GPU (Apple7, M1: ~1.3e12 fp32 multiply-adds per
+// second at peak), taken well below peak so that the first submissions are short.
+constexpr double kInitialMultiplyAddsPerSecond = 5e10;
 
 class Device {
  public:
@@ -48,6 +57,12 @@ class Device {
   virtual std::vector<std::string> kernel_names() = 0;
   // Why kernels may be missing (e.g. a shader compile error); "" when nothing went wrong.
   virtual std::string library_error() = 0;
+  // Warnings of the shader compiles so far (Metal compiles lazily); "" when none.
+  virtual std::string library_warnings() = 0;
+  // Estimated multiply-adds per second of the kernels: sizes submissions (dispatch_plan.h).
+  // Fixed on the emulated device (kInitialMultiplyAddsPerSecond); on Metal refined from the GPU
+  // time of earlier command buffers.
+  virtual double multiply_adds_per_second() = 0;
   // Runs the submissions in order and returns when all have finished. Returns "" on success,
   // else the device's error message. Safe to call from several threads at once.
   virtual std::string run(const std::vector<Submission>& submissions) = 0;
@@ -56,11 +71,25 @@ class Device {
 // The process-wide emulated device.
 Device& emulated_device();
 
+// The GPUs the kernels are written for: Apple silicon (GPU family Apple7 or newer, unified
+// memory, 32-wide simdgroups; on other GPUs the kernels would give wrong results). Returns ""
+// when a GPU with these traits qualifies, else why not. `simd_width` is a pipeline's
+// threadExecutionWidth (0 = not known yet). Plain C++, so it is tested on every platform.
+std::string apple_gpu_gate(const std::string& name, bool apple7, bool unified_memory,
+                           uint32_t simd_width);
+
 #ifdef JFM_HAVE_METAL
-// The process-wide Metal device, or nullptr when this machine has no Metal GPU (or an OS too
-// old for Metal Shading Language 3.0). `metal_unavailable_reason()` says why.
+// The process-wide Metal device, or nullptr when this machine has no qualifying GPU (see
+// apple_gpu_gate), or an OS too old for Metal Shading Language 3.0. `metal_unavailable_reason()`
+// says why. A device that passes at creation becomes unavailable if a pipeline turns out not to
+// run 32-wide simdgroups.
 Device* metal_device();
 std::string metal_unavailable_reason();
+
+// Test hook: while non-empty, a Metal command buffer holding this kernel is reported as failed
+// (through the same path as a real GPU error, with a synthetic encoder status), so tests on a
+// Mac can check that command buffer errors surface as JAX exceptions naming the kernel.
+void set_metal_fault(const std::string& kernel);
 #endif
 
 // Emulator fiber schedule for every later emulated run: "forward", "reverse" or "random"

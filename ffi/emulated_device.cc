@@ -37,6 +37,10 @@ class EmulatedDevice final : public Device {
   bool has_kernel(const std::string& kernel) override { return emu::has_kernel(kernel); }
   std::vector<std::string> kernel_names() override { return emu::kernel_names(); }
   std::string library_error() override { return ""; }
+  std::string library_warnings() override { return ""; }
+  // A fixed figure, so the emulated device cuts a call exactly as a Metal device does before
+  // its first measurement.
+  double multiply_adds_per_second() override { return kInitialMultiplyAddsPerSecond; }
 
   std::string run(const std::vector<Submission>& submissions) override {
     emu::Launch launch;

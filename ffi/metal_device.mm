@@ -1,18 +1,36 @@
 // The Metal device: runs the shaders/*.metal kernels on the Apple GPU. XLA:CPU calls the FFI
 // handlers with host buffers; on Apple silicon the GPU shares that memory, so buffers are
 // wrapped in place (page-aligned region + offset) or, when Metal refuses, staged through shared
-// buffers from a pool.
+// buffers from a pool. Small read-only arrays (the lengths) are copied into the command with
+// setBytes.
+//
+// Only Apple-silicon GPUs are accepted (apple_gpu_gate in device.h): the kernels assume 32-wide
+// simdgroups and would give wrong results elsewhere.
+//
+// Shader libraries are compiled lazily from the embedded source, one (source file, dtype, head
+// dim) family at a time (JFM_IF_FAMILY in shaders/flash_attention_common.h), so a model pays
+// only for the kernels it uses. Compile warnings are kept (library_warnings) and printed once
+// to stderr.
+//
+// Each submission is one command buffer created with encoder execution status, one encoder per
+// dispatch labelled with its kernel, so a failed command buffer names the dispatch that faulted.
+// The GPU time of every completed command buffer refines the throughput estimate that sizes
+// later submissions (dispatch_plan.h).
 //
 // Memory management: ARC (this file is compiled with -fobjc-arc; there is no manual
 // retain/release). Every method that touches Metal objects runs inside @autoreleasepool.
-// Thread safety: the shader libraries and pipelines are built under one mutex; the staging
-// pool has its own; MTLCommandQueue is itself thread-safe, so handlers may run concurrently.
+// Thread safety: libraries and pipelines are built under one mutex; the staging pool has its
+// own; the throughput estimate is atomic; MTLCommandQueue is itself thread-safe, so handlers may
+// run concurrently.
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
 
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -22,15 +40,122 @@
 #include <vector>
 
 #include "device.h"
+#include "emulator/emulator.h"
 #include "shader_sources.h"
+
+// Encoder status of an injected fault (set_metal_fault): stands in for what Metal reports in
+// MTLCommandBufferEncoderInfoErrorKey, so the injected error takes the real error's path.
+@interface JfmInjectedEncoderInfo : NSObject <MTLCommandBufferEncoderInfo>
+- (instancetype)initWithLabel:(NSString*)label state:(MTLCommandEncoderErrorState)state;
+@end
+
+@implementation JfmInjectedEncoderInfo {
+  NSString* _label;
+  MTLCommandEncoderErrorState _state;
+}
+
+- (instancetype)initWithLabel:(NSString*)label state:(MTLCommandEncoderErrorState)state {
+  self = [super init];
+  if (self != nil) {
+    _label = [label copy];
+    _state = state;
+  }
+  return self;
+}
+
+- (NSString*)label {
+  return _label;
+}
+
+- (NSArray<NSString*>*)debugSignposts {
+  return @[];
+}
+
+- (MTLCommandEncoderErrorState)errorState {
+  return _state;
+}
+@end
 
 namespace jfm {
 namespace {
 
+// setBytes is for data up to 4 KB (Apple's guidance); larger copies go through a buffer.
+constexpr size_t kMaxSetBytes = 4096;
+
+std::mutex g_fault_mutex;
+std::string g_fault_kernel;  // guarded by g_fault_mutex
+
+std::string fault_kernel() {
+  std::lock_guard<std::mutex> lock(g_fault_mutex);
+  return g_fault_kernel;
+}
+
+// The kernel an encoder label names (labels are "<kernel> groups [x, y, z]").
+std::string kernel_of(const std::string& label) { return label.substr(0, label.find(' ')); }
+
+std::string utf8(NSString* text) { return text != nil ? std::string(text.UTF8String) : ""; }
+
 std::string describe(NSError* error) {
   if (error == nil) return "unknown error";
-  NSString* text = error.localizedDescription;
-  return text != nil ? std::string(text.UTF8String) : "unknown error";
+  std::string text = utf8(error.localizedDescription);
+  return text.empty() ? "unknown error" : text;
+}
+
+const char* state_name(MTLCommandEncoderErrorState state) {
+  switch (state) {
+    case MTLCommandEncoderErrorStateCompleted:
+      return "completed";
+    case MTLCommandEncoderErrorStateAffected:
+      return "affected";
+    case MTLCommandEncoderErrorStatePending:
+      return "pending";
+    case MTLCommandEncoderErrorStateFaulted:
+      return "faulted";
+    case MTLCommandEncoderErrorStateUnknown:
+      break;
+  }
+  return "unknown";
+}
+
+// A failed command buffer's error: Metal's description and code, then the status of each of its
+// encoders (labelled with their kernels), or the kernels it held when Metal gave no status.
+std::string failure_message(NSError* error, const std::vector<std::string>& labels) {
+  std::string message = "command buffer failed: " + describe(error);
+  if (error != nil) message += " (MTLCommandBufferError " + std::to_string(error.code) + ")";
+  id infos = error != nil ? error.userInfo[MTLCommandBufferEncoderInfoErrorKey] : nil;
+  std::string encoders;
+  if ([infos isKindOfClass:[NSArray class]]) {
+    for (id<MTLCommandBufferEncoderInfo> info in (NSArray*)infos) {
+      if (!encoders.empty()) encoders += ", ";
+      encoders += utf8(info.label) + " [" + state_name(info.errorState) + "]";
+    }
+  }
+  if (!encoders.empty()) return message + "; encoders: " + encoders;
+  std::string kernels;
+  for (const std::string& label : labels) kernels += (kernels.empty() ? "" : ", ") + label;
+  return message + "; kernels in it: " + kernels;
+}
+
+// The error an injected fault reports: the first encoder of `kernel` faulted, the ones before it
+// completed, the ones after it were affected.
+NSError* injected_error(const std::vector<std::string>& labels, const std::string& kernel) {
+  NSMutableArray* infos = [NSMutableArray array];
+  MTLCommandEncoderErrorState state = MTLCommandEncoderErrorStateCompleted;
+  for (const std::string& label : labels) {
+    const bool faulted =
+        state == MTLCommandEncoderErrorStateCompleted && kernel_of(label) == kernel;
+    if (faulted) state = MTLCommandEncoderErrorStateFaulted;
+    [infos addObject:[[JfmInjectedEncoderInfo alloc]
+                         initWithLabel:[NSString stringWithUTF8String:label.c_str()]
+                                 state:state]];
+    if (faulted) state = MTLCommandEncoderErrorStateAffected;
+  }
+  return [NSError errorWithDomain:MTLCommandBufferErrorDomain
+                             code:MTLCommandBufferErrorInternal
+                         userInfo:@{
+                           NSLocalizedDescriptionKey : @"injected fault (test hook)",
+                           MTLCommandBufferEncoderInfoErrorKey : infos
+                         }];
 }
 
 // Shared-storage staging buffers, reused across calls, for host memory Metal cannot wrap.
@@ -69,58 +194,102 @@ class StagingPool {
   size_t cached_bytes_ = 0;
 };
 
+// The source whose text names `kernel` as a string literal (its host_name), or nullptr.
+const ShaderSource* source_of(const std::vector<ShaderSource>& sources, const std::string& kernel) {
+  const std::string quoted = "\"" + kernel + "\"";
+  for (const ShaderSource& s : sources) {
+    if (std::strstr(s.text, quoted.c_str()) != nullptr) return &s;
+  }
+  return nullptr;
+}
+
+// The kernels the embedded sources instantiate, known without compiling them: the same
+// shaders/*.metal files were translated for the emulator at build time, so its list holds them
+// (with the emulator's own test kernels, which no embedded source names).
+std::vector<std::string> catalogue(const std::vector<ShaderSource>& sources) {
+  std::vector<std::string> names;
+  for (const std::string& name : emu::kernel_names()) {
+    if (source_of(sources, name) != nullptr) names.push_back(name);
+  }
+  return names;
+}
+
+// The MSL element type of a kernel-name dtype suffix (the T of the instantiation lines).
+const char* element_type(const std::string& suffix) {
+  if (suffix == "f32") return "float";
+  if (suffix == "f16") return "half";
+  if (suffix == "bf16") return "ushort";
+  return nullptr;
+}
+
 class MetalDevice final : public Device {
  public:
   MetalDevice(id<MTLDevice> device, id<MTLCommandQueue> queue, MTLLanguageVersion language)
       : device_(device),
         queue_(queue),
         language_(language),
-        name_(device.name.UTF8String),
+        name_(utf8(device.name)),
         page_size_(static_cast<uintptr_t>(sysconf(_SC_PAGESIZE))),
-        staging_(device) {}
+        staging_(device),
+        catalogue_(catalogue(sources_)) {}
 
   const char* kind() const override { return "metal"; }
   std::string name() const override { return name_; }
 
+  // Compiles the kernel's family on first use.
   bool has_kernel(const std::string& kernel) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    load_libraries();
-    return library_of_.count(kernel) != 0;
+    std::string error;
+    return library_for(kernel, &error) != nil;
   }
 
-  std::vector<std::string> kernel_names() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    load_libraries();
-    std::vector<std::string> names;
-    for (const auto& entry : library_of_) names.push_back(entry.first);
-    std::sort(names.begin(), names.end());
-    return names;
-  }
+  std::vector<std::string> kernel_names() override { return catalogue_; }
 
   std::string library_error() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    load_libraries();
     return library_error_;
+  }
+
+  std::string library_warnings() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return library_warnings_;
+  }
+
+  double multiply_adds_per_second() override { return throughput_.load(); }
+
+  // Whether a pipeline failed the gate (not 32-wide simdgroups); lock-free, as every handler
+  // call asks it while another may hold mutex_ compiling.
+  bool gate_failed() const { return gate_failed_.load(); }
+
+  // Why Metal is unusable after gate_failed(), else "".
+  std::string gate_failure() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return gate_failure_;
   }
 
   std::string run(const std::vector<Submission>& submissions) override {
     @autoreleasepool {
-      std::vector<Staged> staged;
-      std::vector<id<MTLCommandBuffer>> committed;
+      Call call;
       std::string error;
       for (const Submission& submission : submissions) {
-        error = encode_and_commit(submission, &staged, &committed);
+        error = encode_and_commit(submission, &call);
         if (!error.empty()) break;
       }
       // Wait for everything committed, even after an error: the GPU may still be using the
       // host memory, which XLA reclaims once the handler returns.
-      for (id<MTLCommandBuffer> command_buffer : committed) {
-        [command_buffer waitUntilCompleted];
-        if (error.empty() && command_buffer.status != MTLCommandBufferStatusCompleted) {
-          error = "command buffer failed: " + describe(command_buffer.error);
+      const std::string fault = fault_kernel();
+      for (const Committed& c : call.committed) {
+        [c.command_buffer waitUntilCompleted];
+        if (!error.empty()) continue;
+        if (c.command_buffer.status != MTLCommandBufferStatusCompleted) {
+          error = failure_message(c.command_buffer.error, c.labels);
+        } else if (!fault.empty() && c.holds(fault)) {
+          error = failure_message(injected_error(c.labels, fault), c.labels);
+        } else {
+          calibrate(c.multiply_adds, c.command_buffer.GPUEndTime - c.command_buffer.GPUStartTime);
         }
       }
-      for (const Staged& s : staged) {
+      for (const Staged& s : call.staged) {
         if (error.empty() && s.copy_back) std::memcpy(s.host, s.buffer.contents, s.size);
         staging_.release(s.buffer);
       }
@@ -137,23 +306,76 @@ class MetalDevice final : public Device {
     bool copy_back;
   };
 
-  // Where a host range is bound for one submission.
+  // Where a host range is bound.
   struct Bound {
     id<MTLBuffer> buffer;
     NSUInteger offset;
     ptrdiff_t staged_index;  // into the Staged list, or -1 when wrapped in place
   };
 
-  // Compiles every embedded source once; a source that fails to compile contributes no
-  // kernels and its message is kept for library_error(). Caller holds mutex_.
-  void load_libraries() {
-    if (loaded_) return;
-    loaded_ = true;
+  struct Committed {
+    id<MTLCommandBuffer> command_buffer;
+    std::vector<std::string> labels;  // its encoders' labels, in order
+    double multiply_adds;
+
+    bool holds(const std::string& kernel) const {
+      return std::any_of(labels.begin(), labels.end(),
+                         [&](const std::string& label) { return kernel_of(label) == kernel; });
+    }
+  };
+
+  // One run(): one Metal buffer per distinct host range for the whole call, so a range written
+  // by one dispatch and read by a later one (the backward's delta), even in a later command
+  // buffer on this queue, is the same hazard-tracked buffer.
+  struct Call {
+    std::map<std::pair<void*, size_t>, Bound> ranges;
+    std::vector<Staged> staged;
+    std::vector<Committed> committed;
+  };
+
+  // Measured GPU time of a command buffer: lower the estimate at once when the GPU was slower
+  // than assumed (the watchdog is what the budget guards against), raise it gradually when it
+  // was faster. Command buffers under a millisecond are mostly launch overhead and not used.
+  void calibrate(double multiply_adds, double seconds) {
+    if (!(seconds >= 1e-3) || multiply_adds <= 0) return;
+    const double observed = multiply_adds / seconds;
+    const double current = throughput_.load();
+    const double next =
+        observed < current ? observed : current * std::pow(observed / current, 0.25);
+    throughput_.store(std::clamp(next, 1e8, 1e15));
+  }
+
+  // The library holding `kernel`, compiling its (source, dtype, head dim) family on first use;
+  // nil with `error` set when the kernel does not exist or its family failed to compile.
+  // Caller holds mutex_.
+  id<MTLLibrary> library_for(const std::string& kernel, std::string* error) {
+    const size_t d = kernel.rfind("_d");
+    const size_t t = d == std::string::npos ? std::string::npos : kernel.rfind('_', d - 1);
+    const char* type = t == std::string::npos ? nullptr
+                                              : element_type(kernel.substr(t + 1, d - t - 1));
+    const ShaderSource* source = source_of(sources_, kernel);
+    if (type == nullptr || source == nullptr) {
+      *error = "no kernel '" + kernel + "' in the shader sources";
+      return nil;
+    }
+    const std::string family = std::string(type) + "_" + kernel.substr(d + 2);
+    const std::string key = std::string(source->file) + ":" + family;
+    auto cached = libraries_.find(key);
+    if (cached == libraries_.end()) {
+      cached = libraries_.emplace(key, compile(*source, family)).first;
+    }
+    if (cached->second == nil) *error = "the shader library failed to compile: " + library_error_;
+    return cached->second;
+  }
+
+  // Compiles one family of one source (JFM_IF_FAMILY); records errors and warnings.
+  id<MTLLibrary> compile(const ShaderSource& source, const std::string& family) {
     @autoreleasepool {
       MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
       options.languageVersion = language_;
-      // Safe math: no reassociation or finite-math assumptions; the kernels rely on IEEE
-      // behaviour for -inf/NaN handling. Kernels call fast:: functions where they choose to.
+      // IEEE semantics for -inf/NaN and no reassociation. Results do not depend on this
+      // setting's default function precision, which differs between macOS versions: the
+      // kernels name fast:: or precise:: math functions explicitly (shaders/README.md).
 #if defined(__MAC_15_0)
       if (@available(macOS 15.0, *)) {
         options.mathMode = MTLMathModeSafe;
@@ -166,21 +388,26 @@ class MetalDevice final : public Device {
 #else
       options.fastMathEnabled = NO;
 #endif
-      for (const ShaderSource& source : shader_sources()) {
-        NSString* text = [[NSString alloc] initWithBytes:source.text
-                                                  length:source.size
-                                                encoding:NSUTF8StringEncoding];
-        NSError* error = nil;
-        id<MTLLibrary> library = [device_ newLibraryWithSource:text options:options error:&error];
-        if (library == nil) {
-          if (!library_error_.empty()) library_error_ += "\n";
-          library_error_ += std::string(source.file) + ": " + describe(error);
-          continue;
-        }
-        for (NSString* function in library.functionNames) {
-          library_of_[function.UTF8String] = library;
-        }
+      options.preprocessorMacros = @{
+        @"JFM_ONE_FAMILY" : @"1",
+        [NSString stringWithUTF8String:("JFM_FAMILY_" + family).c_str()] : @"JFM_SELECTED"
+      };
+      NSString* text = [[NSString alloc] initWithBytes:source.text
+                                                length:source.size
+                                              encoding:NSUTF8StringEncoding];
+      NSError* error = nil;
+      id<MTLLibrary> library = [device_ newLibraryWithSource:text options:options error:&error];
+      const std::string what = std::string(source.file) + " (" + family + ")";
+      if (library == nil) {
+        if (!library_error_.empty()) library_error_ += "\n";
+        library_error_ += what + ": " + describe(error);
+      } else if (error != nil) {  // compiled, with warnings
+        const std::string warning = what + ": " + describe(error);
+        library_warnings_ += (library_warnings_.empty() ? "" : "\n") + warning;
+        std::fprintf(stderr, "jax_flash_metal: Metal shader compile warnings in %s\n",
+                     warning.c_str());
       }
+      return library;
     }
   }
 
@@ -189,15 +416,10 @@ class MetalDevice final : public Device {
     std::lock_guard<std::mutex> lock(mutex_);
     auto cached = pipelines_.find(kernel);
     if (cached != pipelines_.end()) return cached->second;
-    load_libraries();
-    auto library = library_of_.find(kernel);
-    if (library == library_of_.end()) {
-      *error = "no kernel '" + kernel + "' in the shader library" +
-               (library_error_.empty() ? "" : ": " + library_error_);
-      return nil;
-    }
+    id<MTLLibrary> library = library_for(kernel, error);
+    if (library == nil) return nil;
     id<MTLFunction> function =
-        [library->second newFunctionWithName:[NSString stringWithUTF8String:kernel.c_str()]];
+        [library newFunctionWithName:[NSString stringWithUTF8String:kernel.c_str()]];
     if (function == nil) {
       *error = "could not load kernel '" + kernel + "'";
       return nil;
@@ -209,13 +431,22 @@ class MetalDevice final : public Device {
       *error = "could not build the pipeline of '" + kernel + "': " + describe(ns_error);
       return nil;
     }
+    const std::string gate = apple_gpu_gate(name_, true, true,
+                                            static_cast<uint32_t>(state.threadExecutionWidth));
+    if (!gate.empty()) {
+      gate_failure_ = gate + " (pipeline of '" + kernel + "')";
+      gate_failed_.store(true);
+      *error = gate_failure_;
+      return nil;
+    }
     pipelines_.emplace(kernel, state);
     return state;
   }
 
-  // Binds a host range: wrapped in place when Metal accepts the page-aligned region around it,
-  // else through a staging buffer (copied in now when the first use reads it).
-  std::string bind(const Binding& binding, std::vector<Staged>* staged, Bound* bound) {
+  // Binds a host range: wrapped in place when Metal accepts the page-aligned region around it
+  // (and `wrap` allows it), else through a staging buffer (copied in now unless the kernel only
+  // writes it).
+  std::string bind(const Binding& binding, bool wrap, std::vector<Staged>* staged, Bound* bound) {
     const size_t size = std::max<size_t>(binding.size, 1);
     if (size > device_.maxBufferLength) {
       return "a buffer of " + std::to_string(size) + " bytes exceeds the device's limit of " +
@@ -224,7 +455,7 @@ class MetalDevice final : public Device {
     const uintptr_t address = reinterpret_cast<uintptr_t>(binding.data);
     const uintptr_t start = address & ~(page_size_ - 1);
     const uintptr_t end = (address + size + page_size_ - 1) & ~(page_size_ - 1);
-    if (end - start <= device_.maxBufferLength) {
+    if (wrap && end - start <= device_.maxBufferLength) {
       id<MTLBuffer> wrapped = [device_ newBufferWithBytesNoCopy:reinterpret_cast<void*>(start)
                                                          length:end - start
                                                         options:MTLResourceStorageModeShared
@@ -244,17 +475,35 @@ class MetalDevice final : public Device {
     return "";
   }
 
-  // Encodes one submission into its own command buffer and commits it.
-  std::string encode_and_commit(const Submission& submission, std::vector<Staged>* staged,
-                                std::vector<id<MTLCommandBuffer>>* committed) {
-    id<MTLCommandBuffer> command_buffer = [queue_ commandBuffer];
+  // Sets one binding on the encoder: copied into the command (setBytes) when it is a small
+  // copy, else the call's Metal buffer for its host range.
+  std::string set_binding(id<MTLComputeCommandEncoder> encoder, const Binding& b, Call* call) {
+    if (b.copy && b.size <= kMaxSetBytes) {
+      [encoder setBytes:b.data length:std::max<size_t>(b.size, 1) atIndex:b.index];
+      return "";
+    }
+    auto key = std::make_pair(b.data, b.size);
+    auto it = call->ranges.find(key);
+    if (it == call->ranges.end()) {
+      Bound bound;
+      std::string error = bind(b, !b.copy, &call->staged, &bound);
+      if (!error.empty()) return error;
+      it = call->ranges.emplace(key, bound).first;
+    } else if (b.written && it->second.staged_index >= 0) {
+      call->staged[it->second.staged_index].copy_back = true;
+    }
+    [encoder setBuffer:it->second.buffer offset:it->second.offset atIndex:b.index];
+    return "";
+  }
+
+  // Encodes one submission into its own command buffer, one encoder per dispatch labelled with
+  // its kernel and grid, and commits it.
+  std::string encode_and_commit(const Submission& submission, Call* call) {
+    MTLCommandBufferDescriptor* descriptor = [[MTLCommandBufferDescriptor alloc] init];
+    descriptor.errorOptions = MTLCommandBufferErrorOptionEncoderExecutionStatus;
+    id<MTLCommandBuffer> command_buffer = [queue_ commandBufferWithDescriptor:descriptor];
     if (command_buffer == nil) return "could not create a command buffer";
-    id<MTLComputeCommandEncoder> encoder = [command_buffer computeCommandEncoder];
-    if (encoder == nil) return "could not create a compute command encoder";
-    // One Metal buffer per distinct host range, so a range written by one dispatch and read by
-    // the next (the backward's delta) is the same buffer. The default (serial) encoder orders
-    // the dispatches.
-    std::map<std::pair<void*, size_t>, Bound> ranges;
+    Committed committed{command_buffer, {}, 0};
     std::string error;
     for (const Dispatch& d : submission) {
       id<MTLComputePipelineState> state = pipeline(d.kernel, &error);
@@ -266,30 +515,35 @@ class MetalDevice final : public Device {
                 " threads per threadgroup, the dispatch needs " + std::to_string(threads);
         break;
       }
+      // The default (serial) encoder; encoders of one command buffer run in order.
+      id<MTLComputeCommandEncoder> encoder = [command_buffer computeCommandEncoder];
+      if (encoder == nil) {
+        error = "could not create a compute command encoder";
+        break;
+      }
+      const std::string label = d.kernel + " groups [" + std::to_string(d.groups[0]) + ", " +
+                                std::to_string(d.groups[1]) + ", " + std::to_string(d.groups[2]) +
+                                "]";
+      encoder.label = [NSString stringWithUTF8String:label.c_str()];
+      committed.labels.push_back(label);
+      committed.multiply_adds += d.multiply_adds;
       [encoder setComputePipelineState:state];
       for (const Binding& b : d.buffers) {
-        auto key = std::make_pair(b.data, b.size);
-        auto it = ranges.find(key);
-        if (it == ranges.end()) {
-          Bound bound;
-          error = bind(b, staged, &bound);
-          if (!error.empty()) break;
-          it = ranges.emplace(key, bound).first;
-        } else if (b.written && it->second.staged_index >= 0) {
-          (*staged)[it->second.staged_index].copy_back = true;
-        }
-        [encoder setBuffer:it->second.buffer offset:it->second.offset atIndex:b.index];
+        error = set_binding(encoder, b, call);
+        if (!error.empty()) break;
       }
+      if (error.empty()) {
+        [encoder setBytes:d.constants.data() length:d.constants.size() atIndex:d.constants_index];
+        [encoder dispatchThreadgroups:MTLSizeMake(d.groups[0], d.groups[1], d.groups[2])
+                threadsPerThreadgroup:MTLSizeMake(d.group_size[0], d.group_size[1],
+                                                  d.group_size[2])];
+      }
+      [encoder endEncoding];
       if (!error.empty()) break;
-      [encoder setBytes:d.constants.data() length:d.constants.size() atIndex:d.constants_index];
-      [encoder dispatchThreadgroups:MTLSizeMake(d.groups[0], d.groups[1], d.groups[2])
-              threadsPerThreadgroup:MTLSizeMake(d.group_size[0], d.group_size[1],
-                                                d.group_size[2])];
     }
-    [encoder endEncoding];
     if (!error.empty()) return error;  // never commit a partly encoded submission
     [command_buffer commit];
-    committed->push_back(command_buffer);
+    call->committed.push_back(std::move(committed));
     return "";
   }
 
@@ -298,12 +552,17 @@ class MetalDevice final : public Device {
   const MTLLanguageVersion language_;
   const std::string name_;
   const uintptr_t page_size_;
+  const std::vector<ShaderSource> sources_ = shader_sources();
   StagingPool staging_;
+  const std::vector<std::string> catalogue_;  // sorted, as emu::kernel_names()
+  std::atomic<double> throughput_{kInitialMultiplyAddsPerSecond};
+  std::atomic<bool> gate_failed_{false};
 
   std::mutex mutex_;  // guards everything below
-  bool loaded_ = false;
   std::string library_error_;
-  std::unordered_map<std::string, id<MTLLibrary>> library_of_;  // kernel name -> its library
+  std::string library_warnings_;
+  std::string gate_failure_;
+  std::unordered_map<std::string, id<MTLLibrary>> libraries_;  // "file:family" -> nil if failed
   std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines_;
 };
 
@@ -322,6 +581,10 @@ MetalState create_metal_device() {
         state.unavailable_reason = "MTLCreateSystemDefaultDevice found no Metal GPU";
         return state;
       }
+      state.unavailable_reason =
+          apple_gpu_gate(utf8(device.name), [device supportsFamily:MTLGPUFamilyApple7],
+                         device.hasUnifiedMemory, 0);
+      if (!state.unavailable_reason.empty()) return state;
       id<MTLCommandQueue> queue = [device newCommandQueue];
       if (queue == nil) {
         state.unavailable_reason = "could not create a Metal command queue";
@@ -342,8 +605,19 @@ const MetalState& metal_state() {
 
 }  // namespace
 
-Device* metal_device() { return metal_state().device; }
+Device* metal_device() {
+  MetalDevice* device = metal_state().device;
+  return device != nullptr && !device->gate_failed() ? device : nullptr;
+}
 
-std::string metal_unavailable_reason() { return metal_state().unavailable_reason; }
+std::string metal_unavailable_reason() {
+  const MetalState& state = metal_state();
+  return state.device != nullptr ? state.device->gate_failure() : state.unavailable_reason;
+}
+
+void set_metal_fault(const std::string& kernel) {
+  std::lock_guard<std::mutex> lock(g_fault_mutex);
+  g_fault_kernel = kernel;
+}
 
 }  // namespace jfm

@@ -59,7 +59,8 @@ void bind_devices(nb::module_& m) {
 #endif
       },
       nb::call_guard<nb::gil_scoped_release>(),
-      "bool: this build has the Metal device and the machine has a Metal GPU (macOS 13+).");
+      "bool: this build has the Metal device and the machine has an Apple-silicon GPU (family "
+      "Apple7+, unified memory, 32-wide simdgroups; macOS 13+).");
   m.def(
       "metal_unavailable_reason",
       []() -> std::string {
@@ -98,6 +99,36 @@ void bind_devices(nb::module_& m) {
       nb::arg("implementation"),
       "str: shader compile errors of that device's library (empty when none).");
   m.def(
+      "library_warnings",
+      [](const std::string& implementation) {
+        Device& device = device_named(implementation);
+        nb::gil_scoped_release release;
+        return device.library_warnings();
+      },
+      nb::arg("implementation"),
+      "str: warnings of the shader compiles so far on that device (Metal compiles each "
+      "(dtype, head dim) family on first use and also prints its warnings once to stderr); "
+      "empty when none.");
+  m.def(
+      "multiply_adds_per_second",
+      [](const std::string& implementation) {
+        return device_named(implementation).multiply_adds_per_second();
+      },
+      nb::arg("implementation"),
+      "float: the throughput estimate that sizes submissions on that device (fixed on the "
+      "emulator; on Metal refined from the GPU time of earlier command buffers).");
+  m.def("_metal_gate", &apple_gpu_gate, nb::arg("name"), nb::arg("apple7"),
+        nb::arg("unified_memory"), nb::arg("simd_width"),
+        "The Metal device's GPU requirement (GPU family Apple7+, unified memory, 32-wide "
+        "simdgroups) applied to these traits: '' when they qualify, else why not.");
+#ifdef JFM_HAVE_METAL
+  m.def(
+      "_set_metal_fault", [](const std::string& kernel) { set_metal_fault(kernel); },
+      nb::arg("kernel"),
+      "Test hook: Metal command buffers holding this kernel are reported as failed ('' turns "
+      "it off).");
+#endif
+  m.def(
       "set_emulator_schedule",
       [](const std::string& schedule, uint64_t seed) {
         std::string error = set_emulator_schedule(schedule, seed);
@@ -114,9 +145,52 @@ void bind_devices(nb::module_& m) {
       "_set_emulator_fault", [](const std::string& kernel) { set_emulator_fault(kernel); },
       nb::arg("kernel"),
       "Test hook: emulated runs of this kernel fail with a device error ('' turns it off).");
-  m.def("_set_submission_budget", &set_submission_budget, nb::arg("multiply_adds"),
-        "Test hook: work per submission (command buffer) before a call is split by batch; "
-        "returns the previous value.");
+  m.def("_set_submission_budget", &set_submission_budget_seconds, nb::arg("seconds"),
+        "Test hook: estimated GPU time per submission (command buffer), in seconds, before a "
+        "call is split by batch, head and row block; returns the previous value.");
+  m.def(
+      "dispatch_plan",
+      [](const std::string& direction, const std::string& dtype, int64_t batch, int64_t q_len,
+         int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+         const std::string& implementation) {
+        if (direction != "fwd" && direction != "bwd") {
+          throw nb::value_error(("direction must be 'fwd' or 'bwd', not " + direction).c_str());
+        }
+        if (dtype != "f32" && dtype != "f16" && dtype != "bf16") {
+          throw nb::value_error(("dtype must be 'f32', 'f16' or 'bf16', not " + dtype).c_str());
+        }
+        Device& device = device_named(implementation);
+        const std::vector<StageShape> stages =
+            attention_stages(direction == "bwd", dtype.c_str(), batch, q_len, kv_len, num_heads,
+                             num_kv_heads, head_dim);
+        nb::list submissions;
+        for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
+          nb::list dispatches;
+          for (const Chunk& c : chunks) {
+            const StageShape& s = stages[c.stage];
+            nb::dict d;
+            d["kernel"] = s.kernel;
+            d["groups"] = nb::make_tuple(c.groups[0], c.groups[1], c.groups[2]);
+            d["threads"] = s.threads;
+            d["rows_per_group"] = s.rows_per_group;
+            d["block_offset"] = c.offset[0];
+            d["head_offset"] = c.offset[1];
+            d["batch_offset"] = c.offset[2];
+            d["multiply_adds"] = c.multiply_adds;
+            dispatches.append(d);
+          }
+          submissions.append(dispatches);
+        }
+        return submissions;
+      },
+      nb::arg("direction"), nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"),
+      nb::arg("kv_len"), nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
+      nb::arg("implementation") = "emulator",
+      "list[list[dict]]: the submissions (command buffers) the handler of `direction` ('fwd' or "
+      "'bwd') would run for this problem on that device, each a list of dispatches {kernel, "
+      "groups (x, y, z), threads, rows_per_group, block_offset, head_offset, batch_offset, "
+      "multiply_adds (estimate)}. Dispatch x covers row blocks block_offset.., y heads "
+      "head_offset.., z batch elements batch_offset... ValueError for bad names.");
   m.def(
       "shader_sources",
       [] {

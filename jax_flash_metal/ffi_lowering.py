@@ -36,6 +36,10 @@ _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
                  np.dtype(jax.numpy.bfloat16): "bf16"}
 
 
+# The kernels (stages) each direction runs, as in ffi/attention_ffi.cc.
+STAGES = {"fwd": ("fwd",), "bwd": ("bwd_preprocess", "bwd_dq", "bwd_dkdv")}
+
+
 def _target(direction: str, implementation: str) -> str:
     return f"jax_flash_metal_attention_{direction}_{implementation}"
 
@@ -83,6 +87,14 @@ def available_implementations() -> list[str]:
     return names
 
 
+def unavailable_reasons() -> dict[str, str]:
+    """{"metal": why it cannot run here} when it cannot (e.g. a Linux build, or a GPU that is not
+    Apple silicon); empty otherwise."""
+    if "metal" in available_implementations():
+        return {}
+    return {"metal": _ext.metal_unavailable_reason() or "this build has no Metal FFI targets"}
+
+
 def device_names() -> dict[str, str]:
     """{implementation: device name} for ``available_implementations()`` (the GPU's name for
     "metal")."""
@@ -99,31 +111,42 @@ def kernel_names(implementation: str) -> frozenset[str]:
     return frozenset(_ext.kernel_names(implementation))
 
 
-def check_supported(implementation: str, dtype, head_dim: int, stages) -> None:
-    """Raise ValueError unless every ``flash_attention_{stage}_{t}_d{head_dim}`` kernel exists.
+def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int) -> str | None:
+    """Why the fused kernels of ``implementation`` cannot run a ``direction`` ("fwd" or "bwd")
+    call with this dtype and head dim, or None when every kernel it needs exists.
 
-    The device is asked, so a build whose shaders lack a head dim (or whose Metal library failed
-    to compile) is reported at trace time rather than when the computation runs.
+    The device's kernel list is asked (on Metal without compiling anything), so a build whose
+    shaders lack a head dim is reported at trace time rather than when the computation runs.
     """
     dtype = np.dtype(dtype)
     suffix = _DTYPE_SUFFIX.get(dtype)
     if suffix is None:
-        raise TypeError(f"flash_attention: dtype {dtype} has no {implementation} kernels "
-                        f"(float32, float16, bfloat16 only)")
+        return (f"flash_attention: dtype {dtype} has no {implementation} kernels "
+                f"(float32, float16, bfloat16 only)")
+    stages = STAGES[direction]
     names = kernel_names(implementation)
     missing = [f"flash_attention_{s}_{suffix}_d{head_dim}" for s in stages
                if f"flash_attention_{s}_{suffix}_d{head_dim}" not in names]
-    if missing:
-        prefix = f"flash_attention_{stages[0]}_{suffix}_d"
-        dims = sorted(int(n[len(prefix):]) for n in names
-                      if n.startswith(prefix) and n[len(prefix):].isdigit())
-        message = (f"flash_attention: head_dim {head_dim} with dtype {dtype} is not supported by "
-                   f"the {implementation!r} implementation (missing kernels {missing}); "
-                   f"supported head dims for {dtype}: {dims}")
-        library_error = _ext.library_error(implementation)
-        if library_error:
-            message += f". Shader library error: {library_error}"
-        raise ValueError(message)
+    if not missing:
+        return None
+    prefix = f"flash_attention_{stages[0]}_{suffix}_d"
+    dims = sorted(int(n[len(prefix):]) for n in names
+                  if n.startswith(prefix) and n[len(prefix):].isdigit())
+    message = (f"flash_attention: head_dim {head_dim} with dtype {dtype} is not supported by "
+               f"the {implementation!r} implementation (missing kernels {missing}); "
+               f"supported head dims for {dtype}: {dims}")
+    library_error = _ext.library_error(implementation)
+    if library_error:
+        message += f". Shader library error: {library_error}"
+    return message
+
+
+def check_supported(implementation: str, direction: str, dtype, head_dim: int) -> None:
+    """Raise ``unsupported_reason`` as TypeError (a dtype without kernels) or ValueError (a head
+    dim without kernels), if there is one."""
+    reason = unsupported_reason(implementation, direction, dtype, head_dim)
+    if reason is not None:
+        raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
 
 
 def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
@@ -144,7 +167,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     """
     q = ctx.avals_in[0]
     _check_built(implementation)
-    check_supported(implementation, q.dtype, q.shape[3], ("fwd",))
+    check_supported(implementation, "fwd", q.dtype, q.shape[3])
     rule = jax.ffi.ffi_lowering(_target("fwd", implementation))
     return rule(ctx, *args, **_attributes(**params))
 
@@ -160,7 +183,7 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     """
     q = ctx.avals_in[0]
     _check_built(implementation)
-    check_supported(implementation, q.dtype, q.shape[3], ("bwd_preprocess", "bwd_dq", "bwd_dkdv"))
+    check_supported(implementation, "bwd", q.dtype, q.shape[3])
     batch, q_len, num_heads, _ = q.shape
     delta = ShapedArray((batch, num_heads, q_len), np.float32)
     call_ctx = ctx.replace(avals_out=(*ctx.avals_out, delta))

@@ -5,9 +5,12 @@
   native extension and an Apple GPU.
 - "emulator": the same FFI handler driving the MSL-on-CPU emulator (testing; slow).
 
-``implementation=None`` means: $JAX_FLASH_METAL_IMPLEMENTATION if set, else "metal" when lowering
-for ``cpu`` on a machine where Metal is available, else "xla". The choice is made at lowering time,
-so a compiled function keeps the implementation it was compiled with.
+``implementation=None`` means: $JAX_FLASH_METAL_IMPLEMENTATION if set (then treated as an explicit
+choice), else the best available for this call: "metal" when lowering for ``cpu`` on a machine
+where Metal is available and its kernels cover the call (dtype and head dim, from the extension's
+kernel list), else "xla". An explicit "metal"/"emulator" that cannot run the call raises instead.
+The choice is made at lowering time, so a compiled function keeps the implementation it was
+compiled with.
 
 The fused implementations are provided by ``ffi_lowering`` (the FFI side of the package); it reports
 which of them can run here through ``ffi_lowering.available_implementations()``.
@@ -22,6 +25,9 @@ import warnings
 from . import validation
 
 FUSED = ("emulator", "metal")
+# Fused implementations ``implementation=None`` considers, best first. The emulator is a testing
+# tool, never picked by default (tests put it here to exercise the fallback on Linux).
+_PREFERENCE = ("metal",)
 
 
 def _ffi_lowering():
@@ -77,8 +83,24 @@ def available(platform: str = "cpu") -> list[str]:
     return names
 
 
-def resolve(implementation: str | None, platform: str) -> str:
+def _best_available(platform: str, call) -> str:
+    """The first of _PREFERENCE that runs here and covers ``call``, else "xla"."""
+    if platform != "cpu":
+        return "xla"
+    names = _fused_available()[0]
+    for name in _PREFERENCE:
+        if name in names and (call is None or _ffi_lowering()[0].unsupported_reason(name, *call)
+                              is None):
+            return name
+    return "xla"
+
+
+def resolve(implementation: str | None, platform: str, call=None) -> str:
     """The implementation to lower with for ``platform`` (a JAX platform name such as "cpu").
+
+    ``call``: ``(direction, dtype, head_dim)`` of the primitive being lowered (direction "fwd"
+    or "bwd"); with ``implementation=None`` and no environment override, a call the fused
+    kernels do not cover goes to "xla". Without it only availability is considered.
 
     Raises:
       ValueError: unknown name (argument or environment variable).
@@ -90,7 +112,7 @@ def resolve(implementation: str | None, platform: str) -> str:
         implementation = validation.env_implementation()
         source = f"${validation.ENV_IMPLEMENTATION}"
         if implementation is None:
-            return "metal" if platform == "cpu" and "metal" in available("cpu") else "xla"
+            return _best_available(platform, call)
     if implementation == "xla":
         return "xla"
     if platform != "cpu":
@@ -99,12 +121,9 @@ def resolve(implementation: str | None, platform: str) -> str:
             f"platform (an XLA FFI call on the host), but this computation lowers for "
             f"{platform!r}; use implementation=None or 'xla' there"
         )
-    names, reason = _fused_available()
+    names, _ = _fused_available()
     if implementation not in names:
-        why = reason or (
-            "no Metal device was found" if implementation == "metal"
-            else "the native extension does not provide it"
-        )
+        why = unavailable_reasons().get(implementation, "the native extension does not provide it")
         raise NotImplementedError(
             f"flash_attention {source}={implementation!r} is not available here: {why}. "
             f"Available: {available(platform)}"
@@ -114,16 +133,31 @@ def resolve(implementation: str | None, platform: str) -> str:
 
 def metal_available() -> bool:
     """True when ``implementation="metal"`` can run here: the native extension was built on
-    macOS and an Apple GPU is present (macOS 13+, for Metal Shading Language 3.0)."""
+    macOS, and the GPU is Apple silicon (GPU family Apple7 or newer, unified memory, 32-wide
+    simdgroups) on macOS 13+ (Metal Shading Language 3.0). ``devices()["metal"]`` says why not."""
     return "metal" in _fused_available()[0]
+
+
+def unavailable_reasons() -> dict[str, str]:
+    """{implementation: why it cannot run here} for each fused implementation that cannot."""
+    module, reason = _ffi_lowering()
+    if module is None:
+        return {name: reason for name in FUSED}
+    return module.unavailable_reasons()
 
 
 def devices() -> dict[str, str]:
     """What this installation can run, for lowering on ``cpu``: {implementation: device} for
-    every name in ``available("cpu")``, e.g. ``{"xla": "jax.numpy reference (any platform)",
-    "emulator": "MSL-on-CPU emulator", "metal": "Apple M2 Pro"}``."""
+    "xla", "emulator" and "metal", in that order. An implementation in ``available("cpu")`` maps
+    to its device, e.g. ``{"xla": "jax.numpy reference (any platform)", "emulator": "MSL-on-CPU
+    emulator", "metal": "Apple M2 Pro"}``; one that cannot run here maps to ``"unavailable: "``
+    and the reason, e.g. ``"unavailable: the GPU 'AMD Radeon Pro 5500M' is not in GPU family
+    Apple7 or newer ..."`` on an Intel Mac."""
     result = {"xla": "jax.numpy reference (any platform)"}
     module, _ = _ffi_lowering()
     if module is not None:
         result.update(module.device_names())
+    reasons = unavailable_reasons()
+    for name in FUSED:
+        result.setdefault(name, f"unavailable: {reasons.get(name, 'unknown reason')}")
     return result

@@ -197,10 +197,15 @@ def _has_zero_size(ctx):
     return any(0 in aval.shape for aval in ctx.avals_in[:3])
 
 
+_DIRECTION = {fwd_p: "fwd", bwd_p: "bwd"}
+
+
 def _make_cpu_lowering(prim, ffi_name):
     def lowering(ctx, *args, **params):
         params = coerce_params(**params)
-        impl = implementations.resolve(params["implementation"], "cpu")
+        q = ctx.avals_in[0]
+        impl = implementations.resolve(params["implementation"], "cpu",
+                                       call=(_DIRECTION[prim], q.dtype, q.shape[3]))
         # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):
             return _XLA_LOWERING[prim](ctx, *args, **params)

@@ -229,12 +229,13 @@ kernel void flash_attention_bwd_dkdv JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T)) {
 
 // Explicit instantiations under the host names of attention_params.h.
 #define JFM_INSTANTIATE_BWD(PRE_NAME, DQ_NAME, DKDV_NAME, T, D)                                \
-  template [[host_name(PRE_NAME)]] kernel void flash_attention_bwd_preprocess<T, D>            \
-      JFM_BWD_PREPROCESS_SIGNATURE(T);                                                         \
-  template [[host_name(DQ_NAME)]] kernel void flash_attention_bwd_dq<T, D>                     \
-      JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T));                                                 \
-  template [[host_name(DKDV_NAME)]] kernel void flash_attention_bwd_dkdv<T, D>                 \
-      JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T));
+  JFM_IF_FAMILY(T, D,                                                                          \
+      template [[host_name(PRE_NAME)]] kernel void flash_attention_bwd_preprocess<T, D>        \
+          JFM_BWD_PREPROCESS_SIGNATURE(T);                                                     \
+      template [[host_name(DQ_NAME)]] kernel void flash_attention_bwd_dq<T, D>                 \
+          JFM_BWD_SIGNATURE(T, JFM_DQ_OUTPUTS(T));                                             \
+      template [[host_name(DKDV_NAME)]] kernel void flash_attention_bwd_dkdv<T, D>             \
+          JFM_BWD_SIGNATURE(T, JFM_DKDV_OUTPUTS(T));)
 
 JFM_INSTANTIATE_BWD("flash_attention_bwd_preprocess_f32_d16", "flash_attention_bwd_dq_f32_d16",
                     "flash_attention_bwd_dkdv_f32_d16", float, 16)

@@ -21,6 +21,27 @@ using namespace metal;
 #define JFM_LN2 0.693147180559945309f
 #define JFM_LOG2E 1.44269504088896341f
 
+// ---- instantiation families (lazy compiles) ----
+
+// JFM_IF_FAMILY(T, D, code) is `code` when the (element type, head dim) family (T, D) is being
+// compiled, else nothing; every kernel instantiation goes through it. The emulator and the
+// strict pass compile every family (JFM_ONE_FAMILY undefined). The Metal device compiles one
+// family at a time, on first use, by defining JFM_ONE_FAMILY and JFM_FAMILY_<T>_<D> as
+// JFM_SELECTED (e.g. JFM_FAMILY_half_64=JFM_SELECTED); an undefined JFM_FAMILY_<T>_<D> selects 0.
+#ifdef JFM_ONE_FAMILY
+#define JFM_SELECTED ~, 1
+#define JFM_SECOND_(a, b, ...) b
+#define JFM_SECOND(...) JFM_SECOND_(__VA_ARGS__)
+#define JFM_CAT_(a, b) a##b
+#define JFM_CAT(a, b) JFM_CAT_(a, b)
+#define JFM_KEEP_1(...) __VA_ARGS__
+#define JFM_KEEP_0(...)
+#define JFM_IF_FAMILY(T, D, ...) \
+  JFM_CAT(JFM_KEEP_, JFM_SECOND(JFM_FAMILY_##T##_##D, 0, ~))(__VA_ARGS__)
+#else
+#define JFM_IF_FAMILY(T, D, ...) __VA_ARGS__
+#endif
+
 // ---- element types: float, half, and bf16 held as ushort bits (bfloat needs MSL 3.1) ----
 
 inline float jfm_to_float(float x) { return x; }

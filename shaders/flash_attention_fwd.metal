@@ -105,7 +105,8 @@ kernel void flash_attention_fwd JFM_FWD_SIGNATURE(T) {
 
 // Explicit instantiations under the host names of attention_params.h.
 #define JFM_INSTANTIATE_FWD(NAME, T, D) \
-  template [[host_name(NAME)]] kernel void flash_attention_fwd<T, D> JFM_FWD_SIGNATURE(T);
+  JFM_IF_FAMILY(T, D,                  \
+      template [[host_name(NAME)]] kernel void flash_attention_fwd<T, D> JFM_FWD_SIGNATURE(T);)
 
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d16", float, 16)
 JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d32", float, 32)

@@ -1,26 +1,38 @@
 """The translator and strict pass reject what the Metal compiler would (or what the emulator
 cannot run), naming file:line. Runs translate.py on tests/shaders/strict_fail/*.metal, which are
-deliberately broken and therefore not part of the build. Needs clang (installed by .ci/run)."""
+deliberately broken and therefore not part of the build. Uses the clang the build's strict pass
+ran with (recorded in jax_flash_metal/_build_info.py); skipped when the build found none."""
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
+
+try:
+    from jax_flash_metal._build_info import STRICT_PASS_CLANG as CLANG
+except ImportError:  # jax_flash_metal imported from the source tree, not from a build
+    CLANG = None
+    pytestmark = pytest.mark.skip(reason="jax_flash_metal was imported without a build "
+                                         "(no jax_flash_metal/_build_info.py)")
+else:
+    pytestmark = pytest.mark.skipif(
+        CLANG is None, reason="the build found no clang, so it ran no strict shader pass "
+                              "(install clang, then reinstall jax_flash_metal)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRANSLATOR = os.path.join(ROOT, "ffi", "emulator", "translate.py")
 BROKEN = os.path.join(ROOT, "tests", "shaders", "strict_fail")
 
 
-def check(name):
-    clang = shutil.which("clang")
-    assert clang, "clang is required for the strict pass (the build needs it too)"
-    path = os.path.join(BROKEN, name)
-    r = subprocess.run([sys.executable, TRANSLATOR, "check", "--input", path, "--cxx", clang,
-                        "--clang", clang], capture_output=True, text=True)
+def translate_check(path):
+    r = subprocess.run([sys.executable, TRANSLATOR, "check", "--input", path, "--cxx", CLANG,
+                        "--clang", CLANG], capture_output=True, text=True)
     return r.returncode, r.stderr
+
+
+def check(name):
+    return translate_check(os.path.join(BROKEN, name))
 
 
 @pytest.mark.parametrize("name,line,phrases", [
@@ -61,13 +73,10 @@ def test_threadgroup_variable_outside_a_kernel_is_an_error():
 
 
 def test_good_shaders_pass():
-    clang = shutil.which("clang")
-    assert clang
     shaders = [os.path.join(ROOT, "tests", "shaders", f)
                for f in sorted(os.listdir(os.path.join(ROOT, "tests", "shaders")))
                if f.endswith(".metal")]
     assert shaders
     for path in shaders:
-        r = subprocess.run([sys.executable, TRANSLATOR, "check", "--input", path, "--cxx", clang,
-                            "--clang", clang], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
+        rc, err = translate_check(path)
+        assert rc == 0, err

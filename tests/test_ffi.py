@@ -6,6 +6,9 @@ oracle (tests/oracle.py) with DESIGN.md tolerances, or against exact expected va
 """
 
 import contextlib
+import re
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +17,12 @@ import pytest
 
 import oracle
 import tolerance
+from api_helpers import check_against_oracle, make_inputs
 
 ext = pytest.importorskip("jax_flash_metal._ext")
-from jax_flash_metal import ffi_lowering, flash_attention  # noqa: E402
+from jax_flash_metal import ffi_lowering, flash_attention, implementations  # noqa: E402
+from jax_flash_metal.validation import ENV_IMPLEMENTATION as ENV  # noqa: E402
+from test_dispatch_plan import submission_budget  # noqa: E402
 
 FWD = "jax_flash_metal_attention_fwd_emulator"
 BWD = "jax_flash_metal_attention_bwd_emulator"
@@ -74,15 +80,6 @@ def _emulator_schedule(name, seed=0):
         ext.set_emulator_schedule(*before)
 
 
-@contextlib.contextmanager
-def _submission_budget(multiply_adds):
-    previous = ext._set_submission_budget(multiply_adds)
-    try:
-        yield
-    finally:
-        ext._set_submission_budget(previous)
-
-
 # ------------------------------------------------------------------ build and registration
 
 def test_build_has_emulator_targets_and_every_contract_kernel():
@@ -113,10 +110,32 @@ def test_public_helpers_report_this_build():
 
     assert jax_flash_metal.metal_available() == ext.metal_available()
     devices = jax_flash_metal.devices()
-    assert list(devices) == jax_flash_metal.implementations.available()
+    assert list(devices) == ["xla", "emulator", "metal"]
+    runnable = [n for n, d in devices.items() if not d.startswith("unavailable: ")]
+    assert runnable == jax_flash_metal.implementations.available()
     assert devices["emulator"] == ext.device_name("emulator")
     if ext.metal_available():
         assert devices["metal"] == ext.device_name("metal")
+    else:  # the reason Metal cannot run is shown, and is the one explicit requests raise with
+        assert devices["metal"] == "unavailable: " + ext.metal_unavailable_reason()
+        q = jnp.zeros((1, 4, 1, 16))
+        with pytest.raises(NotImplementedError, match=re.escape(ext.metal_unavailable_reason())):
+            jax.jit(lambda q: flash_attention(q, q, q, implementation="metal")).lower(q)
+
+
+@pytest.mark.parametrize("traits, reason", [
+    (("Apple M1", True, True, 32), ""),
+    (("Apple M1", True, True, 0), ""),  # no pipeline built yet
+    (("AMD Radeon Pro 5500M", False, False, 0), "'AMD Radeon Pro 5500M' is not in GPU family"),
+    (("Intel UHD Graphics 630", False, True, 0), "not in GPU family Apple7"),
+    (("Some GPU", True, False, 32), "has no unified memory"),
+    (("Some GPU", True, True, 64), "runs 64-wide simdgroups; the kernels need 32"),
+])
+def test_metal_gate_accepts_only_apple_silicon_traits(traits, reason):
+    """The gate the Metal device applies at creation (family, unified memory) and to every
+    pipeline (threadExecutionWidth); plain C++, so it is checked here on every platform."""
+    got = ext._metal_gate(*traits)
+    assert got == "" if not reason else reason in got
 
 
 def test_embedded_shader_sources_inline_quoted_includes(request):
@@ -226,6 +245,57 @@ def test_unsupported_head_dim_fails_at_trace_time():
         q, k, v, implementation="emulator").astype(jnp.float32).sum()))
     with pytest.raises(ValueError, match="head_dim 24"):
         grad.lower(q, q, q)
+
+
+def test_best_available_falls_back_to_xla_for_calls_the_kernels_lack(monkeypatch):
+    """implementation=None without an environment override: a call the fused kernels cover
+    lowers to the preferred fused implementation, one they lack (head_dim 24) to xla and matches
+    the oracle; the fused implementation asked for explicitly (argument or environment) raises
+    naming the reason. The emulator stands in for Metal as the preferred fused implementation,
+    so the rule runs where Metal does not."""
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(implementations, "_PREFERENCE", ("emulator",))
+    covered = jax.ShapeDtypeStruct((1, 5, 2, 16), jnp.float32)
+    lacking = jax.ShapeDtypeStruct((1, 5, 2, 24), jnp.float32)
+    assert f"@{FWD}" in _loss(None).lower(covered, covered, covered).as_text()
+    assert f"@{BWD}" in _loss(None).lower(covered, covered, covered).as_text()
+    assert "jax_flash_metal_attention" not in _loss(None).lower(lacking, lacking, lacking).as_text()
+    inputs = make_inputs(4, 1, 5, 7, 2, 1, 24, jnp.float32)
+    check_against_oracle(*inputs, implementation=None, is_causal=True)
+    reason = r"head_dim 24 with dtype float32 is not supported by the 'emulator' implementation"
+    with pytest.raises(ValueError, match=reason):
+        _loss("emulator").lower(lacking, lacking, lacking)
+    monkeypatch.setenv(ENV, "emulator")
+    with pytest.raises(ValueError, match=reason):
+        _loss(None).lower(lacking, lacking, lacking)
+
+
+def test_one_family_preprocessing_keeps_exactly_that_family(request):
+    """The Metal device compiles one (dtype, head dim) family per library by defining
+    JFM_ONE_FAMILY and JFM_FAMILY_<T>_<D>=JFM_SELECTED (JFM_IF_FAMILY in
+    shaders/flash_attention_common.h). Preprocess each embedded source that way with clang and
+    compare the instantiated host names with the full list."""
+    clang = shutil.which("clang") or pytest.skip("needs clang")
+    stdinc = request.config.rootpath / "ffi" / "emulator" / "shim" / "stdinc"
+    all_names = set(ext.kernel_names("emulator"))
+
+    def host_names(text, *defines):
+        r = subprocess.run([clang, "-E", "-x", "c++", "-std=c++14", "-undef", "-nostdinc",
+                            "-D__METAL_VERSION__=300", "-isystem", str(stdinc), *defines, "-"],
+                           input=text, capture_output=True, text=True, check=True)
+        return set(re.findall(r'host_name\("([a-z0-9_]+)"\)', r.stdout))
+
+    found = set()
+    for text in ext.shader_sources().values():
+        every = host_names(text)
+        found |= every
+        for type_, suffix, d in (("half", "f16", 64), ("ushort", "bf16", 16),
+                                 ("float", "f32", 256)):
+            one = host_names(text, "-DJFM_ONE_FAMILY", f"-DJFM_FAMILY_{type_}_{d}=JFM_SELECTED")
+            assert one and one == {n for n in every if n.endswith(f"_{suffix}_d{d}")}
+        assert host_names(text, "-DJFM_ONE_FAMILY") == set()
+    # The emulator also runs its own test kernels (tests/shaders); the product's are these.
+    assert found == {n for n in all_names if n.startswith("flash_attention_")}
 
 
 @pytest.mark.parametrize("kernel", ["flash_attention_fwd_f32_d16",
@@ -380,10 +450,10 @@ def test_emulator_matches_oracle(dtype, config_name):
 
 
 def test_split_submissions_and_schedules_are_bit_identical():
-    """Splitting a call by batch (one submission per batch element) and resuming emulated
-    threads in reverse or random order must not change a single bit."""
+    """Splitting a call into one submission per threadgroup and resuming emulated threads in
+    reverse or random order must not change a single bit."""
     reference = _check_against_oracle("emulator", jnp.float32, "causal_bottom_right_lengths", 32)
-    variants = {"one batch element per submission": _submission_budget(1),
+    variants = {"one threadgroup per submission": submission_budget(1e-12),
                 "reverse schedule": _emulator_schedule("reverse"),
                 "random schedule": _emulator_schedule("random", 1234)}
     for label, setting in variants.items():
@@ -426,3 +496,35 @@ def test_metal_agrees_with_emulator(dtype):
         finite = np.isfinite(e)
         np.testing.assert_allclose(a[finite], e[finite], rtol=rtol,
                                    atol=rtol * np.abs(e[finite]).max(), err_msg=name)
+
+
+@requires_metal
+def test_metal_gate_and_compile_warnings_on_this_mac():
+    """On a Mac that runs Metal: the GPU passed the gate, and still does after building the
+    pipelines of a call (each checked for 32-wide simdgroups); compile warnings, if any, are
+    kept and reported as text."""
+    _check_against_oracle("metal", jnp.float16, "plain", 64)
+    assert ext.metal_available() and ext.metal_unavailable_reason() == ""
+    assert ext._metal_gate(ext.device_name("metal"), True, True, 32) == ""
+    assert isinstance(ext.library_warnings("metal"), str)
+    assert ext.library_error("metal") == ""
+
+
+@requires_metal
+@pytest.mark.parametrize("kernel", ["flash_attention_fwd_f32_d16",
+                                    "flash_attention_bwd_dq_f32_d16"])
+def test_metal_command_buffer_error_surfaces_as_jax_exception(kernel):
+    """A failed command buffer (injected through the path a real GPU error takes) is a JAX
+    exception naming the faulted encoder's kernel and grid; later calls run normally."""
+    rng = np.random.default_rng(0)
+    q = _normal(rng, (1, 6, 2, 16))
+    f = jax.jit(jax.grad(lambda q: flash_attention(q, q, q, implementation="metal").sum()))
+    ext._set_metal_fault(kernel)
+    try:
+        with pytest.raises(jax.errors.JaxRuntimeError,
+                           match=rf"metal device error: command buffer failed: injected fault .*"
+                                 rf"encoders: .*{kernel} groups \[\d+, \d+, \d+\] \[faulted\]"):
+            jax.block_until_ready(f(q))
+    finally:
+        ext._set_metal_fault("")
+    assert np.isfinite(np.asarray(f(q))).all()

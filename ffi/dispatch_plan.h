@@ -1,0 +1,63 @@
+// The dispatch plan shared by both devices: each stage's grid of threadgroups is cut into chunks
+// (batch, head and row-block offsets in AttentionParams) and the chunks, stage by stage, are
+// packed into submissions (command buffers) whose estimated GPU time stays within a budget, so
+// that no command buffer runs long enough to trip the GPU watchdog.
+#ifndef JAX_FLASH_METAL_DISPATCH_PLAN_H_
+#define JAX_FLASH_METAL_DISPATCH_PLAN_H_
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace jfm {
+
+// One kernel of a call: a grid of (ceil(rows / rows_per_group), heads, batch) threadgroups of
+// `threads` threads each.
+struct StageShape {
+  std::string kernel;
+  int64_t rows = 0;   // q_len, or kv_len for dK/dV
+  int64_t heads = 0;  // num_heads, or num_kv_heads for dK/dV
+  int64_t batch = 0;
+  uint32_t rows_per_group = 1;
+  uint32_t threads = 1;
+  double multiply_adds_per_group = 0;  // estimated work of one threadgroup (an upper bound)
+
+  int64_t blocks() const { return (rows + rows_per_group - 1) / rows_per_group; }
+};
+
+// A box of one stage's grid: `groups` threadgroups starting at (block, head, batch) `offset`.
+struct Chunk {
+  size_t stage = 0;  // index into the stages
+  std::array<uint32_t, 3> groups{1, 1, 1};
+  std::array<uint32_t, 3> offset{0, 0, 0};  // block_offset, head_offset, batch_offset
+  double multiply_adds = 0;
+};
+
+using ChunkedSubmission = std::vector<Chunk>;
+
+// Every threadgroup of every stage exactly once, in stage order: all chunks of stage s come
+// before any chunk of stage s + 1, so a stage sees everything the stages before it wrote (the
+// backward's dK/dV needs D of every query row of its batch and head group). Chunks are whole
+// batch elements when they fit the budget, else whole heads of one batch element, else runs of
+// row blocks of one head; one threadgroup is the smallest chunk. Consecutive chunks share a
+// submission while their sum stays within `budget_multiply_adds`.
+std::vector<ChunkedSubmission> plan_submissions(const std::vector<StageShape>& stages,
+                                                double budget_multiply_adds);
+
+class Device;
+
+// plan_submissions with the budget of `device`: submission_budget_seconds() times the device's
+// estimated throughput (Device::multiply_adds_per_second).
+std::vector<ChunkedSubmission> plan_for(Device& device, const std::vector<StageShape>& stages);
+
+// Estimated GPU time per submission, in seconds (default 0.1: well within the watchdog's
+// limit of a few seconds, and long enough that submission overhead is negligible). Returns the
+// previous value; tests set a tiny budget to force splits.
+double set_submission_budget_seconds(double seconds);
+double submission_budget_seconds();
+
+}  // namespace jfm
+
+#endif  // JAX_FLASH_METAL_DISPATCH_PLAN_H_

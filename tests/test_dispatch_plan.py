@@ -1,0 +1,140 @@
+"""The dispatch plan (ffi/dispatch_plan.h): submissions cut by batch, head and row block under a
+time budget so no command buffer trips the GPU watchdog (issue 11).
+
+The plan is read through ``_ext.dispatch_plan``, which runs the handlers' own planning code; the
+split runs compare the emulated device's results under a tiny budget bit for bit with the
+unsplit run, and both with the float64 oracle.
+"""
+
+import contextlib
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from api_helpers import check_against_oracle, make_inputs, run_flash
+
+ext = pytest.importorskip("jax_flash_metal._ext")
+
+STAGE_ROWS = {"fwd": ("q",), "bwd": ("q", "q", "kv")}  # rows of each stage: q_len or kv_len
+
+
+@contextlib.contextmanager
+def submission_budget(seconds):
+    previous = ext._set_submission_budget(seconds)
+    try:
+        yield
+    finally:
+        ext._set_submission_budget(previous)
+
+
+def _plan(direction, batch, q_len, kv_len, heads, kv_heads, head_dim=32, dtype="f32"):
+    return ext.dispatch_plan(direction, dtype, batch, q_len, kv_len, heads, kv_heads, head_dim)
+
+
+def _check_plan(direction, batch, q_len, kv_len, heads, kv_heads, head_dim, budget_seconds):
+    """Every (row block, head, batch) threadgroup of every stage exactly once, stages in order,
+    every submission within the budget unless it is one threadgroup."""
+    with submission_budget(budget_seconds):
+        plan = _plan(direction, batch, q_len, kv_len, heads, kv_heads, head_dim)
+    budget = budget_seconds * ext.multiply_adds_per_second("emulator")
+    dispatches = [d for submission in plan for d in submission]
+    kernels = list(dict.fromkeys(d["kernel"] for d in dispatches))  # in order of appearance
+    suffix = f"_f32_d{head_dim}"
+    expected_kernels = {"fwd": ["fwd"], "bwd": ["bwd_preprocess", "bwd_dq", "bwd_dkdv"]}
+    empty = batch == 0 or q_len == 0 or heads == 0
+    if empty:
+        assert plan == []
+        return plan
+    assert kernels == [f"flash_attention_{k}{suffix}" for k in expected_kernels[direction]]
+    # All dispatches of a stage come before any of the next one.
+    stage_of = [kernels.index(d["kernel"]) for d in dispatches]
+    assert stage_of == sorted(stage_of)
+    for stage, (kernel, rows_of) in enumerate(zip(kernels, STAGE_ROWS[direction])):
+        rows = q_len if rows_of == "q" else kv_len
+        stage_heads = heads if rows_of == "q" else kv_heads
+        mine = [d for d in dispatches if d["kernel"] == kernel]
+        rows_per_group = mine[0]["rows_per_group"]
+        blocks = math.ceil(rows / rows_per_group)
+        count = np.zeros((blocks, stage_heads, batch), np.int64)
+        for d in mine:
+            gx, gy, gz = d["groups"]
+            x0, y0, z0 = d["block_offset"], d["head_offset"], d["batch_offset"]
+            assert x0 + gx <= blocks and y0 + gy <= stage_heads and z0 + gz <= batch, d
+            count[x0:x0 + gx, y0:y0 + gy, z0:z0 + gz] += 1
+        assert (count == 1).all(), (kernel, np.argwhere(count != 1)[:5])
+    for submission in plan:
+        work = sum(d["multiply_adds"] for d in submission)
+        single = len(submission) == 1 and math.prod(submission[0]["groups"]) == 1
+        assert work <= budget * (1 + 1e-9) or single, (work, budget)
+    return plan
+
+
+def test_plan_covers_every_threadgroup_once_for_shapes_and_budgets():
+    """A seeded property test over shapes (odd lengths, GQA, zero sizes) and budgets from one
+    threadgroup per submission to everything in one."""
+    rng = np.random.default_rng(11)
+    budgets = [1e-12, 1e-8, 3e-7, 1e-6, 1e-5, 0.1]
+    for _ in range(60):
+        kv_heads = int(rng.integers(1, 4))
+        heads = kv_heads * int(rng.integers(1, 4))
+        shape = (int(rng.integers(0, 4)), int(rng.integers(0, 70)), int(rng.integers(1, 70)),
+                 heads, kv_heads, int(rng.choice([16, 64, 256])))
+        for direction in ("fwd", "bwd"):
+            _check_plan(direction, *shape, float(rng.choice(budgets)))
+
+
+def test_default_budget_keeps_small_calls_whole_and_splits_long_ones():
+    assert len(_plan("fwd", 4, 512, 512, 8, 8)) == 1
+    assert len(_plan("bwd", 4, 512, 512, 8, 8)) == 1
+    # One long sequence of one head: 2 * 65536^2 * 128 multiply-adds, far beyond 0.1 s at the
+    # initial throughput figure, is cut into runs of row blocks.
+    plan = _check_plan("fwd", 1, 65536, 65536, 1, 1, 128, ext._set_submission_budget(0.1))
+    seconds = 2 * 65536**2 * 128 / ext.multiply_adds_per_second("emulator")
+    assert len(plan) >= math.floor(seconds / 0.1)
+    assert {d["block_offset"] for s in plan for d in s} != {0}
+
+
+def test_plan_binding_rejects_bad_names():
+    with pytest.raises(ValueError, match="direction"):
+        ext.dispatch_plan("sideways", "f32", 1, 1, 1, 1, 1, 16)
+    with pytest.raises(ValueError, match="dtype"):
+        ext.dispatch_plan("fwd", "f64", 1, 1, 1, 1, 1, 16)
+
+
+@pytest.mark.parametrize("config", [dict(is_causal=True), dict(local_window_size=(9, 3))],
+                         ids=["causal", "window"])
+def test_split_run_is_bit_identical_for_one_long_sequence(config):
+    """Batch 1, one head, a sequence long enough for many row blocks: under a tiny budget every
+    stage is split into row-block submissions (at least 4 each way), and nothing changes."""
+    inputs = make_inputs(5, 1, 61, 61, 1, 1, 32, jnp.float32)
+    tiny = 1e-12  # below one threadgroup: every threadgroup is its own submission
+    with submission_budget(tiny):
+        fwd_plan, bwd_plan = _plan("fwd", 1, 61, 61, 1, 1), _plan("bwd", 1, 61, 61, 1, 1)
+        split = run_flash(*inputs, implementation="emulator", **config)
+    assert len(fwd_plan) >= 4 and len(bwd_plan) >= 4 * 3
+    assert len(_plan("fwd", 1, 61, 61, 1, 1)) == 1  # the default budget: one submission
+    whole, _ = check_against_oracle(*inputs, implementation="emulator", **config)
+    for name in whole:
+        np.testing.assert_array_equal(np.asarray(split[name]), np.asarray(whole[name]),
+                                      err_msg=name)
+
+
+def test_split_by_heads_and_batch_is_bit_identical():
+    """Budgets that cut between heads of one batch element and between batch elements (GQA,
+    lengths, bottom-right causal)."""
+    inputs = make_inputs(6, 3, 9, 13, 4, 2, 16, jnp.float32)
+    config = dict(is_causal=True, causal_alignment="bottom_right",
+                  query_seq_lengths=jnp.array([9, 4, 7], jnp.int32),
+                  key_value_seq_lengths=jnp.array([13, 6, 2], jnp.int32))
+    whole, _ = check_against_oracle(*inputs, implementation="emulator", **config)
+    forward_group = 2 * 13 * 16 * 4  # multiply-adds of one forward threadgroup (4 query rows)
+    rate = ext.multiply_adds_per_second("emulator")
+    for groups in (3, 7):  # 3: runs of row blocks and heads; 7: whole heads
+        with submission_budget(groups * forward_group / rate):
+            assert len(_plan("fwd", 3, 9, 13, 4, 2, 16)) > 1
+            split = run_flash(*inputs, implementation="emulator", **config)
+        for name in whole:
+            np.testing.assert_array_equal(np.asarray(split[name]), np.asarray(whole[name]),
+                                          err_msg=f"{groups} groups: {name}")
