@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import validation, visibility
+from . import features, validation, visibility
 
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
@@ -45,22 +45,20 @@ def _poison(out, hits):
     return jnp.where(hits > 0, jnp.nan, out)
 
 
-def _scores(q, k, scale, mask):
-    """Scaled scores [B, HKV, G, Tq, Tkv] in float32 and the broadcast mask [B, 1, 1, Tq, Tkv].
-
-    A key with a non-finite entry gives NaN scores (not a -inf that would quietly weigh it 0);
-    the mask later drops them wherever the key is invisible.
-    """
+def _scores(q, k, scale):
+    """Scaled scores [B, HKV, G, Tq, Tkv] in float32. A key with a non-finite entry gives NaN
+    scores (not a -inf that would quietly weigh it 0); masking later drops them wherever the key
+    is invisible."""
     finite = jnp.isfinite(k)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, jnp.where(finite, k, 0.0), precision=_HI,
                    preferred_element_type=_F32) * jnp.float32(scale)
     bad_key = jnp.moveaxis(~jnp.all(finite, axis=-1), 1, -1)[:, :, None, None, :]
-    return jnp.where(bad_key, jnp.nan, s), mask[:, None, None, :, :]
+    return jnp.where(bad_key, jnp.nan, s)
 
 
-def forward(q, k, v, q_lengths=None, kv_lengths=None, *, scale, is_causal=False, window_left=-1,
-            window_right=-1, bottom_right=False, **unused_static):
-    """Reference forward. q [B,Tq,H,D], k/v [B,Tkv,HKV,D], lengths int32 [B] or None.
+def forward(q, k, v, operands=validation.Operands(), *, scale, is_causal=False, window_left=-1,
+            window_right=-1, bottom_right=False, logits_soft_cap=None, **unused_static):
+    """Reference forward. q [B,Tq,H,D], k/v [B,Tkv,HKV,D], ``operands``: validation.Operands.
 
     Returns (o [B,Tq,H,D] in q.dtype, lse [B,H,Tq] float32). Also differentiable by plain JAX
     autodiff (the row max is a stop_gradient constant and every masked value is selected away
@@ -69,49 +67,72 @@ def forward(q, k, v, q_lengths=None, kv_lengths=None, *, scale, is_causal=False,
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
     batch, q_len, num_heads, _ = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
-    band = visibility.Band(batch, q_len, kv_len, q_lengths, kv_lengths, is_causal=is_causal,
+    x = operands
+    band = visibility.Band(batch, q_len, kv_len, x.q_lengths, x.kv_lengths, is_causal=is_causal,
                            window_left=window_left, window_right=window_right,
                            bottom_right=bottom_right)
-    mask = band.mask(jnp.arange(q_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32))
+    band_mask = band.mask(jnp.arange(q_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32))
+    bias = None if x.bias is None else features.heads_layout(x.bias.astype(_F32), num_kv_heads)
+    mask = None if x.mask is None else features.heads_layout(x.mask, num_kv_heads)
+    m5 = features.combine(band_mask[:, None, None], features.visible(
+        mask, bias, x.q_segment_ids, x.kv_segment_ids))
     qf = _split_heads(q.astype(_F32), num_kv_heads)
-    s, m4 = _scores(qf, k.astype(_F32), scale, mask)
-    has_key = jnp.any(m4, axis=-1)  # [B, 1, 1, Tq]
-    row_max = jnp.max(jnp.where(m4, s, -jnp.inf), axis=-1, initial=-jnp.inf)
-    row_max = jax.lax.stop_gradient(jnp.where(has_key, row_max, 0.0))
-    p = jnp.where(m4, jnp.exp(jnp.where(m4, s, 0.0) - row_max[..., None]), 0.0)
+    s, _ = features.soft_cap(_scores(qf, k.astype(_F32), scale), logits_soft_cap)
+    if bias is not None:
+        s = s + jnp.where(m5, bias, 0.0)
+    m5 = jnp.broadcast_to(m5, s.shape)
+    has_key = jnp.any(m5, axis=-1)  # [B, HKV, G, Tq]
+    row_max = jnp.max(jnp.where(m5, s, -jnp.inf), axis=-1, initial=-jnp.inf)
+    row_max = jnp.where(has_key, row_max, -jnp.inf)
+    sink = None
+    if x.sinks is not None:
+        sink = x.sinks.astype(_F32).reshape(1, num_kv_heads, -1, 1)
+        row_max = jnp.maximum(row_max, sink)
+    row_max = jax.lax.stop_gradient(jnp.where(jnp.isneginf(row_max), 0.0, row_max))
+    p = jnp.where(m5, jnp.exp(jnp.where(m5, s, 0.0) - row_max[..., None]), 0.0)
     denom = jnp.sum(p, axis=-1)
-    denom_safe = jnp.where(has_key, denom, 1.0)
-    maskf = mask.astype(_F32)  # [B, Tq, Tkv], the same for every head
+    if sink is not None:
+        denom = denom + jnp.exp(sink - row_max)
+    nonempty = denom != 0.0  # a NaN denom (NaN in a visible input) stays NaN
+    denom_safe = jnp.where(nonempty, denom, 1.0)
     o = _contract("bhgqk,bkhd->bqhgd", p, v.astype(_F32))
-    o = _poison(o, jnp.einsum("bqk,bkhd->bqhd", maskf, _nonfinite(v))[:, :, :, None, :])
+    o = _poison(o, jnp.einsum("bhgqk,bkhd->bqhgd", m5.astype(_F32), _nonfinite(v)))
     o = o / jnp.moveaxis(denom_safe, -1, 1)[..., None]
-    o = jnp.where(jnp.moveaxis(has_key, -1, 1)[..., None], o, 0.0)
-    lse = jnp.where(has_key, row_max + jnp.log(denom_safe), -jnp.inf)
+    o = jnp.where(jnp.moveaxis(nonempty, -1, 1)[..., None], o, 0.0)
+    lse = jnp.where(nonempty, row_max + jnp.log(denom_safe), -jnp.inf)
     o = o.reshape(q.shape).astype(q.dtype)
     lse = lse.reshape(batch, num_heads, q_len)
     return o, lse
 
 
-def reference_attention(query, key, value, *, scale=None, is_causal=False, local_window_size=None,
+def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                         query_seq_lengths=None, key_value_seq_lengths=None,
+                        local_window_size=None, query_segment_ids=None,
+                        key_value_segment_ids=None, logits_soft_cap=None, sinks=None,
                         causal_alignment="top_left", return_lse=False):
     """Plain-``jnp`` scaled dot-product attention with exactly ``flash_attention``'s semantics.
 
     It materialises the full score tensor (memory O(batch * heads * q_len * kv_len)) and computes
     in float32, so it is the documented reference to compare ``flash_attention`` against.
-    Differentiable with ordinary JAX autodiff (forward and reverse mode, any order).
+    Differentiable with ordinary JAX autodiff (forward and reverse mode, any order), including
+    w.r.t. ``bias`` and ``sinks``.
 
-    Args/shapes/dtypes/errors: as ``jax_flash_metal.flash_attention`` (query [B, Tq, H, D],
-    key/value [B, Tkv, HKV, D], float32/float16/bfloat16; lengths integer [B]).
-    Returns: out [B, Tq, H, D] in the input dtype, and with ``return_lse=True`` also the
-    log-sum-exp [B, H, Tq] float32 (``-inf`` for rows that see no key).
+    Args/shapes/dtypes/errors: as ``jax_flash_metal.flash_attention`` (query [B, Tq, H, D] or
+    [Tq, H, D], key/value [B, Tkv, HKV, D] or [Tkv, HKV, D], float32/float16/bfloat16; bias and
+    mask broadcastable to [B, H, Tq, Tkv]; lengths integer [B]; segment ids integer [B, T];
+    sinks [H]).
+    Returns: out shaped like query in its dtype, and with ``return_lse=True`` also the
+    log-sum-exp [B, H, Tq] ([H, Tq] for rank-3 query) float32 (``-inf`` for rows that see no
+    key, or the sink with sinks).
     Raises: TypeError / ValueError naming the bad argument.
     """
-    q, k, v, ql, kl, params = validation.check_inputs(
-        query, key, value, scale=scale, is_causal=is_causal,
+    q, k, v, operands, params = validation.check_inputs(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment)
+        key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
+        query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids,
+        logits_soft_cap=logits_soft_cap, sinks=sinks)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
-    o, lse = forward(q, k, v, ql, kl, **params._asdict())
-    return (o, lse) if return_lse else o
+    o, lse = forward(q, k, v, operands, **params._asdict())
+    return validation.restore_rank(query, o, lse, return_lse)
