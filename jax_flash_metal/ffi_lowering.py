@@ -30,6 +30,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from . import _ext
+from .primitives import feature_names
 from ._jax_private import ShapedArray
 
 _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
@@ -107,13 +108,26 @@ def kernel_names(implementation: str) -> frozenset[str]:
     return frozenset(_ext.kernel_names(implementation))
 
 
-def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int) -> str | None:
+# Optional features (primitives.feature_names) the fused kernels implement. The FFI contract for
+# bias, mask, segment ids, sinks and the soft cap is fixed in ffi/attention_ffi.h, but no kernel
+# reads them yet: calls using them go to the xla implementation (or raise when fused is explicit).
+KERNEL_FEATURES = frozenset()
+
+
+def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int,
+                       features=()) -> str | None:
     """Why the fused kernels of ``implementation`` cannot run a ``direction`` ("fwd" or "bwd")
-    call with this dtype and head dim, or None when every kernel it needs exists.
+    call with this dtype, head dim and optional ``features`` (names such as "bias"), or None
+    when every kernel it needs exists.
 
     The device's kernel list is asked (on Metal without compiling anything), so a build whose
     shaders lack a head dim is reported at trace time rather than when the computation runs.
     """
+    missing_features = [f for f in features if f not in KERNEL_FEATURES]
+    if missing_features:
+        return (f"flash_attention: {', '.join(missing_features)} "
+                f"{'is' if len(missing_features) == 1 else 'are'} not supported by the "
+                f"{implementation!r} kernels yet; use implementation=None or 'xla' for such calls")
     dtype = np.dtype(dtype)
     suffix = _DTYPE_SUFFIX.get(dtype)
     if suffix is None:
@@ -139,21 +153,32 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
     return message
 
 
-def check_supported(implementation: str, direction: str, dtype, head_dim: int) -> None:
-    """Raise ``unsupported_reason`` as TypeError (a dtype without kernels) or ValueError (a head
-    dim without kernels), if there is one."""
-    reason = unsupported_reason(implementation, direction, dtype, head_dim)
-    if reason is not None:
-        raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
+def check_supported(implementation: str, direction: str, dtype, head_dim: int,
+                    features=()) -> None:
+    """Raise ``unsupported_reason`` as NotImplementedError (a feature the kernels lack),
+    TypeError (a dtype without kernels) or ValueError (a head dim without kernels), if any."""
+    reason = unsupported_reason(implementation, direction, dtype, head_dim, features)
+    if reason is None:
+        return
+    if any(f not in KERNEL_FEATURES for f in features):
+        raise NotImplementedError(reason)
+    raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
 
 
 def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
-                has_kv_lengths):
-    """The FFI attributes with their exact types (a Python float would become f64)."""
+                has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks, logits_soft_cap,
+                bias_grad=False):
+    """The FFI attributes with their exact types (a Python float would become f64); the soft
+    cap is 0.0 when absent. The handlers refuse the optional features until the kernels
+    implement them (check_supported stops such calls earlier, at lowering)."""
+    del bias_grad  # an attribute of the backward target once its kernels read a bias (attention_ffi.h)
     return dict(scale=np.float32(scale), is_causal=np.bool_(is_causal),
                 window_left=np.int32(window_left), window_right=np.int32(window_right),
                 bottom_right=np.bool_(bottom_right), has_q_lengths=np.bool_(has_q_lengths),
-                has_kv_lengths=np.bool_(has_kv_lengths))
+                has_kv_lengths=np.bool_(has_kv_lengths), has_segment_ids=np.bool_(has_segment_ids),
+                has_bias=np.bool_(has_bias), has_mask=np.bool_(has_mask),
+                has_sinks=np.bool_(has_sinks),
+                logits_soft_cap=np.float32(0.0 if logits_soft_cap is None else logits_soft_cap))
 
 
 def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):
@@ -170,7 +195,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     """
     q, k = ctx.avals_in[0], ctx.avals_in[1]
     _check_built(implementation)
-    check_supported(implementation, "fwd", q.dtype, q.shape[3])
+    check_supported(implementation, "fwd", q.dtype, q.shape[3], feature_names(params))
     batch, q_len, num_heads, head_dim = q.shape
     _, workspace_elements = _ext.decode_splits(
         _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, k.shape[1], num_heads, k.shape[2],
@@ -194,7 +219,7 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     """
     q = ctx.avals_in[0]
     _check_built(implementation)
-    check_supported(implementation, "bwd", q.dtype, q.shape[3])
+    check_supported(implementation, "bwd", q.dtype, q.shape[3], feature_names(params))
     batch, q_len, num_heads, _ = q.shape
     delta = ShapedArray((batch, num_heads, q_len), np.float32)
     keep = [n for n in range(len(args)) if n != _BWD_LSE_OPERAND]
