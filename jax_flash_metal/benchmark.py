@@ -8,6 +8,8 @@ causal setting it reports:
   with a fixed random output cotangent, returning (dq, dk, dv).
 - compiled temporary memory: ``memory_analysis().temp_size_in_bytes`` of the compiled function
   (XLA's scratch space beyond inputs and outputs), i.e. what the score matrix costs.
+- decode rows (``--decode-kv-lens``, seq shown as ``1xN``): one query against N cached keys, as
+  in sampling with a KV cache; the fused implementations run the split-KV decode kernels.
 - achieved TFLOP/s from model FLOPs (same count for every method, see ``attention_flops``), and on
   Apple silicon with the metal implementation the percentage of the GPU's estimated peak.
 
@@ -121,6 +123,7 @@ class Row:
     fwdbwd_temp: int | None
     fwd_flops: int
     fwdbwd_flops: int
+    q_len: int | None = None  # decode rows: q_len queries against seq_len keys (else q = seq_len)
 
 
 def _temp_bytes(compiled) -> int | None:
@@ -143,12 +146,13 @@ def _median_ms(compiled, args, repeats: int) -> float:
 
 
 def measure(fn, *, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
-            causal: bool, dtype, repeats: int, run: bool, seed: int = 0):
+            causal: bool, dtype, repeats: int, run: bool, seed: int = 0,
+            q_len: int | None = None):
     """(fwd_ms, fwdbwd_ms, fwd_temp, fwdbwd_temp) of attention ``fn`` on random inputs
-    q [batch, seq_len, heads, head_dim], k/v [batch, seq_len, kv_heads, head_dim] in ``dtype``.
-    With ``run=False`` only compiles (times are None)."""
+    q [batch, q_len (default seq_len), heads, head_dim], k/v [batch, seq_len, kv_heads,
+    head_dim] in ``dtype``. With ``run=False`` only compiles (times are None)."""
     kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(kq, (batch, seq_len, heads, head_dim), dtype)
+    q = jax.random.normal(kq, (batch, q_len or seq_len, heads, head_dim), dtype)
     k = jax.random.normal(kk, (batch, seq_len, kv_heads, head_dim), dtype)
     v = jax.random.normal(kv, (batch, seq_len, kv_heads, head_dim), dtype)
     ct = jax.random.normal(kc, q.shape, dtype)
@@ -168,7 +172,8 @@ def measure(fn, *, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim
 
 def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch=1, heads=8,
                   kv_heads=None, dtype="float32", repeats=5, run_up_to=2048,
-                  emulator_max_len=256, progress=None) -> list[Row]:
+                  emulator_max_len=256, progress=None, decode_kv_lens=(),
+                  decode_q_len=1) -> list[Row]:
     """Measure every (method, head_dim, causal, seq_len); returns the rows in that order.
 
     Lengths above ``run_up_to`` (for flash:emulator, above ``emulator_max_len`` too) are only
@@ -192,6 +197,22 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
                     rows.append(Row(name, seq_len, head_dim, causal, *times_mem, *flops))
                     if progress is not None:
                         progress(rows[-1])
+    # Decode: decode_q_len new queries against a cache of kv_len keys, all visible (what causal
+    # bottom-right alignment gives the newest rows); the fused kernels take the split-KV path.
+    for name, fn in methods(method_names).items():
+        for head_dim in head_dims:
+            for kv_len in decode_kv_lens:
+                longest = min(run_up_to, emulator_max_len) if name == "flash:emulator" \
+                    else run_up_to
+                times_mem = measure(fn, batch=batch, seq_len=kv_len, heads=heads,
+                                    kv_heads=kv_heads, head_dim=head_dim, causal=False,
+                                    dtype=jnp.dtype(dtype), repeats=repeats,
+                                    run=kv_len <= longest, q_len=decode_q_len)
+                flops = attention_flops(batch, heads, decode_q_len, kv_len, head_dim, False)
+                rows.append(Row(name, kv_len, head_dim, False, *times_mem, *flops,
+                                q_len=decode_q_len))
+                if progress is not None:
+                    progress(rows[-1])
     return rows
 
 
@@ -208,7 +229,8 @@ def table_cells(row: Row, peak_tflops: float | None = None) -> list[str]:
     fwd_tf = None if row.fwd_ms is None else row.fwd_flops / (row.fwd_ms * 1e-3) / 1e12
     fb_tf = None if row.fwdbwd_ms is None else row.fwdbwd_flops / (row.fwdbwd_ms * 1e-3) / 1e12
     mib = 1 << 20
-    cells = [row.method, str(row.seq_len), str(row.head_dim), "yes" if row.causal else "no",
+    seq = str(row.seq_len) if row.q_len is None else f"{row.q_len}x{row.seq_len}"
+    cells = [row.method, seq, str(row.head_dim), "yes" if row.causal else "no",
              _fmt(row.fwd_ms, ".2f"), _fmt(row.fwdbwd_ms, ".2f"),
              _fmt(None if row.fwd_temp is None else row.fwd_temp / mib, ".1f"),
              _fmt(None if row.fwdbwd_temp is None else row.fwdbwd_temp / mib, ".1f"),
@@ -246,11 +268,13 @@ def _pyplot():
 
 
 def plot(rows: list[Row], path: str) -> None:
-    """Save forward+backward time and temporary memory against sequence length to ``path``.
+    """Save forward+backward time and temporary memory against sequence length to ``path``
+    (square rows only; decode rows are left out).
 
     Raises SystemExit with an install hint if matplotlib is missing.
     """
     plt = _pyplot()
+    rows = [r for r in rows if r.q_len is None]  # the decode rows are not a length sweep
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
     series = sorted({(r.method, r.head_dim, r.causal) for r in rows})
     for color, (method, head_dim, causal) in enumerate(series):
@@ -289,6 +313,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-lens", type=_int_list, default=[256, 1024, 4096, 16384],
                    help="comma-separated sequence lengths (query = key length)")
     p.add_argument("--head-dims", type=_int_list, default=[64, 128])
+    p.add_argument("--decode-kv-lens", type=_int_list, default=[8192],
+                   help="KV-cache lengths of the decode rows (1 query against each; shown as "
+                        "seq 1xN); empty for none")
     p.add_argument("--causal", choices=["both", "on", "off"], default="both")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     p.add_argument("--batch", type=int, default=1)
@@ -339,7 +366,7 @@ def main(argv=None) -> list[Row]:
         seq_lens=args.seq_lens, head_dims=args.head_dims, causal_modes=causal_modes,
         method_names=names, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
         dtype=args.dtype, repeats=args.repeats, run_up_to=args.run_up_to,
-        emulator_max_len=args.emulator_max_len,
+        emulator_max_len=args.emulator_max_len, decode_kv_lens=args.decode_kv_lens,
         progress=lambda r: print(f"  measured {r.method} T={r.seq_len} D={r.head_dim} "
                                  f"causal={r.causal}", file=sys.stderr, flush=True))
     print(format_table(rows, peak))
