@@ -125,9 +125,12 @@ def test_benchmark_table():
 
 def test_benchmark_main_prints_table(capsys):
     rows = benchmark.main(["--seq-lens", "32", "--head-dims", "16", "--causal", "on",
-                           "--heads", "2", "--repeats", "1", "--impls", "flash:xla,jax.nn"])
+                           "--heads", "2", "--repeats", "1", "--impls", "flash:xla,jax.nn",
+                           "--decode-kv-lens", "48"])
     out = capsys.readouterr().out
-    assert [r.method for r in rows] == ["flash:xla", "jax.nn"]
+    assert [(r.method, r.q_len) for r in rows] == [("flash:xla", None), ("jax.nn", None),
+                                                   ("flash:xla", 1), ("jax.nn", 1)]
+    assert "1x48" in out
     assert "fwd+bwd TFLOP/s" in out and "flash:xla" in out and "jax.nn" in out
 
 
