@@ -174,7 +174,8 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
                   kv_heads=None, dtype="float32", repeats=5, run_up_to=2048,
                   emulator_max_len=256, progress=None, decode_kv_lens=(),
                   decode_q_len=1) -> list[Row]:
-    """Measure every (method, head_dim, causal, seq_len); returns the rows in that order.
+    """Measure every (method, head_dim, causal, seq_len), then every (method, head_dim, kv_len
+    of ``decode_kv_lens``) with ``decode_q_len`` queries; returns the rows in that order.
 
     Lengths above ``run_up_to`` (for flash:emulator, above ``emulator_max_len`` too) are only
     compiled: their rows have memory but no times.
@@ -183,36 +184,28 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
     """
     kv_heads = heads if kv_heads is None else kv_heads
     rows = []
+
+    def add(name, fn, head_dim, causal, kv_len, q_len):
+        longest = min(run_up_to, emulator_max_len) if name == "flash:emulator" else run_up_to
+        times_mem = measure(fn, batch=batch, seq_len=kv_len, heads=heads, kv_heads=kv_heads,
+                            head_dim=head_dim, causal=causal, dtype=jnp.dtype(dtype),
+                            repeats=repeats, run=kv_len <= longest, q_len=q_len)
+        flops = attention_flops(batch, heads, q_len or kv_len, kv_len, head_dim, causal)
+        rows.append(Row(name, kv_len, head_dim, causal, *times_mem, *flops, q_len=q_len))
+        if progress is not None:
+            progress(rows[-1])
+
     for name, fn in methods(method_names).items():
         for head_dim in head_dims:
             for causal in causal_modes:
                 for seq_len in seq_lens:
-                    longest = min(run_up_to, emulator_max_len) if name == "flash:emulator" \
-                        else run_up_to
-                    times_mem = measure(fn, batch=batch, seq_len=seq_len, heads=heads,
-                                        kv_heads=kv_heads, head_dim=head_dim, causal=causal,
-                                        dtype=jnp.dtype(dtype), repeats=repeats,
-                                        run=seq_len <= longest)
-                    flops = attention_flops(batch, heads, seq_len, seq_len, head_dim, causal)
-                    rows.append(Row(name, seq_len, head_dim, causal, *times_mem, *flops))
-                    if progress is not None:
-                        progress(rows[-1])
+                    add(name, fn, head_dim, causal, seq_len, None)
     # Decode: decode_q_len new queries against a cache of kv_len keys, all visible (what causal
     # bottom-right alignment gives the newest rows); the fused kernels take the split-KV path.
     for name, fn in methods(method_names).items():
         for head_dim in head_dims:
             for kv_len in decode_kv_lens:
-                longest = min(run_up_to, emulator_max_len) if name == "flash:emulator" \
-                    else run_up_to
-                times_mem = measure(fn, batch=batch, seq_len=kv_len, heads=heads,
-                                    kv_heads=kv_heads, head_dim=head_dim, causal=False,
-                                    dtype=jnp.dtype(dtype), repeats=repeats,
-                                    run=kv_len <= longest, q_len=decode_q_len)
-                flops = attention_flops(batch, heads, decode_q_len, kv_len, head_dim, False)
-                rows.append(Row(name, kv_len, head_dim, False, *times_mem, *flops,
-                                q_len=decode_q_len))
-                if progress is not None:
-                    progress(rows[-1])
+                add(name, fn, head_dim, False, kv_len, decode_q_len)
     return rows
 
 
