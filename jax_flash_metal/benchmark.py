@@ -10,6 +10,8 @@ causal setting it reports:
 - compile time of forward+backward: wall time of ``jax.jit(...).lower(...).compile()``.
 - compiled temporary memory: ``memory_analysis().temp_size_in_bytes`` of the compiled function
   (XLA's scratch space beyond inputs and outputs), i.e. what the score matrix costs.
+- decode rows (``--decode-kv-lens``, seq shown as ``1xN``): one query against N cached keys, as
+  in sampling with a KV cache; the fused implementations run the split-KV decode kernels.
 - achieved TFLOP/s from model FLOPs (same count for every method, see ``attention_flops``), and on
   Apple silicon with the metal implementation the percentage of the GPU's estimated peak.
 
@@ -130,6 +132,7 @@ class Row:
     fwd_flops: int
     fwdbwd_flops: int
     compile_s: float | None = None
+    q_len: int | None = None  # decode rows: q_len queries against seq_len keys (else q = seq_len)
 
 
 def _temp_bytes(compiled) -> int | None:
@@ -148,11 +151,11 @@ def _call_s(compiled, args) -> float:
 
 
 def inputs(*, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, dtype,
-           seed: int = 0):
-    """Random q [batch, seq_len, heads, head_dim], k/v [batch, seq_len, kv_heads, head_dim] and
-    an output cotangent like q, in ``dtype``."""
+           seed: int = 0, q_len: int | None = None):
+    """Random q [batch, q_len (default seq_len), heads, head_dim], k/v [batch, seq_len,
+    kv_heads, head_dim] and an output cotangent like q, in ``dtype``."""
     kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(kq, (batch, seq_len, heads, head_dim), dtype)
+    q = jax.random.normal(kq, (batch, q_len or seq_len, heads, head_dim), dtype)
     k = jax.random.normal(kk, (batch, seq_len, kv_heads, head_dim), dtype)
     v = jax.random.normal(kv, (batch, seq_len, kv_heads, head_dim), dtype)
     return q, k, v, jax.random.normal(kc, q.shape, dtype)
@@ -186,8 +189,10 @@ def time_interleaved(compiled: dict, args: dict, repeats: int) -> dict:
 
 def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch=1, heads=8,
                   kv_heads=None, dtype="float32", repeats=5, run_up_to=2048,
-                  emulator_max_len=256, progress=None) -> list[Row]:
-    """Measure every (method, head_dim, causal, seq_len); returns the rows in that order.
+                  emulator_max_len=256, progress=None, decode_kv_lens=(),
+                  decode_q_len=1) -> list[Row]:
+    """Measure every (method, head_dim, causal, seq_len), then every (method, head_dim, kv_len
+    of ``decode_kv_lens``) with ``decode_q_len`` queries; returns the rows in that order.
 
     The methods of one (head_dim, causal, seq_len) are timed interleaved (``time_interleaved``).
     Lengths above ``run_up_to`` (for flash:emulator, above ``emulator_max_len`` too) are only
@@ -198,32 +203,43 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
     kv_heads = heads if kv_heads is None else kv_heads
     table = methods(method_names)
     rows = {}
+
+    def measure_point(head_dim, causal, seq_len, q_len):
+        """Every method at one point, timed interleaved; q_len None = seq_len (square)."""
+        q, k, v, ct = inputs(batch=batch, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
+                             head_dim=head_dim, dtype=jnp.dtype(dtype), q_len=q_len)
+        compiled, timed = {}, {}
+        for name, fn in table.items():
+            compiled[name] = compile_pair(fn, causal, q, k, v, ct)
+            longest = min(run_up_to, emulator_max_len) if name == "flash:emulator" \
+                else run_up_to
+            if seq_len <= longest:
+                timed[name + " fwd"] = compiled[name][0]
+                timed[name + " fwd+bwd"] = compiled[name][1]
+        ms = time_interleaved(timed, {n: (q, k, v) if n.endswith(" fwd") else (q, k, v, ct)
+                                      for n in timed}, repeats)
+        flops = attention_flops(batch, heads, q_len or seq_len, seq_len, head_dim, causal)
+        for name, (fwd, fwdbwd, compile_s) in compiled.items():
+            row = Row(name, seq_len, head_dim, causal, ms.get(name + " fwd"),
+                      ms.get(name + " fwd+bwd"), _temp_bytes(fwd), _temp_bytes(fwdbwd), *flops,
+                      compile_s, q_len=q_len)
+            rows[name, head_dim, causal, seq_len, q_len] = row
+            if progress is not None:
+                progress(row)
+
     for head_dim in head_dims:
         for causal in causal_modes:
             for seq_len in seq_lens:
-                q, k, v, ct = inputs(batch=batch, seq_len=seq_len, heads=heads,
-                                     kv_heads=kv_heads, head_dim=head_dim,
-                                     dtype=jnp.dtype(dtype))
-                compiled, timed = {}, {}
-                for name, fn in table.items():
-                    compiled[name] = compile_pair(fn, causal, q, k, v, ct)
-                    longest = min(run_up_to, emulator_max_len) if name == "flash:emulator" \
-                        else run_up_to
-                    if seq_len <= longest:
-                        timed[name + " fwd"] = compiled[name][0]
-                        timed[name + " fwd+bwd"] = compiled[name][1]
-                ms = time_interleaved(timed, {n: (q, k, v) if n.endswith(" fwd") else
-                                              (q, k, v, ct) for n in timed}, repeats)
-                flops = attention_flops(batch, heads, seq_len, seq_len, head_dim, causal)
-                for name, (fwd, fwdbwd, compile_s) in compiled.items():
-                    row = Row(name, seq_len, head_dim, causal, ms.get(name + " fwd"),
-                              ms.get(name + " fwd+bwd"), _temp_bytes(fwd), _temp_bytes(fwdbwd),
-                              *flops, compile_s)
-                    rows[name, head_dim, causal, seq_len] = row
-                    if progress is not None:
-                        progress(row)
-    return [rows[m, d, c, t] for m in table for d in head_dims for c in causal_modes
-            for t in seq_lens]
+                measure_point(head_dim, causal, seq_len, None)
+    # Decode: decode_q_len new queries against a cache of kv_len keys, all visible (what causal
+    # bottom-right alignment gives the newest rows); the fused kernels take the split-KV path.
+    for head_dim in head_dims:
+        for kv_len in decode_kv_lens:
+            measure_point(head_dim, False, kv_len, decode_q_len)
+    square = [rows[m, d, c, t, None] for m in table for d in head_dims for c in causal_modes
+              for t in seq_lens]
+    return square + [rows[m, d, False, t, decode_q_len] for m in table for d in head_dims
+                     for t in decode_kv_lens]
 
 
 def ratios(rows: list[Row], method: str = "flash:xla", baseline: str = "jax.nn") -> list[dict]:
@@ -233,6 +249,7 @@ def ratios(rows: list[Row], method: str = "flash:xla", baseline: str = "jax.nn")
     def ratio(a, b):
         return None if a is None or b is None or b == 0 else a / b
 
+    rows = [r for r in rows if r.q_len is None]  # the decode rows are compared nowhere
     base = {(r.seq_len, r.head_dim, r.causal): r for r in rows if r.method == baseline}
     out = []
     for r in rows:
@@ -251,7 +268,7 @@ def memory_growth(rows: list[Row]) -> list[dict]:
     length, per (method, head_dim, causal)."""
     out = []
     series = {}
-    for r in rows:
+    for r in (r for r in rows if r.q_len is None):  # the decode rows are not a length sweep
         series.setdefault((r.method, r.head_dim, r.causal), []).append(r)
     for (method, head_dim, causal), pts in series.items():
         pts = sorted(pts, key=lambda r: r.seq_len)
@@ -295,7 +312,8 @@ def table_cells(row: Row, peak_tflops: float | None = None) -> list[str]:
     fwd_tf = None if row.fwd_ms is None else row.fwd_flops / (row.fwd_ms * 1e-3) / 1e12
     fb_tf = None if row.fwdbwd_ms is None else row.fwdbwd_flops / (row.fwdbwd_ms * 1e-3) / 1e12
     mib = 1 << 20
-    cells = [row.method, str(row.seq_len), str(row.head_dim), "yes" if row.causal else "no",
+    seq = str(row.seq_len) if row.q_len is None else f"{row.q_len}x{row.seq_len}"
+    cells = [row.method, seq, str(row.head_dim), "yes" if row.causal else "no",
              _fmt(row.fwd_ms, ".2f"), _fmt(row.fwdbwd_ms, ".2f"),
              _fmt(None if row.fwd_temp is None else row.fwd_temp / mib, ".1f"),
              _fmt(None if row.fwdbwd_temp is None else row.fwdbwd_temp / mib, ".1f"),
@@ -333,11 +351,13 @@ def _pyplot():
 
 
 def plot(rows: list[Row], path: str) -> None:
-    """Save forward+backward time and temporary memory against sequence length to ``path``.
+    """Save forward+backward time and temporary memory against sequence length to ``path``
+    (square rows only; decode rows are left out).
 
     Raises SystemExit with an install hint if matplotlib is missing.
     """
     plt = _pyplot()
+    rows = [r for r in rows if r.q_len is None]  # the decode rows are not a length sweep
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
     series = sorted({(r.method, r.head_dim, r.causal) for r in rows})
     for color, (method, head_dim, causal) in enumerate(series):
@@ -376,6 +396,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-lens", type=_int_list, default=[256, 1024, 4096, 16384],
                    help="comma-separated sequence lengths (query = key length)")
     p.add_argument("--head-dims", type=_int_list, default=[64, 128])
+    p.add_argument("--decode-kv-lens", type=_int_list, default=[8192],
+                   help="KV-cache lengths of the decode rows (1 query against each; shown as "
+                        "seq 1xN); empty for none")
     p.add_argument("--causal", choices=["both", "on", "off"], default="both")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     p.add_argument("--batch", type=int, default=1)
@@ -430,7 +453,7 @@ def main(argv=None) -> list[Row]:
         seq_lens=args.seq_lens, head_dims=args.head_dims, causal_modes=causal_modes,
         method_names=names, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
         dtype=args.dtype, repeats=args.repeats, run_up_to=args.run_up_to,
-        emulator_max_len=args.emulator_max_len,
+        emulator_max_len=args.emulator_max_len, decode_kv_lens=args.decode_kv_lens,
         progress=lambda r: print(f"  measured {r.method} T={r.seq_len} D={r.head_dim} "
                                  f"causal={r.causal}", file=sys.stderr, flush=True))
     print(format_table(rows, peak))

@@ -134,12 +134,14 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
    uint3 group [[threadgroup_position_in_grid]],                          \
    uint lane [[thread_index_in_simdgroup]])
 
-// One simdgroup per row (r, kv head, batch). In split order: M = max m_s, then
-// w_s = l_s 2^(m_s - M), O = sum w_s O_s / sum w_s, L2 = M + log2(sum w_s), LSE = L2 ln 2; a row
-// with sum w_s = 0 saw no key: O = 0, LSE = -inf, L2 = JFM_EMPTY_ROW_L2 (as the forward).
+// One simdgroup per row (r, kv head, batch); lane t reads the statistics of splits t, t + 32, ...
+// once, and the weights are broadcast split by split. M = max m_s, then in split order
+// w_s = l_s 2^(m_s - M), W = sum w_s, O = sum w_s O_s / W, L2 = M + log2(W), LSE = L2 ln 2; a row
+// with W = 0 saw no key: O = 0, LSE = -inf, L2 = JFM_EMPTY_ROW_L2 (as the forward).
 template <typename T, int D>
 [[max_total_threads_per_threadgroup(JFM_SIMD_WIDTH)]] kernel void
 flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
+  constexpr int DL = (D + JFM_SIMD_WIDTH - 1) / JFM_SIMD_WIDTH;  // head dims per lane
   const JfmTile tile = jfm_tile_of(params, group);
   const uint r = tile.block;
   const uint hk = tile.head;
@@ -147,25 +149,47 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
   const uint G = params.num_heads / params.num_kv_heads;
   const uint h = hk * G + r / params.q_len;
   const uint i = r % params.q_len;
+  const uint splits = params.splits;
 
   float big_m = JFM_MAX_SENTINEL;
-  for (uint s = 0; s < params.splits; ++s) {
+  for (uint s = lane; s < splits; s += JFM_SIMD_WIDTH) {
     big_m = max(big_m, workspace[jfm_decode_workspace_row(b, hk, s, r, params) + D]);
   }
+  big_m = simd_max(big_m);
+
   float weights = 0.0f;
-  for (uint s = 0; s < params.splits; ++s) {
+  float sum[DL];
+  for (int n = 0; n < DL; ++n) {
+    sum[n] = 0.0f;
+  }
+  float lane_w = 0.0f;  // w of split s0 + lane
+  for (uint s = 0; s < splits; ++s) {  // uniform
+    if (s % JFM_SIMD_WIDTH == 0) {
+      const uint mine = s + lane;
+      lane_w = 0.0f;
+      if (mine < splits) {
+        device const float* stats =
+            workspace + jfm_decode_workspace_row(b, hk, mine, r, params) + D;
+        lane_w = stats[1] * fast::exp2(stats[0] - big_m);
+      }
+    }
+    const float w = simd_shuffle(lane_w, ushort(s % JFM_SIMD_WIDTH));
+    weights += w;
     device const float* w_row = workspace + jfm_decode_workspace_row(b, hk, s, r, params);
-    weights += w_row[D + 1] * fast::exp2(w_row[D] - big_m);
+    for (int n = 0; n < DL; ++n) {
+      const uint d = lane + uint(n) * JFM_SIMD_WIDTH;
+      if (d < uint(D)) {
+        sum[n] += w * w_row[d];
+      }
+    }
   }
   const bool empty = weights == 0.0f;
   device T* o_row = o + jfm_row_offset(b, i, h, params.q_len, params.num_heads, D);
-  for (uint d = lane; d < uint(D); d += JFM_SIMD_WIDTH) {
-    float sum = 0.0f;
-    for (uint s = 0; s < params.splits; ++s) {
-      device const float* w_row = workspace + jfm_decode_workspace_row(b, hk, s, r, params);
-      sum += w_row[D + 1] * fast::exp2(w_row[D] - big_m) * w_row[d];
+  for (int n = 0; n < DL; ++n) {
+    const uint d = lane + uint(n) * JFM_SIMD_WIDTH;
+    if (d < uint(D)) {
+      jfm_store(o_row + d, empty ? 0.0f : sum[n] / weights);
     }
-    jfm_store(o_row + d, empty ? 0.0f : sum / weights);
   }
   if (lane == 0) {
     const ulong stat = jfm_stat_offset(b, h, i, params.num_heads, params.q_len);

@@ -42,14 +42,26 @@ def _attrs(**overrides):
     return attrs
 
 
-def _fwd_call(q, k, v, *lengths, lse_shape=None, l2_shape=None, **attrs):
+def _workspace(q, k):
+    """The forward's workspace result as the lowering sizes it (_ext.decode_splits)."""
+    if q.ndim != 4 or k.ndim != 4:
+        return jax.ShapeDtypeStruct((0,), jnp.float32)  # the handler rejects the ranks first
+    dtype = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}.get(q.dtype, "bf16")
+    _, elements = ext.decode_splits(dtype, q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                                    k.shape[2], q.shape[3])
+    return jax.ShapeDtypeStruct((elements,), jnp.float32)
+
+
+def _fwd_call(q, k, v, *lengths, lse_shape=None, l2_shape=None, workspace=None, **attrs):
     """The forward target called directly (no primitive, no Python-side validation):
     (o, lse, l2)."""
     b, tq, h = q.shape[:3]
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype),
            jax.ShapeDtypeStruct(lse_shape or (b, h, tq), jnp.float32),
-           jax.ShapeDtypeStruct(l2_shape or (b, h, tq), jnp.float32))
-    return jax.block_until_ready(jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **_attrs(**attrs)))
+           jax.ShapeDtypeStruct(l2_shape or (b, h, tq), jnp.float32),
+           workspace or _workspace(q, k))
+    return jax.block_until_ready(
+        jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **_attrs(**attrs)))[:3]
 
 
 def _bwd_call(q, k, v, o, l2, do, g_lse, *lengths, **attrs):
@@ -197,6 +209,8 @@ _K = jnp.zeros((1, 5, 1, 16), jnp.float32)
      r"q_lengths must be int32 \[1\]"),
     ((_Q, _K, _K), dict(lse_shape=(1, 2, 5)), r"output lse must be float32 \[1, 2, 4\]"),
     ((_Q, _K, _K), dict(l2_shape=(1, 4)), r"output l2 must be float32 \[1, 2, 4\]"),
+    ((_Q, _K, _K), dict(workspace=jax.ShapeDtypeStruct((3,), jnp.float32)),
+     r"workspace must be float32 \[144\]"),
     ((_Q[0], _K[0], _K[0]), dict(), "query must have rank 4"),
     ((_Q, _K.astype(jnp.float16), _K.astype(jnp.float16)), dict(), "share one dtype"),
     ((_Q.astype(jnp.int32), _K, _K), dict(), "float32, float16 or bfloat16"),
@@ -215,7 +229,7 @@ def test_handler_rejects_missing_and_mistyped_attributes():
     attrs = _attrs()
     del attrs["bottom_right"]
     out = (jax.ShapeDtypeStruct(_Q.shape, _Q.dtype), jax.ShapeDtypeStruct((1, 2, 4), jnp.float32),
-           jax.ShapeDtypeStruct((1, 2, 4), jnp.float32))
+           jax.ShapeDtypeStruct((1, 2, 4), jnp.float32), _workspace(_Q, _K))
     with pytest.raises(jax.errors.JaxRuntimeError, match="attributes"):
         jax.block_until_ready(jax.ffi.ffi_call(FWD, out)(_Q, _K, _K, **attrs))
     # Attributes are typed: a float64 scale (what a Python float becomes under x64) is refused,
@@ -303,11 +317,12 @@ def test_one_family_preprocessing_keeps_exactly_that_family(request):
     assert found == {n for n in all_names if n.startswith("flash_attention_")}
 
 
-@pytest.mark.parametrize("kernel", ["flash_attention_fwd_f32_d16",
-                                    "flash_attention_bwd_dkdv_f32_d16"])
-def test_device_error_surfaces_as_jax_exception(kernel):
+@pytest.mark.parametrize("kernel, q_len", [("flash_attention_fwd_f32_d16", 40),
+                                           ("flash_attention_decode_combine_f32_d16", 6),
+                                           ("flash_attention_bwd_dkdv_f32_d16", 6)])
+def test_device_error_surfaces_as_jax_exception(kernel, q_len):
     rng = np.random.default_rng(0)
-    q = _normal(rng, (1, 6, 2, 16))
+    q = _normal(rng, (1, q_len, 2, 16))  # q_len <= 16: the decode kernels run the forward
     f = jax.jit(jax.grad(lambda q: flash_attention(q, q, q, implementation="emulator").sum()))
     with _emulator_fault(kernel):
         with pytest.raises(jax.errors.JaxRuntimeError,
