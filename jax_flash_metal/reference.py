@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import validation, visibility
+from . import nonfinite, validation, visibility
 
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
@@ -29,20 +29,12 @@ def _split_heads(x, num_kv_heads):
     return x.reshape(b, t, num_kv_heads, h // num_kv_heads, d)
 
 
-def _nonfinite(x):
-    return (~jnp.isfinite(x)).astype(_F32)
-
-
 def _contract(spec, weights, values):
     """einsum in float32 with non-finite values zeroed: a weight of exactly 0 (an invisible pair)
-    times NaN would otherwise be NaN. ``_poison`` puts NaN back where a visible pair met one."""
+    times NaN would otherwise be NaN; ``nonfinite.poison`` puts NaN back where a visible pair met
+    one."""
     values = jnp.where(jnp.isfinite(values), values, 0.0)
     return jnp.einsum(spec, weights, values, precision=_HI, preferred_element_type=_F32)
-
-
-def _poison(out, hits):
-    """NaN wherever ``hits`` (a count of visible non-finite inputs) is positive."""
-    return jnp.where(hits > 0, jnp.nan, out)
 
 
 def _scores(q, k, scale, mask):
@@ -83,7 +75,8 @@ def forward(q, k, v, q_lengths=None, kv_lengths=None, *, scale, is_causal=False,
     denom_safe = jnp.where(has_key, denom, 1.0)
     maskf = mask.astype(_F32)  # [B, Tq, Tkv], the same for every head
     o = _contract("bhgqk,bkhd->bqhgd", p, v.astype(_F32))
-    o = _poison(o, jnp.einsum("bqk,bkhd->bqhd", maskf, _nonfinite(v))[:, :, :, None, :])
+    hits = jnp.einsum("bqk,bkhd->bqhd", maskf, nonfinite.indicator(v))
+    o = nonfinite.poison(o, hits[:, :, :, None, :])
     o = o / jnp.moveaxis(denom_safe, -1, 1)[..., None]
     o = jnp.where(jnp.moveaxis(has_key, -1, 1)[..., None], o, 0.0)
     lse = jnp.where(has_key, row_max + jnp.log(denom_safe), -jnp.inf)

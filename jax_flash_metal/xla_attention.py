@@ -17,9 +17,11 @@ scan over key blocks with an inner loop over the query blocks that can see them 
 which adds each tile's dQ into its query block, in a fixed order: deterministic). Temporary memory
 is then O(B * H * BLOCK_Q * BLOCK_K) plus the float32 copies of the inputs: linear in length.
 
-Non-finite inputs: rows past the lengths are zeroed first (padding is never read), then one
-``lax.cond`` on "every remaining input is finite" picks the plain-matmul path or the path that
-places NaN exactly as DESIGN.md section 3 says (``xla_tiles``); only the chosen one runs.
+Non-finite inputs (DESIGN.md section 3): rows past the lengths are zeroed first (padding is never
+read). The tiles get each operand in the form that keeps NaN from reaching invisible pairs
+(``xla_tiles``: non-finite key rows all-NaN, weighted values with non-finite entries zeroed), and
+one ``lax.cond`` per primitive, taken only when some input is non-finite, puts NaN back in the
+outputs that a visible pair would have made NaN (``nonfinite``: prefix sums, O(length * D)).
 """
 
 from __future__ import annotations
