@@ -140,8 +140,8 @@ def _block_ranges(lo, hi, n, size, other):
 
 
 def _nan_rows(x):
-    """A key row with any non-finite entry becomes all-NaN, so its scores are NaN (adding the
-    row's sum of x * 0: 0 for a finite row, NaN otherwise)."""
+    """A query or key row with any non-finite entry becomes all-NaN, so its scores are NaN
+    (adding the row's sum of x * 0: 0 for a finite row, NaN otherwise)."""
     return x + jnp.sum(x * 0.0, axis=-1, keepdims=True)
 
 
@@ -262,10 +262,11 @@ def forward(q, k, v, q_lengths=None, kv_lengths=None, *, scale, is_causal=False,
     kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
     k_nan, v_zeroed = _nan_rows(kb), _zero_nonfinite(vb)
 
-    def step(state, c, q, visible):
+    def step(state, c, q, visible):  # q: the rows of _nan_rows(qb)
         return tiles.forward_step(state, q, _block(k_nan, c), _block(v_zeroed, c), visible)
 
-    o, lse = blocks.over_query_blocks(tiles.running_init, step, tiles.forward_finish, qb)
+    o, lse = blocks.over_query_blocks(tiles.running_init, step, tiles.forward_finish,
+                                      _nan_rows(qb))
     o = _from_query_blocks(o, q_len, F32).reshape(batch, q_len, kv_heads, -1, head_dim)
 
     def counts():
@@ -301,8 +302,8 @@ def backward(q, k, v, o, lse, do, g_lse, q_lengths=None, kv_lengths=None, *, sca
     qb, dob = _query_blocks(q, kv_heads, t, q_valid, scale), _query_blocks(do, kv_heads, t,
                                                                            q_valid)
     kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
-    row_xs = (qb, _zero_nonfinite(qb), dob, _zero_nonfinite(dob), _row_blocks(lse, kv_heads, t),
-              _row_blocks(delta, kv_heads, t))
+    row_xs = (_nan_rows(qb), _zero_nonfinite(qb), dob, _zero_nonfinite(dob),
+              _row_blocks(lse, kv_heads, t), _row_blocks(delta, kv_heads, t))
 
     def tile(r, xs, visible):
         q_r, q_zeroed, do_r, do_zeroed, lse_r, delta_r = (_block(x, r) for x in row_xs)
