@@ -17,10 +17,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import nonfinite, validation, visibility
+from . import nonfinite, validation
+from . import visibility as visibility_rules
 
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
+
+
+def visibility(batch, q_len, kv_len, q_lengths, kv_lengths, *, is_causal, window_left,
+               window_right, bottom_right):
+    """Boolean mask [batch, q_len, kv_len]: may query row i see key j (DESIGN.md section 3)?
+
+    Also returns the per-batch valid-row mask [batch, q_len] (i < q_len_b).
+    """
+    band = visibility_rules.Band(batch, q_len, kv_len, q_lengths, kv_lengths,
+                                 is_causal=is_causal, window_left=window_left,
+                                 window_right=window_right, bottom_right=bottom_right)
+    rows = jnp.arange(q_len, dtype=jnp.int32)
+    mask = band.mask(rows, jnp.arange(kv_len, dtype=jnp.int32))
+    return mask, rows[None, :] < band.q_lengths[:, None]
 
 
 def _split_heads(x, num_kv_heads):
@@ -61,10 +76,9 @@ def forward(q, k, v, q_lengths=None, kv_lengths=None, *, scale, is_causal=False,
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
     batch, q_len, num_heads, _ = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
-    band = visibility.Band(batch, q_len, kv_len, q_lengths, kv_lengths, is_causal=is_causal,
-                           window_left=window_left, window_right=window_right,
-                           bottom_right=bottom_right)
-    mask = band.mask(jnp.arange(q_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32))
+    mask, _ = visibility(
+        batch, q_len, kv_len, q_lengths, kv_lengths, is_causal=is_causal,
+        window_left=window_left, window_right=window_right, bottom_right=bottom_right)
     qf = _split_heads(q.astype(_F32), num_kv_heads)
     s, m4 = _scores(qf, k.astype(_F32), scale, mask)
     has_key = jnp.any(m4, axis=-1)  # [B, 1, 1, Tq]
