@@ -17,10 +17,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import features, validation, visibility
+from . import features, nonfinite, validation
+from . import visibility as visibility_rules
 
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
+
+
+def visibility(batch, q_len, kv_len, q_lengths, kv_lengths, *, is_causal, window_left,
+               window_right, bottom_right):
+    """Boolean mask [batch, q_len, kv_len]: may query row i see key j under the band rules
+    (lengths, causal, window; DESIGN.md section 3)? Also returns the per-batch valid-row mask
+    [batch, q_len] (i < q_len_b)."""
+    band = visibility_rules.Band(batch, q_len, kv_len, q_lengths, kv_lengths,
+                                 is_causal=is_causal, window_left=window_left,
+                                 window_right=window_right, bottom_right=bottom_right)
+    rows = jnp.arange(q_len, dtype=jnp.int32)
+    mask = band.mask(rows, jnp.arange(kv_len, dtype=jnp.int32))
+    return mask, rows[None, :] < band.q_lengths[:, None]
 
 
 def _split_heads(x, num_kv_heads):
@@ -29,20 +43,12 @@ def _split_heads(x, num_kv_heads):
     return x.reshape(b, t, num_kv_heads, h // num_kv_heads, d)
 
 
-def _nonfinite(x):
-    return (~jnp.isfinite(x)).astype(_F32)
-
-
 def _contract(spec, weights, values):
     """einsum in float32 with non-finite values zeroed: a weight of exactly 0 (an invisible pair)
-    times NaN would otherwise be NaN. ``_poison`` puts NaN back where a visible pair met one."""
+    times NaN would otherwise be NaN; ``nonfinite.poison`` puts NaN back where a visible pair met
+    one."""
     values = jnp.where(jnp.isfinite(values), values, 0.0)
     return jnp.einsum(spec, weights, values, precision=_HI, preferred_element_type=_F32)
-
-
-def _poison(out, hits):
-    """NaN wherever ``hits`` (a count of visible non-finite inputs) is positive."""
-    return jnp.where(hits > 0, jnp.nan, out)
 
 
 def _scores(q, k, scale):
@@ -68,10 +74,9 @@ def forward(q, k, v, operands=validation.Operands(), *, scale, is_causal=False, 
     batch, q_len, num_heads, _ = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
     x = operands
-    band = visibility.Band(batch, q_len, kv_len, x.q_lengths, x.kv_lengths, is_causal=is_causal,
-                           window_left=window_left, window_right=window_right,
-                           bottom_right=bottom_right)
-    band_mask = band.mask(jnp.arange(q_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32))
+    band_mask, _ = visibility(batch, q_len, kv_len, x.q_lengths, x.kv_lengths,
+                              is_causal=is_causal, window_left=window_left,
+                              window_right=window_right, bottom_right=bottom_right)
     bias = None if x.bias is None else features.heads_layout(x.bias.astype(_F32), num_kv_heads)
     mask = None if x.mask is None else features.heads_layout(x.mask, num_kv_heads)
     m5 = features.combine(band_mask[:, None, None], features.visible(
@@ -96,7 +101,8 @@ def forward(q, k, v, operands=validation.Operands(), *, scale, is_causal=False, 
     nonempty = denom != 0.0  # a NaN denom (NaN in a visible input) stays NaN
     denom_safe = jnp.where(nonempty, denom, 1.0)
     o = _contract("bhgqk,bkhd->bqhgd", p, v.astype(_F32))
-    o = _poison(o, jnp.einsum("bhgqk,bkhd->bqhgd", m5.astype(_F32), _nonfinite(v)))
+    o = nonfinite.poison(o, jnp.einsum("bhgqk,bkhd->bqhgd", m5.astype(_F32),
+                                       nonfinite.indicator(v)))
     o = o / jnp.moveaxis(denom_safe, -1, 1)[..., None]
     o = jnp.where(jnp.moveaxis(nonempty, -1, 1)[..., None], o, 0.0)
     lse = jnp.where(nonempty, row_max + jnp.log(denom_safe), -jnp.inf)

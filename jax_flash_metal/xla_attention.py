@@ -17,9 +17,11 @@ scan over key blocks with an inner loop over the query blocks that can see them 
 which adds each tile's dQ into its query block, in a fixed order: deterministic). Temporary memory
 is then O(B * H * BLOCK_Q * BLOCK_K) plus the float32 copies of the inputs: linear in length.
 
-Non-finite inputs: rows past the lengths are zeroed first (padding is never read), then one
-``lax.cond`` on "every remaining input is finite" picks the plain-matmul path or the path that
-places NaN exactly as DESIGN.md section 3 says (``xla_tiles``); only the chosen one runs.
+Non-finite inputs (DESIGN.md section 3): rows past the lengths are zeroed first (padding is never
+read). The tiles get each operand in the form that keeps NaN from reaching invisible pairs
+(``xla_tiles``: non-finite key rows all-NaN, weighted values with non-finite entries zeroed), and
+one ``lax.cond`` per primitive, taken only when some input is non-finite, puts NaN back in the
+outputs that a visible pair would have made NaN (``nonfinite``: prefix sums, O(length * D)).
 """
 
 from __future__ import annotations
@@ -139,8 +141,8 @@ def _block_ranges(lo, hi, n, size, other):
 
 
 def _nan_rows(x):
-    """A key row with any non-finite entry becomes all-NaN, so its scores are NaN (adding the
-    row's sum of x * 0: 0 for a finite row, NaN otherwise)."""
+    """A query or key row with any non-finite entry becomes all-NaN, so its scores are NaN
+    (adding the row's sum of x * 0: 0 for a finite row, NaN otherwise)."""
     return x + jnp.sum(x * 0.0, axis=-1, keepdims=True)
 
 
@@ -399,13 +401,13 @@ def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left
     k_nan, v_zeroed = _nan_rows(kb), _zero_nonfinite(vb)
     sinks = None if operands.sinks is None else operands.sinks.reshape(1, kv_heads, -1, 1)
 
-    def step(state, c, q, tile):
+    def step(state, c, q, tile):  # q: the rows of _nan_rows(qb)
         visible, bias = tile
         return tiles.forward_step(state, q, _block(k_nan, c), _block(v_zeroed, c), visible,
                                   bias, logits_soft_cap)
 
     o, lse = blocks.over_query_blocks(tiles.running_init, step,
-                                      lambda st: tiles.forward_finish(st, sinks), qb)
+                                      lambda st: tiles.forward_finish(st, sinks), _nan_rows(qb))
     o = _from_query_blocks(o, q_len, F32).reshape(batch, q_len, kv_heads, -1, head_dim)
 
     def counts():
@@ -471,8 +473,8 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     qb, dob = _query_blocks(q, kv_heads, t, q_valid, scale), _query_blocks(do, kv_heads, t,
                                                                            q_valid)
     kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
-    row_xs = (qb, _zero_nonfinite(qb), dob, _zero_nonfinite(dob), _row_blocks(lse, kv_heads, t),
-              _row_blocks(delta, kv_heads, t))
+    row_xs = (_nan_rows(qb), _zero_nonfinite(qb), dob, _zero_nonfinite(dob),
+              _row_blocks(lse, kv_heads, t), _row_blocks(delta, kv_heads, t))
 
     def tile(r, c, xs, visible_bias):
         visible, bias = visible_bias

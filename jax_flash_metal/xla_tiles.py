@@ -8,8 +8,8 @@ pair of the tile is visible, ``bias`` float32 broadcastable the same way or None
 multiplied by the softmax scale. Scores are ``cap(q . k) + bias`` (``features.soft_cap``).
 
 Non-finite inputs (DESIGN.md section 3) cost nothing here: the caller passes each operand in the
-form that makes plain matmuls place NaN exactly. Scores use k with every non-finite key row made
-all-NaN (a key with an Inf entry scores NaN, not a -inf that would quietly weigh it 0) and raw q;
+form that makes plain matmuls place NaN exactly. Scores use q and k with every non-finite row
+made all-NaN (a key with an Inf entry scores NaN, not a -inf that would quietly weigh it 0);
 dP uses raw v and dO; and scores, P and dS are selected with ``visible`` before any sum, so a NaN
 there reaches only the outputs of visible pairs. The operands that are weighted by P or dS (v in
 the forward; dO, k, q in the backward) arrive with non-finite entries zeroed, since a weight of
@@ -91,7 +91,7 @@ def forward_finish(state, sinks=None):
 class BackwardOperands(NamedTuple):
     """One tile's backward inputs, each in the form the module docstring gives."""
 
-    q: jax.Array         # raw (times scale)
+    q: jax.Array         # non-finite rows all-NaN, times scale (for the scores)
     q_zeroed: jax.Array  # non-finite entries 0 (for dK)
     k_nan: jax.Array     # non-finite key rows all-NaN (for the scores)
     k_zeroed: jax.Array  # (for dQ)

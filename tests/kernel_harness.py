@@ -32,11 +32,13 @@ PARAMS_DTYPE = np.dtype([
     ("has_q_lengths", "<u4"), ("has_kv_lengths", "<u4"),
     ("block_offset", "<u4"), ("head_offset", "<u4"), ("batch_offset", "<u4"),
     ("splits", "<u4"),
+    # The optional features of the FFI contract, which no kernel reads yet: left 0.
     ("has_segment_ids", "<u4"), ("has_bias", "<u4"), ("has_mask", "<u4"), ("has_sinks", "<u4"),
     ("bias_grad", "<u4"), ("soft_cap", "<f4"),
     ("bias_strides", "<i8", (4,)), ("mask_strides", "<i8", (4,)),
 ])
 assert PARAMS_DTYPE.itemsize == 160  # static_assert in attention_params.h
+assert PARAMS_DTYPE.fields["bias_strides"][1] == 96
 
 # Bound where a lengths buffer is absent; the kernels must not read it (if they did, these
 # values would empty every row and the comparison with the oracle would fail).

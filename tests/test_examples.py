@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -137,3 +138,22 @@ def test_benchmark_main_prints_table(capsys):
 def test_benchmark_rejects_unknown_method():
     with pytest.raises(ValueError, match="unknown or unavailable"):
         benchmark.methods(["flash:nonexistent"])
+
+
+def test_benchmark_ratios_and_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    rows = benchmark.main(["--seq-lens", "16,32", "--head-dims", "8", "--causal", "off",
+                           "--heads", "2", "--repeats", "1", "--impls", "flash:xla,jax.nn",
+                           "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "flash:xla / jax.nn" in out and "memory growth" in out
+    data = json.loads(path.read_text())
+    assert [r["method"] for r in data["rows"]] == [r.method for r in rows]
+    assert [(e["seq_len"], e["causal"]) for e in data["ratios"]] == [(16, False), (32, False)]
+    by = {(r.method, r.seq_len): r for r in rows}
+    for e in data["ratios"]:
+        mine, base = by["flash:xla", e["seq_len"]], by["jax.nn", e["seq_len"]]
+        assert e["fwdbwd_time"] == mine.fwdbwd_ms / base.fwdbwd_ms
+        assert e["compile_time"] == mine.compile_s / base.compile_s > 0
+    growth = {(g["method"], g["from_len"], g["to_len"]) for g in data["memory_growth"]}
+    assert growth == {("flash:xla", 16, 32), ("jax.nn", 16, 32)}
