@@ -33,7 +33,8 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
     def __call__(self, query: jax.Array, key_: jax.Array, value: jax.Array,
                  mask: jax.Array | None = None, *, key: Any = None,
                  inference: bool | None = None, deterministic: bool | None = None,
-                 process_heads: Callable[..., Any] | None = None) -> jax.Array:
+                 process_heads: Callable[..., Any] | None = None,
+                 implementation: str | None = None) -> jax.Array:
         """Multi-head attention of one (unbatched) sequence; ``jax.vmap`` it over a batch.
 
         Args:
@@ -44,6 +45,7 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
             them (or the module's ``inference``) must be True.
           process_heads: as Equinox: maps the (query, key, value) heads [len, num_heads, size]
             to new heads of the same shapes (e.g. rotary embeddings).
+          implementation: flash_attention's (an addition to Equinox's call; None = the default).
         Returns:
           [q_len, output_size]. Scores are scaled by 1/sqrt(qk_size); the attention runs in the
           projections' dtype (float32, float16 or bfloat16) with a float32 softmax.
@@ -82,6 +84,7 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
         # nothing to q.k, and zero-padded value columns are sliced off.
         dim = max(self.qk_size, self.vo_size)
         q, k, v = (jnp.pad(h, ((0, 0), (0, 0), (0, dim - h.shape[-1])))[None] for h in heads)
-        out = flash_attention(q, k, v, scale=1.0 / math.sqrt(self.qk_size), **masking)
+        out = flash_attention(q, k, v, scale=1.0 / math.sqrt(self.qk_size),
+                              implementation=implementation, **masking)
         attn = out[0, :, :, :self.vo_size].reshape(q_len, -1)
         return jax.vmap(self.output_proj)(attn)

@@ -48,7 +48,8 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
                  einsum_dot_general: Callable[..., Any] | None = None,
                  qk_attn_weights_einsum: Callable[..., Any] | None = None,
                  attn_weights_value_einsum: Callable[..., Any] | None = None,
-                 input_positions: jax.Array | None = None) -> jax.Array:
+                 input_positions: jax.Array | None = None,
+                 implementation: str | None = None) -> jax.Array:
     """Flax's ``dot_product_attention`` contract, computed by ``flash_attention``.
 
     Takes every argument ``flax.nnx.MultiHeadAttention`` and ``flax.linen.
@@ -65,6 +66,7 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
       float32, float16 or bfloat16 (flash_attention's dtypes).
       force_fp32_for_softmax: always honoured (the softmax is float32 for every dtype).
       broadcast_dropout, dropout_rng: used only by dropout, which is refused when active.
+      implementation: flash_attention's (bind it with functools.partial; Flax never passes it).
     Returns:
       [batch..., q_len, num_heads, head_dim] in the computation dtype.
     Raises:
@@ -115,5 +117,6 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
         masking["mask"] = masking["mask"].astype(jnp.bool_)
     b = math.prod(batch_shape)
     out = flash_attention(*(x.reshape((b,) + x.shape[-3:]) for x in (query, key, value)),
-                          is_causal=is_causal, **masking)
+                          is_causal=is_causal, implementation=implementation,
+                          **masking)
     return out.reshape(query.shape)

@@ -1,0 +1,53 @@
+"""Comparisons of a framework's own attention with the same module using flash_attention.
+
+The framework's module is the reference here (the adapters must reproduce it). Tolerances follow
+DESIGN.md section 8 scaled to whole modules: float32 max error <= 1e-5 x max|reference| on outputs
+and 1e-4 x max|reference| on gradients, per leaf, with a floor of 1e-6 x the largest entry of
+the whole tree (a leaf whose exact value is 0, e.g. the key bias's gradient, holds float32 noise
+of the other leaves' size); float16/bfloat16: max error against the
+float32 reference <= 2 x the framework's own half-precision error + 1e-5 x max|reference|.
+"""
+
+import inspect
+
+import jax
+import numpy as np
+import pytest
+
+from jax_flash_metal import flash_attention
+
+RTOL = {"output": 1e-5, "gradient": 1e-4}
+
+# Masks and biases reach flash_attention through the API of issue 14 (DESIGN.md section 3).
+HAVE_MASKS = "mask" in inspect.signature(flash_attention).parameters
+needs_masks = pytest.mark.skipif(
+    not HAVE_MASKS, reason="flash_attention has no mask/bias arguments yet (issue 14)")
+
+
+def _pairs(got, want):
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got_leaves) == len(want_leaves) > 0
+    return [(np.asarray(g, np.float64), np.asarray(w, np.float64))
+            for g, w in zip(got_leaves, want_leaves)]
+
+
+def assert_close(kind, got, want):
+    """Every leaf of ``got`` within float32 tolerance (``kind``: "output" or "gradient") of the
+    same leaf of ``want``."""
+    pairs = _pairs(got, want)
+    floor = 1e-6 * max(1.0, max(np.max(np.abs(w), initial=0) for _, w in pairs))
+    for i, (g, w) in enumerate(pairs):
+        assert g.shape == w.shape, (kind, i, g.shape, w.shape)
+        err, scale = np.max(np.abs(g - w), initial=0), np.max(np.abs(w), initial=0)
+        assert err <= RTOL[kind] * scale + floor, (f"{kind} leaf {i}: max error {err:.3g}, "
+                                                   f"max |reference| {scale:.3g}")
+
+
+def assert_half_close(got, framework_half, reference32):
+    """Half-precision leaves of ``got`` no further from the float32 reference than twice the
+    framework's own half-precision result (+ 1e-5 x max|reference|)."""
+    for i, ((g, r), (f, _)) in enumerate(zip(_pairs(got, reference32),
+                                             _pairs(framework_half, reference32))):
+        err, own = np.max(np.abs(g - r), initial=0), np.max(np.abs(f - r), initial=0)
+        bound = 2 * own + 1e-5 * np.max(np.abs(r), initial=0)
+        assert err <= bound, f"leaf {i}: error {err:.3g} > bound {bound:.3g} (framework {own:.3g})"
