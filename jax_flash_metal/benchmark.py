@@ -143,7 +143,8 @@ def _median_ms(compiled, args, repeats: int) -> float:
 
 
 def measure(fn, *, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
-            causal: bool, dtype, repeats: int, run: bool, seed: int = 0):
+            causal: bool, dtype, repeats: int, run: bool, seed: int = 0
+            ) -> tuple[float | None, float | None, int | None, int | None]:
     """(fwd_ms, fwdbwd_ms, fwd_temp, fwdbwd_temp) of attention ``fn`` on random inputs
     q [batch, seq_len, heads, head_dim], k/v [batch, seq_len, kv_heads, head_dim] in ``dtype``.
     With ``run=False`` only compiles (times are None)."""
@@ -260,9 +261,9 @@ def plot(rows: list[Row], path: str) -> None:
         if timed:
             ax_t.plot([r.seq_len for r in timed], [r.fwdbwd_ms for r in timed], "o-",
                       color=f"C{color % 10}", label=label)
-        mem = [r for r in pts if r.fwdbwd_temp is not None]
+        mem = [(r.seq_len, r.fwdbwd_temp) for r in pts if r.fwdbwd_temp is not None]
         if mem:
-            ax_m.plot([r.seq_len for r in mem], [max(r.fwdbwd_temp, 1) / (1 << 20) for r in mem],
+            ax_m.plot([t for t, _ in mem], [max(m, 1) / (1 << 20) for _, m in mem],
                       "o-", color=f"C{color % 10}", label=label)
     for ax, title in ((ax_t, "forward+backward time (ms)"),
                       (ax_m, "forward+backward compiled temp memory (MiB)")):

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import cast
 
 import jax
 import numpy as np
 from jax.interpreters import mlir
 
-from . import _ext
+import jax_flash_metal._ext as _ext  # a module import: mypy takes the unbuilt extension as Any
 from ._jax_private import ShapedArray
 
 _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
@@ -165,7 +166,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     bottom_right, has_q_lengths, has_kv_lengths). Raises ValueError for a head dim or dtype the
     device has no kernel for, or when ``implementation`` is not in this build.
     """
-    q = ctx.avals_in[0]
+    q = cast(ShapedArray, ctx.avals_in[0])
     _check_built(implementation)
     check_supported(implementation, "fwd", q.dtype, q.shape[3])
     rule = jax.ffi.ffi_lowering(_target("fwd", implementation))
@@ -181,7 +182,7 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     shows up in memory_analysis() and needs no allocator inside the handler. Errors as for
     ``lower_fwd``.
     """
-    q = ctx.avals_in[0]
+    q = cast(ShapedArray, ctx.avals_in[0])
     _check_built(implementation)
     check_supported(implementation, "bwd", q.dtype, q.shape[3])
     batch, q_len, num_heads, _ = q.shape

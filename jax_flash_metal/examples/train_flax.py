@@ -94,11 +94,11 @@ def train(cfg: Config, data: np.ndarray, attention_fn: Callable[..., Any], *, se
 
     Returns (per-step losses, per-step seconds); step 0's time includes compilation.
     """
-    graphdef, params, rest = nnx.split(Model(cfg, attention_fn, nnx.Rngs(seed)), nnx.Param, ...)
+    graphdef, params, *rest = nnx.split(Model(cfg, attention_fn, nnx.Rngs(seed)), nnx.Param, ...)
     optimizer = optax.adamw(cfg.lr)
 
     def loss_fn(params, inputs, targets):
-        logits = nnx.merge(graphdef, params, rest)(inputs)
+        logits = nnx.merge(graphdef, params, *rest)(inputs)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     @jax.jit
@@ -151,9 +151,10 @@ def main(argv=None) -> dict:
     print(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, causal; "
           f"{cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes, AdamW lr {cfg.lr:g}")
 
-    runs = {"flax": nnx.dot_product_attention,
-            f"jax_flash_metal[{resolved}]": functools.partial(flash_attention_fn,
-                                                              implementation=resolved)}
+    runs: dict[str, Callable[..., Any]] = {
+        "flax": nnx.dot_product_attention,
+        f"jax_flash_metal[{resolved}]": functools.partial(flash_attention_fn,
+                                                          implementation=resolved)}
     results = {name: train(cfg, train_data, fn, seed=args.seed) for name, fn in runs.items()}
     (ref_name, (ref_losses, ref_s)), (our_name, (our_losses, our_s)) = results.items()
     print(f"{'step':>5} {ref_name:>12} {our_name:>24} {'difference':>11}")
