@@ -31,6 +31,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 import jax_flash_metal._ext as _ext  # a module import: mypy takes the unbuilt extension as Any
+from .primitives import feature_names
 from ._jax_private import ShapedArray
 
 _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
@@ -112,13 +113,26 @@ def kernel_names(implementation: str) -> frozenset[str]:
     return frozenset(_ext.kernel_names(implementation))
 
 
-def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int) -> str | None:
+# Optional features (primitives.feature_names) the fused kernels implement. The FFI contract for
+# bias, mask, segment ids, sinks and the soft cap is fixed in ffi/attention_ffi.h, but no kernel
+# reads them yet: calls using them go to the xla implementation (or raise when fused is explicit).
+KERNEL_FEATURES = frozenset()
+
+
+def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int,
+                       features=()) -> str | None:
     """Why the fused kernels of ``implementation`` cannot run a ``direction`` ("fwd" or "bwd")
-    call with this dtype and head dim, or None when every kernel it needs exists.
+    call with this dtype, head dim and optional ``features`` (names such as "bias"), or None
+    when every kernel it needs exists.
 
     The device's kernel list is asked (on Metal without compiling anything), so a build whose
     shaders lack a head dim is reported at trace time rather than when the computation runs.
     """
+    missing_features = [f for f in features if f not in KERNEL_FEATURES]
+    if missing_features:
+        return (f"flash_attention: {', '.join(missing_features)} "
+                f"{'is' if len(missing_features) == 1 else 'are'} not supported by the "
+                f"{implementation!r} kernels yet; use implementation=None or 'xla' for such calls")
     dtype = np.dtype(dtype)
     suffix = _DTYPE_SUFFIX.get(dtype)
     if suffix is None:
@@ -142,17 +156,24 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
     return message
 
 
-def check_supported(implementation: str, direction: str, dtype, head_dim: int) -> None:
-    """Raise ``unsupported_reason`` as TypeError (a dtype without kernels) or ValueError (a head
-    dim without kernels), if there is one."""
-    reason = unsupported_reason(implementation, direction, dtype, head_dim)
-    if reason is not None:
-        raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
+def check_supported(implementation: str, direction: str, dtype, head_dim: int,
+                    features=()) -> None:
+    """Raise ``unsupported_reason`` as NotImplementedError (a feature the kernels lack),
+    TypeError (a dtype without kernels) or ValueError (a head dim without kernels), if any."""
+    reason = unsupported_reason(implementation, direction, dtype, head_dim, features)
+    if reason is None:
+        return
+    if any(f not in KERNEL_FEATURES for f in features):
+        raise NotImplementedError(reason)
+    raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
 
 
 def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
-                has_kv_lengths):
-    """The FFI attributes with their exact types (a Python float would become f64)."""
+                has_kv_lengths, **features):
+    """The FFI attributes with their exact types (a Python float would become f64).
+    ``features`` (has_bias, ... as primitives.coerce_params) must all be off: check_supported
+    refuses calls that use them before any attribute is built."""
+    assert not any(features.values()), f"unsupported features reached the FFI: {features}"
     return dict(scale=np.float32(scale), is_causal=np.bool_(is_causal),
                 window_left=np.int32(window_left), window_right=np.int32(window_right),
                 bottom_right=np.bool_(bottom_right), has_q_lengths=np.bool_(has_q_lengths),
@@ -168,7 +189,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     """
     q = cast(ShapedArray, ctx.avals_in[0])
     _check_built(implementation)
-    check_supported(implementation, "fwd", q.dtype, q.shape[3])
+    check_supported(implementation, "fwd", q.dtype, q.shape[3], feature_names(params))
     rule = jax.ffi.ffi_lowering(_target("fwd", implementation))
     return rule(ctx, *args, **_attributes(**params))
 
@@ -184,7 +205,7 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     """
     q = cast(ShapedArray, ctx.avals_in[0])
     _check_built(implementation)
-    check_supported(implementation, "bwd", q.dtype, q.shape[3])
+    check_supported(implementation, "bwd", q.dtype, q.shape[3], feature_names(params))
     batch, q_len, num_heads, _ = q.shape
     delta = ShapedArray((batch, num_heads, q_len), np.float32)
     call_ctx = ctx.replace(avals_out=(*ctx.avals_out, delta))
