@@ -116,7 +116,7 @@ def kernel_names(implementation: str) -> frozenset[str]:
 # Optional features (primitives.feature_names) the fused kernels implement. The FFI contract for
 # bias, mask, segment ids, sinks and the soft cap is fixed in ffi/attention_ffi.h, but no kernel
 # reads them yet: calls using them go to the xla implementation (or raise when fused is explicit).
-KERNEL_FEATURES = frozenset()
+KERNEL_FEATURES: frozenset[str] = frozenset()
 
 
 def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int,
