@@ -46,6 +46,7 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
           process_heads: as Equinox: maps the (query, key, value) heads [len, num_heads, size]
             to new heads of the same shapes (e.g. rotary embeddings).
           implementation: flash_attention's (an addition to Equinox's call; None = the default).
+            Calls with a mask run on "xla" until the fused kernels take masks.
         Returns:
           [q_len, output_size]. Scores are scaled by 1/sqrt(qk_size); the attention runs in the
           projections' dtype (float32, float16 or bfloat16) with a float32 softmax.
@@ -73,18 +74,16 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
             heads = list(process_heads(*heads))
             if [h.shape for h in heads] != shapes:
                 raise ValueError("process_heads must not change the shape of the heads.")
-        masking = {}
-        if mask is not None:
-            if mask.shape not in ((q_len, kv_len), (self.num_heads, q_len, kv_len)):
-                raise ValueError(f"mask must have shape (query_seq_length, kv_seq_length)=("
-                                 f"{q_len}, {kv_len}) or (num_heads, query_seq_length, "
-                                 f"kv_seq_length); got {mask.shape}.")
-            masking["mask"] = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        if mask is not None and mask.shape not in ((q_len, kv_len),
+                                                   (self.num_heads, q_len, kv_len)):
+            raise ValueError(f"mask must have shape (query_seq_length, kv_seq_length)=({q_len}, "
+                             f"{kv_len}) or (num_heads, query_seq_length, kv_seq_length); got "
+                             f"{mask.shape}.")
         # flash_attention takes one head_dim for query, key and value: zero-padding q and k adds
         # nothing to q.k, and zero-padded value columns are sliced off.
         dim = max(self.qk_size, self.vo_size)
-        q, k, v = (jnp.pad(h, ((0, 0), (0, 0), (0, dim - h.shape[-1])))[None] for h in heads)
-        out = flash_attention(q, k, v, scale=1.0 / math.sqrt(self.qk_size),
-                              implementation=implementation, **masking)
-        attn = out[0, :, :, :self.vo_size].reshape(q_len, -1)
+        q, k, v = (jnp.pad(h, ((0, 0), (0, 0), (0, dim - h.shape[-1]))) for h in heads)
+        out = flash_attention(q, k, v, mask=mask, scale=1.0 / math.sqrt(self.qk_size),
+                              implementation=implementation)
+        attn = out[:, :, :self.vo_size].reshape(q_len, -1)
         return jax.vmap(self.output_proj)(attn)

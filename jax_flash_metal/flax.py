@@ -67,6 +67,7 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
       force_fp32_for_softmax: always honoured (the softmax is float32 for every dtype).
       broadcast_dropout, dropout_rng: used only by dropout, which is refused when active.
       implementation: flash_attention's (bind it with functools.partial; Flax never passes it).
+        Calls with a mask or bias run on "xla" until the fused kernels take them.
     Returns:
       [batch..., q_len, num_heads, head_dim] in the computation dtype.
     Raises:
@@ -111,12 +112,11 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
             raise ValueError(f"{name} has batch axes {x.shape[:-3]}, query has {batch_shape}")
     if key.shape[-3] != value.shape[-3]:
         raise ValueError(f"key and value lengths differ: {key.shape[-3]} and {value.shape[-3]}")
-    masking = {name: _one_batch_axis(x, batch_shape, name)
-               for name, x in (("bias", bias), ("mask", mask)) if x is not None}
-    if "mask" in masking:
-        masking["mask"] = masking["mask"].astype(jnp.bool_)
+    bias, mask = (_one_batch_axis(x, batch_shape, name) for name, x in (("bias", bias),
+                                                                         ("mask", mask)))
+    if mask is not None:
+        mask = mask.astype(jnp.bool_)  # Flax also takes 0/1 float masks
     b = math.prod(batch_shape)
     out = flash_attention(*(x.reshape((b,) + x.shape[-3:]) for x in (query, key, value)),
-                          is_causal=is_causal, implementation=implementation,
-                          **masking)
+                          bias, mask, is_causal=is_causal, implementation=implementation)
     return out.reshape(query.shape)

@@ -8,21 +8,10 @@ of the other leaves' size); float16/bfloat16: max error against the
 float32 reference <= 2 x the framework's own half-precision error + 1e-5 x max|reference|.
 """
 
-import inspect
-
 import jax
 import numpy as np
-import pytest
-
-from jax_flash_metal import flash_attention
 
 RTOL = {"output": 1e-5, "gradient": 1e-4}
-
-# Masks and biases reach flash_attention through the API of issue 14 (DESIGN.md section 3).
-HAVE_MASKS = "mask" in inspect.signature(flash_attention).parameters
-needs_masks = pytest.mark.skipif(
-    not HAVE_MASKS, reason="flash_attention has no mask/bias arguments yet (issue 14)")
-
 
 def _pairs(got, want):
     got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
