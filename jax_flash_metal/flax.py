@@ -117,6 +117,7 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
     if mask is not None:
         mask = mask.astype(jnp.bool_)  # Flax also takes 0/1 float masks
     b = math.prod(batch_shape)
-    out = flash_attention(*(x.reshape((b,) + x.shape[-3:]) for x in (query, key, value)),
-                          bias, mask, is_causal=is_causal, implementation=implementation)
+    q, k, v = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
+    out = flash_attention(q, k, v, bias, mask, is_causal=is_causal,
+                          implementation=implementation)
     return out.reshape(query.shape)
