@@ -30,7 +30,7 @@ from flax import nnx
 
 import jax_flash_metal
 from jax_flash_metal import implementations
-from jax_flash_metal.examples.train_lm import load_text, split, windows
+from jax_flash_metal.examples.train_lm import add_common_args, load_text, split, windows
 from jax_flash_metal.flax import attention_fn as flash_attention_fn
 
 
@@ -124,13 +124,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jax_flash_metal.examples.train_flax",
         description="Train a Flax NNX transformer with Flax's attention and with flash_attention.")
-    p.add_argument("--text", help="train on this file (default: the standard library's .py files)")
-    p.add_argument("--max-bytes", type=int, default=1 << 20, help="corpus size cap (default 1 MiB)")
-    p.add_argument("--implementation", choices=["xla", "emulator", "metal"], default=None,
-                   help="flash_attention implementation (default: the package's choice per "
-                        "call, which is xla for masked calls). The fused kernels take no masks "
-                        "yet: with emulator or metal the model is trained without its causal "
-                        "mask; the emulator is slow by design and uses the tiny configuration")
+    add_common_args(p, "flash_attention implementation (default: the package's choice per "
+                       "call, which is xla for masked calls). The fused kernels take no masks "
+                       "yet: with emulator or metal the model is trained without its causal "
+                       "mask; the emulator is slow by design and uses the tiny configuration")
     p.add_argument("--tiny", action="store_true", help="use the tiny configuration")
     p.add_argument("--steps", type=int, default=None, help="override the number of steps")
     p.add_argument("--seed", type=int, default=0)
