@@ -21,6 +21,7 @@ def test_py_typed_is_installed():
     assert importlib.resources.files("jax_flash_metal").joinpath("py.typed").is_file()
 
 
+@pytest.mark.slow  # mypy on jax takes tens of seconds
 def test_return_type_follows_return_lse(tmp_path, monkeypatch):
     api = pytest.importorskip("mypy.api")
     monkeypatch.chdir(tmp_path)  # the installed package, not the source tree
