@@ -96,7 +96,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     query_segment_ids: ArrayLike | None = None,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
-                    causal_alignment: str = "top_left", return_lse: Literal[False] = False) -> jax.Array: ...
+                    causal_alignment: str = "top_left",
+                    return_lse: Literal[False] = False) -> jax.Array: ...
 
 
 @overload
@@ -109,7 +110,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     query_segment_ids: ArrayLike | None = None,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
-                    causal_alignment: str = "top_left", return_lse: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
+                    causal_alignment: str = "top_left",
+                    return_lse: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
 
 
 @overload
@@ -122,7 +124,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     query_segment_ids: ArrayLike | None = None,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
-                    causal_alignment: str = "top_left", return_lse: bool) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+                    causal_alignment: str = "top_left",
+                    return_lse: bool) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
 def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
@@ -134,7 +137,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     query_segment_ids: ArrayLike | None = None,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
-                    causal_alignment: str = "top_left", return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                    causal_alignment: str = "top_left",
+                    return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-2 forward and recompute backward).
 
     A drop-in for ``jax.nn.dot_product_attention`` (same positional bias and mask, same keyword

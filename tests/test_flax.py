@@ -1,5 +1,5 @@
-"""jax_flash_metal.flax.attention_fn in flax.nnx and flax.linen modules, against Flax's own attention
-with the same weights and inputs (outputs and gradients)."""
+"""jax_flash_metal.flax.attention_fn in flax.nnx and flax.linen modules, against Flax's own
+attention with the same weights and inputs (outputs and gradients)."""
 
 import dataclasses
 import functools
