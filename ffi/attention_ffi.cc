@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attention_params.h"
@@ -363,6 +365,22 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
         whole(JFM_BUFFER_DV, dv, true)}});
 }
 
+// The contract's optional features (attention_ffi.h), which the kernels do not implement yet: a
+// call that sets any of them is refused before any operand is read. The Python lowering never
+// sends one (ffi_lowering.KERNEL_FEATURES); this guards direct ffi_call users.
+ffi::Error refuse_features(bool has_segment_ids, bool has_bias, bool has_mask, bool has_sinks,
+                           float logits_soft_cap) {
+  std::string used;
+  for (auto [on, name] : {std::pair<bool, const char*>{has_bias, "bias"}, {has_mask, "mask"},
+                          {has_segment_ids, "segment ids"}, {has_sinks, "sinks"},
+                          {logits_soft_cap != 0.0f, "logits_soft_cap"}}) {
+    if (on) used += (used.empty() ? "" : ", ") + std::string(name);
+  }
+  if (used.empty()) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "jax_flash_metal: " + used + " not supported by the fused kernels yet");
+}
+
 // Handler bodies, one per (direction, device); the device getter is a template argument so the
 // same validation and plan serve both devices.
 template <Device* (*GetDevice)(std::string*)>
@@ -370,7 +388,13 @@ ffi::Error forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
                            ffi::Result<ffi::AnyBuffer> lse, float scale, bool is_causal,
                            int32_t window_left, int32_t window_right, bool bottom_right,
-                           bool has_q_lengths, bool has_kv_lengths) {
+                           bool has_q_lengths, bool has_kv_lengths, bool has_segment_ids,
+                           bool has_bias, bool has_mask, bool has_sinks, float logits_soft_cap) {
+  if (ffi::Error e = refuse_features(has_segment_ids, has_bias, has_mask, has_sinks,
+                                     logits_soft_cap);
+      e.failure()) {
+    return e;
+  }
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
@@ -387,7 +411,13 @@ ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
                             float scale, bool is_causal, int32_t window_left,
                             int32_t window_right, bool bottom_right, bool has_q_lengths,
-                            bool has_kv_lengths) {
+                            bool has_kv_lengths, bool has_segment_ids, bool has_bias,
+                            bool has_mask, bool has_sinks, float logits_soft_cap) {
+  if (ffi::Error e = refuse_features(has_segment_ids, has_bias, has_mask, has_sinks,
+                                     logits_soft_cap);
+      e.failure()) {
+    return e;
+  }
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
@@ -405,7 +435,13 @@ auto with_attributes(B binding) {
       .template Attr<int32_t>("window_right")
       .template Attr<bool>("bottom_right")
       .template Attr<bool>("has_q_lengths")
-      .template Attr<bool>("has_kv_lengths");
+      .template Attr<bool>("has_kv_lengths")
+      // The optional features of the contract in attention_ffi.h (no kernel reads them yet).
+      .template Attr<bool>("has_segment_ids")
+      .template Attr<bool>("has_bias")
+      .template Attr<bool>("has_mask")
+      .template Attr<bool>("has_sinks")
+      .template Attr<float>("logits_soft_cap");
 }
 
 auto forward_binding() {

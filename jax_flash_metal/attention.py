@@ -59,11 +59,8 @@ def _attention_bwd(params, residuals, cotangents):
     q, k, v, o, lse, operands, bias_grad = residuals
     bias_grad = bias_grad.value
     do, g_lse = _dense(cotangents[0], o, q.dtype), _dense(cotangents[1], lse, jnp.float32)
-    # The backward needs no sinks: lse already holds them.
-    bwd_operands = operands._replace(sinks=None)
-    bwd_params = params._replace(has_sinks=False)._asdict()
-    grads = bwd_p.bind(q, k, v, o, lse, do, g_lse, *bwd_operands.present(),
-                       bias_grad=bias_grad, **bwd_params)
+    grads = bwd_p.bind(q, k, v, o, lse, do, g_lse, *operands.present(), bias_grad=bias_grad,
+                       **params._asdict())
     dq, dk, dv = grads[:3]
     dbias = grads[3].astype(operands.bias.dtype) if bias_grad else None
     dsinks = None if operands.sinks is None else _sinks_grad(operands.sinks, o, lse, do, g_lse)

@@ -169,15 +169,19 @@ def check_supported(implementation: str, direction: str, dtype, head_dim: int,
 
 
 def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
-                has_kv_lengths, **features):
-    """The FFI attributes with their exact types (a Python float would become f64).
-    ``features`` (has_bias, ... as primitives.coerce_params) must all be off: check_supported
-    refuses calls that use them before any attribute is built."""
-    assert not any(features.values()), f"unsupported features reached the FFI: {features}"
+                has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks, logits_soft_cap,
+                bias_grad=False):
+    """The FFI attributes with their exact types (a Python float would become f64); the soft
+    cap is 0.0 when absent. The handlers refuse the optional features until the kernels
+    implement them (check_supported stops such calls earlier, at lowering)."""
+    del bias_grad  # an attribute of the backward target once its kernels read a bias (attention_ffi.h)
     return dict(scale=np.float32(scale), is_causal=np.bool_(is_causal),
                 window_left=np.int32(window_left), window_right=np.int32(window_right),
                 bottom_right=np.bool_(bottom_right), has_q_lengths=np.bool_(has_q_lengths),
-                has_kv_lengths=np.bool_(has_kv_lengths))
+                has_kv_lengths=np.bool_(has_kv_lengths), has_segment_ids=np.bool_(has_segment_ids),
+                has_bias=np.bool_(has_bias), has_mask=np.bool_(has_mask),
+                has_sinks=np.bool_(has_sinks),
+                logits_soft_cap=np.float32(0.0 if logits_soft_cap is None else logits_soft_cap))
 
 
 def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):

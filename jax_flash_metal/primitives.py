@@ -7,9 +7,10 @@ bwd_p: bind(q, k, v, o, lse, do, g_lse, *optional, bias_grad=..., **params)
 ``optional`` are the present fields of ``validation.Operands`` in its order: q_lengths,
 kv_lengths (int32 [B]), q_segment_ids, kv_segment_ids (int32 [B, T]), bias (float, rank 4, each
 axis 1 or full over [B, H, Tq, Tkv]), mask (bool, same), sinks (float32 [H]); each is present
-exactly when its ``has_*`` flag is True. The backward takes no sinks (its LSE already includes
-them; dsinks comes from O, LSE, dO and g_lse in attention.py). With ``bias_grad`` the backward
-also returns dbias float32 in the bias operand's (broadcast) shape.
+exactly when its ``has_*`` flag is True. Both primitives take the same optional operands, so a
+call's forward and backward lower to the same implementation; the backward reads no sinks (its
+LSE already includes them; dsinks comes from O, LSE, dO and g_lse in attention.py). With
+``bias_grad`` the backward also returns dbias float32 in the bias operand's (broadcast) shape.
 
 Static params (exact types, ``coerce_params``): scale: float, is_causal: bool, window_left: int,
 window_right: int (-1 = unbounded), bottom_right: bool, has_q_lengths, has_kv_lengths,
@@ -121,8 +122,6 @@ def _bwd_abstract(*args, bias_grad=False, **params):
         if y.shape != (batch, num_heads, q_len):
             raise ValueError(f"flash_attention_bwd: {name} must be [{batch}, {num_heads}, "
                              f"{q_len}], got {list(y.shape)}")
-    if x.sinks is not None:
-        raise ValueError("flash_attention_bwd takes no sinks operand (its lse includes them)")
     if bias_grad and x.bias is None:
         raise ValueError("flash_attention_bwd: bias_grad=True needs a bias operand")
     _check_operand_avals(bwd_p, x, batch, num_heads, q_len, k.shape[1])

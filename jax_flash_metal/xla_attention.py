@@ -226,7 +226,8 @@ class _Features:
 
         def ranges(ids, valid, n, size):
             ids = ids.reshape(ids.shape[0], n, size)
-            valid = jnp.ones(ids.shape, bool) if valid is None else valid.reshape(ids.shape)
+            valid = (jnp.ones(ids.shape, bool) if valid is None
+                     else jnp.broadcast_to(valid.reshape(-1, n, size), ids.shape))
             big = jnp.iinfo(jnp.int32).max
             return (jnp.min(jnp.where(valid, ids, big), axis=2),
                     jnp.max(jnp.where(valid, ids, -big), axis=2))
@@ -452,7 +453,8 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     """(dq, dk, dv[, dbias]) in the input dtypes (dbias float32 in the bias operand's shape,
     with ``bias_grad``), from the forward's o and lse and the cotangents dO and g_lse:
     delta = rowsum(dO * O) - g_lse (0 for rows past q_len), then the FlashAttention-2
-    recompute backward. Rows with no visible key and padding contribute nothing."""
+    recompute backward. Rows with no visible key and padding contribute nothing. Sinks are not
+    read: lse already includes them."""
     del unused_static
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]

@@ -5,9 +5,13 @@
 #define JAX_FLASH_METAL_ATTENTION_PARAMS_H_
 
 #ifndef __METAL_VERSION__
+#include <cstddef>
 #include <cstdint>
 namespace jfm {
 typedef uint32_t uint;
+typedef int64_t jfm_long;
+#else
+typedef long jfm_long;  // 64-bit in MSL
 #endif
 
 // Window bound meaning "no bound on this side".
@@ -28,6 +32,14 @@ typedef uint32_t uint;
 #define JFM_BUFFER_DK 11
 #define JFM_BUFFER_DV 12
 #define JFM_BUFFER_PARAMS 13
+// 14: JFM_BUFFER_L2 (the base-2 row statistic of the tiled kernels).
+// Optional features (ffi/attention_ffi.h); no kernel binds them yet.
+#define JFM_BUFFER_Q_SEGMENT_IDS 15
+#define JFM_BUFFER_KV_SEGMENT_IDS 16
+#define JFM_BUFFER_BIAS 17
+#define JFM_BUFFER_MASK 18
+#define JFM_BUFFER_SINKS 19
+#define JFM_BUFFER_DBIAS 20
 
 // Dispatch shape shared by all kernels: a threadgroup has JFM_THREADS_PER_GROUP threads and
 // covers JFM_ROWS_PER_GROUP consecutive rows of one (batch, head). The grid is
@@ -38,8 +50,8 @@ typedef uint32_t uint;
 #define JFM_ROWS_PER_GROUP 4
 #define JFM_THREADS_PER_GROUP (JFM_ROWS_PER_GROUP * JFM_SIMD_WIDTH)
 
-// Bound at JFM_BUFFER_PARAMS as `constant AttentionParams&`. Layout is plain 4-byte fields so
-// host C++ and MSL agree on it without padding rules.
+// Bound at JFM_BUFFER_PARAMS as `constant AttentionParams&`. Layout is plain 4-byte fields, then
+// 8-byte fields at an 8-byte-aligned offset, so host C++ and MSL agree on it without padding.
 struct AttentionParams {
   uint batch;
   uint q_len;         // allocated query length Tq
@@ -61,10 +73,23 @@ struct AttentionParams {
   uint block_offset;
   uint head_offset;
   uint batch_offset;
+  // Optional features (ffi/attention_ffi.h); the host sets them all 0 until kernels read them.
+  uint has_segment_ids;  // 1: int32 [B, Tq] / [B, Tkv] at JFM_BUFFER_{Q,KV}_SEGMENT_IDS
+  uint has_bias;         // 1: bias at JFM_BUFFER_BIAS, strides in bias_strides
+  uint has_mask;         // 1: uchar mask at JFM_BUFFER_MASK, strides in mask_strides
+  uint has_sinks;        // 1: float [H] at JFM_BUFFER_SINKS
+  uint bias_grad;        // 1: the dQ kernel writes dbias float [B, H, Tq, Tkv] at JFM_BUFFER_DBIAS
+  float soft_cap;        // c > 0: scores become c * tanh(score / c) before the bias; 0 = none
+  uint padding;          // keeps the 64-bit fields below 8-byte aligned in MSL and C++
+  // Element strides over [B, H, Tq, Tkv], 0 on a broadcast axis; 64-bit because b and h
+  // strides of a full bias exceed 2^31 elements at long lengths. 8-byte aligned (offset 96).
+  jfm_long bias_strides[4];
+  jfm_long mask_strides[4];
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(AttentionParams) == 68, "AttentionParams layout must match the shaders");
+static_assert(offsetof(AttentionParams, bias_strides) == 96 && sizeof(AttentionParams) == 160,
+              "AttentionParams layout must match the shaders");
 }  // namespace jfm
 #endif
 
