@@ -48,7 +48,7 @@ class Config:
     causal: bool = True  # False: no mask (bidirectional), for the fused kernels, which take none
 
 
-# About a minute for both runs on 2 CPU cores (XLA:CPU).
+# Both runs take 17-25 s on 2 shared CPU cores (XLA:CPU).
 DEFAULT = Config(layers=2, d_model=64, heads=4, seq_len=64, batch_size=16, steps=150, lr=3e-3)
 # For the emulator (every kernel interpreted on the CPU) and tests.
 TINY = Config(layers=1, d_model=32, heads=2, seq_len=16, batch_size=2, steps=20, lr=1e-2)
