@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal, Optional, Tuple, Union, overload
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from . import validation
 from jax.custom_derivatives import SymbolicZero
 
 from .primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
 from .validation import Operands
+
+# local_window_size: None, w, or (left, right) with None for an unbounded side.
+Window = Optional[Union[int, Tuple[Optional[int], Optional[int]]]]
 
 
 class _Static:
@@ -78,11 +83,60 @@ def _sinks_grad(sinks, o, lse, do, g_lse):
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
-def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                    implementation=None, query_segment_ids=None, key_value_segment_ids=None,
-                    logits_soft_cap=None, sinks=None, causal_alignment="top_left",
-                    return_lse=False):
+# Static checkers see the return type from return_lse: jax.Array, or (out, lse).
+@overload
+def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                    scale: ArrayLike | None = None, is_causal: bool = False,
+                    query_seq_lengths: ArrayLike | None = None,
+                    key_value_seq_lengths: ArrayLike | None = None,
+                    local_window_size: Window = None, implementation: str | None = None,
+                    query_segment_ids: ArrayLike | None = None,
+                    key_value_segment_ids: ArrayLike | None = None,
+                    logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                    causal_alignment: str = "top_left",
+                    return_lse: Literal[False] = False) -> jax.Array: ...
+
+
+@overload
+def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                    scale: ArrayLike | None = None, is_causal: bool = False,
+                    query_seq_lengths: ArrayLike | None = None,
+                    key_value_seq_lengths: ArrayLike | None = None,
+                    local_window_size: Window = None, implementation: str | None = None,
+                    query_segment_ids: ArrayLike | None = None,
+                    key_value_segment_ids: ArrayLike | None = None,
+                    logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                    causal_alignment: str = "top_left",
+                    return_lse: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                    scale: ArrayLike | None = None, is_causal: bool = False,
+                    query_seq_lengths: ArrayLike | None = None,
+                    key_value_seq_lengths: ArrayLike | None = None,
+                    local_window_size: Window = None, implementation: str | None = None,
+                    query_segment_ids: ArrayLike | None = None,
+                    key_value_segment_ids: ArrayLike | None = None,
+                    logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                    causal_alignment: str = "top_left",
+                    return_lse: bool) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+
+
+def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                    scale: ArrayLike | None = None, is_causal: bool = False,
+                    query_seq_lengths: ArrayLike | None = None,
+                    key_value_seq_lengths: ArrayLike | None = None,
+                    local_window_size: Window = None, implementation: str | None = None,
+                    query_segment_ids: ArrayLike | None = None,
+                    key_value_segment_ids: ArrayLike | None = None,
+                    logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                    causal_alignment: str = "top_left",
+                    return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-2 forward and recompute backward).
 
     A drop-in for ``jax.nn.dot_product_attention`` (same positional bias and mask, same keyword

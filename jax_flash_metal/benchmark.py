@@ -180,7 +180,7 @@ def time_interleaved(compiled: dict, args: dict, repeats: int) -> dict:
     then ``repeats`` rounds that call every function once in turn."""
     for name, fn in compiled.items():
         jax.block_until_ready(fn(*args[name]))
-    times = {name: [] for name in compiled}
+    times: dict[str, list[float]] = {name: [] for name in compiled}
     for _ in range(repeats):
         for name, fn in compiled.items():
             times[name].append(_call_s(fn, args[name]))
@@ -267,7 +267,7 @@ def memory_growth(rows: list[Row]) -> list[dict]:
     """Forward+backward temporary memory at each length divided by that at the previous
     length, per (method, head_dim, causal)."""
     out = []
-    series = {}
+    series: dict[tuple, list[Row]] = {}
     for r in (r for r in rows if r.q_len is None):  # the decode rows are not a length sweep
         series.setdefault((r.method, r.head_dim, r.causal), []).append(r)
     for (method, head_dim, causal), pts in series.items():
@@ -367,9 +367,9 @@ def plot(rows: list[Row], path: str) -> None:
         if timed:
             ax_t.plot([r.seq_len for r in timed], [r.fwdbwd_ms for r in timed], "o-",
                       color=f"C{color % 10}", label=label)
-        mem = [r for r in pts if r.fwdbwd_temp is not None]
+        mem = [(r.seq_len, r.fwdbwd_temp) for r in pts if r.fwdbwd_temp is not None]
         if mem:
-            ax_m.plot([r.seq_len for r in mem], [max(r.fwdbwd_temp, 1) / (1 << 20) for r in mem],
+            ax_m.plot([t for t, _ in mem], [max(m, 1) / (1 << 20) for _, m in mem],
                       "o-", color=f"C{color % 10}", label=label)
     for ax, title in ((ax_t, "forward+backward time (ms)"),
                       (ax_m, "forward+backward compiled temp memory (MiB)")):

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import cast
 
 import jax
 import numpy as np
 from jax.interpreters import mlir
 
-from . import _ext
+import jax_flash_metal._ext as _ext  # a module import: mypy takes the unbuilt extension as Any
 from .primitives import feature_names
 from ._jax_private import ShapedArray
 
@@ -111,7 +112,7 @@ def kernel_names(implementation: str) -> frozenset[str]:
 # Optional features (primitives.feature_names) the fused kernels implement. The FFI contract for
 # bias, mask, segment ids, sinks and the soft cap is fixed in ffi/attention_ffi.h, but no kernel
 # reads them yet: calls using them go to the xla implementation (or raise when fused is explicit).
-KERNEL_FEATURES = frozenset()
+KERNEL_FEATURES: frozenset[str] = frozenset()
 
 
 def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int,
@@ -193,7 +194,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     bottom_right, has_q_lengths, has_kv_lengths). Raises ValueError for a head dim or dtype the
     device has no kernel for, or when ``implementation`` is not in this build.
     """
-    q, k = ctx.avals_in[0], ctx.avals_in[1]
+    q, k = (cast(ShapedArray, aval) for aval in ctx.avals_in[:2])
     _check_built(implementation)
     check_supported(implementation, "fwd", q.dtype, q.shape[3], feature_names(params))
     batch, q_len, num_heads, head_dim = q.shape
@@ -217,7 +218,7 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     shows up in memory_analysis() and needs no allocator inside the handler. Errors as for
     ``lower_fwd``.
     """
-    q = ctx.avals_in[0]
+    q = cast(ShapedArray, ctx.avals_in[0])
     _check_built(implementation)
     check_supported(implementation, "bwd", q.dtype, q.shape[3], feature_names(params))
     batch, q_len, num_heads, _ = q.shape

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,13 +51,14 @@ class Operands(NamedTuple):
     sinks: float32 [H].
     """
 
-    q_lengths: object = None
-    kv_lengths: object = None
-    q_segment_ids: object = None
-    kv_segment_ids: object = None
-    bias: object = None
-    mask: object = None
-    sinks: object = None
+    # Each a JAX array (validation) or an abstract value (primitive rules), hence Any.
+    q_lengths: Any = None
+    kv_lengths: Any = None
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
+    bias: Any = None
+    mask: Any = None
+    sinks: Any = None
 
     @staticmethod
     def flags(has_q_lengths, has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks):

@@ -410,16 +410,21 @@ def gradient_check(params, cfg: Config, data: np.ndarray, implementation: str | 
 
 # ----------------------------------------------------------------------------------------- cli
 
+def add_common_args(p: argparse.ArgumentParser, implementation_help: str) -> None:
+    """--text and --max-bytes (the arguments of ``load_text``) and --implementation."""
+    p.add_argument("--text", help="train on this file (default: the standard library's .py files)")
+    p.add_argument("--max-bytes", type=int, default=1 << 20, help="corpus size cap (default 1 MiB)")
+    p.add_argument("--implementation", choices=["xla", "emulator", "metal"], default=None,
+                   help=implementation_help)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jax_flash_metal.examples.train_lm",
         description="Train a byte-level transformer LM whose attention is flash_attention.")
-    p.add_argument("--text", help="train on this file (default: the standard library's .py files)")
-    p.add_argument("--max-bytes", type=int, default=1 << 20, help="corpus size cap (default 1 MiB)")
-    p.add_argument("--implementation", choices=["xla", "emulator", "metal"], default=None,
-                   help="flash_attention implementation (default: the package's default, i.e. "
-                        "metal when available, else xla; the emulator is slow by design and "
-                        "switches to the tiny configuration)")
+    add_common_args(p, "flash_attention implementation (default: the package's default, i.e. "
+                       "metal when available, else xla; the emulator is slow by design and "
+                       "switches to the tiny configuration)")
     p.add_argument("--tiny", action="store_true", help="use the tiny configuration")
     for name, typ in (("steps", int), ("batch-size", int), ("seq-len", int), ("layers", int),
                       ("d-model", int), ("heads", int), ("kv-heads", int), ("head-dim", int),
