@@ -1,6 +1,7 @@
-// See apple_gpu_gate in device.h.
+// See apple_gpu_gate and gpu_cores_by_name in device.h.
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "attention_params.h"
 #include "device.h"
@@ -20,6 +21,20 @@ std::string apple_gpu_gate(const std::string& name, bool apple7, bool unified_me
            std::to_string(JFM_SIMD_WIDTH);
   }
   return "";
+}
+
+int gpu_cores_by_name(const std::string& name) {
+  // Apple's published GPU core counts, largest configuration of each chip.
+  static const std::pair<const char*, int> kCores[] = {
+      {"Apple M1", 8},       {"Apple M1 Pro", 16},   {"Apple M1 Max", 32},
+      {"Apple M1 Ultra", 64}, {"Apple M2", 10},      {"Apple M2 Pro", 19},
+      {"Apple M2 Max", 38},  {"Apple M2 Ultra", 76}, {"Apple M3", 10},
+      {"Apple M3 Pro", 18},  {"Apple M3 Max", 40},   {"Apple M3 Ultra", 80},
+      {"Apple M4", 10},      {"Apple M4 Pro", 20},   {"Apple M4 Max", 40}};
+  for (const auto& [chip, cores] : kCores) {
+    if (name == chip) return cores;
+  }
+  return 10;
 }
 
 }  // namespace jfm

@@ -4,7 +4,9 @@
 #include "attention_ffi.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -228,9 +230,14 @@ Binding lengths_binding(int index, std::vector<int32_t>& values) {
   return Binding{index, values.data(), values.size() * sizeof(int32_t), false, true};
 }
 
-std::vector<StageShape> stages_of(bool backward, const Problem& p) {
+std::vector<StageShape> stages_of(bool backward, const Problem& p, int gpu_cores) {
   return attention_stages(backward, p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads,
-                          p.head_dim);
+                          p.head_dim, gpu_cores);
+}
+
+int64_t splits_of(const Problem& p, int gpu_cores) {
+  return decode_splits(p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads, p.head_dim,
+                       gpu_cores);
 }
 
 ffi::Error require_kernels(Device& device, const std::vector<StageShape>& stages,
@@ -252,8 +259,9 @@ ffi::Error run(Device& device, const std::vector<Submission>& submissions) {
 // chunk with its offsets in AttentionParams.
 ffi::Error run_stages(Device& device, const Problem& p, const Options& o,
                       const std::vector<StageShape>& stages,
-                      const std::vector<std::vector<Binding>>& buffers) {
-  const AttentionParams base = make_params(p, o);
+                      const std::vector<std::vector<Binding>>& buffers, int64_t splits = 0) {
+  AttentionParams base = make_params(p, o);
+  base.splits = static_cast<uint32_t>(splits);
   std::vector<Submission> submissions;
   for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
     Submission submission;
@@ -289,7 +297,7 @@ void zero(ffi::AnyBuffer buffer) {
 
 ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::RemainingArgs rest, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                   ffi::AnyBuffer l2, const Options& opt) {
+                   ffi::AnyBuffer l2, ffi::AnyBuffer workspace, const Options& opt) {
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
   if (ffi::Error e = check_options(opt); e.failure()) return e;
@@ -299,6 +307,13 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
     if (ffi::Error e = expect(what, buffer, ffi::DataType::F32, p.row_shape()); e.failure()) {
       return e;
     }
+  }
+  const int64_t splits = splits_of(p, device->gpu_cores());
+  if (ffi::Error e = expect("workspace", workspace, ffi::DataType::F32,
+                            {decode_workspace_elements(p.batch, p.q_len, p.heads, p.kv_heads,
+                                                       p.head_dim, splits)});
+      e.failure()) {
+    return e;
   }
   std::vector<int32_t> q_lengths, kv_lengths;
   if (ffi::Error e = read_lengths(rest, opt, p, &q_lengths, &kv_lengths); e.failure()) return e;
@@ -312,15 +327,22 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
     std::fill(s2, s2 + l2.element_count(), JFM_EMPTY_ROW_L2);
     return ffi::Error::Success();
   }
-  const std::vector<StageShape> stages = stages_of(false, p);
+  const std::vector<StageShape> stages = stages_of(false, p, device->gpu_cores());
   if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
+  const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
+                bv = whole(JFM_BUFFER_V, v, false),
+                bql = lengths_binding(JFM_BUFFER_Q_LENGTHS, q_lengths),
+                bkvl = lengths_binding(JFM_BUFFER_KV_LENGTHS, kv_lengths),
+                bo = whole(JFM_BUFFER_O, o, true), blse = whole(JFM_BUFFER_LSE, lse, true),
+                bl2 = whole(JFM_BUFFER_L2, l2, true);
+  if (splits == 0) {
+    return run_stages(*device, p, opt, stages, {{bq, bk, bv, bql, bkvl, bo, blse, bl2}});
+  }
+  // Decode: pass 1 writes the workspace that pass 2 combines.
   return run_stages(*device, p, opt, stages,
-                    {{whole(JFM_BUFFER_Q, q, false), whole(JFM_BUFFER_K, k, false),
-                      whole(JFM_BUFFER_V, v, false),
-                      lengths_binding(JFM_BUFFER_Q_LENGTHS, q_lengths),
-                      lengths_binding(JFM_BUFFER_KV_LENGTHS, kv_lengths),
-                      whole(JFM_BUFFER_O, o, true), whole(JFM_BUFFER_LSE, lse, true),
-                      whole(JFM_BUFFER_L2, l2, true)}});
+                    {{bq, bk, bv, bql, bkvl, whole(JFM_BUFFER_WORKSPACE, workspace, true)},
+                     {whole(JFM_BUFFER_WORKSPACE, workspace, false), bo, blse, bl2}},
+                    splits);
 }
 
 ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -353,7 +375,7 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
     zero(dv);
     return ffi::Error::Success();
   }
-  const std::vector<StageShape> stages = stages_of(true, p);
+  const std::vector<StageShape> stages = stages_of(true, p, device->gpu_cores());
   if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
                 bv = whole(JFM_BUFFER_V, v, false), bl2 = whole(JFM_BUFFER_L2, l2, false),
@@ -371,19 +393,41 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   return run_stages(*device, p, opt, stages, buffers);
 }
 
+// The contract's optional features (attention_ffi.h), which the kernels do not implement yet: a
+// call that sets any of them is refused before any operand is read. The Python lowering never
+// sends one (ffi_lowering.KERNEL_FEATURES); this guards direct ffi_call users.
+ffi::Error refuse_features(bool has_segment_ids, bool has_bias, bool has_mask, bool has_sinks,
+                           float logits_soft_cap) {
+  std::string used;
+  for (auto [on, name] : {std::pair<bool, const char*>{has_bias, "bias"}, {has_mask, "mask"},
+                          {has_segment_ids, "segment ids"}, {has_sinks, "sinks"},
+                          {logits_soft_cap != 0.0f, "logits_soft_cap"}}) {
+    if (on) used += (used.empty() ? "" : ", ") + std::string(name);
+  }
+  if (used.empty()) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "jax_flash_metal: " + used + " not supported by the fused kernels yet");
+}
+
 // Handler bodies, one per (direction, device); the device getter is a template argument so the
 // same validation and plan serve both devices.
 template <Device* (*GetDevice)(std::string*)>
 ffi::Error forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
                            ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> l2,
-                           float scale, bool is_causal,
+                           ffi::Result<ffi::AnyBuffer> workspace, float scale, bool is_causal,
                            int32_t window_left, int32_t window_right, bool bottom_right,
-                           bool has_q_lengths, bool has_kv_lengths) {
+                           bool has_q_lengths, bool has_kv_lengths, bool has_segment_ids,
+                           bool has_bias, bool has_mask, bool has_sinks, float logits_soft_cap) {
+  if (ffi::Error e = refuse_features(has_segment_ids, has_bias, has_mask, has_sinks,
+                                     logits_soft_cap);
+      e.failure()) {
+    return e;
+  }
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
-  return forward(device, q, k, v, rest, *o, *lse, *l2,
+  return forward(device, q, k, v, rest, *o, *lse, *l2, *workspace,
                  Options{scale, is_causal, window_left, window_right, bottom_right,
                          has_q_lengths, has_kv_lengths});
 }
@@ -396,7 +440,13 @@ ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
                             float scale, bool is_causal, int32_t window_left,
                             int32_t window_right, bool bottom_right, bool has_q_lengths,
-                            bool has_kv_lengths) {
+                            bool has_kv_lengths, bool has_segment_ids, bool has_bias,
+                            bool has_mask, bool has_sinks, float logits_soft_cap) {
+  if (ffi::Error e = refuse_features(has_segment_ids, has_bias, has_mask, has_sinks,
+                                     logits_soft_cap);
+      e.failure()) {
+    return e;
+  }
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
@@ -414,7 +464,13 @@ auto with_attributes(B binding) {
       .template Attr<int32_t>("window_right")
       .template Attr<bool>("bottom_right")
       .template Attr<bool>("has_q_lengths")
-      .template Attr<bool>("has_kv_lengths");
+      .template Attr<bool>("has_kv_lengths")
+      // The optional features of the contract in attention_ffi.h (no kernel reads them yet).
+      .template Attr<bool>("has_segment_ids")
+      .template Attr<bool>("has_bias")
+      .template Attr<bool>("has_mask")
+      .template Attr<bool>("has_sinks")
+      .template Attr<float>("logits_soft_cap");
 }
 
 auto forward_binding() {
@@ -425,7 +481,8 @@ auto forward_binding() {
                              .RemainingArgs()        // [q_lengths], [kv_lengths]
                              .Ret<ffi::AnyBuffer>()  // o
                              .Ret<ffi::AnyBuffer>()  // lse
-                             .Ret<ffi::AnyBuffer>());  // l2
+                             .Ret<ffi::AnyBuffer>()  // l2
+                             .Ret<ffi::AnyBuffer>());  // workspace (decode)
 }
 
 auto backward_binding() {
@@ -461,9 +518,27 @@ std::vector<std::string> bwd_stages(int head_dim) {
   return {"bwd_dq", "bwd_dkdv"};
 }
 
+int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, int64_t kv_len,
+                      int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores) {
+  const int element_bytes = std::string(dtype_suffix) == "f32" ? 4 : 2;
+  const int rows = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, element_bytes,
+                                 static_cast<int>(head_dim));
+  if (q_len < 1 || q_len > JFM_DECODE_MAX_Q_LEN || kv_heads < 1 || kv_len < 1 || batch < 1 ||
+      heads / kv_heads * q_len > rows) {
+    return 0;
+  }
+  return jfm_decode_splits(static_cast<long>(batch * kv_heads), static_cast<long>(kv_len),
+                           gpu_cores);
+}
+
+int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t kv_heads,
+                                  int64_t head_dim, int64_t splits) {
+  return splits * batch * heads * q_len * (head_dim + 2);  // kv_heads * G * q_len rows
+}
+
 std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
                                          int64_t q_len, int64_t kv_len, int64_t heads,
-                                         int64_t kv_heads, int64_t head_dim) {
+                                         int64_t kv_heads, int64_t head_dim, int gpu_cores) {
   const int element_bytes = std::string(dtype_suffix) == "f32" ? 4 : 2;
   auto stage = [&](const char* name, int64_t rows, int64_t stage_heads,
                    double multiply_adds_per_row) {
@@ -482,6 +557,22 @@ std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix
   const double d = static_cast<double>(head_dim), tq = static_cast<double>(q_len),
                tkv = static_cast<double>(kv_len),
                group = kv_heads > 0 ? static_cast<double>(heads / kv_heads) : 0.0;
+  const int64_t splits = backward ? 0
+                                  : decode_splits(dtype_suffix, batch, q_len, kv_len, heads,
+                                                  kv_heads, head_dim, gpu_cores);
+  if (splits > 0) {
+    // Pass 1: a split of the keys for one tile of rows; pass 2: one row over every split.
+    const double tile_rows = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, element_bytes,
+                                           static_cast<int>(head_dim));
+    const double chunk = std::ceil(tkv / static_cast<double>(splits)) +
+                         jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, element_bytes,
+                                       static_cast<int>(head_dim));
+    StageShape partial = stage("decode_partial", splits, kv_heads, 0);
+    partial.rows_per_group = 1;  // grid x: one split per threadgroup
+    partial.multiply_adds_per_group = 2 * chunk * d * tile_rows;
+    StageShape combine = stage("decode_combine", group * q_len, kv_heads, 2 * splits * d);
+    return {partial, combine};
+  }
   if (!backward) return {stage("fwd", q_len, heads, 2 * tkv * d)};  // Q·K^T and P·V
   const std::vector<std::string> names = bwd_stages(static_cast<int>(head_dim));
   // D (the diagonal of an 8x8 dO·O^T per row band), S, dP and dS·K
@@ -500,7 +591,9 @@ constexpr std::pair<const char*, int> kStageKernels[] = {
     {"bwd_dq", JFM_KERNEL_BWD_DQ},
     {"bwd_dkdv", JFM_KERNEL_BWD_DKDV},
     {"bwd_dk", JFM_KERNEL_BWD_DK},
-    {"bwd_dv", JFM_KERNEL_BWD_DV}};
+    {"bwd_dv", JFM_KERNEL_BWD_DV},
+    {"decode_partial", JFM_KERNEL_DECODE_PARTIAL},
+    {"decode_combine", JFM_KERNEL_DECODE_COMBINE}};
 
 bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape) {
   for (const auto& [name, family] : kStageKernels) {

@@ -9,7 +9,9 @@
 //          results: o [B,Tq,H,D] (dtype of q), lse float32 [B,H,Tq] (natural log, -inf for a
 //                   row with no visible key), l2 float32 [B,H,Tq] (the base-2 statistic
 //                   L2 = m + log2(l) of the log2-domain scores; JFM_EMPTY_ROW_L2 for an empty
-//                   row; the residual the backward needs)
+//                   row; the residual the backward needs), workspace float32
+//                   [decode_workspace_elements(...)] (the decode's split partials; [0] when
+//                   the tiled forward runs; planned by XLA like the backward's delta)
 // Backward args:    q, k, v, o, l2 (the forward's), do [B,Tq,H,D], g_lse float32 [B,H,Tq]
 //                   (the LSE cotangent), then the optional
 //                   lengths as above
@@ -17,8 +19,39 @@
 //                   for D_i = rowsum(dO*O) - g_lse_i; the lowering allocates it as an XLA
 //                   result so its memory is planned by XLA and shows in memory_analysis)
 // Attributes (exact types): scale f32, is_causal i1, window_left i32, window_right i32
-//   (-1 = unbounded), bottom_right i1, has_q_lengths i1, has_kv_lengths i1.
+//   (-1 = unbounded), bottom_right i1, has_q_lengths i1, has_kv_lengths i1, has_segment_ids i1,
+//   has_bias i1, has_mask i1, has_sinks i1, logits_soft_cap f32 (0 = no cap).
 // q, k, v (and o, do, dq, dk, dv) share one dtype: f32, f16 or bf16.
+//
+// Optional features (DESIGN.md section 3). The contract below is fixed; no kernel implements it
+// yet, so today a handler refuses any call that sets one of them (kUnimplemented, "... not
+// supported by the fused kernels yet"), and the Python lowering never sends one
+// (ffi_lowering.KERNEL_FEATURES is empty: implementation=None lowers such calls to xla, an
+// explicit "metal"/"emulator" raises NotImplementedError naming the feature).
+//   Operands, after the lengths, in this order, each present only when its flag is set; both
+//   directions take the same ones (so a call's forward and backward lower to one
+//   implementation):
+//     q_segment_ids int32 [B, Tq], kv_segment_ids int32 [B, Tkv]   (has_segment_ids)
+//     bias  [b, h, tq, tkv], dtype of q or f32                      (has_bias)
+//     mask  uint8 [b, h, tq, tkv], 0 = hidden, else visible         (has_mask; JAX bool bytes)
+//     sinks float32 [H]                                              (has_sinks)
+//   bias and mask are rank 4 with each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv]
+//   (jax_flash_metal.validation makes them so). The handler derives per-axis element strides
+//   over [B, H, Tq, Tkv] from the dims, 0 on a broadcast axis, and passes them in
+//   AttentionParams (bias_strides / mask_strides, 64-bit); a tile reads bias[b, h, i, j] at
+//   b*s0 + h*s1 + i*s2 + j*s3. Query head h of the group of kv head h / (H / HKV) indexes h.
+//   Semantics: score = scale*q.k, then c*tanh(score/c) with logits_soft_cap c > 0, then + bias;
+//   a -inf bias entry, a 0 mask byte or unequal segment ids hide the key exactly as the band
+//   rules do (never NaN); +inf/NaN bias propagates. Sinks join each row's denominator:
+//   lse = log(exp(sink_h) + sum exp(score)), o = 0 and lse = sink_h for an empty row.
+//   Backward: the sinks need no kernel work (lse includes them; dsinks is computed by XLA from
+//   O, LSE, dO and g_lse). With a bias whose gradient is wanted (a bias_grad i1 attribute of the
+//   backward target, added with the bias kernels) the backward has one more result before the
+//   delta workspace: dbias float32 [B, H, Tq, Tkv], the full layout, written row block by row
+//   block by the dQ kernel (the one owner of each (b, h, row block): no atomics, deterministic);
+//   the lowering sums it over the bias's broadcast axes in XLA. A reduced layout would need
+//   several owners per entry (atomics) or a second pass. Without bias_grad no Tq x Tkv buffer
+//   exists. The soft cap's derivative (1 - tanh^2) multiplies dS before dQ and dK, not dbias.
 #ifndef JAX_FLASH_METAL_ATTENTION_FFI_H_
 #define JAX_FLASH_METAL_ATTENTION_FFI_H_
 
@@ -39,11 +72,24 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionBwdMetal);
 namespace jfm {
 
 // The kernels a call runs, in order, with their grids and estimated work: forward the fwd
-// kernel; backward bwd_stages: bwd_dq (and D), bwd_dkdv or bwd_dk, bwd_dv. The handlers cut these into
+// kernel, or for a decode call (decode_splits > 0) decode_partial then decode_combine; backward
+// bwd_stages: bwd_dq (and D), bwd_dkdv or bwd_dk, bwd_dv. The handlers cut these into
 // submissions with plan_submissions (dispatch_plan.h); tests read them through _ext.
 std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
                                          int64_t q_len, int64_t kv_len, int64_t heads,
-                                         int64_t kv_heads, int64_t head_dim);
+                                         int64_t kv_heads, int64_t head_dim, int gpu_cores);
+
+// The decode's key splits per (batch, kv head) on a GPU of `gpu_cores` cores, or 0 when the
+// forward runs the tiled kernel: decode needs 1 <= q_len <= JFM_DECODE_MAX_Q_LEN and the
+// (heads / kv_heads) * q_len rows of one KV head within one pass-1 tile (tile_shapes.h). The
+// lowering sizes the forward's workspace result with it (through _ext), the handler checks it.
+int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, int64_t kv_len,
+                      int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores);
+
+// float32 elements of the decode workspace: [batch, kv_heads, splits, G * q_len, head_dim + 2]
+// (partial O, then m and l, per row); 0 when splits is 0.
+int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t kv_heads,
+                                  int64_t head_dim, int64_t splits);
 
 // One kernel family's dispatch shape from shaders/tile_shapes.h: rows per threadgroup, block size
 // of the traversed dimension, simdgroups and threads per threadgroup, and (forward only) whether

@@ -63,10 +63,23 @@ class Device {
   // Fixed on the emulated device (kInitialMultiplyAddsPerSecond); on Metal refined from the GPU
   // time of earlier command buffers.
   virtual double multiply_adds_per_second() = 0;
+  // GPU cores: sizes the decode's key splits (tile_shapes.h jfm_decode_splits). The emulated
+  // device reports a fixed kEmulatedGpuCores; Metal has no API for it, so the Metal device looks
+  // its GPU's name up in a table (gpu_cores_by_name).
+  virtual int gpu_cores() = 0;
   // Runs the submissions in order and returns when all have finished. Returns "" on success,
   // else the device's error message. Safe to call from several threads at once.
   virtual std::string run(const std::vector<Submission>& submissions) = 0;
 };
+
+// The emulated device's core count: a 32-core GPU (M1 Max class), so the emulated plan is the
+// one of a mid-size Apple GPU.
+constexpr int kEmulatedGpuCores = 32;
+
+// The GPU cores of an Apple GPU by its MTLDevice name ("Apple M2 Pro"): the largest
+// configuration of that chip (binned parts have fewer; only the decode's split count depends
+// on it), 10 for a name not in the table. Plain C++, tested on every platform.
+int gpu_cores_by_name(const std::string& name);
 
 // The process-wide emulated device.
 Device& emulated_device();

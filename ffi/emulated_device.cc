@@ -46,6 +46,7 @@ class EmulatedDevice final : public Device {
   // A fixed figure, so the emulated device cuts a call exactly as a Metal device does before
   // its first measurement.
   double multiply_adds_per_second() override { return kInitialMultiplyAddsPerSecond; }
+  int gpu_cores() override { return kEmulatedGpuCores; }
 
   std::string run(const std::vector<Submission>& submissions) override {
     emu::Launch launch;

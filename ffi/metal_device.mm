@@ -235,6 +235,7 @@ class MetalDevice final : public Device {
 
   const char* kind() const override { return "metal"; }
   std::string name() const override { return name_; }
+  int gpu_cores() override { return gpu_cores_by_name(name_); }
 
   // Compiles the kernel's family on first use.
   bool has_kernel(const std::string& kernel) override {

@@ -190,7 +190,7 @@ void bind_devices(nb::module_& m) {
         Device& device = device_named(implementation);
         const std::vector<StageShape> stages =
             attention_stages(direction == "bwd", dtype.c_str(), batch, q_len, kv_len, num_heads,
-                             num_kv_heads, head_dim);
+                             num_kv_heads, head_dim, device.gpu_cores());
         nb::list submissions;
         for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
           nb::list dispatches;
@@ -230,6 +230,36 @@ void bind_devices(nb::module_& m) {
       },
       "dict[str, str]: the embedded shaders/*.metal sources (quoted includes inlined) that the "
       "Metal device compiles at run time.");
+  m.def(
+      "decode_splits",
+      [](const std::string& dtype, int64_t batch, int64_t q_len, int64_t kv_len,
+         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+         const std::string& implementation) {
+        if (dtype != "f32" && dtype != "f16" && dtype != "bf16") {
+          throw nb::value_error(("dtype must be 'f32', 'f16' or 'bf16', not " + dtype).c_str());
+        }
+        Device& device = device_named(implementation);
+        const int64_t splits = decode_splits(dtype.c_str(), batch, q_len, kv_len, num_heads,
+                                             num_kv_heads, head_dim, device.gpu_cores());
+        return nb::make_tuple(splits, decode_workspace_elements(batch, q_len, num_heads,
+                                                                num_kv_heads, head_dim, splits));
+      },
+      nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"), nb::arg("kv_len"),
+      nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
+      nb::arg("implementation") = "emulator",
+      "(splits, workspace_elements): the split-KV decode's key splits per (batch, kv head) for "
+      "this forward problem on that device (0: the tiled forward runs) and the float32 elements "
+      "of the forward's workspace result, as the handler requires them. ValueError for bad "
+      "names.");
+  m.def(
+      "gpu_cores",
+      [](const std::string& implementation) { return device_named(implementation).gpu_cores(); },
+      nb::arg("implementation") = "emulator",
+      "int: the GPU core count the device sizes the decode's splits with (emulator: a fixed 32; "
+      "metal: by GPU name).");
+  m.def("gpu_cores_by_name", &gpu_cores_by_name, nb::arg("name"),
+        "int: the core-count table of the Metal device (largest configuration per chip; 10 for "
+        "an unknown name).");
   m.def("bwd_stages", &bwd_stages, nb::arg("head_dim"),
         "list[str]: the backward kernel stages the host dispatches, in order: 'bwd_dq' (which "
         "also writes D), then 'bwd_dkdv', or 'bwd_dk' and 'bwd_dv' for the widest heads.");

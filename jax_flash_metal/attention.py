@@ -3,89 +3,207 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal, Optional, Tuple, Union, overload
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from . import validation
+from jax.custom_derivatives import SymbolicZero
+
 from .primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
+from .validation import Operands
+
+# local_window_size: None, w, or (left, right) with None for an unbounded side.
+Window = Optional[Union[int, Tuple[Optional[int], Optional[int]]]]
 
 
-def _bind_fwd(params, q, k, v, q_lengths, kv_lengths):
-    lengths = [x for x in (q_lengths, kv_lengths) if x is not None]
-    return fwd_p.bind(q, k, v, *lengths, **params._asdict())
+class _Static:
+    """A static value carried in custom_vjp residuals (a pytree with no leaves)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda v, _: _Static(v))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(params, q, k, v, q_lengths, kv_lengths):
-    o, lse, _ = _bind_fwd(params, q, k, v, q_lengths, kv_lengths)
+def _attention(params, q, k, v, operands):
+    o, lse, _ = fwd_p.bind(q, k, v, *operands.present(), **params._asdict())
     return o, lse
 
 
-def _attention_fwd(params, q, k, v, q_lengths, kv_lengths):
-    o, lse, l2 = _bind_fwd(params, q, k, v, q_lengths, kv_lengths)
-    return (o, lse), (q, k, v, o, lse, l2, q_lengths, kv_lengths)
+def _unwrap(x):
+    """(value, perturbed) of a symbolic-zeros custom_vjp primal (or None)."""
+    return (None, False) if x is None else (x.value, x.perturbed)
+
+
+def _attention_fwd(params, q, k, v, operands):
+    q, k, v = (x.value for x in (q, k, v))
+    unwrapped = [_unwrap(x) for x in operands]
+    operands = Operands(*(x for x, _ in unwrapped))
+    bias_grad = unwrapped[Operands._fields.index("bias")][1]
+    o, lse, l2 = fwd_p.bind(q, k, v, *operands.present(), **params._asdict())
+    return (o, lse), (q, k, v, o, lse, l2, operands, _Static(bias_grad))
+
+
+def _dense(ct, like, dtype):
+    """A cotangent as an array (symbolic zeros become zeros)."""
+    if isinstance(ct, SymbolicZero):
+        return jnp.zeros(like.shape, dtype)
+    return ct.astype(dtype)
 
 
 def _attention_bwd(params, residuals, cotangents):
-    q, k, v, o, lse, l2, q_lengths, kv_lengths = residuals
-    do, g_lse = cotangents
-    lengths = [x for x in (q_lengths, kv_lengths) if x is not None]
-    dq, dk, dv = bwd_p.bind(q, k, v, o, lse, l2, do.astype(q.dtype), g_lse.astype(jnp.float32),
-                            *lengths, **params._asdict())
-    return dq, dk, dv, None, None  # lengths are integers: no gradient
+    q, k, v, o, lse, l2, operands, bias_grad = residuals
+    bias_grad = bias_grad.value
+    do, g_lse = _dense(cotangents[0], o, q.dtype), _dense(cotangents[1], lse, jnp.float32)
+    grads = bwd_p.bind(q, k, v, o, lse, l2, do, g_lse, *operands.present(), bias_grad=bias_grad,
+                       **params._asdict())
+    dq, dk, dv = grads[:3]
+    dbias = grads[3].astype(operands.bias.dtype) if bias_grad else None
+    dsinks = None if operands.sinks is None else _sinks_grad(operands.sinks, o, lse, do, g_lse)
+    return dq, dk, dv, operands._replace(q_lengths=None, kv_lengths=None, q_segment_ids=None,
+                                         kv_segment_ids=None, bias=dbias, mask=None,
+                                         sinks=dsinks)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+def _sinks_grad(sinks, o, lse, do, g_lse):
+    """dsinks_n = sum over (batch, row) of P_sink (g_lse - rowsum(dO * O)), P_sink =
+    exp(sink_n - LSE): the sink is a logit whose value is 0, so it enters only through the
+    denominator. Computed from the forward's outputs (no kernel needed), in a fixed order."""
+    rowsum = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)
+    p_sink = jnp.exp(sinks[None, :, None] - lse)
+    return jnp.sum(p_sink * (g_lse - rowsum), axis=(0, 2))
 
 
-def flash_attention(query, key, value, *, scale=None, is_causal=False, local_window_size=None,
-                    query_seq_lengths=None, key_value_seq_lengths=None,
-                    causal_alignment="top_left", return_lse=False, implementation=None):
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
+
+
+# Static checkers see the return type from return_lse: jax.Array, or (out, lse).
+@overload
+def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                    scale: ArrayLike | None = None, is_causal: bool = False,
+                    query_seq_lengths: ArrayLike | None = None,
+                    key_value_seq_lengths: ArrayLike | None = None,
+                    local_window_size: Window = None, implementation: str | None = None,
+                    query_segment_ids: ArrayLike | None = None,
+                    key_value_segment_ids: ArrayLike | None = None,
+                    logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                    causal_alignment: str = "top_left",
+                    return_lse: Literal[False] = False) -> jax.Array: ...
+
+
+@overload
+def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                    scale: ArrayLike | None = None, is_causal: bool = False,
+                    query_seq_lengths: ArrayLike | None = None,
+                    key_value_seq_lengths: ArrayLike | None = None,
+                    local_window_size: Window = None, implementation: str | None = None,
+                    query_segment_ids: ArrayLike | None = None,
+                    key_value_segment_ids: ArrayLike | None = None,
+                    logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                    causal_alignment: str = "top_left",
+                    return_lse: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                    scale: ArrayLike | None = None, is_causal: bool = False,
+                    query_seq_lengths: ArrayLike | None = None,
+                    key_value_seq_lengths: ArrayLike | None = None,
+                    local_window_size: Window = None, implementation: str | None = None,
+                    query_segment_ids: ArrayLike | None = None,
+                    key_value_segment_ids: ArrayLike | None = None,
+                    logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                    causal_alignment: str = "top_left",
+                    return_lse: bool) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+
+
+def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                    scale: ArrayLike | None = None, is_causal: bool = False,
+                    query_seq_lengths: ArrayLike | None = None,
+                    key_value_seq_lengths: ArrayLike | None = None,
+                    local_window_size: Window = None, implementation: str | None = None,
+                    query_segment_ids: ArrayLike | None = None,
+                    key_value_segment_ids: ArrayLike | None = None,
+                    logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                    causal_alignment: str = "top_left",
+                    return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-2 forward and recompute backward).
+
+    A drop-in for ``jax.nn.dot_product_attention`` (same positional bias and mask, same keyword
+    meanings; not ``return_residual`` or cuDNN); the one difference: a row with no visible key
+    outputs 0, not the mean of V.
 
     Layout as ``jax.nn.dot_product_attention`` (BTNH):
       query: [batch, q_len, num_heads, head_dim]; key, value: [batch, kv_len, num_kv_heads,
-      head_dim]; float32, float16 or bfloat16, all one dtype; num_heads % num_kv_heads == 0
-      (grouped-query attention: query head n reads kv head n // (num_heads // num_kv_heads)).
+      head_dim]; or any of them without the batch axis (rank 3, batch 1). float32, float16 or
+      bfloat16, all one dtype; num_heads % num_kv_heads == 0 (grouped-query attention: query
+      head n reads kv head n // (num_heads // num_kv_heads)).
     Args:
-      scale: float multiplying q.k; None means 1/sqrt(head_dim). Any float (0, negative) is used
-        as given. Static (a Python/NumPy number, not an array).
+      bias: float, rank <= 4, broadcastable to [batch, num_heads, q_len, kv_len] (each axis 1
+        or full; missing leading axes are 1); added to the (soft-capped) scores. A -inf entry
+        hides that key exactly as a False mask entry (never NaN); +inf or NaN propagates.
+        Differentiable (the gradient is summed over the broadcast axes).
+      mask: bool, broadcastable like bias; True = the key takes part.
+      scale: multiplies q.k; None means 1/sqrt(head_dim). Any real number known at trace time
+        (Python, NumPy or a concrete JAX scalar; 0 and negatives included) is used as given.
       is_causal: key j visible to query i only if j <= i + off.
-      local_window_size: None, int w (= (w, w)) or (left, right) with ints >= 0 or None
-        (unbounded side): visible iff i + off - left <= j <= i + off + right (inclusive).
       query_seq_lengths, key_value_seq_lengths: integer [batch] (cast to int32, clamped to
         [0, len]); rows i >= q_len_b output 0, keys j >= kv_len_b are never read.
+      local_window_size: None, int w (= (w, w)) or (left, right) with ints >= 0 or None
+        (unbounded side): visible iff i + off - left <= j <= i + off + right (inclusive).
+      implementation: None (best for the platform and this call, or
+        $JAX_FLASH_METAL_IMPLEMENTATION), "xla", "metal" or "emulator"; resolved when the
+        computation is lowered. Calls using bias, mask, segment ids, sinks or the soft cap run
+        on "xla" for now: the fused kernels do not implement them yet.
+      query_segment_ids, key_value_segment_ids: integer [batch, q_len] / [batch, kv_len]
+        ([len] for rank-3 inputs), both or neither; key j visible to query i only when their
+        ids are equal (packed sequences).
+      logits_soft_cap: None or a positive static float c: scores become c * tanh(s / c) before
+        the bias (Gemma 2).
+      sinks: float [num_heads]: one extra logit per query head in every row's softmax
+        denominator, carrying no value (gpt-oss); differentiable.
       causal_alignment: "top_left" (off = 0, jax.nn / PyTorch) or "bottom_right"
         (off = kv_len_b - q_len_b, FlashAttention-2 / KV-cache decoding).
       return_lse: also return the log-sum-exp; gradients flow through it.
-      implementation: None (best for the platform, or $JAX_FLASH_METAL_IMPLEMENTATION), "xla",
-        "metal" or "emulator"; resolved when the computation is lowered.
     Returns:
-      out [batch, q_len, num_heads, head_dim] in the input dtype; with return_lse=True,
-      (out, lse) where lse is float32 [batch, num_heads, q_len], natural log. A row with no
-      visible key has out = 0 and lse = -inf and contributes nothing to any gradient.
+      out shaped like query, in its dtype; with return_lse=True, (out, lse) where lse is float32
+      [batch, num_heads, q_len] ([num_heads, q_len] for a rank-3 query), natural log:
+      log(exp(sink) + sum_j exp(s_ij)) with sinks. A row with no visible key has out = 0 and
+      lse = -inf (the sink with sinks) and contributes nothing to any gradient but dsinks.
     Raises:
       TypeError / ValueError (naming the argument) for bad ranks, shapes, dtypes, head counts,
-      lengths, windows, alignment, scale or implementation name; NotImplementedError at lowering
-      when an explicitly requested implementation cannot run there.
-    Differentiable w.r.t. query, key and value in reverse mode, first order only (jax.custom_vjp);
-    softmax math is float32. Method: Dao, "FlashAttention-2" (2023), recompute backward from
-    (q, k, v, o, lse, dO) with D = rowsum(dO * O) - g_lse.
+      lengths, windows, alignment, scale, bias, mask, segment ids, soft cap, sinks or
+      implementation name; NotImplementedError at lowering when an explicitly requested
+      implementation cannot run the call there.
+    Differentiable w.r.t. query, key, value, bias and sinks in reverse mode, first order only
+    (jax.custom_vjp); softmax math is float32. Method: Dao, "FlashAttention-2" (2023), recompute
+    backward from (q, k, v, o, lse, dO) with D = rowsum(dO * O) - g_lse.
     """
-    q, k, v, q_lengths, kv_lengths, params = validation.check_inputs(
-        query, key, value, scale=scale, is_causal=is_causal,
+    q, k, v, operands, params = validation.check_inputs(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
-        implementation=implementation)
+        implementation=implementation, query_segment_ids=query_segment_ids,
+        key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
+        sinks=sinks)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     try:
-        out, lse = _attention(params, q, k, v, q_lengths, kv_lengths)
+        out, lse = _attention(params, q, k, v, operands)
     except TypeError as e:
         # JAX's own message ("can't apply forward-mode autodiff (jvp) to a custom_vjp function")
         # does not say which function or what to do instead.
         if "forward-mode" in str(e) and "custom_vjp" in str(e):
             raise TypeError(NO_JVP_MESSAGE.format("flash_attention")) from e
         raise
-    return (out, lse) if return_lse else out
+    return validation.restore_rank(query, out, lse, return_lse)

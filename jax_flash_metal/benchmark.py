@@ -3,13 +3,22 @@
 Run ``python -m jax_flash_metal.benchmark --help``. For each method, sequence length, head dim and
 causal setting it reports:
 
-- forward and forward+backward wall time: the jit-compiled function is called once to warm up,
-  then ``--repeats`` times; the median is shown. forward+backward is ``jax.vjp`` of the attention
-  with a fixed random output cotangent, returning (dq, dk, dv).
+- forward and forward+backward wall time: each jit-compiled function is called once to warm up,
+  then ``--repeats`` rounds call every method once in turn (interleaved, so a change in machine
+  load hits all methods alike); the median is shown. forward+backward is ``jax.vjp`` of the
+  attention with a fixed random output cotangent, returning (dq, dk, dv).
+- compile time of forward+backward: wall time of ``jax.jit(...).lower(...).compile()``.
 - compiled temporary memory: ``memory_analysis().temp_size_in_bytes`` of the compiled function
   (XLA's scratch space beyond inputs and outputs), i.e. what the score matrix costs.
+- decode rows (``--decode-kv-lens``, seq shown as ``1xN``): one query against N cached keys, as
+  in sampling with a KV cache; the fused implementations run the split-KV decode kernels.
 - achieved TFLOP/s from model FLOPs (same count for every method, see ``attention_flops``), and on
   Apple silicon with the metal implementation the percentage of the GPU's estimated peak.
+
+After the table it prints, for ``--ratio-method`` (default flash:xla) against jax.nn, the ratios
+of forward+backward time, compile time and temporary memory per configuration, and how each
+method's forward+backward temporary memory grows between consecutive lengths. ``--json PATH``
+writes all of it (and the environment) as JSON.
 
 Lengths above ``--run-up-to`` are only compiled (memory column filled, times shown as "-"), so the
 memory of long sequences is reported without running them. The "emulator" implementation
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import platform
 import re
 import statistics
@@ -121,6 +131,8 @@ class Row:
     fwdbwd_temp: int | None
     fwd_flops: int
     fwdbwd_flops: int
+    compile_s: float | None = None
+    q_len: int | None = None  # decode rows: q_len queries against seq_len keys (else q = seq_len)
 
 
 def _temp_bytes(compiled) -> int | None:
@@ -132,27 +144,25 @@ def _temp_bytes(compiled) -> int | None:
     return None if stats is None else int(stats.temp_size_in_bytes)
 
 
-def _median_ms(compiled, args, repeats: int) -> float:
-    jax.block_until_ready(compiled(*args))  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+def _call_s(compiled, args) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    return time.perf_counter() - start
 
 
-def measure(fn, *, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
-            causal: bool, dtype, repeats: int, run: bool, seed: int = 0):
-    """(fwd_ms, fwdbwd_ms, fwd_temp, fwdbwd_temp) of attention ``fn`` on random inputs
-    q [batch, seq_len, heads, head_dim], k/v [batch, seq_len, kv_heads, head_dim] in ``dtype``.
-    With ``run=False`` only compiles (times are None)."""
+def inputs(*, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, dtype,
+           seed: int = 0, q_len: int | None = None):
+    """Random q [batch, q_len (default seq_len), heads, head_dim], k/v [batch, seq_len,
+    kv_heads, head_dim] and an output cotangent like q, in ``dtype``."""
     kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q = jax.random.normal(kq, (batch, seq_len, heads, head_dim), dtype)
+    q = jax.random.normal(kq, (batch, q_len or seq_len, heads, head_dim), dtype)
     k = jax.random.normal(kk, (batch, seq_len, kv_heads, head_dim), dtype)
     v = jax.random.normal(kv, (batch, seq_len, kv_heads, head_dim), dtype)
-    ct = jax.random.normal(kc, q.shape, dtype)
+    return q, k, v, jax.random.normal(kc, q.shape, dtype)
 
+
+def compile_pair(fn, causal: bool, q, k, v, ct):
+    """(compiled forward, compiled forward+backward, forward+backward compile seconds)."""
     def forward(q, k, v):
         return fn(q, k, v, causal)
 
@@ -160,43 +170,137 @@ def measure(fn, *, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim
         return jax.vjp(forward, q, k, v)[1](ct)
 
     fwd = jax.jit(forward).lower(q, k, v).compile()
+    start = time.perf_counter()
     fwdbwd = jax.jit(forward_backward).lower(q, k, v, ct).compile()
-    times = (_median_ms(fwd, (q, k, v), repeats), _median_ms(fwdbwd, (q, k, v, ct), repeats)) \
-        if run else (None, None)
-    return (*times, _temp_bytes(fwd), _temp_bytes(fwdbwd))
+    return fwd, fwdbwd, time.perf_counter() - start
+
+
+def time_interleaved(compiled: dict, args: dict, repeats: int) -> dict:
+    """Median milliseconds per name of ``compiled[name](*args[name])``: one warm-up call each,
+    then ``repeats`` rounds that call every function once in turn."""
+    for name, fn in compiled.items():
+        jax.block_until_ready(fn(*args[name]))
+    times: dict[str, list[float]] = {name: [] for name in compiled}
+    for _ in range(repeats):
+        for name, fn in compiled.items():
+            times[name].append(_call_s(fn, args[name]))
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch=1, heads=8,
                   kv_heads=None, dtype="float32", repeats=5, run_up_to=2048,
-                  emulator_max_len=256, progress=None) -> list[Row]:
-    """Measure every (method, head_dim, causal, seq_len); returns the rows in that order.
+                  emulator_max_len=256, progress=None, decode_kv_lens=(),
+                  decode_q_len=1) -> list[Row]:
+    """Measure every (method, head_dim, causal, seq_len), then every (method, head_dim, kv_len
+    of ``decode_kv_lens``) with ``decode_q_len`` queries; returns the rows in that order.
 
+    The methods of one (head_dim, causal, seq_len) are timed interleaved (``time_interleaved``).
     Lengths above ``run_up_to`` (for flash:emulator, above ``emulator_max_len`` too) are only
-    compiled: their rows have memory but no times.
+    compiled: their rows have memory and compile time but no times.
 
     ``progress``, if given, is called with each finished row (for printing as we go).
     """
     kv_heads = heads if kv_heads is None else kv_heads
-    rows = []
-    for name, fn in methods(method_names).items():
-        for head_dim in head_dims:
-            for causal in causal_modes:
-                for seq_len in seq_lens:
-                    longest = min(run_up_to, emulator_max_len) if name == "flash:emulator" \
-                        else run_up_to
-                    times_mem = measure(fn, batch=batch, seq_len=seq_len, heads=heads,
-                                        kv_heads=kv_heads, head_dim=head_dim, causal=causal,
-                                        dtype=jnp.dtype(dtype), repeats=repeats,
-                                        run=seq_len <= longest)
-                    flops = attention_flops(batch, heads, seq_len, seq_len, head_dim, causal)
-                    rows.append(Row(name, seq_len, head_dim, causal, *times_mem, *flops))
-                    if progress is not None:
-                        progress(rows[-1])
-    return rows
+    table = methods(method_names)
+    rows = {}
+
+    def measure_point(head_dim, causal, seq_len, q_len):
+        """Every method at one point, timed interleaved; q_len None = seq_len (square)."""
+        q, k, v, ct = inputs(batch=batch, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
+                             head_dim=head_dim, dtype=jnp.dtype(dtype), q_len=q_len)
+        compiled, timed = {}, {}
+        for name, fn in table.items():
+            compiled[name] = compile_pair(fn, causal, q, k, v, ct)
+            longest = min(run_up_to, emulator_max_len) if name == "flash:emulator" \
+                else run_up_to
+            if seq_len <= longest:
+                timed[name + " fwd"] = compiled[name][0]
+                timed[name + " fwd+bwd"] = compiled[name][1]
+        ms = time_interleaved(timed, {n: (q, k, v) if n.endswith(" fwd") else (q, k, v, ct)
+                                      for n in timed}, repeats)
+        flops = attention_flops(batch, heads, q_len or seq_len, seq_len, head_dim, causal)
+        for name, (fwd, fwdbwd, compile_s) in compiled.items():
+            row = Row(name, seq_len, head_dim, causal, ms.get(name + " fwd"),
+                      ms.get(name + " fwd+bwd"), _temp_bytes(fwd), _temp_bytes(fwdbwd), *flops,
+                      compile_s, q_len=q_len)
+            rows[name, head_dim, causal, seq_len, q_len] = row
+            if progress is not None:
+                progress(row)
+
+    for head_dim in head_dims:
+        for causal in causal_modes:
+            for seq_len in seq_lens:
+                measure_point(head_dim, causal, seq_len, None)
+    # Decode: decode_q_len new queries against a cache of kv_len keys, all visible (what causal
+    # bottom-right alignment gives the newest rows); the fused kernels take the split-KV path.
+    for head_dim in head_dims:
+        for kv_len in decode_kv_lens:
+            measure_point(head_dim, False, kv_len, decode_q_len)
+    square = [rows[m, d, c, t, None] for m in table for d in head_dims for c in causal_modes
+              for t in seq_lens]
+    return square + [rows[m, d, False, t, decode_q_len] for m in table for d in head_dims
+                     for t in decode_kv_lens]
+
+
+def ratios(rows: list[Row], method: str = "flash:xla", baseline: str = "jax.nn") -> list[dict]:
+    """Per (seq_len, head_dim, causal) measured for both: ``method`` / ``baseline`` ratios of
+    forward+backward time, compile time and forward+backward temporary memory (None where
+    either side was not measured)."""
+    def ratio(a, b):
+        return None if a is None or b is None or b == 0 else a / b
+
+    rows = [r for r in rows if r.q_len is None]  # the decode rows are compared nowhere
+    base = {(r.seq_len, r.head_dim, r.causal): r for r in rows if r.method == baseline}
+    out = []
+    for r in rows:
+        b = base.get((r.seq_len, r.head_dim, r.causal))
+        if r.method != method or b is None:
+            continue
+        out.append(dict(seq_len=r.seq_len, head_dim=r.head_dim, causal=r.causal,
+                        fwdbwd_time=ratio(r.fwdbwd_ms, b.fwdbwd_ms),
+                        compile_time=ratio(r.compile_s, b.compile_s),
+                        fwdbwd_temp=ratio(r.fwdbwd_temp, b.fwdbwd_temp)))
+    return out
+
+
+def memory_growth(rows: list[Row]) -> list[dict]:
+    """Forward+backward temporary memory at each length divided by that at the previous
+    length, per (method, head_dim, causal)."""
+    out = []
+    series: dict[tuple, list[Row]] = {}
+    for r in (r for r in rows if r.q_len is None):  # the decode rows are not a length sweep
+        series.setdefault((r.method, r.head_dim, r.causal), []).append(r)
+    for (method, head_dim, causal), pts in series.items():
+        pts = sorted(pts, key=lambda r: r.seq_len)
+        for a, b in zip(pts, pts[1:]):
+            if a.fwdbwd_temp and b.fwdbwd_temp is not None:
+                out.append(dict(method=method, head_dim=head_dim, causal=causal,
+                                from_len=a.seq_len, to_len=b.seq_len,
+                                growth=b.fwdbwd_temp / a.fwdbwd_temp))
+    return out
+
+
+def format_ratios(entries: list[dict], method: str, baseline: str) -> str:
+    """Text lines of ``ratios`` output."""
+    lines = [f"{method} / {baseline} (forward+backward; < 1 means {method} is faster/smaller):",
+             "  seq  hdim  causal   time  compile   temp"]
+    for e in entries:
+        lines.append(f"{e['seq_len']:5d}  {e['head_dim']:4d}  {'yes' if e['causal'] else 'no':>6}"
+                     f"  {_fmt(e['fwdbwd_time'], '5.2f')}  {_fmt(e['compile_time'], '7.2f')}"
+                     f"  {_fmt(e['fwdbwd_temp'], '5.3f')}")
+    return "\n".join(lines)
+
+
+def format_growth(entries: list[dict]) -> str:
+    lines = ["forward+backward temporary memory growth between lengths:"]
+    for e in entries:
+        lines.append(f"  {e['method']:<15} d={e['head_dim']} causal={'yes' if e['causal'] else 'no'}"
+                     f"  {e['from_len']} -> {e['to_len']}: x{e['growth']:.2f}")
+    return "\n".join(lines)
 
 
 COLUMNS = ("method", "seq", "hdim", "causal", "fwd ms", "fwd+bwd ms", "fwd temp MiB",
-           "fwd+bwd temp MiB", "fwd TFLOP/s", "fwd+bwd TFLOP/s")
+           "fwd+bwd temp MiB", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "compile s")
 
 
 def _fmt(value, spec):
@@ -208,11 +312,12 @@ def table_cells(row: Row, peak_tflops: float | None = None) -> list[str]:
     fwd_tf = None if row.fwd_ms is None else row.fwd_flops / (row.fwd_ms * 1e-3) / 1e12
     fb_tf = None if row.fwdbwd_ms is None else row.fwdbwd_flops / (row.fwdbwd_ms * 1e-3) / 1e12
     mib = 1 << 20
-    cells = [row.method, str(row.seq_len), str(row.head_dim), "yes" if row.causal else "no",
+    seq = str(row.seq_len) if row.q_len is None else f"{row.q_len}x{row.seq_len}"
+    cells = [row.method, seq, str(row.head_dim), "yes" if row.causal else "no",
              _fmt(row.fwd_ms, ".2f"), _fmt(row.fwdbwd_ms, ".2f"),
              _fmt(None if row.fwd_temp is None else row.fwd_temp / mib, ".1f"),
              _fmt(None if row.fwdbwd_temp is None else row.fwdbwd_temp / mib, ".1f"),
-             _fmt(fwd_tf, ".3g"), _fmt(fb_tf, ".3g")]
+             _fmt(fwd_tf, ".3g"), _fmt(fb_tf, ".3g"), _fmt(row.compile_s, ".2f")]
     if peak_tflops:
         cells += [_fmt(None if fwd_tf is None else 100 * fwd_tf / peak_tflops, ".1f"),
                   _fmt(None if fb_tf is None else 100 * fb_tf / peak_tflops, ".1f")]
@@ -246,11 +351,13 @@ def _pyplot():
 
 
 def plot(rows: list[Row], path: str) -> None:
-    """Save forward+backward time and temporary memory against sequence length to ``path``.
+    """Save forward+backward time and temporary memory against sequence length to ``path``
+    (square rows only; decode rows are left out).
 
     Raises SystemExit with an install hint if matplotlib is missing.
     """
     plt = _pyplot()
+    rows = [r for r in rows if r.q_len is None]  # the decode rows are not a length sweep
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
     series = sorted({(r.method, r.head_dim, r.causal) for r in rows})
     for color, (method, head_dim, causal) in enumerate(series):
@@ -260,9 +367,9 @@ def plot(rows: list[Row], path: str) -> None:
         if timed:
             ax_t.plot([r.seq_len for r in timed], [r.fwdbwd_ms for r in timed], "o-",
                       color=f"C{color % 10}", label=label)
-        mem = [r for r in pts if r.fwdbwd_temp is not None]
+        mem = [(r.seq_len, r.fwdbwd_temp) for r in pts if r.fwdbwd_temp is not None]
         if mem:
-            ax_m.plot([r.seq_len for r in mem], [max(r.fwdbwd_temp, 1) / (1 << 20) for r in mem],
+            ax_m.plot([t for t, _ in mem], [max(m, 1) / (1 << 20) for _, m in mem],
                       "o-", color=f"C{color % 10}", label=label)
     for ax, title in ((ax_t, "forward+backward time (ms)"),
                       (ax_m, "forward+backward compiled temp memory (MiB)")):
@@ -289,6 +396,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-lens", type=_int_list, default=[256, 1024, 4096, 16384],
                    help="comma-separated sequence lengths (query = key length)")
     p.add_argument("--head-dims", type=_int_list, default=[64, 128])
+    p.add_argument("--decode-kv-lens", type=_int_list, default=[8192],
+                   help="KV-cache lengths of the decode rows (1 query against each; shown as "
+                        "seq 1xN); empty for none")
     p.add_argument("--causal", choices=["both", "on", "off"], default="both")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     p.add_argument("--batch", type=int, default=1)
@@ -306,6 +416,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s to report percentages against (default: estimated on "
                         "Apple silicon with metal)")
+    p.add_argument("--ratio-method", default="flash:xla",
+                   help="method whose ratios to jax.nn are printed (default flash:xla)")
+    p.add_argument("--json", metavar="PATH", help="also write rows, ratios and environment as JSON")
     p.add_argument("--plot", metavar="PNG", help="also save a plot (needs matplotlib)")
     return p.parse_args(argv)
 
@@ -321,9 +434,10 @@ def main(argv=None) -> list[Row]:
     if peak is None and "flash:metal" in names:
         peak, gpu = apple_gpu_peak_tflops(where["metal"])
     causal_modes = {"both": [False, True], "on": [True], "off": [False]}[args.causal]
-    print(f"jax_flash_metal {jax_flash_metal.__version__}, jax {jax.__version__}, "
-          f"{platform.machine()} {platform.system()}, {jax.device_count()} {jax.default_backend()} "
-          f"device(s), numpy {np.__version__}")
+    environment = (f"jax_flash_metal {jax_flash_metal.__version__}, jax {jax.__version__}, "
+                   f"{platform.machine()} {platform.system()}, {jax.device_count()} "
+                   f"{jax.default_backend()} device(s), numpy {np.__version__}")
+    print(environment)
     print("implementations: " + "; ".join(f"{k}: {v}" for k, v in where.items()))
     print(f"batch {args.batch}, heads {args.heads}/{args.kv_heads or args.heads} (q/kv), "
           f"{args.dtype}, median of {args.repeats} after 1 warm-up; lengths > {args.run_up_to} "
@@ -339,10 +453,26 @@ def main(argv=None) -> list[Row]:
         seq_lens=args.seq_lens, head_dims=args.head_dims, causal_modes=causal_modes,
         method_names=names, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
         dtype=args.dtype, repeats=args.repeats, run_up_to=args.run_up_to,
-        emulator_max_len=args.emulator_max_len,
+        emulator_max_len=args.emulator_max_len, decode_kv_lens=args.decode_kv_lens,
         progress=lambda r: print(f"  measured {r.method} T={r.seq_len} D={r.head_dim} "
                                  f"causal={r.causal}", file=sys.stderr, flush=True))
     print(format_table(rows, peak))
+    entries = ratios(rows, args.ratio_method)
+    growth = memory_growth(rows)
+    if entries:
+        print()
+        print(format_ratios(entries, args.ratio_method, "jax.nn"))
+    if growth:
+        print()
+        print(format_growth(growth))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(environment=environment, devices=where, batch=args.batch,
+                           heads=args.heads, kv_heads=args.kv_heads or args.heads,
+                           dtype=args.dtype, repeats=args.repeats,
+                           rows=[dataclasses.asdict(r) for r in rows], ratios=entries,
+                           memory_growth=growth), f, indent=1)
+        print(f"JSON written to {args.json}")
     if args.plot:
         plot(rows, args.plot)
         print(f"plot saved to {args.plot}")

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import cast
 
 import jax
 import numpy as np
 from jax.interpreters import mlir
 
-from . import _ext
+import jax_flash_metal._ext as _ext  # a module import: mypy takes the unbuilt extension as Any
+from .primitives import feature_names
 from ._jax_private import ShapedArray
 
 _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
@@ -107,20 +109,34 @@ def kernel_names(implementation: str) -> frozenset[str]:
     return frozenset(_ext.kernel_names(implementation))
 
 
-def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int) -> str | None:
+# Optional features (primitives.feature_names) the fused kernels implement. The FFI contract for
+# bias, mask, segment ids, sinks and the soft cap is fixed in ffi/attention_ffi.h, but no kernel
+# reads them yet: calls using them go to the xla implementation (or raise when fused is explicit).
+KERNEL_FEATURES: frozenset[str] = frozenset()
+
+
+def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int,
+                       features=()) -> str | None:
     """Why the fused kernels of ``implementation`` cannot run a ``direction`` ("fwd" or "bwd")
-    call with this dtype and head dim, or None when every kernel it needs exists.
+    call with this dtype, head dim and optional ``features`` (names such as "bias"), or None
+    when every kernel it needs exists.
 
     The device's kernel list is asked (on Metal without compiling anything), so a build whose
     shaders lack a head dim is reported at trace time rather than when the computation runs.
     """
+    missing_features = [f for f in features if f not in KERNEL_FEATURES]
+    if missing_features:
+        return (f"flash_attention: {', '.join(missing_features)} "
+                f"{'is' if len(missing_features) == 1 else 'are'} not supported by the "
+                f"{implementation!r} kernels yet; use implementation=None or 'xla' for such calls")
     dtype = np.dtype(dtype)
     suffix = _DTYPE_SUFFIX.get(dtype)
     if suffix is None:
         return (f"flash_attention: dtype {dtype} has no {implementation} kernels "
                 f"(float32, float16, bfloat16 only)")
     # The kernels (stages) the direction runs, as ffi/attention_ffi.cc dispatches them.
-    stages = ("fwd",) if direction == "fwd" else tuple(_ext.bwd_stages(head_dim))
+    stages = (("fwd", "decode_partial", "decode_combine") if direction == "fwd"
+              else tuple(_ext.bwd_stages(head_dim)))
     names = kernel_names(implementation)
     missing = [f"flash_attention_{s}_{suffix}_d{head_dim}" for s in stages
                if f"flash_attention_{s}_{suffix}_d{head_dim}" not in names]
@@ -138,35 +154,57 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
     return message
 
 
-def check_supported(implementation: str, direction: str, dtype, head_dim: int) -> None:
-    """Raise ``unsupported_reason`` as TypeError (a dtype without kernels) or ValueError (a head
-    dim without kernels), if there is one."""
-    reason = unsupported_reason(implementation, direction, dtype, head_dim)
-    if reason is not None:
-        raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
+def check_supported(implementation: str, direction: str, dtype, head_dim: int,
+                    features=()) -> None:
+    """Raise ``unsupported_reason`` as NotImplementedError (a feature the kernels lack),
+    TypeError (a dtype without kernels) or ValueError (a head dim without kernels), if any."""
+    reason = unsupported_reason(implementation, direction, dtype, head_dim, features)
+    if reason is None:
+        return
+    if any(f not in KERNEL_FEATURES for f in features):
+        raise NotImplementedError(reason)
+    raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
 
 
 def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
-                has_kv_lengths):
-    """The FFI attributes with their exact types (a Python float would become f64)."""
+                has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks, logits_soft_cap,
+                bias_grad=False):
+    """The FFI attributes with their exact types (a Python float would become f64); the soft
+    cap is 0.0 when absent. The handlers refuse the optional features until the kernels
+    implement them (check_supported stops such calls earlier, at lowering)."""
+    del bias_grad  # an attribute of the backward target once its kernels read a bias (attention_ffi.h)
     return dict(scale=np.float32(scale), is_causal=np.bool_(is_causal),
                 window_left=np.int32(window_left), window_right=np.int32(window_right),
                 bottom_right=np.bool_(bottom_right), has_q_lengths=np.bool_(has_q_lengths),
-                has_kv_lengths=np.bool_(has_kv_lengths))
+                has_kv_lengths=np.bool_(has_kv_lengths), has_segment_ids=np.bool_(has_segment_ids),
+                has_bias=np.bool_(has_bias), has_mask=np.bool_(has_mask),
+                has_sinks=np.bool_(has_sinks),
+                logits_soft_cap=np.float32(0.0 if logits_soft_cap is None else logits_soft_cap))
 
 
 def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):
     """Emit the forward FFI call: args (q, k, v, [q_lengths], [kv_lengths]) -> (o, lse, l2).
 
+    Short queries against a long KV cache take the split-KV decode kernels (the handler decides,
+    ``ffi/attention_ffi.h`` decode_splits); their float32 workspace is a fourth result of the
+    custom call, sized here by the extension's own rule (``_ext.decode_splits`` for this device,
+    0 elements for the tiled forward) and dropped, like the backward's delta.
+
     ``params`` are the primitive's static params (scale, is_causal, window_left, window_right,
     bottom_right, has_q_lengths, has_kv_lengths). Raises ValueError for a head dim or dtype the
     device has no kernel for, or when ``implementation`` is not in this build.
     """
-    q = ctx.avals_in[0]
+    q, k = (cast(ShapedArray, aval) for aval in ctx.avals_in[:2])
     _check_built(implementation)
-    check_supported(implementation, "fwd", q.dtype, q.shape[3])
+    check_supported(implementation, "fwd", q.dtype, q.shape[3], feature_names(params))
+    batch, q_len, num_heads, head_dim = q.shape
+    _, workspace_elements = _ext.decode_splits(
+        _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, k.shape[1], num_heads, k.shape[2],
+        head_dim, implementation)
+    workspace = ShapedArray((workspace_elements,), np.float32)
+    call_ctx = ctx.replace(avals_out=(*ctx.avals_out, workspace))
     rule = jax.ffi.ffi_lowering(_target("fwd", implementation))
-    return rule(ctx, *args, **_attributes(**params))
+    return list(rule(call_ctx, *args, **_attributes(**params)))[:3]
 
 
 def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):
@@ -180,9 +218,9 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     shows up in memory_analysis() and needs no allocator inside the handler. Errors as for
     ``lower_fwd``.
     """
-    q = ctx.avals_in[0]
+    q = cast(ShapedArray, ctx.avals_in[0])
     _check_built(implementation)
-    check_supported(implementation, "bwd", q.dtype, q.shape[3])
+    check_supported(implementation, "bwd", q.dtype, q.shape[3], feature_names(params))
     batch, q_len, num_heads, _ = q.shape
     delta = ShapedArray((batch, num_heads, q_len), np.float32)
     keep = [n for n in range(len(args)) if n != _BWD_LSE_OPERAND]

@@ -1,6 +1,6 @@
 """Which implementation runs a flash_attention call: "xla", "emulator" or "metal".
 
-- "xla": the ``jax.numpy`` reference lowering (reference.py). Runs on every platform.
+- "xla": FlashAttention-2 in ``jax.numpy``/``lax`` (xla_attention.py). Runs on every platform.
 - "metal": the fused Metal kernels via an XLA FFI custom call on the ``cpu`` platform; needs the
   native extension and an Apple GPU.
 - "emulator": the same FFI handler driving the MSL-on-CPU emulator (testing; slow).

@@ -1,7 +1,8 @@
 """The two flash-attention primitives and their JAX rules.
 
-fwd_p: bind(q, k, v, [q_lengths], [kv_lengths], **params) -> (o, lse, l2)
-bwd_p: bind(q, k, v, o, lse, l2, do, g_lse, [q_lengths], [kv_lengths], **params) -> (dq, dk, dv)
+fwd_p: bind(q, k, v, *optional, **params) -> (o, lse, l2)
+bwd_p: bind(q, k, v, o, lse, l2, do, g_lse, *optional, bias_grad=..., **params)
+       -> (dq, dk, dv[, dbias])
 
 lse is the user's natural-log statistic (-inf for a row with no visible key); l2 (float32
 [batch, num_heads, q_len]) is the base-2 statistic m + log2(l) of the log2-domain scores, a
@@ -9,15 +10,25 @@ residual only: the fused backward recomputes P = exp2(S2 - l2) from it and ignor
 backward uses lse and ignores l2. Its value for an empty row is implementation-defined (the
 kernels store a large finite sentinel, the xla implementation lse * log2(e) = -inf).
 
-Static params (exact types): scale: float, is_causal: bool, window_left: int, window_right: int
-(-1 = unbounded), bottom_right: bool, has_q_lengths: bool, has_kv_lengths: bool,
-implementation: str | None. A length operand is present only when its has_* flag is True.
+``optional`` are the present fields of ``validation.Operands`` in its order: q_lengths,
+kv_lengths (int32 [B]), q_segment_ids, kv_segment_ids (int32 [B, T]), bias (float, rank 4, each
+axis 1 or full over [B, H, Tq, Tkv]), mask (bool, same), sinks (float32 [H]); each is present
+exactly when its ``has_*`` flag is True. Both primitives take the same optional operands, so a
+call's forward and backward lower to the same implementation; the backward reads no sinks (its
+LSE already includes them; dsinks comes from O, LSE, dO and g_lse in attention.py). With
+``bias_grad`` the backward also returns dbias float32 in the bias operand's (broadcast) shape.
+
+Static params (exact types, ``coerce_params``): scale: float, is_causal: bool, window_left: int,
+window_right: int (-1 = unbounded), bottom_right: bool, has_q_lengths, has_kv_lengths,
+has_segment_ids, has_bias, has_mask, has_sinks: bool, logits_soft_cap: float | None,
+implementation: str | None, and for bwd_p bias_grad: bool.
 
 Rules per primitive: abstract eval, eager impl (a cached ``jax.jit`` of the bind, so eager calls use
 the same lowering as compiled ones), a batching rule that folds vmapped axes into the batch
-dimension, a default lowering (``mlir.lower_fun`` of the jnp reference, every platform) and a
-``cpu`` lowering that resolves ``implementation`` and, for "metal"/"emulator", hands over to
-``ffi_lowering``. The organisation follows JAX's own cuDNN attention primitives.
+dimension, a default lowering (``mlir.lower_fun`` of the xla implementation, ``xla_attention``,
+every platform) and a ``cpu`` lowering that resolves ``implementation`` and, for
+"metal"/"emulator", hands over to ``ffi_lowering``. The organisation follows JAX's own cuDNN
+attention primitives.
 """
 
 from __future__ import annotations
@@ -29,7 +40,8 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import implementations, reference
+from . import implementations, xla_attention
+from .validation import Operands
 from ._jax_private import ShapedArray
 
 fwd_p = Primitive("flash_attention_fwd")
@@ -39,68 +51,93 @@ bwd_p.multiple_results = True
 
 LOG2_E = 1.4426950408889634
 
-_NUM_MAIN = {fwd_p: 3, bwd_p: 8}  # operands before the optional lengths
+_NUM_MAIN = {fwd_p: 3, bwd_p: 8}  # operands before the optional ones
 
 
-def _split(prim, args, has_q_lengths, has_kv_lengths):
-    """(main operands, q_lengths | None, kv_lengths | None); checks the operand count."""
+def _split(prim, args, params):
+    """(main operands, validation.Operands); checks the operand count against the flags."""
     n = _NUM_MAIN[prim]
-    expected = n + int(has_q_lengths) + int(has_kv_lengths)
-    if len(args) != expected:
-        raise ValueError(
-            f"{prim.name} expects {expected} operands for has_q_lengths={has_q_lengths}, "
-            f"has_kv_lengths={has_kv_lengths}, got {len(args)}"
-        )
-    rest = list(args[n:])
-    q_lengths = rest.pop(0) if has_q_lengths else None
-    kv_lengths = rest.pop(0) if has_kv_lengths else None
-    return list(args[:n]), q_lengths, kv_lengths
+    flags = Operands.flags(*(bool(params.get(f, False)) for f in _FLAG_NAMES))
+    try:
+        return list(args[:n]), Operands.from_list(args[n:], flags)
+    except ValueError as e:
+        raise ValueError(f"{prim.name}: {e} for {dict(zip(_FLAG_NAMES, flags))}") from None
+
+
+_FLAG_NAMES = ("has_q_lengths", "has_kv_lengths", "has_segment_ids", "has_bias", "has_mask",
+               "has_sinks")
 
 
 def coerce_params(*, scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
-                  has_kv_lengths, implementation):
-    """The static params with their exact Python types (FFI attributes are typed)."""
-    return dict(scale=float(scale), is_causal=bool(is_causal), window_left=int(window_left),
-                window_right=int(window_right), bottom_right=bool(bottom_right),
-                has_q_lengths=bool(has_q_lengths), has_kv_lengths=bool(has_kv_lengths),
-                implementation=None if implementation is None else str(implementation))
+                  has_kv_lengths, implementation, has_segment_ids=False, has_bias=False,
+                  has_mask=False, has_sinks=False, logits_soft_cap=None, bias_grad=None):
+    """The static params with their exact Python types (FFI attributes are typed).
+    ``bias_grad`` (backward only) is included when given."""
+    params = dict(scale=float(scale), is_causal=bool(is_causal), window_left=int(window_left),
+                  window_right=int(window_right), bottom_right=bool(bottom_right),
+                  has_q_lengths=bool(has_q_lengths), has_kv_lengths=bool(has_kv_lengths),
+                  implementation=None if implementation is None else str(implementation),
+                  has_segment_ids=bool(has_segment_ids), has_bias=bool(has_bias),
+                  has_mask=bool(has_mask), has_sinks=bool(has_sinks),
+                  logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap))
+    if bias_grad is not None:
+        params["bias_grad"] = bool(bias_grad)
+    return params
 
 
 # ---------------------------------------------------------------- abstract evaluation
 
-def _check_lengths_aval(name, x, batch):
-    if x is not None and (x.shape != (batch,) or x.dtype != jnp.int32):
-        raise ValueError(f"{name} must be int32 [{batch}], got {x.dtype}{list(x.shape)}")
+def _check_operand_avals(prim, x: Operands, batch, num_heads, q_len, kv_len):
+    def bad(name, arr, want):
+        raise ValueError(f"{prim.name}: {name} must be {want}, got {arr.dtype}{list(arr.shape)}")
+
+    for name, arr, shape in (("q_lengths", x.q_lengths, (batch,)),
+                             ("kv_lengths", x.kv_lengths, (batch,)),
+                             ("q_segment_ids", x.q_segment_ids, (batch, q_len)),
+                             ("kv_segment_ids", x.kv_segment_ids, (batch, kv_len))):
+        if arr is not None and (arr.shape != shape or arr.dtype != jnp.int32):
+            bad(name, arr, f"int32 {list(shape)}")
+    full = (batch, num_heads, q_len, kv_len)
+    for name, arr in (("bias", x.bias), ("mask", x.mask)):
+        if arr is not None and (arr.ndim != 4 or any(n not in (1, f) for n, f in
+                                                      zip(arr.shape, full))):
+            bad(name, arr, f"rank 4 with each axis 1 or the size of {list(full)}")
+    if x.mask is not None and x.mask.dtype != jnp.bool_:
+        bad("mask", x.mask, "bool")
+    if x.sinks is not None and (x.sinks.shape != (num_heads,) or x.sinks.dtype != jnp.float32):
+        bad("sinks", x.sinks, f"float32 [{num_heads}]")
 
 
-def _fwd_abstract(*args, has_q_lengths, has_kv_lengths, **_):
-    (q, k, v), ql, kl = _split(fwd_p, args, has_q_lengths, has_kv_lengths)
+def _fwd_abstract(*args, **params):
+    (q, k, v), x = _split(fwd_p, args, params)
     batch, q_len, num_heads, head_dim = q.shape
     if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim or (
             num_heads % k.shape[2]):
         raise ValueError(f"flash_attention_fwd: incompatible shapes q {q.shape}, k {k.shape}, "
                          f"v {v.shape}")
-    _check_lengths_aval("q_lengths", ql, batch)
-    _check_lengths_aval("kv_lengths", kl, batch)
+    _check_operand_avals(fwd_p, x, batch, num_heads, q_len, k.shape[1])
     row = ShapedArray((batch, num_heads, q_len), jnp.float32)
     return ShapedArray(q.shape, q.dtype), row, row
 
 
-def _bwd_abstract(*args, has_q_lengths, has_kv_lengths, **_):
-    (q, k, v, o, lse, l2, do, g_lse), ql, kl = _split(bwd_p, args, has_q_lengths,
-                                                       has_kv_lengths)
+def _bwd_abstract(*args, bias_grad=False, **params):
+    (q, k, v, o, lse, l2, do, g_lse), x = _split(bwd_p, args, params)
     batch, q_len, num_heads, _ = q.shape
     if o.shape != q.shape or do.shape != q.shape or k.shape != v.shape:
         raise ValueError(f"flash_attention_bwd: incompatible shapes q {q.shape}, o {o.shape}, "
                          f"do {do.shape}, k {k.shape}, v {v.shape}")
-    for name, x in (("lse", lse), ("l2", l2), ("g_lse", g_lse)):
-        if x.shape != (batch, num_heads, q_len):
+    for name, y in (("lse", lse), ("l2", l2), ("g_lse", g_lse)):
+        if y.shape != (batch, num_heads, q_len):
             raise ValueError(f"flash_attention_bwd: {name} must be [{batch}, {num_heads}, "
-                             f"{q_len}], got {list(x.shape)}")
-    _check_lengths_aval("q_lengths", ql, batch)
-    _check_lengths_aval("kv_lengths", kl, batch)
-    return (ShapedArray(q.shape, q.dtype), ShapedArray(k.shape, k.dtype),
-            ShapedArray(v.shape, v.dtype))
+                             f"{q_len}], got {list(y.shape)}")
+    if bias_grad and x.bias is None:
+        raise ValueError("flash_attention_bwd: bias_grad=True needs a bias operand")
+    _check_operand_avals(bwd_p, x, batch, num_heads, q_len, k.shape[1])
+    outs = [ShapedArray(q.shape, q.dtype), ShapedArray(k.shape, k.dtype),
+            ShapedArray(v.shape, v.dtype)]
+    if bias_grad:
+        outs.append(ShapedArray(x.bias.shape, jnp.float32))
+    return tuple(outs)
 
 
 fwd_p.def_abstract_eval(_fwd_abstract)
@@ -134,14 +171,63 @@ def _fold(x, dim, size):
     return x.reshape((size * x.shape[1],) + x.shape[2:])
 
 
+def _fold_broadcast(x, dim, size, batch, keep_unbatched):
+    """_fold for a bias or mask, whose batch axis may be 1 (broadcast): that axis is first
+    expanded to ``batch`` so the merged axis lines up with q's. An unbatched one with batch
+    axis 1 stays as it is when ``keep_unbatched`` (it broadcasts over the merged axis too)."""
+    if dim is None and keep_unbatched and x.shape[0] == 1:
+        return x
+    x = jnp.broadcast_to(x, (size,) + x.shape) if dim is None else jnp.moveaxis(x, dim, 0)
+    x = jnp.broadcast_to(x, (size, batch) + x.shape[2:])
+    return x.reshape((size * batch,) + x.shape[2:])
+
+
+def _roles(prim, params):
+    """The role of each operand: "main" or the Operands field name."""
+    flags = Operands.flags(*(bool(params.get(f, False)) for f in _FLAG_NAMES))
+    return ["main"] * _NUM_MAIN[prim] + [n for n, f in zip(Operands._fields, flags) if f]
+
+
+def _map_batcher(prim, args, dims, params):
+    """vmap as a sequential lax.map over the vmapped axis (for per-example sinks, which the
+    batch axis cannot absorb)."""
+    batched = [i for i, d in enumerate(dims) if d is not None]
+
+    def one(xs):
+        full = list(args)
+        for i, x in zip(batched, xs):
+            full[i] = x
+        return prim.bind(*full, **params)
+
+    outs = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in batched])
+    return outs, [0] * len(outs)
+
+
 def _make_batcher(prim):
     def batcher(args, dims, **params):
+        roles = _roles(prim, params)
+        if any(r == "sinks" and d is not None for r, d in zip(roles, dims)):
+            return _map_batcher(prim, args, dims, params)
         size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
         q, q_dim = args[0], dims[0]
         # The operand's own batch size (needed to unfold even when size or batch is 0).
         batch = q.shape[1] if q_dim == 0 else q.shape[0]
-        outs = prim.bind(*(_fold(x, d, size) for x, d in zip(args, dims)), **params)
+        bias_grad = bool(params.get("bias_grad", False))
+        folded, bias_batch = [], 1
+        for x, d, role in zip(args, dims, roles):
+            if role == "sinks":
+                folded.append(x)
+            elif role in ("bias", "mask"):
+                if role == "bias":
+                    bias_batch = x.shape[0 if d is None or d > 0 else 1]
+                folded.append(_fold_broadcast(x, d, size, batch,
+                                              keep_unbatched=not (role == "bias" and bias_grad)))
+            else:
+                folded.append(_fold(x, d, size))
+        outs = prim.bind(*folded, **params)
         outs = [o.reshape((size, batch) + o.shape[1:]) for o in outs]
+        if bias_grad and bias_batch == 1:  # dbias of a batch-broadcast bias: sum that axis
+            outs[-1] = jnp.sum(outs[-1], axis=1, keepdims=True)
         return outs, [0] * len(outs)
     return batcher
 
@@ -172,21 +258,20 @@ ad.primitive_jvps[bwd_p] = _make_no_jvp(bwd_p)
 
 # ---------------------------------------------------------------- lowering
 
-def _reference_fwd(*args, has_q_lengths, has_kv_lengths, **params):
-    (q, k, v), ql, kl = _split(fwd_p, args, has_q_lengths, has_kv_lengths)
-    o, lse = reference.forward(q, k, v, ql, kl, **params)
+def _xla_fwd(*args, **params):
+    (q, k, v), x = _split(fwd_p, args, params)
+    o, lse = xla_attention.forward(q, k, v, x, **params)
     return [o, lse, lse * jnp.float32(LOG2_E)]
 
 
-def _reference_bwd(*args, has_q_lengths, has_kv_lengths, **params):
-    (q, k, v, o, lse, _, do, g_lse), ql, kl = _split(bwd_p, args, has_q_lengths,
-                                                     has_kv_lengths)  # l2 unused
-    return list(reference.backward(q, k, v, o, lse, do, g_lse, ql, kl, **params))
+def _xla_bwd(*args, **params):
+    (q, k, v, o, lse, _, do, g_lse), x = _split(bwd_p, args, params)  # l2 unused
+    return list(xla_attention.backward(q, k, v, o, lse, do, g_lse, x, **params))
 
 
-_REFERENCE_LOWERING = {
-    fwd_p: mlir.lower_fun(_reference_fwd, multiple_results=True),
-    bwd_p: mlir.lower_fun(_reference_bwd, multiple_results=True),
+_XLA_LOWERING = {
+    fwd_p: mlir.lower_fun(_xla_fwd, multiple_results=True),
+    bwd_p: mlir.lower_fun(_xla_bwd, multiple_results=True),
 }
 
 
@@ -195,11 +280,11 @@ def _platforms(ctx):
 
 
 def _make_default_lowering(prim):
-    """Every platform without a specific rule: the jnp reference ("xla")."""
+    """Every platform without a specific rule: the xla implementation."""
     def lowering(ctx, *args, **params):
         for platform in _platforms(ctx):
             implementations.resolve(params["implementation"], platform)  # raises if fused asked
-        return _REFERENCE_LOWERING[prim](ctx, *args, **params)
+        return _XLA_LOWERING[prim](ctx, *args, **params)
     return lowering
 
 
@@ -210,15 +295,27 @@ def _has_zero_size(ctx):
 _DIRECTION = {fwd_p: "fwd", bwd_p: "bwd"}
 
 
+def feature_names(params):
+    """Names of the optional features a call uses (as ``ffi_lowering.unsupported_reason`` and
+    its error messages name them)."""
+    names = [name for flag, name in (("has_bias", "bias"), ("has_mask", "mask"),
+                                     ("has_segment_ids", "segment ids"), ("has_sinks", "sinks"))
+             if params.get(flag)]
+    if params.get("logits_soft_cap") is not None:
+        names.append("logits_soft_cap")
+    return tuple(names)
+
+
 def _make_cpu_lowering(prim, ffi_name):
     def lowering(ctx, *args, **params):
         params = coerce_params(**params)
         q = ctx.avals_in[0]
         impl = implementations.resolve(params["implementation"], "cpu",
-                                       call=(_DIRECTION[prim], q.dtype, q.shape[3]))
-        # Empty problems need no kernel launch; the reference returns the right zeros / -inf.
+                                       call=(_DIRECTION[prim], q.dtype, q.shape[3],
+                                             feature_names(params)))
+        # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):
-            return _REFERENCE_LOWERING[prim](ctx, *args, **params)
+            return _XLA_LOWERING[prim](ctx, *args, **params)
         from . import ffi_lowering
         params["implementation"] = impl
         return getattr(ffi_lowering, ffi_name)(ctx, *args, **params)

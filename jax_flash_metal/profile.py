@@ -64,7 +64,8 @@ JSON_KEYS = ("kernel", *PROBLEM_KEYS, *COUNT_KEYS, "useful_flops", "model")
 # Useful FLOPs per visible (query, key) pair, in units of the head dim D, credited to each kernel
 # stage (kernel names are flash_attention_<stage>_<dtype>_d<D>). Forward 4·D; backward 10·D as a
 # whole. A new kernel stage must be added here.
-USEFUL_FLOPS_PER_PAIR = {"fwd": 4, "decode": 4, "bwd_dq": 2, "bwd_dkdv": 8,
+USEFUL_FLOPS_PER_PAIR = {"fwd": 4, "decode_partial": 4, "decode_combine": 0, "bwd_dq": 2,
+                         "bwd_dkdv": 8,
                          "bwd_dk": 6, "bwd_dv": 2}  # the split pair: 8 as bwd_dkdv
 MMA_FLOPS = 2 * 8 * 8 * 8  # one simdgroup_multiply_accumulate: an 8x8x8 multiply-add
 KERNEL_NAME = re.compile(r"^flash_attention_(?P<stage>\w+?)_(?:f32|f16|bf16)_d\d+$")

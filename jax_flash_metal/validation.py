@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,48 @@ class StaticParams(NamedTuple):
     has_q_lengths: bool
     has_kv_lengths: bool
     implementation: str | None
+    has_segment_ids: bool = False
+    has_bias: bool = False
+    has_mask: bool = False
+    has_sinks: bool = False
+    logits_soft_cap: float | None = None
+
+
+class Operands(NamedTuple):
+    """The optional array operands of both primitives, in their operand order (after the main
+    ones); each is None when absent, and present exactly when its ``has_*`` flag is True.
+
+    q_lengths, kv_lengths: int32 [B]. q_segment_ids: int32 [B, Tq]; kv_segment_ids: int32
+    [B, Tkv] (both or neither: ``has_segment_ids``). bias: float [b, h, tq, tkv] and mask: bool
+    [b, h, tq, tkv], rank 4, each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv].
+    sinks: float32 [H].
+    """
+
+    # Each a JAX array (validation) or an abstract value (primitive rules), hence Any.
+    q_lengths: Any = None
+    kv_lengths: Any = None
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
+    bias: Any = None
+    mask: Any = None
+    sinks: Any = None
+
+    @staticmethod
+    def flags(has_q_lengths, has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks):
+        """Which fields are present, in field order, from the primitives' has_* params."""
+        return (has_q_lengths, has_kv_lengths, has_segment_ids, has_segment_ids, has_bias,
+                has_mask, has_sinks)
+
+    def present(self):
+        return [x for x in self if x is not None]
+
+    @classmethod
+    def from_list(cls, xs, flags):
+        """Inverse of ``present`` for the given ``flags``; checks the count."""
+        xs = list(xs)
+        if len(xs) != sum(flags):
+            raise ValueError(f"expected {sum(flags)} optional operands, got {len(xs)}")
+        return cls(*(xs.pop(0) if f else None for f in flags))
 
 
 def _as_array(x, name):
@@ -86,16 +128,43 @@ def check_window(local_window_size):
     )
 
 
+def _static_real(value, name):
+    """A Python float from a real Python/NumPy number or a concrete real JAX/NumPy scalar
+    array (as jax.nn accepts for ``scale``); TypeError naming ``name`` otherwise."""
+    problem = None
+    if isinstance(value, (jax.Array, np.ndarray)):
+        real = jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype,
+                                                                            jnp.integer)
+        if value.shape == () and real:
+            try:
+                return float(value)
+            except jax.errors.ConcretizationTypeError:
+                problem = "a traced array"
+    elif isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        return float(value)
+    raise TypeError(
+        f"{name} must be a real number known at trace time (Python, NumPy or a concrete JAX "
+        f"scalar{'' if problem is None else ', not ' + problem}), got {value!r} of type "
+        f"{type(value).__name__}"
+    )
+
+
 def check_scale(scale, head_dim):
-    """None -> 1/sqrt(head_dim); any real Python/NumPy number is used literally as a float."""
+    """None -> 1/sqrt(head_dim); any real number (Python, NumPy, concrete JAX scalar) is used
+    literally as a float."""
     if scale is None:
         return float(1.0 / np.sqrt(head_dim))
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(
-            "scale must be None or a Python/NumPy real number (a static value, not an array), "
-            f"got {scale!r} of type {type(scale).__name__}"
-        )
-    return float(scale)
+    return _static_real(scale, "scale")
+
+
+def check_soft_cap(logits_soft_cap):
+    """None, or a positive finite static float c (scores become c * tanh(s / c))."""
+    if logits_soft_cap is None:
+        return None
+    cap = _static_real(logits_soft_cap, "logits_soft_cap")
+    if not (np.isfinite(cap) and cap > 0):
+        raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {cap}")
+    return cap
 
 
 def check_implementation(implementation, name="implementation"):
@@ -127,10 +196,90 @@ def _check_lengths(lengths, name, batch, max_len):
     return jnp.clip(lengths, 0, max_len).astype(jnp.int32)
 
 
+def _with_batch(x, name):
+    """A rank-3 [seq_len, heads, head_dim] array as rank 4 with batch 1 (as jax.nn)."""
+    if x.ndim == 3:
+        return x[None]
+    if x.ndim != 4:
+        raise ValueError(
+            f"{name} must have rank 4 [batch, seq_len, heads, head_dim] or 3 [seq_len, heads, "
+            f"head_dim], got shape {x.shape}"
+        )
+    return x
+
+
+def _check_broadcastable(x, name, full):
+    """x (rank <= 4) as rank 4 with every axis 1 or the size in ``full`` ([B, H, Tq, Tkv])."""
+    if x.ndim > 4:
+        raise ValueError(f"{name} must have rank <= 4 (broadcastable to [batch, num_heads, q_len, "
+                         f"kv_len] = {list(full)}), got shape {x.shape}")
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    if any(n not in (1, f) for n, f in zip(x.shape, full)):
+        raise ValueError(f"{name} of shape {x.shape} is not broadcastable to [batch, num_heads, "
+                         f"q_len, kv_len] = {list(full)} (each axis must be 1 or the full size)")
+    return x
+
+
+def _check_bias(bias, full):
+    if bias is None:
+        return None
+    bias = _as_array(bias, "bias")
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"bias must have a floating dtype (an additive mask uses -inf), got "
+                        f"{bias.dtype}; pass boolean masks as mask")
+    bias = _check_broadcastable(bias, "bias", full)
+    return bias if bias.dtype in SUPPORTED_DTYPES else bias.astype(jnp.float32)
+
+
+def _check_mask(mask, full):
+    if mask is None:
+        return None
+    mask = _as_array(mask, "mask")
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"mask must be a bool array (True = attend), got dtype {mask.dtype}; "
+                        "pass an additive float mask as bias")
+    return _check_broadcastable(mask, "mask", full)
+
+
+def _check_segment_ids(query_segment_ids, key_value_segment_ids, batch, q_len, kv_len, rank3):
+    if (query_segment_ids is None) != (key_value_segment_ids is None):
+        given = "query_segment_ids" if key_value_segment_ids is None else "key_value_segment_ids"
+        raise ValueError(f"{given} was given without its partner: pass both query_segment_ids "
+                         "and key_value_segment_ids, or neither")
+    if query_segment_ids is None:
+        return None, None
+    out = []
+    for name, ids, length in (("query_segment_ids", query_segment_ids, q_len),
+                              ("key_value_segment_ids", key_value_segment_ids, kv_len)):
+        ids = _as_array(ids, name)
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
+        if rank3 and ids.ndim == 1:
+            ids = ids[None]
+        if ids.shape != (batch, length):
+            raise ValueError(f"{name} must have shape [batch, len] = ({batch}, {length}), got "
+                             f"{ids.shape}")
+        out.append(ids.astype(jnp.int32))
+    return tuple(out)
+
+
+def _check_sinks(sinks, num_heads):
+    if sinks is None:
+        return None
+    sinks = _as_array(sinks, "sinks")
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"sinks must have a floating dtype, got {sinks.dtype}")
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must have shape [num_heads] = ({num_heads},), got {sinks.shape}")
+    return sinks.astype(jnp.float32)
+
+
 def check_inputs(
     query,
     key,
     value,
+    bias=None,
+    mask=None,
     *,
     scale,
     is_causal,
@@ -139,19 +288,23 @@ def check_inputs(
     key_value_seq_lengths,
     causal_alignment,
     implementation=None,
+    query_segment_ids=None,
+    key_value_segment_ids=None,
+    logits_soft_cap=None,
+    sinks=None,
 ):
-    """Validate everything; return (q, k, v, q_lengths|None, kv_lengths|None, StaticParams).
+    """Validate everything; return (q, k, v, Operands, StaticParams), q/k/v rank 4.
 
-    Raises TypeError/ValueError naming the argument. Lengths come back as int32 [batch].
+    Rank-3 query/key/value (no batch axis) get batch 1, as in jax.nn; bias and mask come back
+    rank 4 (``Operands``). Raises TypeError/ValueError naming the argument. Lengths come back
+    clamped int32 [batch], segment ids int32 [batch, len], sinks float32 [num_heads].
     """
     q = _as_array(query, "query")
     k = _as_array(key, "key")
     v = _as_array(value, "value")
+    rank3 = q.ndim == 3
+    q, k, v = _with_batch(q, "query"), _with_batch(k, "key"), _with_batch(v, "value")
     for name, x in (("query", q), ("key", k), ("value", v)):
-        if x.ndim != 4:
-            raise ValueError(
-                f"{name} must have rank 4 [batch, seq_len, heads, head_dim], got shape {x.shape}"
-            )
         if x.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} dtype must be float32, float16 or bfloat16, got {x.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -187,16 +340,37 @@ def check_inputs(
     if not isinstance(causal_alignment, str) or causal_alignment not in ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
     implementation = check_implementation(implementation)
-    q_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", batch, q_len)
-    kv_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch, kv_len)
+    logits_soft_cap = check_soft_cap(logits_soft_cap)
+    full = (batch, num_heads, q_len, kv_len)
+    q_segments, kv_segments = _check_segment_ids(query_segment_ids, key_value_segment_ids,
+                                                 batch, q_len, kv_len, rank3)
+    operands = Operands(
+        q_lengths=_check_lengths(query_seq_lengths, "query_seq_lengths", batch, q_len),
+        kv_lengths=_check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch, kv_len),
+        q_segment_ids=q_segments, kv_segment_ids=kv_segments,
+        bias=_check_bias(bias, full), mask=_check_mask(mask, full),
+        sinks=_check_sinks(sinks, num_heads))
     params = StaticParams(
         scale=scale,
         is_causal=is_causal,
         window_left=window_left,
         window_right=window_right,
         bottom_right=causal_alignment == "bottom_right",
-        has_q_lengths=q_lengths is not None,
-        has_kv_lengths=kv_lengths is not None,
+        has_q_lengths=operands.q_lengths is not None,
+        has_kv_lengths=operands.kv_lengths is not None,
         implementation=implementation,
+        has_segment_ids=q_segments is not None,
+        has_bias=operands.bias is not None,
+        has_mask=operands.mask is not None,
+        has_sinks=operands.sinks is not None,
+        logits_soft_cap=logits_soft_cap,
     )
-    return q, k, v, q_lengths, kv_lengths, params
+    return q, k, v, operands, params
+
+
+def restore_rank(query, out, lse, return_lse):
+    """out (and lse, when ``return_lse``) without the batch axis that ``check_inputs`` added
+    for a rank-3 query."""
+    if jnp.ndim(query) == 3:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out

@@ -7,9 +7,13 @@
 #include "tile_shapes.h"
 
 #ifndef __METAL_VERSION__
+#include <cstddef>
 #include <cstdint>
 namespace jfm {
 typedef uint32_t uint;
+typedef int64_t jfm_long;
+#else
+typedef long jfm_long;  // 64-bit in MSL
 #endif
 
 // Window bound meaning "no bound on this side".
@@ -31,6 +35,14 @@ typedef uint32_t uint;
 #define JFM_BUFFER_DV 12
 #define JFM_BUFFER_PARAMS 13
 #define JFM_BUFFER_L2 14
+#define JFM_BUFFER_WORKSPACE 15  // the decode's float32 split partials (jfm_decode_workspace_row)
+// Optional features (ffi/attention_ffi.h); no kernel binds them yet.
+#define JFM_BUFFER_Q_SEGMENT_IDS 16
+#define JFM_BUFFER_KV_SEGMENT_IDS 17
+#define JFM_BUFFER_BIAS 18
+#define JFM_BUFFER_MASK 19
+#define JFM_BUFFER_SINKS 20
+#define JFM_BUFFER_DBIAS 21
 
 // The forward's base-2 softmax statistic L2 = m + log2(l) (float32 [B, H, Tq], the residual the
 // backward recomputes P = exp2(S2 - L2) from) for a row with no visible key: finite, so no
@@ -42,8 +54,8 @@ typedef uint32_t uint;
 // tile_shapes.h. Kernels declare all threadgroup memory statically (no [[threadgroup(n)]]
 // arguments).
 
-// Bound at JFM_BUFFER_PARAMS as `constant AttentionParams&`. Layout is plain 4-byte fields so
-// host C++ and MSL agree on it without padding rules.
+// Bound at JFM_BUFFER_PARAMS as `constant AttentionParams&`. Layout is plain 4-byte fields, then
+// 8-byte fields at an 8-byte-aligned offset, so host C++ and MSL agree on it without padding.
 struct AttentionParams {
   uint batch;
   uint q_len;         // allocated query length Tq
@@ -65,10 +77,23 @@ struct AttentionParams {
   uint block_offset;
   uint head_offset;
   uint batch_offset;
+  uint splits;  // decode only: key splits per (batch, kv head), the pass-1 grid's x extent
+  // Optional features (ffi/attention_ffi.h); the host sets them all 0 until kernels read them.
+  uint has_segment_ids;  // 1: int32 [B, Tq] / [B, Tkv] at JFM_BUFFER_{Q,KV}_SEGMENT_IDS
+  uint has_bias;         // 1: bias at JFM_BUFFER_BIAS, strides in bias_strides
+  uint has_mask;         // 1: uchar mask at JFM_BUFFER_MASK, strides in mask_strides
+  uint has_sinks;        // 1: float [H] at JFM_BUFFER_SINKS
+  uint bias_grad;        // 1: the dQ kernel writes dbias float [B, H, Tq, Tkv] at JFM_BUFFER_DBIAS
+  float soft_cap;        // c > 0: scores become c * tanh(score / c) before the bias; 0 = none
+  // Element strides over [B, H, Tq, Tkv], 0 on a broadcast axis; 64-bit because b and h
+  // strides of a full bias exceed 2^31 elements at long lengths. 8-byte aligned (offset 96).
+  jfm_long bias_strides[4];
+  jfm_long mask_strides[4];
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(AttentionParams) == 68, "AttentionParams layout must match the shaders");
+static_assert(offsetof(AttentionParams, bias_strides) == 96 && sizeof(AttentionParams) == 160,
+              "AttentionParams layout must match the shaders");
 }  // namespace jfm
 #endif
 

@@ -2,7 +2,7 @@
 // S = scale * Q K^T over the visible keys, the natural-log LSE, and the base-2 statistic
 // L2 = m + log2(l) the backward recomputes P = exp2(S2 - L2) from. Tile shapes: tile_shapes.h;
 // the loop, tiles and memory: shaders/README.md.
-#include "flash_attention_tiles.h"
+#include "flash_attention_key_blocks.h"
 
 #define JFM_FWD_SIGNATURE(T)                                              \
   (device const T* q [[buffer(JFM_BUFFER_Q)]],                            \
@@ -21,39 +21,6 @@
 
 #define JFM_FWD_THREADS(T, D) jfm_tile_threads(JFM_KERNEL_FWD, int(sizeof(T)), D)
 
-// Online softmax of one block of scores (base 2) for this lane's row: s holds S = Q K^T of the
-// row band in KF fragments; on return it holds P = exp2(S2 - m_new), m the running max, l this
-// lane's share of the running sum, and alpha = exp2(m_old - m_new) rescales the accumulator. EDGE
-// blocks test every element against the row's visible interval; others are all visible. A
-// non-finite score becomes NaN (jfm_finite_or_nan) so a NaN or Inf input poisons its row.
-template <int KF, bool EDGE>
-inline float jfm_online_softmax(thread JfmFrag* s, float scale_log2, JfmRange32 keys, int j0,
-                                JfmFragCoord at, thread float& m, thread float& l) {
-  float block_max = JFM_MASKED_SCORE;
-  for (int n = 0; n < KF; ++n) {
-    for (int e = 0; e < 2; ++e) {
-      const float s2 = jfm_finite_or_nan(s[n].thread_elements()[e] * scale_log2);
-      const bool visible = !EDGE || jfm_visible(keys, j0 + n * 8 + int(at.col) + e);
-      s[n].thread_elements()[e] = visible ? s2 : JFM_MASKED_SCORE;
-      block_max = max(block_max, s[n].thread_elements()[e]);
-    }
-  }
-  const float m_new = max(m, jfm_row_max(block_max));
-  const float alpha = fast::exp2(m - m_new);
-  float block_sum = 0.0f;
-  for (int n = 0; n < KF; ++n) {
-    for (int e = 0; e < 2; ++e) {
-      const bool visible = !EDGE || jfm_visible(keys, j0 + n * 8 + int(at.col) + e);
-      const float p = visible ? fast::exp2(s[n].thread_elements()[e] - m_new) : 0.0f;
-      s[n].thread_elements()[e] = p;
-      block_sum += p;
-    }
-  }
-  m = m_new;
-  l = l * alpha + block_sum;
-  return alpha;
-}
-
 // One threadgroup per block of BQ query rows of head h in batch b, 8 rows per simdgroup; lane
 // coordinates give each thread one query row. Per visible key block [j0, j0 + BK): stage K and V
 // (zero-filled outside the block's visible union, V sanitized), S = Q K^T by MMA, online softmax,
@@ -65,11 +32,9 @@ template <typename T, int D>
   constexpr int BQ = jfm_fwd_block_q(EB, D);
   constexpr int BK = jfm_fwd_block_k(EB, D);
   constexpr int THREADS = JFM_FWD_THREADS(T, D);
-  constexpr bool Q_IN_REGISTERS = jfm_fwd_q_in_registers(EB, D);
   constexpr bool ONE_KV_BUFFER = jfm_fwd_kv_one_buffer(EB, D);
   constexpr int LD = jfm_tile_stride<T>(D);
   constexpr int DF = D / 8;   // fragments along the head dim
-  constexpr int KF = BK / 8;  // fragments along a key block
   static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
   // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned.
@@ -126,87 +91,10 @@ template <typename T, int D>
       nonfinite_v_block[0] = -1;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    threadgroup const T* q_band = q_tile + band * LD;
-    JfmFrag q_frag[Q_IN_REGISTERS ? DF : 1];
-    if (Q_IN_REGISTERS) {
-      for (int d = 0; d < DF; ++d) {
-        q_frag[d] = jfm_frag_load(q_band + d * 8, LD, at);
-      }
-    }
-    threadgroup T* k_tile = kv_tile;
-    threadgroup T* v_tile = kv_tile + (ONE_KV_BUFFER ? 0 : BK * LD);
-
-    for (int j0 = union_lo / BK * BK; j0 <= union_hi; j0 += BK) {
-      const int kind = jfm_classify_tile(first_keys, last_keys, valid_rows == BQ, j0, j0 + BK - 1);
-      if (kind == JFM_TILE_SKIP) {
-        continue;  // uniform
-      }
-      // Rows of the key block inside the union are loaded; the rest are zero-filled.
-      const int load_begin = max(union_lo - j0, 0);
-      const int load_end = min(union_hi - j0 + 1, BK);
-      const ulong block_offset = ulong(j0) * kv_stride;
-      threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
-      jfm_load_tile<T, BK, D, THREADS, false>(k_tile, k_head + block_offset, kv_stride,
-                                              load_begin, load_end, thread_index);
-      if (!ONE_KV_BUFFER && jfm_load_tile<T, BK, D, THREADS, true>(
-                                v_tile, v_head + block_offset, kv_stride, load_begin, load_end,
-                                thread_index)) {
-        nonfinite_v_block[0] = j0;
-      }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-
-      // S = Q K^T for the row band.
-      JfmFrag s[KF];
-      for (int n = 0; n < KF; ++n) {
-        s[n] = jfm_frag_zero();
-      }
-      for (int d = 0; d < DF; ++d) {
-        const JfmFrag qd =
-            Q_IN_REGISTERS ? q_frag[Q_IN_REGISTERS ? d : 0] : jfm_frag_load(q_band + d * 8, LD, at);
-        for (int n = 0; n < KF; ++n) {
-          jfm_mma(s[n], qd, jfm_frag_load_transposed(k_tile + n * 8 * LD + d * 8, LD, at));
-        }
-      }
-
-      const float alpha =
-          kind == JFM_TILE_EDGE
-              ? jfm_online_softmax<KF, true>(s, params.scale_log2, keys, j0, at, m, l)
-              : jfm_online_softmax<KF, false>(s, params.scale_log2, keys, j0, at, m, l);
-      for (int d = 0; d < DF; ++d) {
-        acc[d].thread_elements() *= alpha;
-      }
-
-      if (ONE_KV_BUFFER) {  // V replaces K in the one buffer
-        threadgroup_barrier(mem_flags::mem_threadgroup);
-        if (jfm_load_tile<T, BK, D, THREADS, true>(v_tile, v_head + block_offset, kv_stride,
-                                                   load_begin, load_end, thread_index)) {
-          nonfinite_v_block[0] = j0;
-        }
-        threadgroup_barrier(mem_flags::mem_threadgroup);
-      }
-
-      // O += P V.
-      for (int n = 0; n < KF; ++n) {
-        for (int d = 0; d < DF; ++d) {
-          jfm_mma(acc[d], s[n], jfm_frag_load(v_tile + n * 8 * LD + d * 8, LD, at));
-        }
-      }
-      if (nonfinite_v_block[0] == j0) {
-        // Rare: the staged V had Inf/NaN, stored as 0. Poison exactly the O elements whose row
-        // sees such a value, reading only this row's visible keys.
-        const int hi = min(keys.hi, j0 + BK - 1);
-        for (int j = max(keys.lo, j0); j <= hi; ++j) {
-          device const T* v_row = v_head + ulong(j) * kv_stride;
-          for (int d = 0; d < DF; ++d) {
-            for (int e = 0; e < 2; ++e) {
-              if (!jfm_is_finite(v_row[d * 8 + int(at.col) + e])) {
-                acc[d].thread_elements()[e] = as_type<float>(0x7fc00000u);
-              }
-            }
-          }
-        }
-      }
-    }
+    jfm_attend_key_blocks<T, D, THREADS>(q_tile + band * LD, kv_tile, nonfinite_v_block, k_head,
+                                         v_head, kv_stride, first_keys, last_keys,
+                                         valid_rows == BQ, union_lo, union_hi, keys,
+                                         params.scale_log2, at, thread_index, m, l, acc);
   }
 
   // Epilogue: normalise and store this lane's row (rows past the allocated q_len do not exist).

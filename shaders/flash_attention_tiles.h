@@ -31,17 +31,19 @@ inline uint jfm_finite_mask16(uint word, uint exponent) {  // two 16-bit element
 inline uint jfm_finite_mask(uint word, half) { return jfm_finite_mask16(word, 0x7c00u); }
 inline uint jfm_finite_mask(uint word, ushort) { return jfm_finite_mask16(word, 0x7f80u); }
 
-// Cooperative copy of rows [0, R) of a block whose row r starts at src + r * src_stride into a
-// tile: rows in [valid_begin, valid_end) are read, every other row is zero-filled and never read
+// Cooperative copy of rows [0, R) of a block into a tile, the rows read in runs: row
+// r = s * run + t (t < run) starts at src + s * run_stride + t * src_stride. Row r is read when
+// r < rows and t is in [valid_begin, valid_end); every other row is zero-filled and never read
 // (padding past a length, rows outside a block's visible union). All THREADS threads of the
 // group call it with the same arguments; each moves 16 bytes per step. With SANITIZE, non-finite
 // elements are stored as 0 and the return value says whether this thread met one (the caller
 // publishes it): a value invisible to one row of an MMA must not reach it as 0 * NaN.
-// src, src_stride and dst must keep 16-byte alignment (D * sizeof(T) is a multiple of 16; declare
-// the tile as threadgroup uint4 words and point a T* at it).
+// src, src_stride, run_stride and dst must keep 16-byte alignment (D * sizeof(T) is a multiple
+// of 16; declare the tile as threadgroup uint4 words and point a T* at it).
 template <typename T, int R, int D, int THREADS, bool SANITIZE>
-inline bool jfm_load_tile(threadgroup T* dst, device const T* src, uint src_stride,
-                          int valid_begin, int valid_end, uint thread_index) {
+inline bool jfm_load_tile_runs(threadgroup T* dst, device const T* src, uint src_stride,
+                               uint run, uint run_stride, int rows, int valid_begin,
+                               int valid_end, uint thread_index) {
   static_assert((D * int(sizeof(T))) % 16 == 0, "tile rows must be whole 16-byte words");
   constexpr int WORDS = D * int(sizeof(T)) / 16;  // 16-byte words per row
   constexpr int STRIDE = jfm_tile_stride<T>(D);
@@ -49,9 +51,11 @@ inline bool jfm_load_tile(threadgroup T* dst, device const T* src, uint src_stri
   for (uint w = thread_index; w < uint(R * WORDS); w += THREADS) {
     const int r = int(w / WORDS);
     const uint c = w % WORDS;
+    const uint s = uint(r) / run;
+    const int t = int(uint(r) - s * run);
     uint4 word = uint4(0u);
-    if (r >= valid_begin && r < valid_end) {
-      word = ((device const uint4*)(src + uint(r) * src_stride))[c];
+    if (r < rows && t >= valid_begin && t < valid_end) {
+      word = ((device const uint4*)(src + s * run_stride + uint(t) * src_stride))[c];
       if (SANITIZE) {
         const uint4 keep = uint4(jfm_finite_mask(word.x, T()), jfm_finite_mask(word.y, T()),
                                  jfm_finite_mask(word.z, T()), jfm_finite_mask(word.w, T()));
@@ -62,6 +66,14 @@ inline bool jfm_load_tile(threadgroup T* dst, device const T* src, uint src_stri
     ((threadgroup uint4*)(dst + r * STRIDE))[c] = word;
   }
   return nonfinite;
+}
+
+// The common case: one run, row r at src + r * src_stride.
+template <typename T, int R, int D, int THREADS, bool SANITIZE>
+inline bool jfm_load_tile(threadgroup T* dst, device const T* src, uint src_stride,
+                          int valid_begin, int valid_end, uint thread_index) {
+  return jfm_load_tile_runs<T, R, D, THREADS, SANITIZE>(dst, src, src_stride, uint(R), 0u, R,
+                                                        valid_begin, valid_end, thread_index);
 }
 
 inline bool jfm_is_finite(float x) { return jfm_finite_mask(as_type<uint>(x), x) != 0u; }

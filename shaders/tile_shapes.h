@@ -7,8 +7,9 @@
 // Dispatch: a threadgroup of jfm_tile_threads(...) threads (32 per simdgroup) owns
 // jfm_tile_rows(...) consecutive rows of one (batch, head); the grid is
 // (ceil(rows / jfm_tile_rows), heads, batch), where rows/heads are q_len/num_heads for fwd and
-// bwd_dq, and kv_len/num_kv_heads for bwd_dkdv (bwd_dk, bwd_dv). jfm_tile_cols is the block
-// size of the traversed dimension (keys for fwd/dQ, queries for dK/dV).
+// bwd_dq, kv_len/num_kv_heads for bwd_dkdv (bwd_dk, bwd_dv), splits/num_kv_heads for
+// decode_partial and (G * q_len)/num_kv_heads for decode_combine. jfm_tile_cols is the block
+// size of the traversed dimension (keys for fwd/dQ/decode, queries for dK/dV).
 #ifndef JAX_FLASH_METAL_TILE_SHAPES_H_
 #define JAX_FLASH_METAL_TILE_SHAPES_H_
 
@@ -22,6 +23,8 @@ namespace jfm {
 #define JFM_KERNEL_BWD_DKDV 2  // dK and dV in one kernel (head_dim < 160)
 #define JFM_KERNEL_BWD_DK 3    // the split pair (head_dim >= 160)
 #define JFM_KERNEL_BWD_DV 4
+#define JFM_KERNEL_DECODE_PARTIAL 5  // decode pass 1 (stage decode_partial)
+#define JFM_KERNEL_DECODE_COMBINE 6  // decode pass 2 (stage decode_combine)
 
 #define JFM_SIMD_WIDTH 32
 
@@ -64,16 +67,47 @@ constexpr bool jfm_bwd_shared_stream(int element_bytes, int head_dim) {
 // would not fit the register budget.
 constexpr bool jfm_bwd_split_dkdv(int head_dim) { return head_dim >= 160; }
 
+// Decode, KERNELS.md section 5. Pass 1 runs the forward's tiles (its key-block loop, BQ rows:
+// every query row of one KV head, G * q_len <= BQ, in one tile; BK keys per block); pass 2 is
+// one simdgroup per query row. A call takes the decode path when q_len <= JFM_DECODE_MAX_Q_LEN
+// and G * q_len <= the pass-1 rows; it cuts each (batch, kv head)'s keys into
+// jfm_decode_splits(...) splits.
+#define JFM_DECODE_MAX_Q_LEN 16
+// Pass-1 threadgroups aimed at per GPU core (enough to hide memory latency), and the fewest
+// allocated keys per split (keeps pass 2 and the workspace small next to K and V).
+#define JFM_DECODE_GROUPS_PER_CORE 4
+#define JFM_DECODE_MIN_SPLIT_KEYS 256
+// x clamped to [lo, max(lo, hi)].
+constexpr long jfm_decode_clamp(long x, long lo, long hi) {
+  return x < lo ? lo : (x > hi ? (hi < lo ? lo : hi) : x);
+}
+
+constexpr int jfm_decode_splits(long batch_kv_heads, long kv_len, int gpu_cores) {
+  return int(jfm_decode_clamp((JFM_DECODE_GROUPS_PER_CORE * long(gpu_cores) + batch_kv_heads - 1) /
+                                  (batch_kv_heads > 0 ? batch_kv_heads : 1),
+                              1,
+                              (kv_len + JFM_DECODE_MIN_SPLIT_KEYS - 1) / JFM_DECODE_MIN_SPLIT_KEYS));
+}
+
+constexpr bool jfm_is_fwd_tile(int family) {
+  return family == JFM_KERNEL_FWD || family == JFM_KERNEL_DECODE_PARTIAL;
+}
 constexpr int jfm_tile_simdgroups(int family, int element_bytes, int head_dim) {
-  return family == JFM_KERNEL_FWD ? jfm_fwd_block_q(element_bytes, head_dim) / 8
-                                  : jfm_bwd_simdgroups(element_bytes, head_dim);
+  return jfm_is_fwd_tile(family)              ? jfm_fwd_block_q(element_bytes, head_dim) / 8
+         : family == JFM_KERNEL_DECODE_COMBINE ? 1
+                                               : jfm_bwd_simdgroups(element_bytes, head_dim);
 }
+// Rows per threadgroup (pass 2: one query row).
 constexpr int jfm_tile_rows(int family, int element_bytes, int head_dim) {
-  return 8 * jfm_tile_simdgroups(family, element_bytes, head_dim);
+  return family == JFM_KERNEL_DECODE_COMBINE
+             ? 1
+             : 8 * jfm_tile_simdgroups(family, element_bytes, head_dim);
 }
+// Block size of the traversed dimension (pass 2: the splits, one at a time).
 constexpr int jfm_tile_cols(int family, int element_bytes, int head_dim) {
-  return family == JFM_KERNEL_FWD ? jfm_fwd_block_k(element_bytes, head_dim)
-                                  : jfm_bwd_block(element_bytes, head_dim);
+  return jfm_is_fwd_tile(family)              ? jfm_fwd_block_k(element_bytes, head_dim)
+         : family == JFM_KERNEL_DECODE_COMBINE ? 1
+                                               : jfm_bwd_block(element_bytes, head_dim);
 }
 constexpr int jfm_tile_threads(int family, int element_bytes, int head_dim) {
   return jfm_tile_simdgroups(family, element_bytes, head_dim) * JFM_SIMD_WIDTH;

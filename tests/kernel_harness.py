@@ -31,8 +31,14 @@ PARAMS_DTYPE = np.dtype([
     ("window_left", "<i4"), ("window_right", "<i4"), ("causal", "<u4"), ("bottom_right", "<u4"),
     ("has_q_lengths", "<u4"), ("has_kv_lengths", "<u4"),
     ("block_offset", "<u4"), ("head_offset", "<u4"), ("batch_offset", "<u4"),
+    ("splits", "<u4"),
+    # The optional features of the FFI contract, which no kernel reads yet: left 0.
+    ("has_segment_ids", "<u4"), ("has_bias", "<u4"), ("has_mask", "<u4"), ("has_sinks", "<u4"),
+    ("bias_grad", "<u4"), ("soft_cap", "<f4"),
+    ("bias_strides", "<i8", (4,)), ("mask_strides", "<i8", (4,)),
 ])
-assert PARAMS_DTYPE.itemsize == 68  # static_assert in attention_params.h
+assert PARAMS_DTYPE.itemsize == 160  # static_assert in attention_params.h
+assert PARAMS_DTYPE.fields["bias_strides"][1] == 96
 
 # Bound where a lengths buffer is absent; the kernels must not read it (if they did, these
 # values would empty every row and the comparison with the oracle would fail).
@@ -64,7 +70,7 @@ def window_bounds(local_window_size):
 
 def pack_params(q_shape, kv_shape, *, scale=None, is_causal=False, local_window_size=None,
                 query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment="top_left"):
-    """AttentionParams as uint8 bytes [68] for q [B, Tq, H, D] and k/v [B, Tkv, HKV, D]."""
+    """AttentionParams as uint8 bytes [160] for q [B, Tq, H, D] and k/v [B, Tkv, HKV, D]."""
     batch, q_len, heads, head_dim = q_shape
     _, kv_len, kv_heads, _ = kv_shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)

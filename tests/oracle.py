@@ -42,6 +42,32 @@ def visibility(batch, q_len, kv_len, *, is_causal=False, local_window_size=None,
     return mask
 
 
+FEATURES = ("bias", "mask", "query_segment_ids", "key_value_segment_ids", "logits_soft_cap",
+            "sinks")
+
+
+def full_visibility(batch, num_heads, q_len, kv_len, *, bias=None, mask=None,
+                    query_segment_ids=None, key_value_segment_ids=None, **band):
+    """bool [batch, num_heads, q_len, kv_len]: the band of ``visibility`` and the mask (True =
+    keep), equal segment ids, and a bias entry other than -inf."""
+    vis = np.broadcast_to(visibility(batch, q_len, kv_len, **band)[:, None],
+                          (batch, num_heads, q_len, kv_len))
+    if mask is not None:
+        vis = vis & np.broadcast_to(np.asarray(mask, bool).reshape(
+            (1,) * (4 - np.ndim(mask)) + np.shape(mask)), vis.shape)
+    if query_segment_ids is not None:
+        qs, ks = np.asarray(query_segment_ids), np.asarray(key_value_segment_ids)
+        vis = vis & (qs[:, None, :, None] == ks[:, None, None, :])
+    if bias is not None:
+        vis = vis & ~np.isneginf(_bias4(bias))
+    return vis
+
+
+def _bias4(bias):
+    bias = np.asarray(bias, np.float64)
+    return bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+
+
 def _masked_contract(weights, mask, values):
     """sum_k weights[..., r, k] * values[..., k, :] over visible k only.
 
@@ -60,8 +86,10 @@ def _heads(x, num_heads):
     return np.repeat(x, num_heads // x.shape[1], axis=1)
 
 
-def _probabilities(q, k, scale, mask):
-    """Softmax probabilities P [B, H, Tq, Tkv] (0 where invisible and on empty rows) and LSE."""
+def _probabilities(q, k, scale, mask, bias=None, logits_soft_cap=None, sinks=None):
+    """Softmax probabilities P [B, H, Tq, Tkv] (0 where invisible and on empty rows), LSE
+    [B, H, Tq], the scale, d(capped score)/d(raw score) [B, H, Tq, Tkv] and the sink
+    probabilities exp(sink - LSE) [B, H, Tq] (None without sinks)."""
     d = q.shape[-1]
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     qh, kh = _heads(q, q.shape[2]), _heads(k, q.shape[2])
@@ -70,65 +98,110 @@ def _probabilities(q, k, scale, mask):
         s = scale * np.einsum("bhqd,bhkd->bhqk", qh, np.where(finite_k, kh, 0.0))
         bad_k = (~finite_k).any(axis=-1)[:, :, None, :]
         s = np.where(bad_k, np.nan, s)
+        cap_slope = np.ones_like(s)
+        if logits_soft_cap is not None:
+            c = float(logits_soft_cap)
+            t = np.tanh(s / c)
+            s, cap_slope = c * t, 1.0 - t * t
+        if bias is not None:
+            s = s + np.where(mask, _bias4(bias), 0.0)
         s = np.where(mask, s, -np.inf)
         row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
+        sink = None
+        if sinks is not None:
+            sink = np.asarray(sinks, np.float64)[None, :, None, None]
+            row_max = np.maximum(row_max, sink)
         row_max = np.where(np.isneginf(row_max), 0.0, row_max)
         p = np.where(mask, np.exp(s - row_max), 0.0)
         denom = p.sum(axis=-1, keepdims=True)
+        if sink is not None:
+            denom = denom + np.exp(sink - row_max)
         with np.errstate(divide="ignore"):
             lse = (row_max + np.log(denom))[..., 0]
         # Empty rows have denom 0 and P 0; a NaN denom (NaN in a visible input) stays NaN.
         p = np.where(denom == 0, 0.0, p / np.where(denom == 0, 1.0, denom))
-    return p, lse, scale
+        p_sink = None if sink is None else np.exp(sink[..., 0] - lse)
+    return p, lse, scale, cap_slope, p_sink
+
+
+def _full_mask(q, k, features, band):
+    b, tq, h, _ = q.shape
+    keys = ("bias", "mask", "query_segment_ids", "key_value_segment_ids")
+    return full_visibility(b, h, tq, k.shape[1], **{n: features.get(n) for n in keys}, **band)
 
 
 def attention(q, k, v, *, scale=None, is_causal=False, local_window_size=None,
-              query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment="top_left"):
-    """Returns (o [B, Tq, H, D], lse [B, H, Tq]) in float64. Empty rows: o = 0, lse = -inf."""
+              query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment="top_left",
+              **features):
+    """Returns (o [B, Tq, H, D], lse [B, H, Tq]) in float64. Empty rows: o = 0, lse = -inf
+    (= the sink with sinks). ``features``: the FEATURES keywords of flash_attention (bias and
+    mask broadcastable to [B, H, Tq, Tkv], segment ids [B, T], soft cap, sinks [H])."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    b, tq, h, _ = q.shape
-    mask = visibility(b, tq, k.shape[1], is_causal=is_causal, local_window_size=local_window_size,
-                      query_seq_lengths=query_seq_lengths,
-                      key_value_seq_lengths=key_value_seq_lengths,
-                      causal_alignment=causal_alignment)[:, None]
-    p, lse, _ = _probabilities(q, k, scale, mask)
+    h = q.shape[2]
+    mask = _full_mask(q, k, features, dict(
+        is_causal=is_causal, local_window_size=local_window_size,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        causal_alignment=causal_alignment))
+    p, lse, _, _, _ = _probabilities(q, k, scale, mask, features.get("bias"),
+                                     features.get("logits_soft_cap"), features.get("sinks"))
     o = _masked_contract(p, mask, _heads(v, h))
     return o.transpose(0, 2, 1, 3), lse
 
 
-def attention_grads(q, k, v, do, g_lse=None, *, scale=None, is_causal=False,
-                    local_window_size=None, query_seq_lengths=None, key_value_seq_lengths=None,
-                    causal_alignment="top_left"):
-    """Reverse-mode gradients (dq, dk, dv) in float64 of <o, do> + <lse, g_lse>.
+def gradients(q, k, v, do, g_lse=None, *, scale=None, is_causal=False, local_window_size=None,
+              query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment="top_left",
+              **features):
+    """Reverse-mode gradients in float64 of <o, do> + <lse, g_lse> as a dict: dq, dk, dv, and
+    dbias (summed to the bias's own shape) / dsinks [H] when a bias / sinks are given.
 
     do [B, Tq, H, D]; g_lse [B, H, Tq] or None (zero). dq has q's shape, dk/dv have k's shape
-    (summed over each kv head's query-head group).
+    (summed over each kv head's query-head group). With sinks, dsinks_n = sum over rows of
+    P_sink * (g - sum_j P_ij dP_ij): an empty row's LSE is the sink, so its g reaches dsinks.
     """
     q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
     b, tq, h, d = q.shape
     tkv, hkv = k.shape[1], k.shape[2]
-    mask = visibility(b, tq, tkv, is_causal=is_causal, local_window_size=local_window_size,
-                      query_seq_lengths=query_seq_lengths,
-                      key_value_seq_lengths=key_value_seq_lengths,
-                      causal_alignment=causal_alignment)[:, None]
-    p, _, scale = _probabilities(q, k, scale, mask)
+    mask = _full_mask(q, k, features, dict(
+        is_causal=is_causal, local_window_size=local_window_size,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        causal_alignment=causal_alignment))
+    p, _, scale, cap_slope, p_sink = _probabilities(
+        q, k, scale, mask, features.get("bias"), features.get("logits_soft_cap"),
+        features.get("sinks"))
     g = np.zeros((b, h, tq)) if g_lse is None else np.asarray(g_lse, dtype=np.float64)
     doh, qh, kh, vh = do.transpose(0, 2, 1, 3), _heads(q, h), _heads(k, h), _heads(v, h)
-    row_visible = mask.any(axis=-1)  # [B, 1, Tq]
+    row_visible = mask.any(axis=-1)  # [B, H, Tq]
     doh = np.where(row_visible[..., None], doh, 0.0)  # cotangents of empty rows reach nothing
-    g = np.where(row_visible, g, 0.0)
+    g_rows = np.where(row_visible, g, 0.0)
+    out = {}
     with np.errstate(invalid="ignore"):
         dp = _dp(doh, vh, mask)
-        ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True) + g[..., None])
-        ds = np.where(mask, ds, 0.0)
-        dq = scale * _masked_contract(ds, mask, kh)
+        p_dp = (p * dp).sum(axis=-1, keepdims=True)
+        ds = np.where(mask, p * (dp - p_dp + g_rows[..., None]), 0.0)
+        if "bias" in features and features["bias"] is not None:
+            shape = _bias4(features["bias"]).shape
+            axes = tuple(i for i, n in enumerate(shape) if n == 1)
+            out["dbias"] = ds.sum(axis=axes, keepdims=True).reshape(
+                np.shape(features["bias"]))
+        if p_sink is not None:
+            out["dsinks"] = (p_sink * (g - p_dp[..., 0])).sum(axis=(0, 2))
+        ds_raw = np.where(mask, ds * cap_slope, 0.0)
+        dq = scale * _masked_contract(ds_raw, mask, kh)
         mask_t = mask.swapaxes(-1, -2)
-        dk = scale * _masked_contract(ds.swapaxes(-1, -2), mask_t, qh)
+        dk = scale * _masked_contract(ds_raw.swapaxes(-1, -2), mask_t, qh)
         dv = _masked_contract(p.swapaxes(-1, -2), mask_t, doh)
     group = h // hkv
     dk = dk.reshape(b, hkv, group, tkv, d).sum(axis=2)
     dv = dv.reshape(b, hkv, group, tkv, d).sum(axis=2)
-    return dq.transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
+    out.update(dq=dq.transpose(0, 2, 1, 3), dk=dk.transpose(0, 2, 1, 3),
+               dv=dv.transpose(0, 2, 1, 3))
+    return out
+
+
+def attention_grads(q, k, v, do, g_lse=None, **kwargs):
+    """(dq, dk, dv) of ``gradients``."""
+    grads = gradients(q, k, v, do, g_lse, **kwargs)
+    return grads["dq"], grads["dk"], grads["dv"]
 
 
 def _dp(doh, vh, mask):

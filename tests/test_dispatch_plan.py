@@ -41,19 +41,26 @@ def _check_plan(direction, batch, q_len, kv_len, heads, kv_heads, head_dim, budg
     dispatches = [d for submission in plan for d in submission]
     kernels = list(dict.fromkeys(d["kernel"] for d in dispatches))  # in order of appearance
     suffix = f"_f32_d{head_dim}"
-    expected_kernels = {"fwd": ["fwd"], "bwd": ext.bwd_stages(head_dim)}
+    splits, _ = ext.decode_splits("f32", batch, q_len, kv_len, heads, kv_heads, head_dim)
+    # (stage, rows, heads) of each kernel: fwd and bwd_dq own query rows, the dK/dV stages keys,
+    # the decode's pass 1 key splits and pass 2 the query rows of one KV head.
+    if direction == "bwd":
+        stages = [(s, q_len, heads) if n == 0 else (s, kv_len, kv_heads)
+                  for n, s in enumerate(ext.bwd_stages(head_dim))]
+    elif splits:
+        stages = [("decode_partial", splits, kv_heads),
+                  ("decode_combine", heads // kv_heads * q_len, kv_heads)]
+    else:
+        stages = [("fwd", q_len, heads)]
     empty = batch == 0 or q_len == 0 or heads == 0
     if empty:
         assert plan == []
         return plan
-    assert kernels == [f"flash_attention_{k}{suffix}" for k in expected_kernels[direction]]
+    assert kernels == [f"flash_attention_{s}{suffix}" for s, _, _ in stages]
     # All dispatches of a stage come before any of the next one.
     stage_of = [kernels.index(d["kernel"]) for d in dispatches]
     assert stage_of == sorted(stage_of)
-    for stage, kernel in enumerate(kernels):
-        by_query = stage == 0  # fwd and bwd_dq own query rows; the dK/dV stages own keys
-        rows = q_len if by_query else kv_len
-        stage_heads = heads if by_query else kv_heads
+    for kernel, (_, rows, stage_heads) in zip(kernels, stages):
         mine = [d for d in dispatches if d["kernel"] == kernel]
         rows_per_group = mine[0]["rows_per_group"]
         blocks = math.ceil(rows / rows_per_group)

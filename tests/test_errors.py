@@ -13,9 +13,9 @@ K = jnp.zeros((2, 7, 2, 16), jnp.float32)
 
 BAD_INPUTS = [
     # (overrides of (query, key, value) or keyword arguments, error type, text in the message)
-    (dict(query=Q[0]), ValueError, "query must have rank 4"),
+    (dict(query=Q[0, 0]), ValueError, "query must have rank 4"),
     (dict(key=K[..., None]), ValueError, "key must have rank 4"),
-    (dict(value=K[0]), ValueError, "value must have rank 4"),
+    (dict(value=K[0, 0]), ValueError, "value must have rank 4"),
     (dict(query=[[1.0]]), TypeError, "query must be an array"),
     (dict(query=Q.astype(jnp.int32)), TypeError, "query dtype"),
     (dict(key=K.astype(jnp.float16)), TypeError, "share one dtype"),
@@ -37,8 +37,29 @@ BAD_INPUTS = [
     (dict(local_window_size=(1, 2, 3)), ValueError, "(left, right) pair"),
     (dict(local_window_size="4"), TypeError, "local_window_size must be None"),
     (dict(causal_alignment="top-left"), ValueError, "causal_alignment must be one of"),
-    (dict(scale=jnp.float32(0.5)), TypeError, "scale must be None or a Python/NumPy real"),
+    (dict(scale=jnp.ones(2)), TypeError, "scale must be a real number known at trace time"),
     (dict(scale="0.5"), TypeError, "scale must be"),
+    (dict(bias=jnp.zeros((5, 7), jnp.int32)), TypeError, "bias must have a floating dtype"),
+    (dict(bias=jnp.zeros((3, 5, 7))), ValueError, "bias of shape (1, 3, 5, 7) is not broadcast"),
+    (dict(bias=jnp.zeros((1, 2, 4, 5, 7))), ValueError, "bias must have rank <= 4"),
+    (dict(bias=[[0.0]]), TypeError, "bias must be an array"),
+    (dict(mask=jnp.ones((5, 7), jnp.int32)), TypeError, "mask must be a bool array"),
+    (dict(mask=jnp.ones((2, 4, 5, 6), bool)), ValueError, "mask of shape (2, 4, 5, 6) is not"),
+    (dict(query_segment_ids=jnp.zeros((2, 5), jnp.int32)), ValueError,
+     "query_segment_ids was given without its partner"),
+    (dict(key_value_segment_ids=jnp.zeros((2, 7), jnp.int32)), ValueError,
+     "key_value_segment_ids was given without its partner"),
+    (dict(query_segment_ids=jnp.zeros((2, 5)), key_value_segment_ids=jnp.zeros((2, 7))),
+     TypeError, "query_segment_ids must have an integer dtype"),
+    (dict(query_segment_ids=jnp.zeros((2, 5), jnp.int32),
+          key_value_segment_ids=jnp.zeros((2, 5), jnp.int32)), ValueError,
+     "key_value_segment_ids must have shape [batch, len] = (2, 7)"),
+    (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be a positive"),
+    (dict(logits_soft_cap=-30.0), ValueError, "logits_soft_cap must be a positive"),
+    (dict(logits_soft_cap=float("inf")), ValueError, "logits_soft_cap must be a positive"),
+    (dict(logits_soft_cap="50"), TypeError, "logits_soft_cap must be a real number"),
+    (dict(sinks=jnp.zeros((2,))), ValueError, "sinks must have shape [num_heads] = (4,)"),
+    (dict(sinks=jnp.zeros((4,), jnp.int32)), TypeError, "sinks must have a floating dtype"),
     (dict(is_causal=1), TypeError, "is_causal must be a bool"),
     (dict(return_lse="yes"), TypeError, "return_lse must be a bool"),
 ]
@@ -65,6 +86,14 @@ def test_bad_input_under_jit(overrides, error, text):
     with pytest.raises(error) as info:
         jax.jit(lambda: _call(flash_attention, overrides))()
     assert text in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["scale", "logits_soft_cap"])
+def test_traced_static_number_is_an_error(name):
+    """scale and the soft cap must be known at trace time; a traced one is named."""
+    with pytest.raises(TypeError, match=f"{name} must be a real number known at trace time "
+                                        r"\(Python, NumPy or a concrete JAX scalar, not a traced"):
+        jax.jit(lambda x: flash_attention(Q, K, K, **{name: x}))(jnp.float32(0.5))
 
 
 def test_unknown_implementation():

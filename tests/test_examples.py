@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -43,10 +44,26 @@ def test_train_lm_main(implementation, tmp_path, capsys):
     drop = 1.0 if implementation == "emulator" else 2.0
     assert result["final_eval"] < result["initial_eval"] - drop
     assert result["sample"].startswith(b"the ") and len(result["sample"]) == 4 + 16
+    assert result["sample_tokens_per_second"] > 0 and "tokens/s" in out
     check = result["check"]
     assert check["scale"] > 0
     for name in ("dq", "dk", "dv"):  # float32 attention: agreement to float32 rounding
         assert check[name] <= 1e-5 * check["scale"] + 1e-6, (name, check)
+
+
+@needs_examples
+@pytest.mark.parametrize("impl", ["xla", "emulator"])
+def test_kv_cache_sampling_reproduces_full_window_recomputation(impl):
+    """The same bytes for the same seed, with a context restart (prompt + sample > seq_len)."""
+    import jax
+
+    cfg = train_lm.TINY
+    params = train_lm.init_params(cfg, jax.random.PRNGKey(3))
+    prompt, length = b"the q", cfg.seq_len + 8
+    cached = train_lm.generate(params, cfg, impl, prompt, length, seed=4)
+    full = train_lm.generate(params, cfg, impl, prompt, length, seed=4, cache=False)
+    assert len(cached) == len(prompt) + length
+    assert cached == full
 
 
 @needs_examples
@@ -63,6 +80,18 @@ def test_attention_flops():
     assert benchmark.attention_flops(2, 3, 4, 4, 5, True) == (4 * 30 * 10, 14 * 30 * 10)
     # Tq > Tkv, top-left causal: rows 0..2 see 1, 2, 3 keys, rows 3..5 see all 3.
     assert benchmark.attention_flops(1, 1, 6, 3, 1, True)[0] == 4 * (1 + 2 + 3 + 3 * 3)
+
+
+def test_benchmark_decode_rows():
+    rows = benchmark.run_benchmark(seq_lens=[], head_dims=[16], causal_modes=[True], batch=1,
+                                   heads=4, kv_heads=2, repeats=1, run_up_to=64,
+                                   emulator_max_len=64, decode_kv_lens=[64])
+    assert [(r.method, r.q_len, r.seq_len) for r in rows] == \
+        [(m, 1, 64) for m in benchmark.methods()]
+    for r in rows:
+        assert r.fwd_ms > 0 and r.fwd_flops == 4 * 4 * 64 * 16
+    for line, r in zip(benchmark.format_table(rows).splitlines()[2:], rows):
+        assert line.split()[:4] == [r.method, "1x64", "16", "no"]
 
 
 def test_benchmark_table():
@@ -97,12 +126,34 @@ def test_benchmark_table():
 
 def test_benchmark_main_prints_table(capsys):
     rows = benchmark.main(["--seq-lens", "32", "--head-dims", "16", "--causal", "on",
-                           "--heads", "2", "--repeats", "1", "--impls", "flash:xla,jax.nn"])
+                           "--heads", "2", "--repeats", "1", "--impls", "flash:xla,jax.nn",
+                           "--decode-kv-lens", "48"])
     out = capsys.readouterr().out
-    assert [r.method for r in rows] == ["flash:xla", "jax.nn"]
+    assert [(r.method, r.q_len) for r in rows] == [("flash:xla", None), ("jax.nn", None),
+                                                   ("flash:xla", 1), ("jax.nn", 1)]
+    assert "1x48" in out
     assert "fwd+bwd TFLOP/s" in out and "flash:xla" in out and "jax.nn" in out
 
 
 def test_benchmark_rejects_unknown_method():
     with pytest.raises(ValueError, match="unknown or unavailable"):
         benchmark.methods(["flash:nonexistent"])
+
+
+def test_benchmark_ratios_and_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    rows = benchmark.main(["--seq-lens", "16,32", "--head-dims", "8", "--causal", "off",
+                           "--heads", "2", "--repeats", "1", "--impls", "flash:xla,jax.nn",
+                           "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "flash:xla / jax.nn" in out and "memory growth" in out
+    data = json.loads(path.read_text())
+    assert [r["method"] for r in data["rows"]] == [r.method for r in rows]
+    assert [(e["seq_len"], e["causal"]) for e in data["ratios"]] == [(16, False), (32, False)]
+    by = {(r.method, r.seq_len): r for r in rows}
+    for e in data["ratios"]:
+        mine, base = by["flash:xla", e["seq_len"]], by["jax.nn", e["seq_len"]]
+        assert e["fwdbwd_time"] == mine.fwdbwd_ms / base.fwdbwd_ms
+        assert e["compile_time"] == mine.compile_s / base.compile_s > 0
+    growth = {(g["method"], g["from_len"], g["to_len"]) for g in data["memory_growth"]}
+    assert growth == {("flash:xla", 16, 32), ("jax.nn", 16, 32)}

@@ -21,6 +21,7 @@ from api_helpers import check_against_oracle, make_inputs
 
 ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import ffi_lowering, flash_attention, implementations  # noqa: E402
+from jax_flash_metal import reference_attention  # noqa: E402
 from jax_flash_metal.validation import ENV_IMPLEMENTATION as ENV  # noqa: E402
 from test_dispatch_plan import submission_budget  # noqa: E402
 
@@ -36,19 +37,32 @@ requires_metal = pytest.mark.skipif(not ext.metal_available(),
 def _attrs(**overrides):
     attrs = dict(scale=np.float32(0.25), is_causal=False, window_left=np.int32(-1),
                  window_right=np.int32(-1), bottom_right=False, has_q_lengths=False,
-                 has_kv_lengths=False)
+                 has_kv_lengths=False, has_segment_ids=False, has_bias=False, has_mask=False,
+                 has_sinks=False, logits_soft_cap=np.float32(0.0))
     attrs.update(overrides)
     return attrs
 
 
-def _fwd_call(q, k, v, *lengths, lse_shape=None, l2_shape=None, **attrs):
+def _workspace(q, k):
+    """The forward's workspace result as the lowering sizes it (_ext.decode_splits)."""
+    if q.ndim != 4 or k.ndim != 4:
+        return jax.ShapeDtypeStruct((0,), jnp.float32)  # the handler rejects the ranks first
+    dtype = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}.get(q.dtype, "bf16")
+    _, elements = ext.decode_splits(dtype, q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                                    k.shape[2], q.shape[3])
+    return jax.ShapeDtypeStruct((elements,), jnp.float32)
+
+
+def _fwd_call(q, k, v, *lengths, lse_shape=None, l2_shape=None, workspace=None, **attrs):
     """The forward target called directly (no primitive, no Python-side validation):
     (o, lse, l2)."""
     b, tq, h = q.shape[:3]
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype),
            jax.ShapeDtypeStruct(lse_shape or (b, h, tq), jnp.float32),
-           jax.ShapeDtypeStruct(l2_shape or (b, h, tq), jnp.float32))
-    return jax.block_until_ready(jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **_attrs(**attrs)))
+           jax.ShapeDtypeStruct(l2_shape or (b, h, tq), jnp.float32),
+           workspace or _workspace(q, k))
+    return jax.block_until_ready(
+        jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **_attrs(**attrs)))[:3]
 
 
 def _bwd_call(q, k, v, o, l2, do, g_lse, *lengths, **attrs):
@@ -196,6 +210,8 @@ _K = jnp.zeros((1, 5, 1, 16), jnp.float32)
      r"q_lengths must be int32 \[1\]"),
     ((_Q, _K, _K), dict(lse_shape=(1, 2, 5)), r"output lse must be float32 \[1, 2, 4\]"),
     ((_Q, _K, _K), dict(l2_shape=(1, 4)), r"output l2 must be float32 \[1, 2, 4\]"),
+    ((_Q, _K, _K), dict(workspace=jax.ShapeDtypeStruct((3,), jnp.float32)),
+     r"workspace must be float32 \[144\]"),
     ((_Q[0], _K[0], _K[0]), dict(), "query must have rank 4"),
     ((_Q, _K.astype(jnp.float16), _K.astype(jnp.float16)), dict(), "share one dtype"),
     ((_Q.astype(jnp.int32), _K, _K), dict(), "float32, float16 or bfloat16"),
@@ -214,7 +230,7 @@ def test_handler_rejects_missing_and_mistyped_attributes():
     attrs = _attrs()
     del attrs["bottom_right"]
     out = (jax.ShapeDtypeStruct(_Q.shape, _Q.dtype), jax.ShapeDtypeStruct((1, 2, 4), jnp.float32),
-           jax.ShapeDtypeStruct((1, 2, 4), jnp.float32))
+           jax.ShapeDtypeStruct((1, 2, 4), jnp.float32), _workspace(_Q, _K))
     with pytest.raises(jax.errors.JaxRuntimeError, match="attributes"):
         jax.block_until_ready(jax.ffi.ffi_call(FWD, out)(_Q, _K, _K, **attrs))
     # Attributes are typed: a float64 scale (what a Python float becomes under x64) is refused,
@@ -302,11 +318,12 @@ def test_one_family_preprocessing_keeps_exactly_that_family(request):
     assert found == {n for n in all_names if n.startswith("flash_attention_")}
 
 
-@pytest.mark.parametrize("kernel", ["flash_attention_fwd_f32_d16",
-                                    "flash_attention_bwd_dkdv_f32_d16"])
-def test_device_error_surfaces_as_jax_exception(kernel):
+@pytest.mark.parametrize("kernel, q_len", [("flash_attention_fwd_f32_d16", 40),
+                                           ("flash_attention_decode_combine_f32_d16", 6),
+                                           ("flash_attention_bwd_dkdv_f32_d16", 6)])
+def test_device_error_surfaces_as_jax_exception(kernel, q_len):
     rng = np.random.default_rng(0)
-    q = _normal(rng, (1, 6, 2, 16))
+    q = _normal(rng, (1, q_len, 2, 16))  # q_len <= 16: the decode kernels run the forward
     f = jax.jit(jax.grad(lambda q: flash_attention(q, q, q, implementation="emulator").sum()))
     with _emulator_fault(kernel):
         with pytest.raises(jax.errors.JaxRuntimeError,
@@ -340,6 +357,24 @@ def _loss(implementation):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
+@pytest.mark.parametrize("attrs,name", [
+    (dict(has_bias=True), "bias"), (dict(has_mask=True), "mask"),
+    (dict(has_segment_ids=True), "segment ids"), (dict(has_sinks=True), "sinks"),
+    (dict(logits_soft_cap=np.float32(30.0)), "logits_soft_cap"),
+    (dict(has_bias=True, has_sinks=True), "bias, sinks")])
+def test_handlers_refuse_the_optional_features(attrs, name):
+    """The contract's optional features (ffi/attention_ffi.h) are refused by both handlers
+    until kernels read them, before any operand is looked at."""
+    rng = np.random.default_rng(3)
+    q = _normal(rng, (1, 4, 2, 16))
+    o, lse = _fwd_call(q, q, q)
+    message = f"{name} not supported by the fused kernels yet"
+    with pytest.raises(Exception, match=message):
+        _fwd_call(q, q, q, **attrs)
+    with pytest.raises(Exception, match=message):
+        _bwd_call(q, q, q, o, lse, q, jnp.zeros(lse.shape, jnp.float32), **attrs)
+
+
 def test_compiled_hlo_has_custom_calls_only_on_the_fused_path():
     q = jax.ShapeDtypeStruct((1, 16, 2, 32), jnp.float32)
     fused = _loss("emulator").lower(q, q, q).compile().as_text()
@@ -351,7 +386,8 @@ def test_compiled_hlo_has_custom_calls_only_on_the_fused_path():
 
 def test_fused_memory_is_linear_in_sequence_length():
     """Compile only (never run) forward+backward at length 16384: the fused path keeps no
-    B*H*T^2 temporary; the xla reference at a quarter of the length shows what one looks like."""
+    B*H*T^2 temporary; the dense reference_attention at a quarter of the length shows what one
+    looks like."""
     heads, head_dim = 2, 64
 
     def temp_bytes(implementation, length):
@@ -367,7 +403,11 @@ def test_fused_memory_is_linear_in_sequence_length():
     assert fused_long < scores_bytes / 100
     assert fused_long <= 2.05 * fused_short, (fused_long, fused_short)
     control = 4096
-    assert temp_bytes("xla", control) >= heads * control * control * 4
+    dense = jax.jit(jax.value_and_grad(
+        lambda q, k, v: reference_attention(q, k, v, is_causal=True).sum(), argnums=(0, 1, 2)))
+    q = jax.ShapeDtypeStruct((1, control, heads, head_dim), jnp.float32)
+    assert (dense.lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
+            >= heads * control * control * 4)
 
 
 # ------------------------------------------------------------------ host-side semantics

@@ -14,7 +14,8 @@ import numpy as np
 
 import oracle
 
-FLOAT32_RTOL = {"o": 1e-5, "lse": 1e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4}
+FLOAT32_RTOL = {"o": 1e-5, "lse": 1e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4, "dbias": 1e-4,
+                "dsinks": 1e-4}
 
 
 def baseline(q, k, v, do, g_lse=None, **mask_kwargs):
@@ -25,21 +26,30 @@ def baseline(q, k, v, do, g_lse=None, **mask_kwargs):
     """
     q, k, v, do = (jnp.asarray(x) for x in (q, k, v, do))
     b, tq, h, d = q.shape
+    mask_kwargs = dict(mask_kwargs)
     scale = mask_kwargs.pop("scale", None)
     scale = 1.0 / np.sqrt(d) if scale is None else scale
-    mask = jnp.asarray(oracle.visibility(b, tq, k.shape[1], **mask_kwargs)[:, None])
+    cap = mask_kwargs.pop("logits_soft_cap", None)
+    sinks = mask_kwargs.pop("sinks", None)
+    bias = mask_kwargs.get("bias")
+    mask = jnp.asarray(oracle.full_visibility(b, h, tq, k.shape[1], **mask_kwargs))
+    bias = jnp.zeros((), q.dtype) if bias is None else jnp.asarray(bias, jnp.float32).astype(
+        q.dtype)
+    bias = jnp.where(jnp.isneginf(bias), 0, bias)  # -inf entries are masked instead
+    sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32).astype(q.dtype)
     # Keys no row may see are zeroed so padded garbage cannot reach the baseline.
     key_used = mask.any(axis=(1, 2))[:, :, None, None]
 
     g = jnp.zeros((b, h, tq), jnp.float32) if g_lse is None else jnp.asarray(g_lse, jnp.float32)
     # One compiled function per shape instead of dozens of eagerly compiled ops.
-    o, lse, dq, dk, dv = _baseline_compiled(q, k, v, do, g, mask, key_used, scale=float(scale))
+    o, lse, dq, dk, dv = _baseline_compiled(q, k, v, do, g, mask, key_used, bias, sinks,
+                                            scale=float(scale), cap=cap)
     out = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
     return {name: np.asarray(x, dtype=np.float64) for name, x in out.items()}
 
 
-@functools.partial(jax.jit, static_argnames="scale")
-def _baseline_compiled(q, k, v, do, g, mask, key_used, *, scale):
+@functools.partial(jax.jit, static_argnames=("scale", "cap"))
+def _baseline_compiled(q, k, v, do, g, mask, key_used, bias, sinks, *, scale, cap):
     dtype = q.dtype
     h, hkv = q.shape[2], k.shape[2]
 
@@ -47,11 +57,18 @@ def _baseline_compiled(q, k, v, do, g, mask, key_used, *, scale):
         k = jnp.repeat(jnp.where(key_used, k, 0), h // hkv, axis=2)
         v = jnp.repeat(jnp.where(key_used, v, 0), h // hkv, axis=2)
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(scale, dtype)
-        s = jnp.where(mask, s, jnp.asarray(-jnp.inf, dtype))
-        m = jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))
+        if cap is not None:
+            s = jnp.asarray(cap, dtype) * jnp.tanh(s / jnp.asarray(cap, dtype))
+        s = jnp.where(mask, s + bias, jnp.asarray(-jnp.inf, dtype))
+        m = s.max(axis=-1, keepdims=True)
+        if sinks is not None:
+            m = jnp.maximum(m, sinks[None, :, None, None])
+        m = jax.lax.stop_gradient(m)
         m = jnp.where(jnp.isfinite(m), m, 0)
         p = jnp.where(mask, jnp.exp(s - m), 0)
         denom = p.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            denom = denom + jnp.exp(sinks[None, :, None, None] - m)
         safe = jnp.where(denom == 0, jnp.ones_like(denom), denom)
         o = jnp.einsum("bhqk,bkhd->bqhd", p / safe, v)
         lse = jnp.where(denom[..., 0] == 0, -jnp.inf, (m + jnp.log(safe))[..., 0])
@@ -95,9 +112,10 @@ OUTPUTS = ("o", "lse", "dq", "dk", "dv")
 
 
 def oracle_outputs(q, k, v, do, g_lse=None, **mask_kwargs):
-    """The float64 oracle's o, lse, dq, dk, dv as a dict."""
+    """The float64 oracle's o, lse, dq, dk, dv (and dbias / dsinks with a bias / sinks) as a
+    dict."""
     want = dict(zip(("o", "lse"), oracle.attention(q, k, v, **mask_kwargs)))
-    want.update(zip(("dq", "dk", "dv"), oracle.attention_grads(q, k, v, do, g_lse, **mask_kwargs)))
+    want.update(oracle.gradients(q, k, v, do, g_lse, **mask_kwargs))
     return want
 
 

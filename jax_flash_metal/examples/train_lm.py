@@ -11,8 +11,11 @@ optax AdamW and a warmup + cosine learning-rate schedule.
 
 The default corpus is the ``.py`` files of the running Python's standard library (present on every
 machine); ``--text PATH`` trains on any file instead. After training the script prints the loss at
-the start and end, a generated sample, and the largest difference between this implementation's
-attention gradients and those of ``jax_flash_metal.reference_attention`` on one batch.
+the start and end, a generated sample (sampled with a KV cache: one ``flash_attention`` call per
+layer and new byte, ``causal_alignment="bottom_right"`` with ``key_value_seq_lengths``, which the
+fused implementations run with the split-KV decode kernels) with its tokens/s, and the largest
+difference between this implementation's attention gradients and those of
+``jax_flash_metal.reference_attention`` on one batch.
 """
 
 from __future__ import annotations
@@ -150,26 +153,27 @@ def rms_norm(x, gain, eps=1e-6):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gain
 
 
-def rope(x, base):
+def rope(x, base, offset=0):
     """Rotary position embedding of x [batch, len, heads, dim] (rotate-half form, positions
-    0..len-1)."""
+    offset..offset+len-1; offset may be a traced int32 scalar)."""
     half = x.shape[-1] // 2
     freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs  # [len, half]
+    positions = offset + jnp.arange(x.shape[1], dtype=jnp.float32)
+    angles = positions[:, None] * freqs  # [len, half]
     cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def qkv(layer: dict, x, cfg: Config):
+def qkv(layer: dict, x, cfg: Config, offset=0):
     """Query [B, T, heads, head_dim] and key/value [B, T, kv_heads, head_dim] of one block,
-    rotary-embedded (q, k), from the residual stream x [B, T, d_model]."""
+    rotary-embedded (q, k) at positions offset.., from the residual stream x [B, T, d_model]."""
     b, t, _ = x.shape
     h = rms_norm(x, layer["attn_norm"])
     q = (h @ layer["wq"]).reshape(b, t, cfg.heads, cfg.head_dim)
     k = (h @ layer["wk"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
     v = (h @ layer["wv"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
-    return rope(q, cfg.rope_base), rope(k, cfg.rope_base), v
+    return rope(q, cfg.rope_base, offset), rope(k, cfg.rope_base, offset), v
 
 
 def make_attention(implementation: str | None, dtype: str = "float32", *, reference=False):
@@ -187,16 +191,48 @@ def make_attention(implementation: str | None, dtype: str = "float32", *, refere
     return attend
 
 
-def forward(params: dict, tokens, cfg: Config, attend):
-    """Logits [B, T, 256] float32 for byte tokens int32 [B, T]."""
+def make_cached_attention(implementation: str | None, dtype: str = "float32"):
+    """Attention of new queries q [B, Tq, heads, head_dim] (the last Tq of the first kv_len
+    positions) against a KV cache k, v [B, Tmax, kv_heads, head_dim] holding kv_len int32 [B]
+    valid positions: flash_attention with causal_alignment="bottom_right" and
+    key_value_seq_lengths, so the cache's unused tail is never seen."""
+
+    def attend(q, k, v, kv_len):
+        q, k, v = (a.astype(dtype) for a in (q, k, v))
+        out = flash_attention(q, k, v, is_causal=True, causal_alignment="bottom_right",
+                              key_value_seq_lengths=kv_len, implementation=implementation)
+        return out.astype(jnp.float32)
+
+    return attend
+
+
+def forward(params: dict, tokens, cfg: Config, attend, *, cache_attend=None, cache=None,
+            offset=0):
+    """Logits [B, T, 256] float32 for byte tokens int32 [B, T].
+
+    Without ``cache``: the tokens are positions 0..T-1, attention ``attend(q, k, v)``. With
+    ``cache`` (one (k, v) pair [B, Tmax, kv_heads, head_dim] per layer) the tokens are positions
+    offset..offset+T-1: their k, v are written into the cache there and the queries attend to
+    the first offset + T cached positions through ``cache_attend(q, k, v, kv_len)``. Returns
+    (logits, cache) in that case, the updated cache included.
+    """
     x = params["embed"][tokens]
     b, t, _ = x.shape
-    for layer in params["layers"]:
-        q, k, v = qkv(layer, x, cfg)
-        x = x + attend(q, k, v).reshape(b, t, -1) @ layer["wo"]
+    new_cache = []
+    for n, layer in enumerate(params["layers"]):
+        q, k, v = qkv(layer, x, cfg, offset)
+        if cache is None:
+            attended = attend(q, k, v)
+        else:
+            k = jax.lax.dynamic_update_slice_in_dim(cache[n][0], k, offset, axis=1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache[n][1], v, offset, axis=1)
+            new_cache.append((k, v))
+            attended = cache_attend(q, k, v, jnp.full((b,), offset + t, jnp.int32))
+        x = x + attended.reshape(b, t, -1) @ layer["wo"]
         h = rms_norm(x, layer["mlp_norm"])
         x = x + jax.nn.gelu(h @ layer["w1"]) @ layer["w2"]
-    return rms_norm(x, params["final_norm"]) @ params["embed"].T
+    logits = rms_norm(x, params["final_norm"]) @ params["embed"].T
+    return logits if cache is None else (logits, new_cache)
 
 
 def loss_fn(params, inputs, targets, cfg: Config, attend):
@@ -262,31 +298,90 @@ def make_evaluator(cfg: Config, implementation: str | None):
     return evaluate
 
 
+def _context_start(start: int, length: int, cfg: Config) -> int:
+    """Where the model's context begins once the text is ``length`` bytes long: it keeps
+    growing from ``start`` up to seq_len bytes, then restarts from the last seq_len // 2."""
+    return length - cfg.seq_len // 2 if length - start > cfg.seq_len else start
+
+
+def _pick(logits, key, temperature):
+    if temperature > 0:
+        return jax.random.categorical(key, logits / temperature)
+    return jnp.argmax(logits)
+
+
 def generate(params, cfg: Config, implementation: str | None, prompt: bytes, length: int, *,
-             temperature: float = 0.8, seed: int = 0) -> bytes:
-    """Continue ``prompt`` by ``length`` bytes, one jit-compiled forward per byte over the last
-    ``seq_len`` bytes (zero-padded at the end; causal attention makes the padding invisible).
-    ``temperature`` 0 means greedy."""
+             temperature: float = 0.8, seed: int = 0, cache: bool = True) -> bytes:
+    """Continue ``prompt`` by ``length`` bytes. ``temperature`` 0 means greedy.
+
+    The context grows to ``seq_len`` bytes and then restarts from its last ``seq_len // 2``
+    (positions from 0 again). With ``cache`` (the default) each context is run once (a prefill
+    of seq_len padded positions, causal attention making the padding invisible) into a KV cache
+    of seq_len positions per layer, and every new byte is one jit-compiled step: the new token's
+    k, v are appended and its query attends to the cache, one flash_attention call per layer
+    with causal_alignment="bottom_right" and key_value_seq_lengths. Without ``cache`` every byte
+    recomputes the whole context (the reference the cached sampler must reproduce exactly).
+    Prints nothing; ``generate_timed`` reports tokens/s.
+    """
+    return generate_timed(params, cfg, implementation, prompt, length, temperature=temperature,
+                          seed=seed, cache=cache)[0]
+
+
+def generate_timed(params, cfg: Config, implementation: str | None, prompt: bytes, length: int,
+                   *, temperature: float = 0.8, seed: int = 0,
+                   cache: bool = True) -> tuple[bytes, float]:
+    """``generate`` and its sampling rate in bytes (tokens) per second, timed from the second
+    byte on (the first includes compilation; nan when fewer than 2 bytes are sampled)."""
     if not prompt:
         raise ValueError("the prompt must not be empty")
     attend = make_attention(implementation, cfg.attn_dtype)
+    cache_attend = make_cached_attention(implementation, cfg.attn_dtype)
+    hd, n = cfg.head_dim, cfg.seq_len
+
+    def padded(tokens):
+        window = np.zeros(n, np.int32)
+        window[: len(tokens)] = tokens
+        return window
 
     @jax.jit
-    def next_byte(params, window, pos, key):
-        logits = forward(params, window[None], cfg, attend)[0, pos]
-        if temperature > 0:
-            return jax.random.categorical(key, logits / temperature)
-        return jnp.argmax(logits)
+    def recompute(params, window, pos, key):
+        return _pick(forward(params, window[None], cfg, attend)[0, pos], key, temperature)
+
+    @jax.jit
+    def prefill(params, window, pos, key):
+        empty = [(jnp.zeros((1, n, cfg.kv_heads, hd)), jnp.zeros((1, n, cfg.kv_heads, hd)))
+                 for _ in params["layers"]]
+        logits, kv = forward(params, window[None], cfg, attend, cache_attend=cache_attend,
+                             cache=empty, offset=0)
+        return _pick(logits[0, pos], key, temperature), kv
+
+    @jax.jit
+    def step(params, kv, token, pos, key):
+        logits, kv = forward(params, token.reshape(1, 1), cfg, attend, cache_attend=cache_attend,
+                             cache=kv, offset=pos)
+        return _pick(logits[0, 0], key, temperature), kv
 
     out = list(prompt)
+    start = _context_start(0, len(out), cfg)
     key = jax.random.PRNGKey(seed)
-    for _ in range(length):
-        context = out[-cfg.seq_len:]
-        window = np.zeros(cfg.seq_len, np.int32)
-        window[: len(context)] = context
+    kv = None
+    t0 = None
+    for i in range(length):
+        if i == 1:
+            t0 = time.perf_counter()
         key, sub = jax.random.split(key)
-        out.append(int(next_byte(params, window, len(context) - 1, sub)))
-    return bytes(out)
+        restart = _context_start(start, len(out), cfg)
+        context = out[restart:]
+        if not cache:
+            token = recompute(params, padded(context), len(context) - 1, sub)
+        elif kv is None or restart != start:
+            token, kv = prefill(params, padded(context), len(context) - 1, sub)
+        else:  # the newest byte out[-1] is position len(context) - 1 of the cache
+            token, kv = step(params, kv, jnp.int32(out[-1]), jnp.int32(len(context) - 1), sub)
+        start = restart
+        out.append(int(token))
+    rate = (length - 1) / (time.perf_counter() - t0) if length > 1 else float("nan")
+    return bytes(out), rate
 
 
 def gradient_check(params, cfg: Config, data: np.ndarray, implementation: str | None,
@@ -315,16 +410,21 @@ def gradient_check(params, cfg: Config, data: np.ndarray, implementation: str | 
 
 # ----------------------------------------------------------------------------------------- cli
 
+def add_common_args(p: argparse.ArgumentParser, implementation_help: str) -> None:
+    """--text and --max-bytes (the arguments of ``load_text``) and --implementation."""
+    p.add_argument("--text", help="train on this file (default: the standard library's .py files)")
+    p.add_argument("--max-bytes", type=int, default=1 << 20, help="corpus size cap (default 1 MiB)")
+    p.add_argument("--implementation", choices=["xla", "emulator", "metal"], default=None,
+                   help=implementation_help)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jax_flash_metal.examples.train_lm",
         description="Train a byte-level transformer LM whose attention is flash_attention.")
-    p.add_argument("--text", help="train on this file (default: the standard library's .py files)")
-    p.add_argument("--max-bytes", type=int, default=1 << 20, help="corpus size cap (default 1 MiB)")
-    p.add_argument("--implementation", choices=["xla", "emulator", "metal"], default=None,
-                   help="flash_attention implementation (default: the package's default, i.e. "
-                        "metal when available, else xla; the emulator is slow by design and "
-                        "switches to the tiny configuration)")
+    add_common_args(p, "flash_attention implementation (default: the package's default, i.e. "
+                       "metal when available, else xla; the emulator is slow by design and "
+                       "switches to the tiny configuration)")
     p.add_argument("--tiny", action="store_true", help="use the tiny configuration")
     for name, typ in (("steps", int), ("batch-size", int), ("seq-len", int), ("layers", int),
                       ("d-model", int), ("heads", int), ("kv-heads", int), ("head-dim", int),
@@ -394,9 +494,10 @@ def main(argv=None) -> dict:
           f"({final_eval / math.log(2):.2f} bits/byte); {seconds:.1f} s")
 
     length = args.sample_bytes if args.sample_bytes is not None else (60 if tiny else 300)
-    sample = generate(params, cfg, resolved, args.prompt.encode(), length,
-                      temperature=args.temperature, seed=args.seed)
-    print(f"sample (temperature {args.temperature:g}):")
+    sample, rate = generate_timed(params, cfg, resolved, args.prompt.encode(), length,
+                                  temperature=args.temperature, seed=args.seed)
+    print(f"sample (temperature {args.temperature:g}; KV-cache sampling, one flash_attention "
+          f"call per layer and byte: {rate:,.1f} tokens/s):")
     print("-" * 72)
     print(sample.decode("utf-8", errors="replace"))
     print("-" * 72)
@@ -406,7 +507,8 @@ def main(argv=None) -> dict:
           f"reference_attention: max |diff| dq {check['dq']:.2e}, dk {check['dk']:.2e}, "
           f"dv {check['dv']:.2e} (largest gradient entry {check['scale']:.2e})")
     return {"losses": losses, "initial_eval": initial_eval, "final_eval": final_eval,
-            "sample": sample, "check": check, "implementation": resolved}
+            "sample": sample, "sample_tokens_per_second": rate, "check": check,
+            "implementation": resolved}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,542 @@
+"""The "xla" implementation, the primitives' default lowering: FlashAttention-2 in jax.numpy / lax.
+
+    forward(q, k, v, q_lengths, kv_lengths, **params) -> (o, lse)
+    backward(q, k, v, o, lse, do, g_lse, q_lengths, kv_lengths, **params) -> (dq, dk, dv)
+
+Shapes and dtypes as the primitives (primitives.py): q/o/dO [B, Tq, H, D], k/v [B, Tkv, HKV, D]
+in one float dtype, lse/g_lse float32 [B, H, Tq] (natural log), lengths int32 [B] or None. All math
+is float32; outputs are cast to the input dtype. Method: Dao, "FlashAttention-2" (2023): the
+forward walks key blocks with an online softmax, the backward recomputes each tile's scores from
+(q, k, v, lse) and accumulates dQ, dK, dV (tile math in ``xla_tiles``).
+
+Size rule: a problem with ``q_len <= DENSE_MAX_LEN`` and ``kv_len <= DENSE_MAX_LEN`` runs as one
+dense tile (no loops: fastest when the scores are small). Anything larger is tiled into blocks of
+``BLOCK_Q`` query rows by ``BLOCK_K`` keys: a scan over query blocks with an inner loop over only
+the key blocks that intersect the causal/window band and the valid lengths (the forward), and a
+scan over key blocks with an inner loop over the query blocks that can see them (the backward,
+which adds each tile's dQ into its query block, in a fixed order: deterministic). Temporary memory
+is then O(B * H * BLOCK_Q * BLOCK_K) plus the float32 copies of the inputs: linear in length.
+
+Non-finite inputs (DESIGN.md section 3): rows past the lengths are zeroed first (padding is never
+read). The tiles get each operand in the form that keeps NaN from reaching invisible pairs
+(``xla_tiles``: non-finite key rows all-NaN, weighted values with non-finite entries zeroed), and
+one ``lax.cond`` per primitive, taken only when some input is non-finite, puts NaN back in the
+outputs that a visible pair would have made NaN (``nonfinite``: prefix sums, O(length * D)).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import features, nonfinite, visibility
+from . import xla_tiles as tiles
+from .validation import Operands
+
+F32 = tiles.F32
+DENSE_MAX_LEN = 256
+BLOCK_Q = 128
+BLOCK_K = 128
+
+
+class _Tiling(NamedTuple):
+    """Block sizes (Br query rows, Bc keys) and block counts; dense = a single tile."""
+
+    br: int
+    bc: int
+    nq: int
+    nk: int
+
+    @property
+    def dense(self):
+        return self.nq == 1 and self.nk == 1
+
+
+def tiling(q_len, kv_len):
+    """The _Tiling the size rule picks for these (static, non-zero) lengths."""
+    if q_len <= DENSE_MAX_LEN and kv_len <= DENSE_MAX_LEN:
+        return _Tiling(q_len, kv_len, 1, 1)
+    br, bc = min(BLOCK_Q, q_len), min(BLOCK_K, kv_len)
+    return _Tiling(br, bc, -(-q_len // br), -(-kv_len // bc))
+
+
+# ------------------------------------------------------------------------- layout
+
+def _valid(lengths, size):
+    """bool [B, size]: position < length (None when every position is valid)."""
+    return None if lengths is None else jnp.arange(size)[None, :] < lengths[:, None]
+
+
+def _query_blocks(x, kv_heads, t: _Tiling, valid, scale=1.0):
+    """[B, Tq, H, D] -> float32 [nq, B, HKV, G, Br, D], rows past the lengths zeroed."""
+    b, length, h, d = x.shape
+    x = x.astype(F32)
+    if valid is not None:
+        x = jnp.where(valid[:, :, None, None], x, 0.0)
+    if scale != 1.0:
+        x = x * jnp.float32(scale)
+    x = jnp.pad(x, ((0, 0), (0, t.nq * t.br - length), (0, 0), (0, 0)))
+    return x.reshape(b, t.nq, t.br, kv_heads, h // kv_heads, d).transpose(1, 0, 3, 4, 2, 5)
+
+
+def _from_query_blocks(x, length, dtype):
+    nq, b, hkv, g, br, d = x.shape
+    return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * br, hkv * g, d)[:, :length].astype(dtype)
+
+
+def _key_blocks(x, t: _Tiling, valid):
+    """[B, Tkv, HKV, D] -> float32 [nk, B, HKV, Bc, D], keys past the lengths zeroed."""
+    b, length, hkv, d = x.shape
+    x = x.astype(F32)
+    if valid is not None:
+        x = jnp.where(valid[:, :, None, None], x, 0.0)
+    x = jnp.pad(x, ((0, 0), (0, t.nk * t.bc - length), (0, 0), (0, 0)))
+    return x.reshape(b, t.nk, t.bc, hkv, d).transpose(1, 0, 3, 2, 4)
+
+
+def _from_key_blocks(x, length, dtype):
+    nk, b, hkv, bc, d = x.shape
+    return x.transpose(1, 0, 3, 2, 4).reshape(b, nk * bc, hkv, d)[:, :length].astype(dtype)
+
+
+def _row_blocks(x, kv_heads, t: _Tiling):
+    """float32 [B, H, Tq] -> [nq, B, HKV, G, Br]."""
+    b, h, length = x.shape
+    x = jnp.pad(x.astype(F32), ((0, 0), (0, 0), (0, t.nq * t.br - length)))
+    return x.reshape(b, kv_heads, h // kv_heads, t.nq, t.br).transpose(3, 0, 1, 2, 4)
+
+
+def _from_row_blocks(x, length):
+    nq, b, hkv, g, br = x.shape
+    return x.transpose(1, 2, 3, 0, 4).reshape(b, hkv * g, nq * br)[:, :, :length]
+
+
+def _all_finite(*xs):
+    # x * 0 is 0 for finite x and NaN otherwise; a float sum compiles far faster than a
+    # boolean all-reduction on XLA:CPU.
+    return jnp.isfinite(functools.reduce(jnp.add, [jnp.sum(x * 0.0) for x in xs]))
+
+
+def _block(x, i):
+    return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _add_block(x, i, part):
+    return jax.lax.dynamic_update_index_in_dim(x, _block(x, i) + part, i, 0)
+
+
+def _block_ranges(lo, hi, n, size, other):
+    """Per block of ``size`` positions (``n`` blocks), the range [first, last) of blocks of
+    ``other`` positions that its intervals lo, hi [B, n * size] touch in any batch entry."""
+    lo, hi = lo.reshape(-1, n, size), hi.reshape(-1, n, size)
+    empty = hi <= lo
+    first = jnp.min(jnp.where(empty, jnp.iinfo(jnp.int32).max, lo), axis=(0, 2))
+    last = jnp.max(jnp.where(empty, 0, hi), axis=(0, 2))
+    none = last <= first
+    return (jnp.where(none, 0, first // other),
+            jnp.where(none, 0, (last + other - 1) // other))
+
+
+def _nan_rows(x):
+    """A query or key row with any non-finite entry becomes all-NaN, so its scores are NaN
+    (adding the row's sum of x * 0: 0 for a finite row, NaN otherwise)."""
+    return x + jnp.sum(x * 0.0, axis=-1, keepdims=True)
+
+
+def _zero_nonfinite(x):
+    return jnp.where(jnp.isfinite(x), x, 0.0)
+
+
+def _pad_axis(x, axis, size, value):
+    """x padded at the end of ``axis`` to ``size`` (unless that axis broadcasts: size 1)."""
+    if x.shape[axis] == 1 or x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _slice_axis(x, axis, start, size):
+    """The block [start, start + size) of ``axis``, or x itself where that axis broadcasts."""
+    return x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+class _Features:
+    """The optional bias, mask and segment ids of one call, laid out for tiles.
+
+    bias / mask: ``[b, HKV|1, G|1, tq|1, tkv|1]`` (``features.heads_layout``) padded to whole
+    blocks (bias 0, mask False) only along axes they do not broadcast: a broadcast bias is
+    never expanded, so memory stays that of the user's arrays. Segment ids int32 [B, T] padded
+    to whole blocks.
+    """
+
+    def __init__(self, operands, kv_heads, t: _Tiling):
+        self.t = t
+        self.bias = self.mask = self.q_segments = self.kv_segments = None
+        for name in ("bias", "mask"):
+            x = getattr(operands, name)
+            if x is not None:
+                x = features.heads_layout(x, kv_heads)
+                fill = False if name == "mask" else 0.0
+                x = _pad_axis(_pad_axis(x, 3, t.nq * t.br, fill), 4, t.nk * t.bc, fill)
+                setattr(self, name, x)
+        if operands.q_segment_ids is not None:
+            self.q_segments = _pad_axis(operands.q_segment_ids, 1, t.nq * t.br, -1)
+            self.kv_segments = _pad_axis(operands.kv_segment_ids, 1, t.nk * t.bc, -1)
+
+    @property
+    def present(self):
+        return any(x is not None for x in (self.bias, self.mask, self.q_segments))
+
+    def _block(self, x, r, c):
+        t = self.t
+        return _slice_axis(_slice_axis(x, 3, r * t.br, t.br), 4, c * t.bc, t.bc)
+
+    def tile(self, r, c):
+        """(visible bool broadcastable to [B, HKV, G, Br, Bc] or None, bias float32 block or
+        None) of tile (r, c)."""
+        t = self.t
+        bias = None if self.bias is None else self._block(self.bias, r, c).astype(F32)
+        mask = None if self.mask is None else self._block(self.mask, r, c)
+        qs = ks = None
+        if self.q_segments is not None:
+            qs = jax.lax.dynamic_slice_in_dim(self.q_segments, r * t.br, t.br, 1)
+            ks = jax.lax.dynamic_slice_in_dim(self.kv_segments, c * t.bc, t.bc, 1)
+        return features.visible(mask, bias, qs, ks), bias
+
+    def add_block(self, acc, r, c, ds):
+        """acc (float32, the padded bias layout) + the tile's dS [B, HKV, G, Br, Bc] summed
+        over the axes where the bias broadcasts, at tile (r, c)."""
+        axes = tuple(i for i, n in enumerate(acc.shape) if n == 1 and ds.shape[i] != 1)
+        part = jnp.sum(ds, axis=axes, keepdims=True)
+        t = self.t
+        start = [0, 0, 0, 0 if acc.shape[3] == 1 else r * t.br, 0 if acc.shape[4] == 1 else c * t.bc]
+        start = [jnp.asarray(x, jnp.int32) for x in start]
+        return jax.lax.dynamic_update_slice(
+            acc, jax.lax.dynamic_slice(acc, start, part.shape) + part, start)
+
+    def meets(self, q_valid, kv_valid):
+        """bool [nq, nk]: may query block r and key block c share a segment in some batch
+        entry (their id ranges overlap); None without segment ids. ``*_valid``: bool [B, T]
+        of the padded lengths, or None."""
+        if self.q_segments is None:
+            return None
+        t = self.t
+
+        def ranges(ids, valid, n, size):
+            ids = ids.reshape(ids.shape[0], n, size)
+            valid = (jnp.ones(ids.shape, bool) if valid is None
+                     else jnp.broadcast_to(valid.reshape(-1, n, size), ids.shape))
+            big = jnp.iinfo(jnp.int32).max
+            return (jnp.min(jnp.where(valid, ids, big), axis=2),
+                    jnp.max(jnp.where(valid, ids, -big), axis=2))
+
+        q_lo, q_hi = ranges(self.q_segments, q_valid, t.nq, t.br)
+        k_lo, k_hi = ranges(self.kv_segments, kv_valid, t.nk, t.bc)
+        overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+        return jnp.any(overlap, axis=0)
+
+
+def _narrow(firsts, lasts, meets):
+    """Shrink each block range [first, last) to the blocks between the first and the last one
+    that ``meets`` ([n, m] bool) allows (an empty range when none)."""
+    if meets is None:
+        return firsts, lasts
+    m = meets.shape[1]
+    cs = jnp.arange(m, dtype=jnp.int32)[None, :]
+    ok = meets & (cs >= firsts[:, None]) & (cs < lasts[:, None])
+    any_ok = jnp.any(ok, axis=1)
+    first = jnp.argmax(ok, axis=1).astype(jnp.int32)
+    last = (m - jnp.argmax(ok[:, ::-1], axis=1)).astype(jnp.int32)
+    return jnp.where(any_ok, first, 0), jnp.where(any_ok, last, 0)
+
+
+def _padded_valid(lengths, size, padded):
+    """bool [B, padded]: position < length and < size; None when all of them are valid."""
+    if lengths is None and size == padded:
+        return None
+    limit = size if lengths is None else jnp.minimum(lengths, size)[:, None]
+    return jnp.arange(padded)[None, :] < limit
+
+
+class _Blocks:
+    """The block grid of one call: the band, the tiling, and the two loop drivers.
+
+    ``check_rows`` / ``check_keys``: whether tiles must compare positions with the lengths
+    (lengths were given, or the last block is padded).
+    """
+
+    def __init__(self, band, t: _Tiling, q_len, kv_len, operands, kv_heads):
+        self.band, self.t = band, t
+        self.check_rows = operands.q_lengths is not None or t.nq * t.br != q_len
+        self.check_keys = operands.kv_lengths is not None or t.nk * t.bc != kv_len
+        self.features = _Features(operands, kv_heads, t)
+        self.meets = self.features.meets(
+            _padded_valid(operands.q_lengths, q_len, t.nq * t.br),
+            _padded_valid(operands.kv_lengths, kv_len, t.nk * t.bc))
+
+    def visible(self, r, c):
+        """(visible bool broadcastable to [B, HKV, G, Br, Bc] or None, bias block or None)."""
+        t = self.t
+        band = self.band.mask(r * t.br + jnp.arange(t.br, dtype=jnp.int32),
+                              c * t.bc + jnp.arange(t.bc, dtype=jnp.int32),
+                              check_rows=self.check_rows, check_keys=self.check_keys)
+        extra, bias = self.features.tile(r, c)
+        return features.combine(None if band is None else band[:, None, None], extra), bias
+
+    def over_query_blocks(self, init, step, finish, qb):
+        """For each query block r (rows of ``qb`` [nq, ...]): state = init(q_r), then
+        state = step(state, c, q_r, visible) for every key block c that r can see, then
+        finish(state). Returns the stacked results ([nq, ...] leaves)."""
+        t = self.t
+        if t.dense:
+            q = qb[0]
+            return jax.tree_util.tree_map(lambda x: x[None],
+                                          finish(step(init(q), 0, q, self.visible(0, 0))))
+        lo, hi = self.band.key_intervals(jnp.arange(t.nq * t.br, dtype=jnp.int32))
+        firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nq, t.br, t.bc), self.meets)
+
+        def query_block(_, xs):
+            r, q, first, last = xs
+            state = jax.lax.fori_loop(first, last,
+                                      lambda c, s: step(s, c, q, self.visible(r, c)), init(q))
+            return None, finish(state)
+
+        return jax.lax.scan(query_block, None,
+                            (jnp.arange(t.nq, dtype=jnp.int32), qb, firsts, lasts))[1]
+
+    def over_key_blocks(self, row_init, tile, key_xs, pair_init=None):
+        """For each key block c (``key_xs``: arrays [nk, ...]) and every query block r that can
+        see it, ``tile(r, c, xs_c, visible)`` -> (row part, key part, pair part); row parts are
+        summed into ``row_init`` (leaves [nq, ...]) at block r, key parts per key block, and
+        pair parts (a bias-shaped gradient, only with ``pair_init``) into ``pair_init`` at
+        block (r, c) (``_Features.add_block``), all in a fixed order (deterministic). Returns
+        (row sums, stacked key sums [nk, ...], pair sums or None)."""
+        t = self.t
+        add_pair = self.features.add_block
+        if t.dense:
+            rows, keys, pair = tile(0, 0, jax.tree_util.tree_map(lambda x: x[0], key_xs),
+                                    self.visible(0, 0))
+            return (jax.tree_util.tree_map(lambda x: x[None], rows),
+                    jax.tree_util.tree_map(lambda x: x[None], keys),
+                    None if pair_init is None else add_pair(pair_init, 0, 0, pair))
+        lo, hi = self.band.row_intervals(jnp.arange(t.nk * t.bc, dtype=jnp.int32))
+        firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nk, t.bc, t.br),
+                                None if self.meets is None else self.meets.T)
+
+        def key_block(carry, xs):
+            c, first, last, xs = xs
+            # The key sums start at zero, shaped like one tile's key part.
+            zero_keys = jax.tree_util.tree_map(
+                lambda s: jnp.zeros(s.shape, s.dtype),
+                jax.eval_shape(lambda: tile(0, c, xs, self.visible(0, c))[1]))
+
+            def body(r, accs):
+                (row_acc, pair_acc), key_acc = accs
+                rows, keys, pair = tile(r, c, xs, self.visible(r, c))
+                row_acc = jax.tree_util.tree_map(lambda a, p: _add_block(a, r, p), row_acc, rows)
+                if pair_acc is not None:
+                    pair_acc = add_pair(pair_acc, r, c, pair)
+                return (row_acc, pair_acc), jax.tree_util.tree_map(jnp.add, key_acc, keys)
+
+            return jax.lax.fori_loop(first, last, body, (carry, zero_keys))
+
+        (rows, pair), keys = jax.lax.scan(
+            key_block, (row_init, pair_init),
+            (jnp.arange(t.nk, dtype=jnp.int32), firsts, lasts, key_xs))
+        return rows, keys, pair
+
+
+def _setup(q, k, operands, is_causal, window_left, window_right, bottom_right):
+    batch, q_len, _, _ = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    band = visibility.Band(batch, q_len, kv_len, operands.q_lengths, operands.kv_lengths,
+                           is_causal=is_causal, window_left=window_left,
+                           window_right=window_right, bottom_right=bottom_right)
+    t = tiling(q_len, kv_len)
+    return _Blocks(band, t, q_len, kv_len, operands, kv_heads), t
+
+
+def _empty_lse(sinks, batch, num_heads, q_len):
+    """The LSE of rows that see no key: -inf, or the row's sink."""
+    if sinks is None:
+        return jnp.full((batch, num_heads, q_len), -jnp.inf, F32)
+    return jnp.broadcast_to(sinks.astype(F32)[None, :, None], (batch, num_heads, q_len))
+
+
+def _heads_major(x):
+    """[B, T, N, D] -> [B, N, T, D] (the sequence axis where ``nonfinite`` counts along it)."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _poison_if(pred, out, counts_fn):
+    """out with NaN where ``counts_fn()`` (computed only when ``pred``) is positive."""
+    return jax.lax.cond(pred, lambda o: nonfinite.poison(o, counts_fn()), lambda o: o, out)
+
+
+def _per_query_head(counts):
+    """Counts [B, HKV, T, D] of a kv head -> [B, T, HKV, 1, D] against [B, T, HKV, G, D]."""
+    return _heads_major(counts)[:, :, :, None, :]
+
+
+# ------------------------------------------------------------------------- forward
+
+def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left=-1,
+            window_right=-1, bottom_right=False, logits_soft_cap=None, **unused_static):
+    """(o [B, Tq, H, D] in q.dtype, lse float32 [B, H, Tq]); see the module docstring.
+    ``operands``: validation.Operands (lengths, segment ids, bias, mask, sinks or None)."""
+    del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    if 0 in (batch, q_len, kv_len):
+        return (jnp.zeros(q.shape, q.dtype),
+                _empty_lse(operands.sinks, batch, num_heads, q_len))
+    blocks, t = _setup(q, k, operands, is_causal, window_left, window_right, bottom_right)
+    kv_valid = _valid(operands.kv_lengths, kv_len)
+    qb = _query_blocks(q, kv_heads, t, _valid(operands.q_lengths, q_len), scale)
+    kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
+    k_nan, v_zeroed = _nan_rows(kb), _zero_nonfinite(vb)
+    sinks = None if operands.sinks is None else operands.sinks.reshape(1, kv_heads, -1, 1)
+
+    def step(state, c, q, tile):  # q: the rows of _nan_rows(qb)
+        visible, bias = tile
+        return tiles.forward_step(state, q, _block(k_nan, c), _block(v_zeroed, c), visible,
+                                  bias, logits_soft_cap)
+
+    o, lse = blocks.over_query_blocks(tiles.running_init, step,
+                                      lambda st: tiles.forward_finish(st, sinks), _nan_rows(qb))
+    o = _from_query_blocks(o, q_len, F32).reshape(batch, q_len, kv_heads, -1, head_dim)
+
+    def counts():
+        if blocks.features.present:  # visibility is no longer one interval per row
+            return _tile_counts_forward(blocks, vb, q_len, num_heads)
+        lo, hi = blocks.band.key_intervals(jnp.arange(q_len, dtype=jnp.int32))
+        return _per_query_head(nonfinite.interval_counts(
+            nonfinite.indicator(_heads_major(v)), lo, hi))
+
+    o = _poison_if(~_all_finite(vb), o, counts)
+    return o.reshape(q.shape).astype(q.dtype), _from_row_blocks(lse, q_len)
+
+
+def _visible_f32(tile, shape):
+    visible = tile[0]
+    return jnp.ones(shape, F32) if visible is None else jnp.broadcast_to(visible, shape).astype(F32)
+
+
+def _tile_counts_forward(blocks, vb, q_len, num_heads):
+    """Per output entry, how many visible keys have a non-finite value there, by tiles
+    (with a mask, segments or bias the visible keys of a row are not one interval):
+    [B, Tq, HKV, G, D]."""
+    bad_v = nonfinite.indicator(vb)  # [nk, B, HKV, Bc, D]
+    t = blocks.t
+    b, hkv, _, d = bad_v.shape[1:]
+
+    def init(q):
+        return jnp.zeros(q.shape[:-1] + (d,), F32)
+
+    def step(acc, c, q, tile):
+        shape = q.shape[:-1] + (t.bc,)
+        return acc + jnp.einsum("bhgqk,bhkd->bhgqd", _visible_f32(tile, shape), _block(bad_v, c))
+
+    # Only the shape of the query blocks matters here.
+    rows = jnp.zeros((t.nq, b, hkv, num_heads // hkv, t.br, 1), F32)
+    counts = blocks.over_query_blocks(init, step, lambda acc: acc, rows)
+    return _from_query_blocks(counts, q_len, F32).reshape(b, q_len, hkv, -1, d)
+
+
+# ------------------------------------------------------------------------- backward
+
+def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causal=False,
+             window_left=-1, window_right=-1, bottom_right=False, logits_soft_cap=None,
+             bias_grad=False, **unused_static):
+    """(dq, dk, dv[, dbias]) in the input dtypes (dbias float32 in the bias operand's shape,
+    with ``bias_grad``), from the forward's o and lse and the cotangents dO and g_lse:
+    delta = rowsum(dO * O) - g_lse (0 for rows past q_len), then the FlashAttention-2
+    recompute backward. Rows with no visible key and padding contribute nothing. Sinks are not
+    read: lse already includes them."""
+    del unused_static
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    if 0 in (batch, q_len, kv_len):
+        zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, k, v)]
+        return zeros + ([jnp.zeros(operands.bias.shape, F32)] if bias_grad else [])
+    blocks, t = _setup(q, k, operands, is_causal, window_left, window_right, bottom_right)
+    q_valid = _valid(operands.q_lengths, q_len)
+    kv_valid = _valid(operands.kv_lengths, kv_len)
+    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(F32), o.astype(F32),
+                       precision=jax.lax.Precision.HIGHEST) - g_lse.astype(F32)
+    if q_valid is not None:
+        delta = jnp.where(q_valid[:, None, :], delta, 0.0)
+    qb, dob = _query_blocks(q, kv_heads, t, q_valid, scale), _query_blocks(do, kv_heads, t,
+                                                                           q_valid)
+    kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
+    row_xs = (_nan_rows(qb), _zero_nonfinite(qb), dob, _zero_nonfinite(dob),
+              _row_blocks(lse, kv_heads, t), _row_blocks(delta, kv_heads, t))
+
+    def tile(r, c, xs, visible_bias):
+        visible, bias = visible_bias
+        q_r, q_zeroed, do_r, do_zeroed, lse_r, delta_r = (_block(x, r) for x in row_xs)
+        dq, dk, dv, ds = tiles.backward_tile(tiles.BackwardOperands(
+            q_r, q_zeroed, *xs, do_r, do_zeroed, lse_r, delta_r), visible, bias,
+            logits_soft_cap)
+        return dq, (dk, dv), ds
+
+    dbias_init = jnp.zeros(blocks.features.bias.shape, F32) if bias_grad else None
+    dq, (dk, dv), dbias = blocks.over_key_blocks(
+        jnp.zeros(qb.shape, F32), tile, (_nan_rows(kb), _zero_nonfinite(kb), vb), dbias_init)
+    dq = _from_query_blocks(dq * jnp.float32(scale), q_len, F32)
+    dk, dv = _from_key_blocks(dk, kv_len, F32), _from_key_blocks(dv, kv_len, F32)
+
+    def poisoned(grads):
+        dq, dk, dv = grads
+        group = (batch, q_len, kv_heads, num_heads // kv_heads, head_dim)
+        if blocks.features.present:  # visibility is no longer one interval per row
+            dq_counts, dk_counts, dv_counts = _tile_counts_backward(blocks, qb, kb, dob, q_len,
+                                                                    kv_len)
+        else:
+            lo, hi = blocks.band.key_intervals(jnp.arange(q_len, dtype=jnp.int32))
+            dq_counts = _per_query_head(nonfinite.interval_counts(
+                nonfinite.indicator(_heads_major(k)), lo, hi))
+            # dK and dV counts in one pass: q's and dO's indicators side by side on the last
+            # axis.
+            lo, hi = blocks.band.row_intervals(jnp.arange(kv_len, dtype=jnp.int32))
+            bad = jnp.concatenate([nonfinite.indicator(x.reshape(group), group_axis=3)
+                                   for x in (q, do)], axis=-1)
+            key_counts = _heads_major(nonfinite.interval_counts(_heads_major(bad), lo, hi))
+            dk_counts, dv_counts = key_counts[..., :head_dim], key_counts[..., head_dim:]
+        dq = nonfinite.poison(dq.reshape(group), dq_counts).reshape(q.shape)
+        return dq, nonfinite.poison(dk, dk_counts), nonfinite.poison(dv, dv_counts)
+
+    dq, dk, dv = jax.lax.cond(~_all_finite(qb, kb, dob), poisoned, lambda g: g, (dq, dk, dv))
+    grads = [dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)]
+    if bias_grad:
+        grads.append(_unpad_bias(dbias, operands.bias.shape))
+    return grads
+
+
+def _unpad_bias(x, shape):
+    """The padded [b, HKV|1, G|1, tq|1, tkv|1] layout back to the bias operand's shape."""
+    b, h, tq, tkv = shape
+    return x[:, :, :, :tq, :tkv].reshape(b, h, tq, tkv)
+
+
+def _tile_counts_backward(blocks, qb, kb, dob, q_len, kv_len):
+    """By tiles, per gradient entry, how many visible pairs read a non-finite input there:
+    dQ from K ([B, Tq, HKV, G, D]), dK from q and dV from dO ([B, Tkv, HKV, D])."""
+    bad_q, bad_do, bad_k = (nonfinite.indicator(x) for x in (qb, dob, kb))
+
+    def tile(r, c, xs, visible_bias):
+        bad_k_c = xs
+        q_r, do_r = _block(bad_q, r), _block(bad_do, r)
+        vis = _visible_f32(visible_bias, q_r.shape[:-1] + (bad_k_c.shape[-2],))
+        return (jnp.einsum("bhgqk,bhkd->bhgqd", vis, bad_k_c),
+                (jnp.einsum("bhgqk,bhgqd->bhkd", vis, q_r),
+                 jnp.einsum("bhgqk,bhgqd->bhkd", vis, do_r)), None)
+
+    dq, (dk, dv), _ = blocks.over_key_blocks(jnp.zeros(qb.shape, F32), tile, bad_k)
+    b, hkv = qb.shape[1], qb.shape[2]
+    dq = _from_query_blocks(dq, q_len, F32).reshape(b, q_len, hkv, -1, qb.shape[-1])
+    return dq, _from_key_blocks(dk, kv_len, F32), _from_key_blocks(dv, kv_len, F32)

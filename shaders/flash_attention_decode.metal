@@ -1,0 +1,287 @@
+// Split-KV decode (KERNELS.md section 5): the forward for short queries against a long KV cache.
+// Pass 1 (decode_partial), grid (splits, num_kv_heads, batch): the R = G * q_len query rows that
+// share one KV head (G = num_heads / num_kv_heads; row r = g * q_len + i is query position i of
+// head hk * G + g) form one tile of 8-row fragments, and one split's contiguous chunk of their
+// visible keys runs through the forward's key-block loop, so each K/V element is read once per
+// KV head. It writes the chunk's normalised partial O and its base-2 max m and sum l per row to
+// the float32 workspace. Pass 2 (decode_combine), grid (R, num_kv_heads, batch): combines the
+// splits in split order into O, LSE and L2 with the forward's conventions. Tile shapes:
+// tile_shapes.h (decode rows); memory and the split rule: shaders/README.md.
+#include "flash_attention_key_blocks.h"
+
+// Workspace row (b, hk, split, r): D partial-O floats, then m and l.
+inline ulong jfm_decode_workspace_row(uint b, uint hk, uint split, uint r, constant
+                                      AttentionParams& p) {
+  const uint rows = p.num_heads / p.num_kv_heads * p.q_len;
+  return (((ulong(b) * p.num_kv_heads + hk) * p.splits + split) * rows + r) *
+         ulong(p.head_dim + 2);
+}
+
+#define JFM_DECODE_PARTIAL_SIGNATURE(T)                                   \
+  (device const T* q [[buffer(JFM_BUFFER_Q)]],                            \
+   device const T* k [[buffer(JFM_BUFFER_K)]],                            \
+   device const T* v [[buffer(JFM_BUFFER_V)]],                            \
+   device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],          \
+   device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],        \
+   device float* workspace [[buffer(JFM_BUFFER_WORKSPACE)]],              \
+   constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
+   uint3 group [[threadgroup_position_in_grid]],                          \
+   uint thread_index [[thread_index_in_threadgroup]],                     \
+   uint simd_index [[simdgroup_index_in_threadgroup]],                    \
+   uint lane [[thread_index_in_simdgroup]])
+
+#define JFM_DECODE_THREADS(T, D) jfm_tile_threads(JFM_KERNEL_DECODE_PARTIAL, int(sizeof(T)), D)
+
+// One threadgroup per (split, kv head, batch). The rows' visible union [U_lo, U_hi] (from query
+// positions 0 and q_valid - 1: bounds are monotone in the position) is cut into `splits` runs
+// of whole key blocks, split s taking run s; a split past the union writes empty rows (m the
+// sentinel, l = 0, O = 0), so every workspace row pass 2 reads is written.
+template <typename T, int D>
+[[max_total_threads_per_threadgroup(JFM_DECODE_THREADS(T, D))]] kernel void
+flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
+  constexpr int EB = int(sizeof(T));
+  constexpr int BQ = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, EB, D);
+  constexpr int BK = jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, EB, D);
+  constexpr int THREADS = JFM_DECODE_THREADS(T, D);
+  constexpr bool ONE_KV_BUFFER = jfm_fwd_kv_one_buffer(EB, D);
+  constexpr int LD = jfm_tile_stride<T>(D);
+  constexpr int DF = D / 8;
+  static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
+
+  constexpr int ROW_WORDS = LD * EB / 16;
+  threadgroup uint4 q_words[BQ * ROW_WORDS];
+  threadgroup uint4 kv_words[(ONE_KV_BUFFER ? 1 : 2) * BK * ROW_WORDS];
+  threadgroup int nonfinite_v_block[1];
+  threadgroup T* q_tile = (threadgroup T*)q_words;
+  threadgroup T* kv_tile = (threadgroup T*)kv_words;
+
+  const JfmTile tile = jfm_tile_of(params, group);
+  const uint split = tile.block;
+  const uint hk = tile.head;
+  const uint b = tile.batch;
+  const uint G = params.num_heads / params.num_kv_heads;
+  const int rows = int(G * params.q_len);  // <= BQ (the host's decode rule)
+  const long q_valid = jfm_valid_len(params.has_q_lengths, q_lengths, b, params.q_len);
+  const long kv_valid = jfm_valid_len(params.has_kv_lengths, kv_lengths, b, params.kv_len);
+
+  const JfmRange32 first_keys = jfm_range32(jfm_keys_of_query(params, 0, q_valid, kv_valid),
+                                            kv_valid);
+  const JfmRange32 last_keys =
+      jfm_range32(jfm_keys_of_query(params, q_valid - 1, q_valid, kv_valid), kv_valid);
+  const bool any_row = q_valid > 0 && first_keys.lo <= last_keys.hi;
+  // This split's run of key blocks within the union's blocks [block_lo, block_hi].
+  const int block_lo = first_keys.lo / BK;
+  const int blocks = any_row ? last_keys.hi / BK - block_lo + 1 : 0;
+  const int per_split = (blocks + int(params.splits) - 1) / int(params.splits);
+  const int chunk_lo = max(first_keys.lo, (block_lo + int(split) * per_split) * BK);
+  const int chunk_hi = min(last_keys.hi, (block_lo + (int(split) + 1) * per_split) * BK - 1);
+
+  // This lane's row (g, i); rows past `rows` are padding: zero Q, no keys, never stored.
+  const JfmFragCoord at = jfm_frag_coord(lane);
+  const int band = int(simd_index) * 8;
+  const int r = band + int(at.row);
+  const int i = r < rows ? r % int(params.q_len) : int(q_valid);
+  const JfmRange32 keys = jfm_range32(jfm_keys_of_query(params, i, q_valid, kv_valid), kv_valid);
+
+  const uint q_stride = params.num_heads * uint(D);
+  const uint kv_stride = params.num_kv_heads * uint(D);
+  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
+  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
+
+  float m = JFM_MAX_SENTINEL;
+  float l = 0.0f;
+  JfmFrag acc[DF];
+  for (int d = 0; d < DF; ++d) {
+    acc[d] = jfm_frag_zero();
+  }
+
+  if (chunk_lo <= chunk_hi) {  // uniform
+    // Runs of q_len rows, one per query head of the group (rows of one head are q_stride apart,
+    // consecutive heads D apart); positions past q_valid are zero-filled.
+    jfm_load_tile_runs<T, BQ, D, THREADS, false>(
+        q_tile, q + jfm_row_offset(b, 0, hk * G, params.q_len, params.num_heads, D), q_stride,
+        params.q_len, uint(D), rows, 0, int(q_valid), thread_index);
+    if (thread_index == 0) {
+      nonfinite_v_block[0] = -1;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    jfm_attend_key_blocks<T, D, THREADS>(q_tile + band * LD, kv_tile, nonfinite_v_block, k_head,
+                                         v_head, kv_stride, first_keys, last_keys,
+                                         q_valid == long(params.q_len), chunk_lo, chunk_hi, keys,
+                                         params.scale_log2, at, thread_index, m, l, acc);
+  }
+
+  const float row_l = jfm_row_sum(l);
+  if (r < rows) {
+    device float* w_row = workspace + jfm_decode_workspace_row(b, hk, split, uint(r), params);
+    for (int d = 0; d < DF; ++d) {
+      // A row with no key in the chunk accumulated only P = 0 times finite V: acc is 0.
+      jfm_frag_store_row(w_row + d * 8, acc[d], row_l == 0.0f ? 0.0f : 1.0f / row_l, at);
+    }
+    if (at.col == 0) {
+      w_row[D] = m;
+      w_row[D + 1] = row_l;
+    }
+  }
+}
+
+#define JFM_DECODE_COMBINE_SIGNATURE(T)                                   \
+  (device const float* workspace [[buffer(JFM_BUFFER_WORKSPACE)]],        \
+   device T* o [[buffer(JFM_BUFFER_O)]],                                  \
+   device float* lse [[buffer(JFM_BUFFER_LSE)]],                          \
+   device float* l2 [[buffer(JFM_BUFFER_L2)]],                            \
+   constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
+   uint3 group [[threadgroup_position_in_grid]],                          \
+   uint lane [[thread_index_in_simdgroup]])
+
+// One simdgroup per row (r, kv head, batch); lane t reads the statistics of splits t, t + 32, ...
+// once, and the weights are broadcast split by split. M = max m_s, then in split order
+// w_s = l_s 2^(m_s - M), W = sum w_s, O = sum w_s O_s / W, L2 = M + log2(W), LSE = L2 ln 2; a row
+// with W = 0 saw no key: O = 0, LSE = -inf, L2 = JFM_EMPTY_ROW_L2 (as the forward).
+template <typename T, int D>
+[[max_total_threads_per_threadgroup(JFM_SIMD_WIDTH)]] kernel void
+flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
+  constexpr int DL = (D + JFM_SIMD_WIDTH - 1) / JFM_SIMD_WIDTH;  // head dims per lane
+  const JfmTile tile = jfm_tile_of(params, group);
+  const uint r = tile.block;
+  const uint hk = tile.head;
+  const uint b = tile.batch;
+  const uint G = params.num_heads / params.num_kv_heads;
+  const uint h = hk * G + r / params.q_len;
+  const uint i = r % params.q_len;
+  const uint splits = params.splits;
+
+  float big_m = JFM_MAX_SENTINEL;
+  for (uint s = lane; s < splits; s += JFM_SIMD_WIDTH) {
+    big_m = max(big_m, workspace[jfm_decode_workspace_row(b, hk, s, r, params) + D]);
+  }
+  big_m = simd_max(big_m);
+
+  float weights = 0.0f;
+  float sum[DL];
+  for (int n = 0; n < DL; ++n) {
+    sum[n] = 0.0f;
+  }
+  float lane_w = 0.0f;  // w of split s0 + lane
+  for (uint s = 0; s < splits; ++s) {  // uniform
+    if (s % JFM_SIMD_WIDTH == 0) {
+      const uint mine = s + lane;
+      lane_w = 0.0f;
+      if (mine < splits) {
+        device const float* stats =
+            workspace + jfm_decode_workspace_row(b, hk, mine, r, params) + D;
+        lane_w = stats[1] * fast::exp2(stats[0] - big_m);
+      }
+    }
+    const float w = simd_shuffle(lane_w, ushort(s % JFM_SIMD_WIDTH));
+    weights += w;
+    device const float* w_row = workspace + jfm_decode_workspace_row(b, hk, s, r, params);
+    for (int n = 0; n < DL; ++n) {
+      const uint d = lane + uint(n) * JFM_SIMD_WIDTH;
+      if (d < uint(D)) {
+        sum[n] += w * w_row[d];
+      }
+    }
+  }
+  const bool empty = weights == 0.0f;
+  device T* o_row = o + jfm_row_offset(b, i, h, params.q_len, params.num_heads, D);
+  for (int n = 0; n < DL; ++n) {
+    const uint d = lane + uint(n) * JFM_SIMD_WIDTH;
+    if (d < uint(D)) {
+      jfm_store(o_row + d, empty ? 0.0f : sum[n] / weights);
+    }
+  }
+  if (lane == 0) {
+    const ulong stat = jfm_stat_offset(b, h, i, params.num_heads, params.q_len);
+    const float row_l2 = big_m + precise::log2(weights);
+    l2[stat] = empty ? JFM_EMPTY_ROW_L2 : row_l2;
+    lse[stat] = empty ? jfm_negative_infinity() : row_l2 * JFM_LN2;
+  }
+}
+
+// Explicit instantiations, one line per (type, head dim), under the host names.
+#define JFM_INSTANTIATE_DECODE(PARTIAL, COMBINE, T, D)                                     \
+  JFM_IF_FAMILY(T, D,                                                                      \
+      template [[host_name(PARTIAL)]] kernel void flash_attention_decode_partial<T, D>     \
+          JFM_DECODE_PARTIAL_SIGNATURE(T);                                                 \
+      template [[host_name(COMBINE)]] kernel void flash_attention_decode_combine<T, D>     \
+          JFM_DECODE_COMBINE_SIGNATURE(T);)
+
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d8",
+                       "flash_attention_decode_combine_f32_d8", float, 8)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d16",
+                       "flash_attention_decode_combine_f32_d16", float, 16)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d32",
+                       "flash_attention_decode_combine_f32_d32", float, 32)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d48",
+                       "flash_attention_decode_combine_f32_d48", float, 48)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d64",
+                       "flash_attention_decode_combine_f32_d64", float, 64)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d72",
+                       "flash_attention_decode_combine_f32_d72", float, 72)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d80",
+                       "flash_attention_decode_combine_f32_d80", float, 80)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d96",
+                       "flash_attention_decode_combine_f32_d96", float, 96)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d112",
+                       "flash_attention_decode_combine_f32_d112", float, 112)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d128",
+                       "flash_attention_decode_combine_f32_d128", float, 128)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d160",
+                       "flash_attention_decode_combine_f32_d160", float, 160)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d192",
+                       "flash_attention_decode_combine_f32_d192", float, 192)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d256",
+                       "flash_attention_decode_combine_f32_d256", float, 256)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d8",
+                       "flash_attention_decode_combine_f16_d8", half, 8)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d16",
+                       "flash_attention_decode_combine_f16_d16", half, 16)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d32",
+                       "flash_attention_decode_combine_f16_d32", half, 32)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d48",
+                       "flash_attention_decode_combine_f16_d48", half, 48)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d64",
+                       "flash_attention_decode_combine_f16_d64", half, 64)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d72",
+                       "flash_attention_decode_combine_f16_d72", half, 72)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d80",
+                       "flash_attention_decode_combine_f16_d80", half, 80)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d96",
+                       "flash_attention_decode_combine_f16_d96", half, 96)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d112",
+                       "flash_attention_decode_combine_f16_d112", half, 112)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d128",
+                       "flash_attention_decode_combine_f16_d128", half, 128)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d160",
+                       "flash_attention_decode_combine_f16_d160", half, 160)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d192",
+                       "flash_attention_decode_combine_f16_d192", half, 192)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d256",
+                       "flash_attention_decode_combine_f16_d256", half, 256)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d8",
+                       "flash_attention_decode_combine_bf16_d8", ushort, 8)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d16",
+                       "flash_attention_decode_combine_bf16_d16", ushort, 16)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d32",
+                       "flash_attention_decode_combine_bf16_d32", ushort, 32)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d48",
+                       "flash_attention_decode_combine_bf16_d48", ushort, 48)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d64",
+                       "flash_attention_decode_combine_bf16_d64", ushort, 64)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d72",
+                       "flash_attention_decode_combine_bf16_d72", ushort, 72)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d80",
+                       "flash_attention_decode_combine_bf16_d80", ushort, 80)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d96",
+                       "flash_attention_decode_combine_bf16_d96", ushort, 96)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d112",
+                       "flash_attention_decode_combine_bf16_d112", ushort, 112)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d128",
+                       "flash_attention_decode_combine_bf16_d128", ushort, 128)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d160",
+                       "flash_attention_decode_combine_bf16_d160", ushort, 160)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d192",
+                       "flash_attention_decode_combine_bf16_d192", ushort, 192)
+JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d256",
+                       "flash_attention_decode_combine_bf16_d256", ushort, 256)

@@ -1,0 +1,166 @@
+"""The split-KV decode path (KERNELS.md section 5; shaders/flash_attention_decode.metal) through
+the emulated device's FFI handler: when it is chosen, its results against the float64 oracle
+(forward and, through the residuals it writes, the regular backward) and against the tiled
+forward kernel for the same call, bit-identical results under every emulator schedule, and the
+structural memory properties of its profile (device bytes read within 1.15x the visible K/V).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernel_harness as kh
+from api_helpers import check_against_oracle, make_inputs
+
+ext = pytest.importorskip("jax_flash_metal._ext")
+from jax_flash_metal import ffi_lowering, profile  # noqa: E402,F401 (registers the targets)
+
+TYPE = {jnp.float32: "f32", jnp.float16: "f16", jnp.bfloat16: "bf16"}
+FWD = "jax_flash_metal_attention_fwd_emulator"
+
+
+def _splits(q, k):
+    return ext.decode_splits(TYPE[q.dtype.type], q.shape[0], q.shape[1], k.shape[1], q.shape[2],
+                             k.shape[2], q.shape[3])[0]
+
+
+def test_decode_is_chosen_for_short_queries_whose_rows_fit_a_tile():
+    rows = ext.tile_shape("decode_partial", "f16", 128)["rows"]
+    assert rows == 32
+    assert ext.decode_splits("f16", 1, 1, 8192, 32, 8, 128) == (16, 16 * 1 * 32 * 1 * 130)
+    assert ext.decode_splits("f16", 1, 16, 8192, 16, 8, 128)[0] > 0  # G * q_len = 32
+    assert ext.decode_splits("f16", 1, 17, 8192, 8, 8, 128)[0] == 0  # q_len > 16
+    assert ext.decode_splits("f16", 1, 9, 8192, 32, 8, 128)[0] == 0  # G * q_len = 36 > 32
+    assert ext.decode_splits("f32", 1, 5, 100, 16, 4, 256)[0] == 0  # 20 rows > the 16 of f32 D256
+    # Splits: 4 threadgroups per core (the emulator's 32 cores), at least 256 keys each.
+    assert ext.gpu_cores("emulator") == 32
+    assert ext.decode_splits("f16", 8, 1, 8192, 32, 8, 128)[0] == 2
+    assert ext.decode_splits("f16", 1, 1, 700, 32, 8, 128)[0] == 3
+    assert ext.decode_splits("f16", 1, 1, 1, 32, 8, 128)[0] == 1
+    assert ext.gpu_cores_by_name("Apple M2 Max") == 38
+    assert ext.gpu_cores_by_name("Some future GPU") == 10
+    kernels = [d["kernel"] for s in ext.dispatch_plan("fwd", "f16", 1, 1, 8192, 32, 8, 128)
+               for d in s]
+    assert kernels == ["flash_attention_decode_partial_f16_d128",
+                       "flash_attention_decode_combine_f16_d128"]
+
+
+# (batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, mask): q_len 1-16, kv_len 1 to a few
+# thousand around the 256-key split minimum and the key blocks, GQA groups 1-8, lengths (0
+# included), windows, both alignments, every pass-1 tile layout (Q in registers or not, one or
+# two K/V buffers, 16-row f32 D256 tiles).
+CASES = [
+    (1, 1, 1, 1, 1, 16, jnp.float32, {}),
+    (1, 1, 257, 8, 1, 16, jnp.float32, {}),
+    (2, 4, 511, 8, 2, 32, jnp.float16,
+     dict(is_causal=True, causal_alignment="bottom_right",
+          key_value_seq_lengths=np.array([0, 300], np.int32))),
+    (3, 16, 777, 2, 2, 16, jnp.float32,
+     dict(is_causal=True, causal_alignment="bottom_right",
+          key_value_seq_lengths=np.array([777, 5, 400], np.int32),
+          query_seq_lengths=np.array([16, 3, 0], np.int32))),
+    (1, 2, 3001, 4, 4, 16, jnp.bfloat16,
+     dict(is_causal=True, causal_alignment="bottom_right", local_window_size=(64, 0))),
+    (2, 8, 300, 8, 2, 64, jnp.float32, dict(is_causal=True, local_window_size=(None, 40))),
+    (1, 5, 1000, 6, 3, 8, jnp.float32, dict(local_window_size=(10, 10))),
+    (1, 16, 2000, 2, 1, 128, jnp.float16, dict(is_causal=True, causal_alignment="bottom_right")),
+    (1, 4, 600, 4, 1, 256, jnp.float32,
+     dict(key_value_seq_lengths=np.array([513], np.int32), scale=0.3)),
+    (4, 1, 1500, 4, 2, 96, jnp.bfloat16,
+     dict(is_causal=True, causal_alignment="bottom_right",
+          key_value_seq_lengths=np.array([1500, 1, 0, 256], np.int32))),
+]
+
+
+def _mask(mask):
+    return {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in mask.items()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{n}" for n in range(len(CASES))])
+def test_decode_matches_the_oracle_forward_and_backward(case):
+    batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, mask = case
+    q, k, v, do, g_lse = make_inputs(q_len * 31 + kv_len, batch, q_len, kv_len, heads, kv_heads,
+                                     head_dim, dtype)
+    assert _splits(q, k) > 0
+    check_against_oracle(q, k, v, do, g_lse, implementation="emulator", **_mask(mask))
+
+
+def _ffi_forward(q, k, v, mask):
+    """(o, lse, l2) of the forward target called directly (l2: the backward's residual)."""
+    _, elements = ext.decode_splits(TYPE[q.dtype.type], q.shape[0], q.shape[1], k.shape[1],
+                                    q.shape[2], k.shape[2], q.shape[3])
+    b, tq, h, _ = q.shape
+    left, right = kh.window_bounds(mask.get("local_window_size"))
+    lengths = [jnp.asarray(mask[n]) for n in ("query_seq_lengths", "key_value_seq_lengths")
+               if n in mask]
+    scale = mask.get("scale", 1.0 / np.sqrt(q.shape[3]))
+    out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32),
+           jax.ShapeDtypeStruct((b, h, tq), jnp.float32),
+           jax.ShapeDtypeStruct((elements,), jnp.float32))
+    attrs = dict(scale=np.float32(scale), is_causal=bool(mask.get("is_causal", False)),
+                 window_left=np.int32(left), window_right=np.int32(right),
+                 bottom_right=mask.get("causal_alignment") == "bottom_right",
+                 has_q_lengths="query_seq_lengths" in mask,
+                 has_kv_lengths="key_value_seq_lengths" in mask)
+    return [np.asarray(x) for x in jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **attrs)[:3]]
+
+
+@pytest.mark.parametrize("case", CASES[2:6], ids=[f"case{n}" for n in range(2, 6)])
+def test_decode_agrees_with_the_tiled_forward(case):
+    """O, LSE and L2 of the decode path and of the tiled forward kernel (run directly) for the
+    same call: within tolerance (not bits; the splits sum in another order); empty rows alike."""
+    batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, mask = case
+    q, k, v, _, _ = make_inputs(7, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype)
+    o, lse, l2 = _ffi_forward(q, k, v, mask)
+    fo, flse, fl2 = kh.forward(*(np.array(x) for x in (q, k, v)), **mask)
+    empty = np.isneginf(flse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty)
+    np.testing.assert_array_equal(l2[empty], fl2[empty])
+    np.testing.assert_allclose(lse[~empty], flse[~empty], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(l2[~empty], fl2[~empty], rtol=1e-5, atol=1e-5)
+    atol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(fo, np.float32), atol=atol)
+
+
+def test_decode_is_bit_identical_under_every_schedule():
+    batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, mask = CASES[3]
+    q, k, v, _, _ = make_inputs(3, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype)
+    before = ext.emulator_schedule()
+    runs = []
+    try:
+        for name, seed in (("forward", 0), ("reverse", 0), ("random", 5)):
+            ext.set_emulator_schedule(name, seed)
+            runs.append(_ffi_forward(q, k, v, mask))
+    finally:
+        ext.set_emulator_schedule(*before)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+class _Args:
+    def __init__(self, **kw):
+        self.__dict__.update(dict(causal=True, causal_alignment="bottom_right", window=None,
+                                  q_lengths=None, kv_lengths=None, seed=0), **kw)
+
+
+@pytest.mark.parametrize("kv_lengths", [None, [2048, 100, 0, 1500]])
+def test_decode_profile_reads_each_visible_key_and_value_about_once(kv_lengths):
+    """Device bytes read by both passes <= 1.15x the visible K and V bytes (each K/V element of
+    a KV head read once, Q and the workspace small next to them); pass 1 has splits x kv heads x
+    batch threadgroups."""
+    batch = 1 if kv_lengths is None else len(kv_lengths)
+    problem = profile.Problem(_Args(batch=batch, q_len=1, kv_len=2048, heads=8, kv_heads=2,
+                                    kv_lengths=kv_lengths), "float16", 32)
+    runs = profile.run_problem(problem, ["forward"])
+    kernels = [r["kernel"] for _, r in runs]
+    assert kernels == ["flash_attention_decode_partial_f16_d32",
+                       "flash_attention_decode_combine_f16_d32"]
+    splits, _ = ext.decode_splits("f16", batch, 1, 2048, 8, 2, 32)
+    assert runs[0][1]["threadgroups"] == splits * 2 * batch
+    visible_keys = sum(kv_lengths or [2048])
+    kv_bytes = 2 * visible_keys * 2 * 32 * 2  # K and V, kv heads, head dim, 2 bytes
+    read = sum(r["device_bytes_read"] for _, r in runs)
+    assert runs[0][1]["buffers"][1]["read"] == kv_bytes // 2  # K: every visible element once
+    assert read <= 1.15 * kv_bytes, (read, kv_bytes)

@@ -1,0 +1,42 @@
+"""The installed package is typed (py.typed, return_lse overloads) and importing it loads no
+framework integration (Flax, Equinox)."""
+
+import importlib.resources
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def test_import_loads_no_framework():
+    code = ("import sys, jax_flash_metal; "
+            "print(sorted(m for m in ('flax', 'equinox') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd="/")
+    assert out.stdout.strip() == "[]"
+
+
+def test_py_typed_is_installed():
+    assert importlib.resources.files("jax_flash_metal").joinpath("py.typed").is_file()
+
+
+@pytest.mark.slow  # mypy on jax takes tens of seconds
+def test_return_type_follows_return_lse(tmp_path, monkeypatch):
+    api = pytest.importorskip("mypy.api")
+    monkeypatch.chdir(tmp_path)  # the installed package, not the source tree
+    (tmp_path / "use.py").write_text(textwrap.dedent("""
+        import jax.numpy as jnp
+        from jax_flash_metal import flash_attention
+        q = jnp.zeros((1, 4, 2, 16))
+        reveal_type(flash_attention(q, q, q))
+        reveal_type(flash_attention(q, q, q, return_lse=True))
+        flash_attention(q, q, q, is_causal="yes")
+    """))
+    stdout, _, status = api.run(["use.py", "--cache-dir", "cache", "--no-error-summary"])
+    lines = stdout.splitlines()
+    assert status == 1, stdout  # the one deliberate error
+    assert 'use.py:5: note: Revealed type is "jax._src.basearray.Array"' in lines, stdout
+    assert ('use.py:6: note: Revealed type is "tuple[jax._src.basearray.Array, '
+            'jax._src.basearray.Array]"') in lines, stdout
+    assert any(line.startswith("use.py:7: error: No overload variant") for line in lines), stdout
