@@ -367,12 +367,12 @@ def test_handlers_refuse_the_optional_features(attrs, name):
     until kernels read them, before any operand is looked at."""
     rng = np.random.default_rng(3)
     q = _normal(rng, (1, 4, 2, 16))
-    o, lse = _fwd_call(q, q, q)
+    o, lse, l2 = _fwd_call(q, q, q)
     message = f"{name} not supported by the fused kernels yet"
     with pytest.raises(Exception, match=message):
         _fwd_call(q, q, q, **attrs)
     with pytest.raises(Exception, match=message):
-        _bwd_call(q, q, q, o, lse, q, jnp.zeros(lse.shape, jnp.float32), **attrs)
+        _bwd_call(q, q, q, o, l2, q, jnp.zeros(lse.shape, jnp.float32), **attrs)
 
 
 def test_compiled_hlo_has_custom_calls_only_on_the_fused_path():
