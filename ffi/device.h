@@ -99,6 +99,13 @@ std::string apple_gpu_gate(const std::string& name, bool apple7, bool unified_me
 Device* metal_device();
 std::string metal_unavailable_reason();
 
+// Seconds of GPU time (GPUEndTime - GPUStartTime) of every Metal command buffer that completed
+// successfully in this process so far, 0 without a Metal device. A process-wide total rather
+// than a per-call figure: XLA may run a handler on a thread other than the caller's, so a caller
+// reads the total before and after its call; the difference is that call's GPU time when no other
+// Metal call runs at the same time (concurrent calls add to the same total).
+double metal_gpu_seconds_total();
+
 // Test hook: while non-empty, a Metal command buffer holding this kernel is reported as failed
 // (through the same path as a real GPU error, with a synthetic encoder status), so tests on a
 // Mac can check that command buffer errors surface as JAX exceptions naming the kernel.

@@ -14,13 +14,14 @@
 //
 // Each submission is one command buffer created with encoder execution status, one encoder per
 // dispatch labelled with its kernel, so a failed command buffer names the dispatch that faulted.
-// The GPU time of every completed command buffer refines the throughput estimate that sizes
-// later submissions (dispatch_plan.h).
+// The GPU time of every completed command buffer (GPUEndTime - GPUStartTime) refines the
+// throughput estimate that sizes later submissions (dispatch_plan.h) and is added to a
+// process-wide total (metal_gpu_seconds_total, for the benchmark).
 //
 // Memory management: ARC (this file is compiled with -fobjc-arc; there is no manual
 // retain/release). Every method that touches Metal objects runs inside @autoreleasepool.
 // Thread safety: libraries and pipelines are built under one mutex; the staging pool has its
-// own; the throughput estimate is atomic; MTLCommandQueue is itself thread-safe, so handlers may
+// own; the throughput estimate and the GPU-time total are atomic; MTLCommandQueue is itself thread-safe, so handlers may
 // run concurrently.
 #import <Foundation/Foundation.h>
 #import <Metal/Metal.h>
@@ -258,6 +259,9 @@ class MetalDevice final : public Device {
 
   double multiply_adds_per_second() override { return throughput_.load(); }
 
+  // Seconds of GPU time of every command buffer completed so far.
+  double gpu_seconds_total() const { return gpu_seconds_.load(); }
+
   // Whether a pipeline failed the gate (not 32-wide simdgroups); lock-free, as every handler
   // call asks it while another may hold mutex_ compiling.
   bool gate_failed() const { return gate_failed_.load(); }
@@ -287,7 +291,9 @@ class MetalDevice final : public Device {
         } else if (!fault.empty() && c.holds(fault)) {
           error = failure_message(injected_error(c.labels, fault), c.labels);
         } else {
-          calibrate(c.multiply_adds, c.command_buffer.GPUEndTime - c.command_buffer.GPUStartTime);
+          const double seconds = c.command_buffer.GPUEndTime - c.command_buffer.GPUStartTime;
+          calibrate(c.multiply_adds, seconds);
+          add_gpu_seconds(seconds);
         }
       }
       for (const Staged& s : call.staged) {
@@ -344,6 +350,14 @@ class MetalDevice final : public Device {
     const double next =
         observed < current ? observed : current * std::pow(observed / current, 0.25);
     throughput_.store(std::clamp(next, 1e8, 1e15));
+  }
+
+  // Adds to the GPU-time total (std::atomic<double> has no fetch_add before C++20).
+  void add_gpu_seconds(double seconds) {
+    if (!(seconds > 0)) return;
+    double total = gpu_seconds_.load();
+    while (!gpu_seconds_.compare_exchange_weak(total, total + seconds)) {
+    }
   }
 
   // The library holding `kernel`, compiling its (source, dtype, head dim) family on first use;
@@ -558,6 +572,7 @@ class MetalDevice final : public Device {
   const std::vector<std::string> catalogue_;  // sorted, as emu::kernel_names()
   std::atomic<double> throughput_{kInitialMultiplyAddsPerSecond};
   std::atomic<bool> gate_failed_{false};
+  std::atomic<double> gpu_seconds_{0.0};
 
   std::mutex mutex_;  // guards everything below
   std::string library_error_;
@@ -614,6 +629,11 @@ Device* metal_device() {
 std::string metal_unavailable_reason() {
   const MetalState& state = metal_state();
   return state.device != nullptr ? state.device->gate_failure() : state.unavailable_reason;
+}
+
+double metal_gpu_seconds_total() {
+  const MetalDevice* device = metal_state().device;
+  return device != nullptr ? device->gpu_seconds_total() : 0.0;
 }
 
 void set_metal_fault(const std::string& kernel) {

@@ -1,9 +1,11 @@
 // jax_flash_metal._ext: one nanobind module for the whole native side.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -119,6 +121,22 @@ void bind_devices(nb::module_& m) {
       nb::arg("implementation"),
       "float: the throughput estimate that sizes submissions on that device (fixed on the "
       "emulator; on Metal refined from the GPU time of earlier command buffers).");
+  m.def(
+      "gpu_seconds_total",
+      [](const std::string& implementation) -> std::optional<double> {
+        Device& device = device_named(implementation);
+#ifdef JFM_HAVE_METAL
+        if (&device == metal_device()) return metal_gpu_seconds_total();
+#endif
+        (void)device;
+        return std::nullopt;  // the emulated device has no GPU clock
+      },
+      nb::arg("implementation"),
+      "float | None: seconds of GPU time (MTLCommandBuffer GPUEndTime - GPUStartTime) of every "
+      "command buffer completed so far in this process on 'metal'; None on 'emulator'. A "
+      "process-wide total: read it before and after a call (blocked until ready) for that call's "
+      "GPU time, exact when no other Metal call runs concurrently. ValueError if that device is "
+      "unavailable.");
   m.def("_metal_gate", &apple_gpu_gate, nb::arg("name"), nb::arg("apple7"),
         nb::arg("unified_memory"), nb::arg("simd_width"),
         "The Metal device's GPU requirement (GPU family Apple7+, unified memory, 32-wide "

@@ -13,7 +13,12 @@ causal setting it reports:
 - decode rows (``--decode-kv-lens``, seq shown as ``1xN``): one query against N cached keys, as
   in sampling with a KV cache; the fused implementations run the split-KV decode kernels.
 - achieved TFLOP/s from model FLOPs (same count for every method, see ``attention_flops``), and on
-  Apple silicon with the metal implementation the percentage of the GPU's estimated peak.
+  Apple silicon with the metal implementation the percentage of the GPU's estimated peak
+  (``apple_gpu_peak_tflops``, from ``roofline.GPUS``).
+- flash:metal rows also get GPU time: per timed call, the GPU seconds of its Metal command
+  buffers (``MTLCommandBuffer`` ``GPUEndTime - GPUStartTime``, read from the extension's
+  process-wide total before and after the call); the median is shown with the TFLOP/s from it.
+  The percentage of peak is taken from the GPU time where it was measured, else the wall time.
 
 After the table it prints, for ``--ratio-method`` (default flash:xla) against jax.nn, the ratios
 of forward+backward time, compile time and temporary memory per configuration, and how each
@@ -43,11 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash_metal
-from jax_flash_metal import flash_attention, implementations, reference_attention
+from jax_flash_metal import flash_attention, implementations, reference_attention, roofline
 
-# GPU clock (GHz) of Apple-silicon generations; peak FP32 = cores x 128 ALUs x 2 (FMA) x clock.
-# Only generations whose clock is published reliably are listed; use --peak-tflops for others.
-_APPLE_GPU_GHZ = {"M1": 1.278, "M2": 1.398}
 EMULATOR_NOTE = ("flash:emulator runs the Metal kernels in the MSL-on-CPU emulator: slow by design "
                  "(it exists to test the kernels without a Mac), so it is timed only at small "
                  "sizes")
@@ -96,25 +98,43 @@ def attention_flops(batch: int, heads: int, q_len: int, kv_len: int, head_dim: i
     return 4 * unit, 14 * unit
 
 
-def apple_gpu_peak_tflops(gpu_name: str) -> tuple[float | None, str]:
-    """(estimated peak FP32 TFLOP/s, description) of the Apple GPU named ``gpu_name`` (as reported
-    by ``jax_flash_metal.devices()["metal"]``, e.g. "Apple M2 Pro"), or (None, reason).
-
-    The GPU core count comes from ``system_profiler`` (macOS only)."""
-    gen = re.match(r"Apple (M\d+)", gpu_name)
-    if not gen or gen.group(1) not in _APPLE_GPU_GHZ:
-        return None, f"{gpu_name}: peak unknown (pass --peak-tflops)"
+def system_gpu_cores() -> int | None:
+    """The GPU core count ``system_profiler`` reports (macOS), or None where it cannot be read."""
     try:
         info = subprocess.run(["system_profiler", "SPDisplaysDataType"], capture_output=True,
                               text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"{gpu_name}: could not read the GPU core count ({e})"
+    except (OSError, subprocess.SubprocessError):
+        return None
     cores = re.search(r"Total Number of Cores:\s*(\d+)", info)
-    if not cores:
-        return None, f"{gpu_name}: GPU core count unknown (pass --peak-tflops)"
-    n = int(cores.group(1))
-    peak = n * 128 * 2 * _APPLE_GPU_GHZ[gen.group(1)] / 1e3
-    return peak, f"{gpu_name}, {n} GPU cores, estimated peak {peak:.1f} TFLOP/s FP32"
+    return int(cores.group(1)) if cores else None
+
+
+def apple_gpu_peak_tflops(gpu_name: str, cores: int | None) -> tuple[float | None, str]:
+    """(estimated peak FP32 TFLOP/s, description) of the Apple GPU named ``gpu_name`` (as reported
+    by ``jax_flash_metal.devices()["metal"]``, e.g. "Apple M2 Pro") with ``cores`` GPU cores
+    (``system_gpu_cores()``; None = not known), or (None, reason).
+
+    Peak = cores x 128 ALUs x 2 (FMA) x clock, the clock from ``roofline.GPUS``: the entry of that
+    chip ("Apple M1 Max" -> "M1 Max"), else of its generation's first entry (e.g. M2 Pro -> the
+    M2 Max clock, said in the description). Without ``cores`` the table's core count (largest
+    configuration) is used for a chip in the table; for another chip the peak is unknown.
+    """
+    chip = re.match(r"Apple (M\d+)\b(.*)$", gpu_name)
+    if not chip:
+        return None, f"{gpu_name}: not an Apple M-series GPU, peak unknown (pass --peak-tflops)"
+    name = f"{chip.group(1)}{chip.group(2).rstrip()}"
+    gpu = roofline.GPUS.get(name)
+    note = ""
+    if gpu is None:
+        gpu = next((g for g in roofline.GPUS.values() if g.name.split()[0] == chip.group(1)), None)
+        if gpu is None or cores is None:
+            return None, f"{gpu_name}: peak unknown (pass --peak-tflops)"
+        note = f", {gpu.name} clock assumed"
+    n = gpu.cores if cores is None else cores
+    source = "" if cores is not None else " (largest configuration)"
+    peak = gpu.peak_flops * n / gpu.cores / 1e12
+    return peak, (f"{gpu_name}, {n} GPU cores{source}, {gpu.clock_ghz} GHz{note}, estimated peak "
+                  f"{peak:.1f} TFLOP/s FP32")
 
 
 @dataclasses.dataclass
@@ -133,6 +153,8 @@ class Row:
     fwdbwd_flops: int
     compile_s: float | None = None
     q_len: int | None = None  # decode rows: q_len queries against seq_len keys (else q = seq_len)
+    fwd_gpu_ms: float | None = None  # flash:metal only: median GPU time of the timed calls
+    fwdbwd_gpu_ms: float | None = None
 
 
 def _temp_bytes(compiled) -> int | None:
@@ -175,22 +197,43 @@ def compile_pair(fn, causal: bool, q, k, v, ct):
     return fwd, fwdbwd, time.perf_counter() - start
 
 
-def time_interleaved(compiled: dict, args: dict, repeats: int) -> dict:
-    """Median milliseconds per name of ``compiled[name](*args[name])``: one warm-up call each,
-    then ``repeats`` rounds that call every function once in turn."""
+def metal_gpu_seconds() -> float:
+    """The Metal device's process-wide GPU seconds so far (``_ext.gpu_seconds_total``)."""
+    from jax_flash_metal import _ext  # the native extension: only imported where metal runs
+    return _ext.gpu_seconds_total("metal")
+
+
+def time_interleaved(compiled: dict, args: dict, repeats: int,
+                     gpu_timers: dict | None = None) -> tuple[dict, dict]:
+    """(wall ms, GPU ms): median milliseconds per name of ``compiled[name](*args[name])``: one
+    warm-up call each, then ``repeats`` rounds that call every function once in turn.
+
+    ``gpu_timers`` maps some names to a function returning cumulative GPU seconds (e.g.
+    ``metal_gpu_seconds``); for those, the GPU ms are the median of its increase over each timed
+    call. Names without a timer are not in the GPU ms dict.
+    """
+    gpu_timers = gpu_timers or {}
     for name, fn in compiled.items():
         jax.block_until_ready(fn(*args[name]))
     times: dict[str, list[float]] = {name: [] for name in compiled}
+    gpu: dict[str, list[float]] = {name: [] for name in compiled if name in gpu_timers}
     for _ in range(repeats):
         for name, fn in compiled.items():
+            timer = gpu_timers.get(name)
+            before = timer() if timer else 0.0
             times[name].append(_call_s(fn, args[name]))
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+            if timer:
+                gpu[name].append(timer() - before)
+
+    def median_ms(series):
+        return {name: 1e3 * statistics.median(t) for name, t in series.items()}
+    return median_ms(times), median_ms(gpu)
 
 
 def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch=1, heads=8,
                   kv_heads=None, dtype="float32", repeats=5, run_up_to=2048,
                   emulator_max_len=256, progress=None, decode_kv_lens=(),
-                  decode_q_len=1) -> list[Row]:
+                  decode_q_len=1, gpu_timers=None) -> list[Row]:
     """Measure every (method, head_dim, causal, seq_len), then every (method, head_dim, kv_len
     of ``decode_kv_lens``) with ``decode_q_len`` queries; returns the rows in that order.
 
@@ -199,30 +242,38 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
     compiled: their rows have memory and compile time but no times.
 
     ``progress``, if given, is called with each finished row (for printing as we go).
+    ``gpu_timers`` maps method names to cumulative GPU-seconds functions (``time_interleaved``);
+    default: ``metal_gpu_seconds`` for flash:metal when it is benchmarked.
     """
     kv_heads = heads if kv_heads is None else kv_heads
     table = methods(method_names)
+    if gpu_timers is None:
+        gpu_timers = {"flash:metal": metal_gpu_seconds} if "flash:metal" in table else {}
     rows = {}
 
     def measure_point(head_dim, causal, seq_len, q_len):
         """Every method at one point, timed interleaved; q_len None = seq_len (square)."""
         q, k, v, ct = inputs(batch=batch, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
                              head_dim=head_dim, dtype=jnp.dtype(dtype), q_len=q_len)
-        compiled, timed = {}, {}
+        compiled, timed, timers = {}, {}, {}
         for name, fn in table.items():
             compiled[name] = compile_pair(fn, causal, q, k, v, ct)
             longest = min(run_up_to, emulator_max_len) if name == "flash:emulator" \
                 else run_up_to
             if seq_len <= longest:
-                timed[name + " fwd"] = compiled[name][0]
-                timed[name + " fwd+bwd"] = compiled[name][1]
-        ms = time_interleaved(timed, {n: (q, k, v) if n.endswith(" fwd") else (q, k, v, ct)
-                                      for n in timed}, repeats)
+                for part, call in ((" fwd", compiled[name][0]), (" fwd+bwd", compiled[name][1])):
+                    timed[name + part] = call
+                    if name in gpu_timers:
+                        timers[name + part] = gpu_timers[name]
+        ms, gpu_ms = time_interleaved(
+            timed, {n: (q, k, v) if n.endswith(" fwd") else (q, k, v, ct) for n in timed},
+            repeats, timers)
         flops = attention_flops(batch, heads, q_len or seq_len, seq_len, head_dim, causal)
         for name, (fwd, fwdbwd, compile_s) in compiled.items():
             row = Row(name, seq_len, head_dim, causal, ms.get(name + " fwd"),
                       ms.get(name + " fwd+bwd"), _temp_bytes(fwd), _temp_bytes(fwdbwd), *flops,
-                      compile_s, q_len=q_len)
+                      compile_s, q_len=q_len, fwd_gpu_ms=gpu_ms.get(name + " fwd"),
+                      fwdbwd_gpu_ms=gpu_ms.get(name + " fwd+bwd"))
             rows[name, head_dim, causal, seq_len, q_len] = row
             if progress is not None:
                 progress(row)
@@ -300,27 +351,37 @@ def format_growth(entries: list[dict]) -> str:
 
 
 COLUMNS = ("method", "seq", "hdim", "causal", "fwd ms", "fwd+bwd ms", "fwd temp MiB",
-           "fwd+bwd temp MiB", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "compile s")
+           "fwd+bwd temp MiB", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "compile s", "fwd GPU ms",
+           "fwd+bwd GPU ms", "fwd GPU TFLOP/s", "fwd+bwd GPU TFLOP/s")
 
 
 def _fmt(value, spec):
     return "-" if value is None else format(value, spec)
 
 
+def _tflops(flops: int, ms: float | None) -> float | None:
+    return None if not ms else flops / (ms * 1e-3) / 1e12
+
+
 def table_cells(row: Row, peak_tflops: float | None = None) -> list[str]:
-    """The text cells of one row, in COLUMNS order (plus "% peak" cells when a peak is given)."""
-    fwd_tf = None if row.fwd_ms is None else row.fwd_flops / (row.fwd_ms * 1e-3) / 1e12
-    fb_tf = None if row.fwdbwd_ms is None else row.fwdbwd_flops / (row.fwdbwd_ms * 1e-3) / 1e12
+    """The text cells of one row, in COLUMNS order (plus "% peak" cells when a peak is given:
+    of the GPU-time TFLOP/s where measured, else of the wall-time TFLOP/s)."""
+    fwd_tf, fb_tf = _tflops(row.fwd_flops, row.fwd_ms), _tflops(row.fwdbwd_flops, row.fwdbwd_ms)
+    fwd_gpu_tf = _tflops(row.fwd_flops, row.fwd_gpu_ms)
+    fb_gpu_tf = _tflops(row.fwdbwd_flops, row.fwdbwd_gpu_ms)
     mib = 1 << 20
     seq = str(row.seq_len) if row.q_len is None else f"{row.q_len}x{row.seq_len}"
     cells = [row.method, seq, str(row.head_dim), "yes" if row.causal else "no",
              _fmt(row.fwd_ms, ".2f"), _fmt(row.fwdbwd_ms, ".2f"),
              _fmt(None if row.fwd_temp is None else row.fwd_temp / mib, ".1f"),
              _fmt(None if row.fwdbwd_temp is None else row.fwdbwd_temp / mib, ".1f"),
-             _fmt(fwd_tf, ".3g"), _fmt(fb_tf, ".3g"), _fmt(row.compile_s, ".2f")]
+             _fmt(fwd_tf, ".3g"), _fmt(fb_tf, ".3g"), _fmt(row.compile_s, ".2f"),
+             _fmt(row.fwd_gpu_ms, ".3f"), _fmt(row.fwdbwd_gpu_ms, ".3f"),
+             _fmt(fwd_gpu_tf, ".3g"), _fmt(fb_gpu_tf, ".3g")]
     if peak_tflops:
-        cells += [_fmt(None if fwd_tf is None else 100 * fwd_tf / peak_tflops, ".1f"),
-                  _fmt(None if fb_tf is None else 100 * fb_tf / peak_tflops, ".1f")]
+        for gpu_tf, wall_tf in ((fwd_gpu_tf, fwd_tf), (fb_gpu_tf, fb_tf)):
+            tf = gpu_tf if gpu_tf is not None else wall_tf
+            cells.append(_fmt(None if tf is None else 100 * tf / peak_tflops, ".1f"))
     return cells
 
 
@@ -432,7 +493,7 @@ def main(argv=None) -> list[Row]:
     where = jax_flash_metal.devices()
     peak, gpu = args.peak_tflops, None
     if peak is None and "flash:metal" in names:
-        peak, gpu = apple_gpu_peak_tflops(where["metal"])
+        peak, gpu = apple_gpu_peak_tflops(where["metal"], system_gpu_cores())
     causal_modes = {"both": [False, True], "on": [True], "off": [False]}[args.causal]
     environment = (f"jax_flash_metal {jax_flash_metal.__version__}, jax {jax.__version__}, "
                    f"{platform.machine()} {platform.system()}, {jax.device_count()} "
@@ -444,6 +505,9 @@ def main(argv=None) -> list[Row]:
           f"compile-only (memory only)")
     if gpu:
         print(f"GPU: {gpu}")
+    if "flash:metal" in names:
+        print("GPU ms: flash:metal's Metal command buffers (GPUEndTime - GPUStartTime), median per "
+              "call; % peak from GPU time where measured, else wall time")
     if "flash:emulator" in names:
         print(f"{EMULATOR_NOTE} (lengths <= {args.emulator_max_len}; longer: memory only)")
     print("FLOPs: forward 4*B*H*P*D, forward+backward 14*B*H*P*D, P = visible (query, key) pairs "

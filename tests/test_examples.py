@@ -117,6 +117,9 @@ def test_benchmark_table():
         assert len(cells) == len(benchmark.COLUMNS)
         if r.seq_len > 16:
             assert cells[4:6] == ["-", "-"]  # compile-only: memory but no time
+        if r.method != "flash:metal":  # GPU time is measured for Metal only
+            assert r.fwd_gpu_ms is None and r.fwdbwd_gpu_ms is None
+            assert cells[11:15] == ["-"] * 4
     # XLA:CPU reports memory on every supported JAX, also for compile-only rows.
     assert all(r.fwd_temp is not None and r.fwdbwd_temp is not None for r in rows)
     # The plain-jnp reference materialises the scores: temp memory grows with the sequence length.
@@ -124,15 +127,61 @@ def test_benchmark_table():
     assert ref[64] > ref[16]
 
 
-def test_benchmark_main_prints_table(capsys):
+def test_benchmark_main_prints_table(capsys, tmp_path):
+    path = tmp_path / "bench.json"
     rows = benchmark.main(["--seq-lens", "32", "--head-dims", "16", "--causal", "on",
                            "--heads", "2", "--repeats", "1", "--impls", "flash:xla,jax.nn",
-                           "--decode-kv-lens", "48"])
+                           "--decode-kv-lens", "48", "--json", str(path)])
     out = capsys.readouterr().out
     assert [(r.method, r.q_len) for r in rows] == [("flash:xla", None), ("jax.nn", None),
                                                    ("flash:xla", 1), ("jax.nn", 1)]
     assert "1x48" in out
-    assert "fwd+bwd TFLOP/s" in out and "flash:xla" in out and "jax.nn" in out
+    assert "fwd+bwd TFLOP/s" in out and "fwd+bwd GPU ms" in out
+    assert "flash:xla" in out and "jax.nn" in out
+    records = json.loads(path.read_text())["rows"]
+    assert [(r["method"], r["fwd_gpu_ms"], r["fwdbwd_gpu_ms"]) for r in records] == \
+        [(r.method, None, None) for r in rows]  # no GPU timer off Metal
+
+
+def test_benchmark_gpu_time_is_the_timer_increase_within_each_call():
+    gpu_seconds = [0.0]
+
+    def call(x):  # stands in for a compiled call whose command buffers take 2 ms of GPU time
+        gpu_seconds[0] += 2e-3
+        return x
+
+    x = np.zeros(3)
+    ms, gpu_ms = benchmark.time_interleaved({"a": call, "b": lambda x: x}, {"a": (x,), "b": (x,)},
+                                            3, {"a": lambda: gpu_seconds[0]})
+    assert set(ms) == {"a", "b"} and list(gpu_ms) == ["a"]
+    assert gpu_ms["a"] == pytest.approx(2.0)  # the warm-up call is not counted
+    assert gpu_seconds[0] == pytest.approx(4 * 2e-3)
+
+
+def test_benchmark_gpu_columns_and_percent_of_peak():
+    row = benchmark.Row("flash:metal", 1024, 64, False, fwd_ms=2.0, fwdbwd_ms=8.0, fwd_temp=0,
+                        fwdbwd_temp=0, fwd_flops=2 * 10**9, fwdbwd_flops=7 * 10**9,
+                        compile_s=1.0, fwd_gpu_ms=1.0, fwdbwd_gpu_ms=3.5)
+    cells = benchmark.table_cells(row, peak_tflops=4.0)
+    # wall 1 and 0.875 TFLOP/s; GPU 2 and 2 TFLOP/s = 50% of the 4 TFLOP/s peak
+    assert cells[8:10] == ["1", "0.875"]
+    assert cells[11:] == ["1.000", "3.500", "2", "2", "50.0", "50.0"]
+    wall_only = dataclasses.replace(row, method="flash:xla", fwd_gpu_ms=None, fwdbwd_gpu_ms=None)
+    assert benchmark.table_cells(wall_only, peak_tflops=4.0)[11:] == ["-"] * 4 + ["25.0", "21.9"]
+
+
+def test_apple_gpu_peak_from_the_roofline_table():
+    # M1: 8 cores x 256 FLOPs/cycle x 1.278 GHz = 2.617 TFLOP/s (roofline.GPUS)
+    peak, text = benchmark.apple_gpu_peak_tflops("Apple M1", None)
+    assert peak == pytest.approx(8 * 256 * 1.278e-3) and "largest configuration" in text
+    peak, _ = benchmark.apple_gpu_peak_tflops("Apple M1 Max", 24)  # binned part: 24 cores
+    assert peak == pytest.approx(24 * 256 * 1.296e-3)
+    peak, text = benchmark.apple_gpu_peak_tflops("Apple M2 Pro", 19)  # M2 Max clock
+    assert peak == pytest.approx(19 * 256 * 1.398e-3) and "M2 Max clock assumed" in text
+    for gpu in ("Apple M1 Max", "Apple M2 Max", "Apple M3 Max", "Apple M4", "Apple M4 Max"):
+        assert benchmark.apple_gpu_peak_tflops(gpu, None)[0] > 0
+    assert benchmark.apple_gpu_peak_tflops("Apple M2 Pro", None)[0] is None  # cores unknown
+    assert benchmark.apple_gpu_peak_tflops("AMD Radeon Pro 5500M", 24)[0] is None
 
 
 def test_benchmark_rejects_unknown_method():

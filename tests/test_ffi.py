@@ -9,6 +9,7 @@ import contextlib
 import re
 import shutil
 import subprocess
+import time
 
 import jax
 import jax.numpy as jnp
@@ -509,6 +510,16 @@ def test_split_submissions_and_schedules_are_bit_identical():
                                           err_msg=f"{label}: {name}")
 
 
+def test_gpu_seconds_total_is_metal_only():
+    """The emulated device has no GPU clock (None); an unavailable device is a ValueError."""
+    assert ext.gpu_seconds_total("emulator") is None
+    with pytest.raises(ValueError, match="no device 'nope'"):
+        ext.gpu_seconds_total("nope")
+    if not ext.metal_available():
+        with pytest.raises(ValueError, match="(?i)metal"):
+            ext.gpu_seconds_total("metal")
+
+
 # ------------------------------------------------------------------ macOS with a Metal GPU only
 
 @requires_metal
@@ -573,3 +584,19 @@ def test_metal_command_buffer_error_surfaces_as_jax_exception(kernel):
     finally:
         ext._set_metal_fault("")
     assert np.isfinite(np.asarray(f(q))).all()
+
+
+@requires_metal
+def test_metal_gpu_seconds_grow_by_less_than_the_wall_time_of_a_call():
+    """The GPU time of a call's command buffers (GPUEndTime - GPUStartTime) is positive and,
+    the command buffers running inside the call, below the call's wall time."""
+    rng = np.random.default_rng(0)
+    q = _normal(rng, (1, 256, 4, 64))
+    f = jax.jit(lambda q: flash_attention(q, q, q, implementation="metal"))
+    jax.block_until_ready(f(q))  # compiled, shader library built
+    before = ext.gpu_seconds_total("metal")
+    start = time.perf_counter()
+    jax.block_until_ready(f(q))
+    wall = time.perf_counter() - start
+    gpu = ext.gpu_seconds_total("metal") - before
+    assert 0 < gpu < wall
