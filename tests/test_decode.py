@@ -16,13 +16,13 @@ from api_helpers import check_against_oracle, make_inputs
 ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import ffi_lowering, profile  # noqa: E402,F401 (registers the targets)
 
-TYPE = {jnp.float32: "f32", jnp.float16: "f16", jnp.bfloat16: "bf16"}
+TYPE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(jnp.bfloat16): "bf16"}
 FWD = "jax_flash_metal_attention_fwd_emulator"
 
 
 def _splits(q, k):
-    return ext.decode_splits(TYPE[q.dtype.type], q.shape[0], q.shape[1], k.shape[1], q.shape[2],
-                             k.shape[2], q.shape[3])[0]
+    return ext.decode_splits(TYPE[np.dtype(q.dtype)], q.shape[0], q.shape[1], k.shape[1],
+                             q.shape[2], k.shape[2], q.shape[3])[0]
 
 
 def test_decode_is_chosen_for_short_queries_whose_rows_fit_a_tile():
@@ -88,8 +88,8 @@ def test_decode_matches_the_oracle_forward_and_backward(case):
 
 def _ffi_forward(q, k, v, mask):
     """(o, lse, l2) of the forward target called directly (l2: the backward's residual)."""
-    _, elements = ext.decode_splits(TYPE[q.dtype.type], q.shape[0], q.shape[1], k.shape[1],
-                                    q.shape[2], k.shape[2], q.shape[3])
+    _, elements = ext.decode_splits(TYPE[np.dtype(q.dtype)], q.shape[0], q.shape[1],
+                                    k.shape[1], q.shape[2], k.shape[2], q.shape[3])
     b, tq, h, _ = q.shape
     left, right = kh.window_bounds(mask.get("local_window_size"))
     lengths = [jnp.asarray(mask[n]) for n in ("query_seq_lengths", "key_value_seq_lengths")
