@@ -20,9 +20,10 @@ TYPE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(jnp.b
 FWD = "jax_flash_metal_attention_fwd_emulator"
 
 
-def _splits(q, k):
+def _decode_splits(q, k):
+    """(splits, workspace elements) of the forward call on q, k (the handler's rule)."""
     return ext.decode_splits(TYPE[np.dtype(q.dtype)], q.shape[0], q.shape[1], k.shape[1],
-                             q.shape[2], k.shape[2], q.shape[3])[0]
+                             q.shape[2], k.shape[2], q.shape[3])
 
 
 def test_decode_is_chosen_for_short_queries_whose_rows_fit_a_tile():
@@ -82,14 +83,13 @@ def test_decode_matches_the_oracle_forward_and_backward(case):
     batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, mask = case
     q, k, v, do, g_lse = make_inputs(q_len * 31 + kv_len, batch, q_len, kv_len, heads, kv_heads,
                                      head_dim, dtype)
-    assert _splits(q, k) > 0
+    assert _decode_splits(q, k)[0] > 0
     check_against_oracle(q, k, v, do, g_lse, implementation="emulator", **_mask(mask))
 
 
 def _ffi_forward(q, k, v, mask):
     """(o, lse, l2) of the forward target called directly (l2: the backward's residual)."""
-    _, elements = ext.decode_splits(TYPE[np.dtype(q.dtype)], q.shape[0], q.shape[1],
-                                    k.shape[1], q.shape[2], k.shape[2], q.shape[3])
+    _, elements = _decode_splits(q, k)
     b, tq, h, _ = q.shape
     left, right = kh.window_bounds(mask.get("local_window_size"))
     lengths = [jnp.asarray(mask[n]) for n in ("query_seq_lengths", "key_value_seq_lengths")
