@@ -164,3 +164,5 @@ def test_decode_profile_reads_each_visible_key_and_value_about_once(kv_lengths):
     read = sum(r["device_bytes_read"] for _, r in runs)
     assert runs[0][1]["buffers"][1]["read"] == kv_bytes // 2  # K: every visible element once
     assert read <= 1.15 * kv_bytes, (read, kv_bytes)
+    # Useful FLOPs: 4 D per visible (query, key) pair and query head, all credited to pass 1.
+    assert profile.useful_flops(problem, runs) == [4 * 32 * visible_keys * 8, 0]
