@@ -16,13 +16,14 @@ from api_helpers import check_against_oracle, make_inputs
 ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import ffi_lowering, profile  # noqa: E402,F401 (registers the targets)
 
-TYPE = {jnp.float32: "f32", jnp.float16: "f16", jnp.bfloat16: "bf16"}
+TYPE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(jnp.bfloat16): "bf16"}
 FWD = "jax_flash_metal_attention_fwd_emulator"
 
 
-def _splits(q, k):
-    return ext.decode_splits(TYPE[q.dtype.type], q.shape[0], q.shape[1], k.shape[1], q.shape[2],
-                             k.shape[2], q.shape[3])[0]
+def _decode_splits(q, k):
+    """(splits, workspace elements) of the forward call on q, k (the handler's rule)."""
+    return ext.decode_splits(TYPE[np.dtype(q.dtype)], q.shape[0], q.shape[1], k.shape[1],
+                             q.shape[2], k.shape[2], q.shape[3])
 
 
 def test_decode_is_chosen_for_short_queries_whose_rows_fit_a_tile():
@@ -82,14 +83,13 @@ def test_decode_matches_the_oracle_forward_and_backward(case):
     batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, mask = case
     q, k, v, do, g_lse = make_inputs(q_len * 31 + kv_len, batch, q_len, kv_len, heads, kv_heads,
                                      head_dim, dtype)
-    assert _splits(q, k) > 0
+    assert _decode_splits(q, k)[0] > 0
     check_against_oracle(q, k, v, do, g_lse, implementation="emulator", **_mask(mask))
 
 
 def _ffi_forward(q, k, v, mask):
     """(o, lse, l2) of the forward target called directly (l2: the backward's residual)."""
-    _, elements = ext.decode_splits(TYPE[q.dtype.type], q.shape[0], q.shape[1], k.shape[1],
-                                    q.shape[2], k.shape[2], q.shape[3])
+    _, elements = _decode_splits(q, k)
     b, tq, h, _ = q.shape
     left, right = kh.window_bounds(mask.get("local_window_size"))
     lengths = [jnp.asarray(mask[n]) for n in ("query_seq_lengths", "key_value_seq_lengths")
@@ -164,3 +164,5 @@ def test_decode_profile_reads_each_visible_key_and_value_about_once(kv_lengths):
     read = sum(r["device_bytes_read"] for _, r in runs)
     assert runs[0][1]["buffers"][1]["read"] == kv_bytes // 2  # K: every visible element once
     assert read <= 1.15 * kv_bytes, (read, kv_bytes)
+    # Useful FLOPs: 4 D per visible (query, key) pair and query head, all credited to pass 1.
+    assert profile.useful_flops(problem, runs) == [4 * 32 * visible_keys * 8, 0]
