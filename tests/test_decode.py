@@ -98,11 +98,12 @@ def _ffi_forward(q, k, v, mask):
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32),
            jax.ShapeDtypeStruct((b, h, tq), jnp.float32),
            jax.ShapeDtypeStruct((elements,), jnp.float32))
-    attrs = dict(scale=np.float32(scale), is_causal=bool(mask.get("is_causal", False)),
-                 window_left=np.int32(left), window_right=np.int32(right),
-                 bottom_right=mask.get("causal_alignment") == "bottom_right",
-                 has_q_lengths="query_seq_lengths" in mask,
-                 has_kv_lengths="key_value_seq_lengths" in mask)
+    attrs = ffi_lowering._attributes(
+        scale=scale, is_causal=mask.get("is_causal", False), window_left=left,
+        window_right=right, bottom_right=mask.get("causal_alignment") == "bottom_right",
+        has_q_lengths="query_seq_lengths" in mask, has_kv_lengths="key_value_seq_lengths" in mask,
+        has_segment_ids=False, has_bias=False, has_mask=False, has_sinks=False,
+        logits_soft_cap=None)
     return [np.asarray(x) for x in jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **attrs)[:3]]
 
 
