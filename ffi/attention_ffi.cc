@@ -310,8 +310,8 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   }
   const int64_t splits = splits_of(p, device->gpu_cores());
   if (ffi::Error e = expect("workspace", workspace, ffi::DataType::F32,
-                            {decode_workspace_elements(p.batch, p.q_len, p.heads, p.kv_heads,
-                                                       p.head_dim, splits)});
+                            {decode_workspace_elements(p.batch, p.q_len, p.heads, p.head_dim,
+                                                       splits)});
       e.failure()) {
     return e;
   }
@@ -531,8 +531,8 @@ int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, in
                            gpu_cores);
 }
 
-int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t kv_heads,
-                                  int64_t head_dim, int64_t splits) {
+int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t head_dim,
+                                  int64_t splits) {
   return splits * batch * heads * q_len * (head_dim + 2);  // kv_heads * G * q_len rows
 }
 

@@ -87,9 +87,9 @@ int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, in
                       int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores);
 
 // float32 elements of the decode workspace: [batch, kv_heads, splits, G * q_len, head_dim + 2]
-// (partial O, then m and l, per row); 0 when splits is 0.
-int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t kv_heads,
-                                  int64_t head_dim, int64_t splits);
+// (partial O, then m and l, per row; kv_heads * G = heads); 0 when splits is 0.
+int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t head_dim,
+                                  int64_t splits);
 
 // One kernel family's dispatch shape from shaders/tile_shapes.h: rows per threadgroup, block size
 // of the traversed dimension, simdgroups and threads per threadgroup, and (forward only) whether

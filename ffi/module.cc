@@ -260,7 +260,7 @@ void bind_devices(nb::module_& m) {
         const int64_t splits = decode_splits(dtype.c_str(), batch, q_len, kv_len, num_heads,
                                              num_kv_heads, head_dim, device.gpu_cores());
         return nb::make_tuple(splits, decode_workspace_elements(batch, q_len, num_heads,
-                                                                num_kv_heads, head_dim, splits));
+                                                                head_dim, splits));
       },
       nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"), nb::arg("kv_len"),
       nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
