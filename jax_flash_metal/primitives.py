@@ -204,11 +204,17 @@ def _map_batcher(prim, args, dims, params):
 
 
 def _make_batcher(prim):
-    def batcher(args, dims, **params):
+    """The rule for ``batching.fancy_primitive_batchers``: JAX 0.5.0 through the newest call it as
+    ``rule(axis_data, args, dims, **params)`` (``axis_data.size`` is the vmapped size) and, unlike
+    the legacy ``primitive_batchers``, also when no operand is batched."""
+    def batcher(axis_data, args, dims, **params):
+        if all(d is None for d in dims):  # nothing vmapped: bind as is, outputs unbatched
+            outs = prim.bind(*args, **params)
+            return outs, [None] * len(outs)
         roles = _roles(prim, params)
         if any(r == "sinks" and d is not None for r, d in zip(roles, dims)):
             return _map_batcher(prim, args, dims, params)
-        size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+        size = axis_data.size
         q, q_dim = args[0], dims[0]
         # The operand's own batch size (needed to unfold even when size or batch is 0).
         batch = q.shape[1] if q_dim == 0 else q.shape[0]
@@ -232,8 +238,8 @@ def _make_batcher(prim):
     return batcher
 
 
-batching.primitive_batchers[fwd_p] = _make_batcher(fwd_p)
-batching.primitive_batchers[bwd_p] = _make_batcher(bwd_p)
+batching.fancy_primitive_batchers[fwd_p] = _make_batcher(fwd_p)
+batching.fancy_primitive_batchers[bwd_p] = _make_batcher(bwd_p)
 
 
 # ---------------------------------------------------------------- differentiation

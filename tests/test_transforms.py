@@ -109,6 +109,28 @@ def test_vmap_of_zero_size_batch(implementation):
     assert out.shape == q[:0].shape
 
 
+def test_vmap_with_no_operand_batched(implementation):
+    """Attention on closed-over operands inside vmap: the batching rules are called with every
+    operand unbatched, bind once on the unbatched shapes and leave the outputs unbatched."""
+    q, k, v, do, _ = make_inputs(18, 2, 5, 7, 4, 2, 16, jnp.float32)
+    scales = jnp.array([1.0, -2.0, 0.5], jnp.float32)
+
+    def fn(s):
+        o, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, implementation=implementation),
+                         q, k, v)
+        return (s * o,) + tuple(s * d for d in vjp(do))
+
+    jaxpr = jax.make_jaxpr(jax.vmap(fn))(scales)
+    prims = [e for e in jaxpr.eqns if e.primitive in (fwd_p, bwd_p)]
+    assert sorted(e.primitive.name for e in prims) == [bwd_p.name, fwd_p.name]
+    assert all(e.invars[0].aval.shape == q.shape for e in prims)
+    got = jax.jit(jax.vmap(fn))(scales)
+    want = oracle_all(q, k, v, do)
+    for i, s in enumerate(np.asarray(scales, np.float64)):
+        for name, x in zip(("o", "dq", "dk", "dv"), got):
+            tolerance.assert_matches_oracle(name, x[i], s * want[name])
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(is_causal=True, local_window_size=(2, 1),
                                              causal_alignment="bottom_right")])
 def test_check_grads(implementation, kw):
