@@ -246,7 +246,8 @@ def useful_flops(problem: Problem, runs: list[tuple[str, dict]]) -> list[int]:
     is proportional to the visible pairs they cover; by threadgroups if a stage executes none).
     """
     pairs = int(problem.visible_pairs().sum()) * problem.heads
-    weights, members = [], {}
+    weights: list[int] = []
+    members: dict[tuple[str, str], list[int]] = {}
     for n, (pass_name, r) in enumerate(runs):
         stage = _stage(r["kernel"])
         weights.append(_executed_flops(r))

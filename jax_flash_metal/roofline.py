@@ -99,7 +99,7 @@ def model_launch(gpu: Gpu, *, executed_flops: float, useful_flops: float, device
         "threadgroup": threadgroup_bytes / (gpu.threadgroup_bytes_per_s_per_core * gpu.cores
                                             * active),
     }
-    bound = max(times, key=times.get)
+    bound = max(times, key=lambda name: times[name])
     seconds = times[bound]
     percent = 100.0 * useful_flops / seconds / gpu.peak_flops if seconds > 0 else 0.0
     return {"bound": bound, "seconds": seconds, "percent_of_peak": percent}
