@@ -520,8 +520,7 @@ std::vector<std::string> bwd_stages(int head_dim) {
 
 int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, int64_t kv_len,
                       int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores) {
-  const int element_bytes = std::string(dtype_suffix) == "f32" ? 4 : 2;
-  const int rows = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, element_bytes,
+  const int rows = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, element_bytes(dtype_suffix),
                                  static_cast<int>(head_dim));
   if (q_len < 1 || q_len > JFM_DECODE_MAX_Q_LEN || kv_heads < 1 || kv_len < 1 || batch < 1 ||
       heads / kv_heads * q_len > rows) {
@@ -539,7 +538,7 @@ int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, i
 std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
                                          int64_t q_len, int64_t kv_len, int64_t heads,
                                          int64_t kv_heads, int64_t head_dim, int gpu_cores) {
-  const int element_bytes = std::string(dtype_suffix) == "f32" ? 4 : 2;
+  const int bytes = element_bytes(dtype_suffix);
   auto stage = [&](const char* name, int64_t rows, int64_t stage_heads,
                    double multiply_adds_per_row) {
     StageShape s;
@@ -548,7 +547,7 @@ std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix
     s.heads = stage_heads;
     s.batch = batch;
     TileShape shape{};
-    tile_shape(name, element_bytes, static_cast<int>(head_dim), &shape);
+    tile_shape(name, bytes, static_cast<int>(head_dim), &shape);
     s.rows_per_group = static_cast<uint32_t>(shape.rows);
     s.threads = static_cast<uint32_t>(shape.threads);
     s.multiply_adds_per_group = multiply_adds_per_row * s.rows_per_group;
@@ -562,10 +561,10 @@ std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix
                                                   kv_heads, head_dim, gpu_cores);
   if (splits > 0) {
     // Pass 1: a split of the keys for one tile of rows; pass 2: one row over every split.
-    const double tile_rows = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, element_bytes,
+    const double tile_rows = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, bytes,
                                            static_cast<int>(head_dim));
     const double chunk = std::ceil(tkv / static_cast<double>(splits)) +
-                         jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, element_bytes,
+                         jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, bytes,
                                        static_cast<int>(head_dim));
     StageShape partial = stage("decode_partial", splits, kv_heads, 0);
     partial.rows_per_group = 1;  // grid x: one split per threadgroup
@@ -594,6 +593,10 @@ constexpr std::pair<const char*, int> kStageKernels[] = {
     {"bwd_dv", JFM_KERNEL_BWD_DV},
     {"decode_partial", JFM_KERNEL_DECODE_PARTIAL},
     {"decode_combine", JFM_KERNEL_DECODE_COMBINE}};
+
+int element_bytes(const std::string& dtype_suffix) {
+  return dtype_suffix == "f32" ? 4 : dtype_suffix == "f16" || dtype_suffix == "bf16" ? 2 : 0;
+}
 
 bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape) {
   for (const auto& [name, family] : kStageKernels) {

@@ -103,6 +103,9 @@ struct TileShape {
 // kernel name), element size in bytes (4 or 2) and head dim; false for an unknown stage.
 bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape);
 
+// Bytes per element of a dtype suffix: 4 for "f32", 2 for "f16" / "bf16", 0 for anything else.
+int element_bytes(const std::string& dtype_suffix);
+
 // The backward stages in dispatch order: bwd_dq (which also writes delta), then bwd_dkdv, or
 // bwd_dk and bwd_dv for the widest heads (tile_shapes.h).
 std::vector<std::string> bwd_stages(int head_dim);

@@ -284,9 +284,9 @@ void bind_devices(nb::module_& m) {
   m.def(
       "tile_shape",
       [](const std::string& stage, const std::string& dtype, int head_dim) {
-        const int element_bytes = dtype == "f32" ? 4 : dtype == "f16" || dtype == "bf16" ? 2 : 0;
+        const int bytes = element_bytes(dtype);
         TileShape shape;
-        if (element_bytes == 0 || !tile_shape(stage, element_bytes, head_dim, &shape)) {
+        if (bytes == 0 || !tile_shape(stage, bytes, head_dim, &shape)) {
           throw nb::value_error(("no tile shape for stage '" + stage + "' and dtype '" + dtype +
                                  "' (stages fwd, bwd_dq, bwd_dkdv, bwd_dk, bwd_dv; dtypes f32, "
                                  "f16, bf16)").c_str());
