@@ -7,11 +7,10 @@ from typing import Literal, Optional, Tuple, Union, overload
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike
 
 from . import validation
-from jax.custom_derivatives import SymbolicZero
-
 from .primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
 from .validation import Operands
 
