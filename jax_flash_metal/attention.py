@@ -153,8 +153,9 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         hides that key exactly as a False mask entry (never NaN); +inf or NaN propagates.
         Differentiable (the gradient is summed over the broadcast axes).
       mask: bool, broadcastable like bias; True = the key takes part.
-      scale: multiplies q.k; None means 1/sqrt(head_dim). Any real number known at trace time
-        (Python, NumPy or a concrete JAX scalar; 0 and negatives included) is used as given.
+      scale: multiplies q.k; None means 1/sqrt(head_dim). Any finite real number known at trace
+        time (Python, NumPy or a concrete JAX scalar; 0 and negatives included) is used as
+        given; NaN and +-inf raise ValueError.
       is_causal: key j visible to query i only if j <= i + off.
       query_seq_lengths, key_value_seq_lengths: integer [batch] (cast to int32, clamped to
         [0, len]); rows i >= q_len_b output 0, keys j >= kv_len_b are never read.

@@ -150,11 +150,14 @@ def _static_real(value, name):
 
 
 def check_scale(scale, head_dim):
-    """None -> 1/sqrt(head_dim); any real number (Python, NumPy, concrete JAX scalar) is used
-    literally as a float."""
+    """None -> 1/sqrt(head_dim); any finite real number (Python, NumPy, concrete JAX scalar) is
+    used literally as a float. ValueError for NaN or +-inf, which would make every score NaN."""
     if scale is None:
         return float(1.0 / np.sqrt(head_dim))
-    return _static_real(scale, "scale")
+    value = _static_real(scale, "scale")
+    if not np.isfinite(value):
+        raise ValueError(f"scale must be a finite number or None, got {value}")
+    return value
 
 
 def check_soft_cap(logits_soft_cap):
