@@ -88,6 +88,7 @@ struct Options {
   bool is_causal;
   int32_t window_left, window_right;
   bool bottom_right, has_q_lengths, has_kv_lengths;
+  bool bias_grad = false;  // backward only: the dQ kernel writes dbias
 };
 
 // q, k, v: ranks, matching dims, one supported dtype, divisible heads.
@@ -151,6 +152,12 @@ ffi::Error check_options(const Options& o) {
                    std::to_string(o.window_left) + ", " + std::to_string(o.window_right) + ")");
   }
   return ffi::Error::Success();
+}
+
+// The backward's dbias result: the full score layout with bias_grad, else empty.
+std::vector<int64_t> dbias_shape(const Problem& p, bool bias_grad) {
+  if (!bias_grad) return {0};
+  return {p.batch, p.heads, p.q_len, p.kv_len};
 }
 
 // The optional length operands, copied for binding. Clamping to [0, len] happens where the
@@ -219,6 +226,7 @@ AttentionParams make_params(const Problem& p, const Options& o) {
   params.bottom_right = o.bottom_right ? 1u : 0u;
   params.has_q_lengths = o.has_q_lengths ? 1u : 0u;
   params.has_kv_lengths = o.has_kv_lengths ? 1u : 0u;
+  params.bias_grad = o.bias_grad ? 1u : 0u;
   return params;
 }
 
@@ -348,8 +356,8 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
 ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer o, ffi::AnyBuffer l2, ffi::AnyBuffer d_o,
                     ffi::AnyBuffer g_lse, ffi::RemainingArgs rest, ffi::AnyBuffer dq,
-                    ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer delta,
-                    const Options& opt) {
+                    ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer dbias,
+                    ffi::AnyBuffer delta, const Options& opt) {
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
   if (ffi::Error e = check_options(opt); e.failure()) return e;
@@ -362,6 +370,7 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
         std::make_tuple("output dq", dq, p.dtype, p.q_shape()),
         std::make_tuple("output dk", dk, p.dtype, p.kv_shape()),
         std::make_tuple("output dv", dv, p.dtype, p.kv_shape()),
+        std::make_tuple("output dbias", dbias, f32, dbias_shape(p, opt.bias_grad)),
         std::make_tuple("workspace delta", delta, f32, p.row_shape())}) {
     if (ffi::Error e = expect(what, buffer, dtype, shape); e.failure()) return e;
   }
@@ -373,6 +382,7 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
     zero(dq);
     zero(dk);
     zero(dv);
+    zero(dbias);
     return ffi::Error::Success();
   }
   const std::vector<StageShape> stages = stages_of(true, p, device->gpu_cores());
@@ -382,11 +392,13 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
                 bdo = whole(JFM_BUFFER_DO, d_o, false),
                 bql = lengths_binding(JFM_BUFFER_Q_LENGTHS, q_lengths),
                 bkvl = lengths_binding(JFM_BUFFER_KV_LENGTHS, kv_lengths);
-  // dQ first: it also writes delta, which the dK/dV kernels (one, or the split pair) read.
+  // dQ first: it also writes delta, which the dK/dV kernels (one, or the split pair) read,
+  // and with bias_grad every element of dbias.
   std::vector<std::vector<Binding>> buffers = {
       {bq, bk, bv, bl2, bdo, bql, bkvl, whole(JFM_BUFFER_O, o, false),
        whole(JFM_BUFFER_G_LSE, g_lse, false), whole(JFM_BUFFER_DELTA, delta, true),
        whole(JFM_BUFFER_DQ, dq, true)}};
+  if (opt.bias_grad) buffers[0].push_back(whole(JFM_BUFFER_DBIAS, dbias, true));
   buffers.resize(stages.size(),
                  {bq, bk, bv, bl2, bdo, bql, bkvl, whole(JFM_BUFFER_DELTA, delta, false),
                   whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)});
@@ -437,11 +449,13 @@ ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
                             ffi::AnyBuffer o, ffi::AnyBuffer l2, ffi::AnyBuffer d_o,
                             ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                            float scale, bool is_causal, int32_t window_left,
-                            int32_t window_right, bool bottom_right, bool has_q_lengths,
-                            bool has_kv_lengths, bool has_segment_ids, bool has_bias,
-                            bool has_mask, bool has_sinks, float logits_soft_cap) {
+                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
+                            ffi::Result<ffi::AnyBuffer> delta, float scale, bool is_causal,
+                            int32_t window_left, int32_t window_right, bool bottom_right,
+                            bool has_q_lengths, bool has_kv_lengths, bool has_segment_ids,
+                            bool has_bias, bool has_mask, bool has_sinks,
+                            float logits_soft_cap, bool bias_grad) {
+  if (bias_grad && !has_bias) return invalid("bias_grad needs has_bias (a bias operand)");
   if (ffi::Error e = refuse_features(has_segment_ids, has_bias, has_mask, has_sinks,
                                      logits_soft_cap);
       e.failure()) {
@@ -450,9 +464,9 @@ ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
-  return backward(device, q, k, v, o, l2, d_o, g_lse, rest, *dq, *dk, *dv, *delta,
+  return backward(device, q, k, v, o, l2, d_o, g_lse, rest, *dq, *dk, *dv, *dbias, *delta,
                   Options{scale, is_causal, window_left, window_right, bottom_right,
-                          has_q_lengths, has_kv_lengths});
+                          has_q_lengths, has_kv_lengths, bias_grad});
 }
 
 template <typename B>
@@ -498,7 +512,9 @@ auto backward_binding() {
                              .Ret<ffi::AnyBuffer>()  // dq
                              .Ret<ffi::AnyBuffer>()  // dk
                              .Ret<ffi::AnyBuffer>()  // dv
-                             .Ret<ffi::AnyBuffer>());  // delta (workspace)
+                             .Ret<ffi::AnyBuffer>()  // dbias ([0] without bias_grad)
+                             .Ret<ffi::AnyBuffer>())  // delta (workspace)
+      .Attr<bool>("bias_grad");
 }
 
 Device* get_emulated_device(std::string*) { return &emulated_device(); }

@@ -15,12 +15,15 @@
 // Backward args:    q, k, v, o, l2 (the forward's), do [B,Tq,H,D], g_lse float32 [B,H,Tq]
 //                   (the LSE cotangent), then the optional
 //                   lengths as above
-//          results: dq, dk, dv (shapes/dtypes of q, k, v), delta float32 [B,H,Tq] (workspace
-//                   for D_i = rowsum(dO*O) - g_lse_i; the lowering allocates it as an XLA
-//                   result so its memory is planned by XLA and shows in memory_analysis)
+//          results: dq, dk, dv (shapes/dtypes of q, k, v), dbias float32 [B,H,Tq,Tkv] with
+//                   bias_grad, else float32 [0] (see the optional features below), delta
+//                   float32 [B,H,Tq] (workspace for D_i = rowsum(dO*O) - g_lse_i; the lowering
+//                   allocates it as an XLA result so its memory is planned by XLA and shows in
+//                   memory_analysis)
 // Attributes (exact types): scale f32, is_causal i1, window_left i32, window_right i32
 //   (-1 = unbounded), bottom_right i1, has_q_lengths i1, has_kv_lengths i1, has_segment_ids i1,
-//   has_bias i1, has_mask i1, has_sinks i1, logits_soft_cap f32 (0 = no cap).
+//   has_bias i1, has_mask i1, has_sinks i1, logits_soft_cap f32 (0 = no cap); the backward
+//   also bias_grad i1 (needs has_bias).
 // q, k, v (and o, do, dq, dk, dv) share one dtype: f32, f16 or bf16.
 //
 // Optional features (DESIGN.md section 3). The contract below is fixed; no kernel implements it
@@ -45,12 +48,13 @@
 //   rules do (never NaN); +inf/NaN bias propagates. Sinks join each row's denominator:
 //   lse = log(exp(sink_h) + sum exp(score)), o = 0 and lse = sink_h for an empty row.
 //   Backward: the sinks need no kernel work (lse includes them; dsinks is computed by XLA from
-//   O, LSE, dO and g_lse). With a bias whose gradient is wanted (a bias_grad i1 attribute of the
-//   backward target, added with the bias kernels) the backward has one more result before the
-//   delta workspace: dbias float32 [B, H, Tq, Tkv], the full layout, written row block by row
-//   block by the dQ kernel (the one owner of each (b, h, row block): no atomics, deterministic);
-//   the lowering sums it over the bias's broadcast axes in XLA. A reduced layout would need
-//   several owners per entry (atomics) or a second pass. Without bias_grad no Tq x Tkv buffer
+//   O, LSE, dO and g_lse). With bias_grad (the bias's gradient is wanted) the dbias result is
+//   float32 [B, H, Tq, Tkv], the full layout, written row block by row block by the dQ kernel
+//   (the one owner of each (b, h, row block): no atomics, deterministic): dS = P (dP - D) at
+//   visible entries, 0 everywhere else (hidden entries, skipped tiles, rows past the valid
+//   length), so every element is written; the lowering sums it over the bias's broadcast axes
+//   in XLA. A reduced layout would need several owners per entry (atomics) or a second pass.
+//   Without bias_grad the result is [0] (like the forward's workspace): no Tq x Tkv buffer
 //   exists. The soft cap's derivative (1 - tanh^2) multiplies dS before dQ and dK, not dbias.
 #ifndef JAX_FLASH_METAL_ATTENTION_FFI_H_
 #define JAX_FLASH_METAL_ATTENTION_FFI_H_

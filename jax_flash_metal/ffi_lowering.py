@@ -27,6 +27,7 @@ import os
 from typing import cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
@@ -168,12 +169,13 @@ def check_supported(implementation: str, direction: str, dtype, head_dim: int,
 
 def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
                 has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks, logits_soft_cap,
-                bias_grad=False):
+                bias_grad=None):
     """The FFI attributes with their exact types (a Python float would become f64); the soft
-    cap is 0.0 when absent. The handlers refuse the optional features until the kernels
-    implement them (check_supported stops such calls earlier, at lowering)."""
-    del bias_grad  # an attribute of the backward target once its kernels read a bias (attention_ffi.h)
-    return dict(scale=np.float32(scale), is_causal=np.bool_(is_causal),
+    cap is 0.0 when absent; ``bias_grad`` only for the backward target (None for the forward).
+    The handlers refuse the optional features the kernels do not implement (check_supported
+    stops such calls earlier, at lowering)."""
+    backward = {} if bias_grad is None else dict(bias_grad=np.bool_(bias_grad))
+    return dict(**backward, scale=np.float32(scale), is_causal=np.bool_(is_causal),
                 window_left=np.int32(window_left), window_right=np.int32(window_right),
                 bottom_right=np.bool_(bottom_right), has_q_lengths=np.bool_(has_q_lengths),
                 has_kv_lengths=np.bool_(has_kv_lengths), has_segment_ids=np.bool_(has_segment_ids),
@@ -207,27 +209,42 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     return list(rule(call_ctx, *args, **_attributes(**params)))[:3]
 
 
-def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):
+def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_grad=False,
+              **params):
     """Emit the backward FFI call for the primitive's args (q, k, v, o, lse, l2, do, g_lse,
-    [q_lengths], [kv_lengths]) -> (dq, dk, dv).
+    *optional) -> (dq, dk, dv[, dbias]).
 
     The kernels recompute P = exp2(S2 - l2) from the base-2 statistic, so the call takes
-    (q, k, v, o, l2, do, g_lse, [lengths]) and the natural-log lse operand is dropped. The custom
-    call has a fourth result, the float32 [batch, num_heads, q_len] workspace for
-    D_i = rowsum(dO_i * O_i) - g_lse_i, dropped here: XLA allocates it like any temporary, so it
-    shows up in memory_analysis() and needs no allocator inside the handler. Errors as for
+    (q, k, v, o, l2, do, g_lse, *optional) and the natural-log lse operand is dropped. The custom
+    call has two more results: dbias float32 [batch, num_heads, q_len, kv_len] with
+    ``bias_grad`` (else [0]), summed here over the bias operand's broadcast axes to the
+    primitive's dbias, and the float32 [batch, num_heads, q_len] workspace for
+    D_i = rowsum(dO_i * O_i) - g_lse_i, dropped here: XLA allocates both like any temporary, so
+    they show up in memory_analysis() and need no allocator inside the handler. Errors as for
     ``lower_fwd``.
     """
-    q = cast(ShapedArray, ctx.avals_in[0])
+    q, k = (cast(ShapedArray, aval) for aval in ctx.avals_in[:2])
     _check_built(implementation)
     check_supported(implementation, "bwd", q.dtype, q.shape[3], feature_names(params))
     batch, q_len, num_heads, _ = q.shape
+    full = (batch, num_heads, q_len, k.shape[1])
+    dbias = ShapedArray(full if bias_grad else (0,), np.float32)
     delta = ShapedArray((batch, num_heads, q_len), np.float32)
     keep = [n for n in range(len(args)) if n != _BWD_LSE_OPERAND]
     call_ctx = ctx.replace(avals_in=[ctx.avals_in[n] for n in keep],
-                           avals_out=(*ctx.avals_out, delta))
+                           avals_out=(*ctx.avals_out[:3], dbias, delta))
     rule = jax.ffi.ffi_lowering(_target("bwd", implementation))
-    return list(rule(call_ctx, *(args[n] for n in keep), **_attributes(**params)))[:3]
+    results = list(rule(call_ctx, *(args[n] for n in keep),
+                        **_attributes(bias_grad=bias_grad, **params)))
+    if not bias_grad:
+        return results[:3]
+    # The bias's broadcast axes are the size-1 axes of the primitive's dbias result.
+    reduced = cast(ShapedArray, ctx.avals_out[3])
+    axes = tuple(n for n, size in enumerate(reduced.shape) if size == 1 and full[n] != 1)
+    sum_ctx = ctx.replace(avals_in=[dbias], avals_out=[reduced])
+    summed = mlir.lower_fun(lambda d: jnp.sum(d, axis=axes, keepdims=True),
+                            multiple_results=False)(sum_ctx, results[3])
+    return [*results[:3], *summed]
 
 
 _BWD_LSE_OPERAND = 4  # position of lse in the backward primitive's operands

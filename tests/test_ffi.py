@@ -66,12 +66,16 @@ def _fwd_call(q, k, v, *lengths, lse_shape=None, l2_shape=None, workspace=None, 
         jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **_attrs(**attrs)))[:3]
 
 
-def _bwd_call(q, k, v, o, l2, do, g_lse, *lengths, **attrs):
+def _bwd_call(q, k, v, o, l2, do, g_lse, *optional, bias_grad=False, **attrs):
+    """The backward target called directly: (dq, dk, dv, dbias, delta); dbias is float32
+    [B, H, Tq, Tkv] with bias_grad, else [0]."""
     b, tq, h, _ = q.shape
+    dbias = (b, h, tq, k.shape[1]) if bias_grad else (0,)
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-           jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
-    return jax.block_until_ready(
-        jax.ffi.ffi_call(BWD, out)(q, k, v, o, l2, do, g_lse, *lengths, **_attrs(**attrs)))
+           jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dbias, jnp.float32),
+           jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
+    return jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
+        q, k, v, o, l2, do, g_lse, *optional, bias_grad=np.bool_(bias_grad), **_attrs(**attrs)))
 
 
 def _normal(rng, shape, dtype=jnp.float32):
@@ -421,11 +425,11 @@ def test_zero_length_problems_write_exact_outputs_without_dispatch():
     assert np.array_equal(np.asarray(lse), np.full((2, 4, 3), -np.inf))
     assert np.array_equal(np.asarray(l2), np.full((2, 4, 3), EMPTY_ROW_L2, np.float32))
     g = jnp.ones((2, 4, 3), jnp.float32)
-    dq, dk, dv, _ = _bwd_call(q, k0, k0, q, g, q, g)
+    dq, dk, dv, _, _ = _bwd_call(q, k0, k0, q, g, q, g)
     assert np.array_equal(np.asarray(dq), np.zeros(q.shape)) and dk.shape == dv.shape == k0.shape
     q0, k = jnp.zeros((2, 0, 4, 16), jnp.float32), _normal(rng, (2, 5, 2, 16))
     g0 = jnp.zeros((2, 4, 0), jnp.float32)
-    dq, dk, dv, _ = _bwd_call(q0, k, k, q0, g0, q0, g0)
+    dq, dk, dv, _, _ = _bwd_call(q0, k, k, q0, g0, q0, g0)
     assert dq.shape == q0.shape
     assert np.array_equal(np.asarray(dk), np.zeros(k.shape))
     assert np.array_equal(np.asarray(dv), np.zeros(k.shape))
