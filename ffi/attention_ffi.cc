@@ -238,6 +238,12 @@ Binding lengths_binding(int index, std::vector<int32_t>& values) {
   return Binding{index, values.data(), values.size() * sizeof(int32_t), false, true};
 }
 
+// A buffer argument the kernel does not touch for this call (every argument must be bound).
+Binding placeholder(int index) {
+  static float unused[4] = {};
+  return Binding{index, unused, sizeof(unused), false, true};
+}
+
 std::vector<StageShape> stages_of(bool backward, const Problem& p, int gpu_cores) {
   return attention_stages(backward, p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads,
                           p.head_dim, gpu_cores);
@@ -398,7 +404,8 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
       {bq, bk, bv, bl2, bdo, bql, bkvl, whole(JFM_BUFFER_O, o, false),
        whole(JFM_BUFFER_G_LSE, g_lse, false), whole(JFM_BUFFER_DELTA, delta, true),
        whole(JFM_BUFFER_DQ, dq, true)}};
-  if (opt.bias_grad) buffers[0].push_back(whole(JFM_BUFFER_DBIAS, dbias, true));
+  buffers[0].push_back(opt.bias_grad ? whole(JFM_BUFFER_DBIAS, dbias, true)
+                                     : placeholder(JFM_BUFFER_DBIAS));
   buffers.resize(stages.size(),
                  {bq, bk, bv, bl2, bdo, bql, bkvl, whole(JFM_BUFFER_DELTA, delta, false),
                   whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)});

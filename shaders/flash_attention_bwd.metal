@@ -29,7 +29,8 @@
   (JFM_BWD_INPUTS(T), device const T* o [[buffer(JFM_BUFFER_O)]],        \
    device const float* g_lse [[buffer(JFM_BUFFER_G_LSE)]],                \
    device float* delta [[buffer(JFM_BUFFER_DELTA)]],                      \
-   device T* dq [[buffer(JFM_BUFFER_DQ)]])
+   device T* dq [[buffer(JFM_BUFFER_DQ)]],                                \
+   device float* dbias [[buffer(JFM_BUFFER_DBIAS)]])
 
 #define JFM_BWD_DKDV_SIGNATURE(T)                                             \
   (JFM_BWD_INPUTS(T), device const float* delta [[buffer(JFM_BUFFER_DELTA)]], \
@@ -82,6 +83,22 @@ inline void jfm_mma_ab(thread JfmFrag* acc, thread const JfmFrag* p, threadgroup
 }
 
 // ---- dQ ----
+
+// This lane's two elements of each fragment of a dS block (or zeros when ds is null: a block
+// the loop skips) into its dbias row, columns j0 + 8n + at.col + e below kv_len: with the other
+// lanes of the row band every element of the block's rows is written.
+template <int KF>
+inline void jfm_store_dbias_block(device float* dbias_row, thread const JfmFrag* ds, int j0,
+                                  int kv_len, JfmFragCoord at) {
+  for (int n = 0; n < KF; ++n) {
+    for (int e = 0; e < 2; ++e) {
+      const int j = j0 + n * 8 + int(at.col) + e;
+      if (j < kv_len) {
+        dbias_row[j] = ds == nullptr ? 0.0f : ds[n].thread_elements()[e];
+      }
+    }
+  }
+}
 
 // Owner: query rows [i0, i0 + BQ) of head h, 8 per simdgroup (the lane's row: jfm_frag_coord).
 //   stage Q_i, dO_i;  D_i = rowsum(dO_i * O_i) - g_lse_i  (written for the dK/dV kernels)
@@ -175,9 +192,23 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   }
   threadgroup T* k_tile = kv_tile;
   threadgroup T* v_tile = kv_tile + (ONE_KV_BUFFER ? 0 : BK * LD);
-  for (int j0 = union_lo / BK * BK; j0 <= union_hi; j0 += BK) {
-    const int kind = jfm_classify_tile(first_keys, last_keys, valid_rows == BQ, j0, j0 + BK - 1);
+  // With bias_grad the loop runs over every key block, so that the blocks it skips get their
+  // dbias zeros (XLA does not zero results); this lane's row exists below q_len.
+  const bool dbias_row = params.bias_grad != 0 && i < int(params.q_len);
+  device float* dbias_out =
+      dbias + (jfm_stat_offset(b, h, i0 + band + int(at.row), params.num_heads, params.q_len) *
+               ulong(params.kv_len));
+  const int loop_begin = params.bias_grad != 0 ? 0 : union_lo / BK * BK;
+  const int loop_end = params.bias_grad != 0 ? int(params.kv_len) - 1 : union_hi;
+  for (int j0 = loop_begin; j0 <= loop_end; j0 += BK) {
+    const int kind = j0 > union_hi || j0 + BK <= union_lo
+                         ? JFM_TILE_SKIP
+                         : jfm_classify_tile(first_keys, last_keys, valid_rows == BQ, j0,
+                                             j0 + BK - 1);
     if (kind == JFM_TILE_SKIP) {
+      if (dbias_row) {
+        jfm_store_dbias_block<KF>(dbias_out, nullptr, j0, int(params.kv_len), at);
+      }
       continue;  // uniform
     }
     const int load_begin = max(union_lo - j0, 0);
@@ -213,6 +244,9 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
             kind == JFM_TILE_FULL || jfm_visible(keys, j0 + n * 8 + int(at.col) + e);
         s[n].thread_elements()[e] = visible ? ds : 0.0f;
       }
+    }
+    if (dbias_row) {  // dbias = dS, before the soft cap's derivative
+      jfm_store_dbias_block<KF>(dbias_out, s, j0, int(params.kv_len), at);
     }
     // dQ += dS K. In an edge block a key that another row sees may hold Inf/NaN: it enters as
     // 0 (no 0 * Inf in rows that do not see it), and every row that sees it already has NaN dS.

@@ -24,6 +24,7 @@ DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
 
 # JFM_BUFFER_* of attention_params.h.
 Q, K, V, O, LSE, DO, DELTA, G_LSE, Q_LENGTHS, KV_LENGTHS, DQ, DK, DV, PARAMS, L2 = range(15)
+DBIAS = 21
 
 PARAMS_DTYPE = np.dtype([
     ("batch", "<u4"), ("q_len", "<u4"), ("kv_len", "<u4"), ("num_heads", "<u4"),
@@ -69,7 +70,8 @@ def window_bounds(local_window_size):
 
 
 def pack_params(q_shape, kv_shape, *, scale=None, is_causal=False, local_window_size=None,
-                query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment="top_left"):
+                query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment="top_left",
+                bias_grad=False):
     """AttentionParams as uint8 bytes [160] for q [B, Tq, H, D] and k/v [B, Tkv, HKV, D]."""
     batch, q_len, heads, head_dim = q_shape
     _, kv_len, kv_heads, _ = kv_shape
@@ -85,6 +87,7 @@ def pack_params(q_shape, kv_shape, *, scale=None, is_causal=False, local_window_
     p["bottom_right"] = int(causal_alignment == "bottom_right")
     p["has_q_lengths"] = int(query_seq_lengths is not None)
     p["has_kv_lengths"] = int(key_value_seq_lengths is not None)
+    p["bias_grad"] = int(bias_grad)
     return np.frombuffer(p.tobytes(), dtype=np.uint8).copy()
 
 
@@ -143,16 +146,20 @@ def forward(q, k, v, *, schedule="forward", seed=0, **mask):
     return o, lse, l2
 
 
-def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, **mask):
-    """Runs the backward stages as the host does (bwd_stages): bwd_dq, which also writes delta,
-    then bwd_dkdv (or bwd_dk and bwd_dv). Returns (dq, dk, dv, delta).
+def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, bias_grad=False,
+             **mask):
+    """Runs the backward stages as the host does (bwd_stages): bwd_dq, which also writes delta
+    (and with bias_grad dbias), then bwd_dkdv (or bwd_dk and bwd_dv). Returns (dq, dk, dv,
+    delta), and dbias float32 [B, H, Tq, Tkv] after them with bias_grad.
 
     o, l2: the forward's outputs; do like o; g_lse float32 [B, H, Tq] or None (zeros).
     dq has q's shape and dtype, dk/dv k's; delta is float32 [B, H, Tq].
     """
     batch, q_len, heads, head_dim = q.shape
     _, kv_len, kv_heads, _ = k.shape
-    params = pack_params(q.shape, k.shape, **mask)
+    params = pack_params(q.shape, k.shape, bias_grad=bias_grad, **mask)
+    # Without bias_grad the host binds a placeholder the kernel never touches.
+    dbias = _output((batch, heads, q_len, kv_len) if bias_grad else (4,), np.float32)
     if g_lse is None:
         g_lse = np.zeros((batch, heads, q_len), np.float32)
     delta = _output((batch, heads, q_len), np.float32)
@@ -165,11 +172,11 @@ def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, **ma
     dq_stage, *dkdv_stages = bwd_stages(head_dim)
     _dispatch(dq_stage, q.dtype, head_dim,
               {**inputs, O: o, G_LSE: np.ascontiguousarray(g_lse, dtype=np.float32),
-               DELTA: delta, DQ: dq}, q_len, heads, batch, schedule, seed)
+               DELTA: delta, DQ: dq, DBIAS: dbias}, q_len, heads, batch, schedule, seed)
     for stage in dkdv_stages:
         _dispatch(stage, q.dtype, head_dim, {**inputs, DELTA: delta, DK: dk, DV: dv},
                   kv_len, kv_heads, batch, schedule, seed)
-    return dq, dk, dv, delta
+    return (dq, dk, dv, delta) + ((dbias,) if bias_grad else ())
 
 
 # ---- inputs and oracle comparison shared by tests/test_kernels*.py ----
