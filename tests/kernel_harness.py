@@ -223,6 +223,16 @@ def _yardstick_input(x, lengths, axis_len):
     return x
 
 
+def yardstick_inputs(q, k, v, do, g_lse, mask):
+    """(q, k, v, do, g_lse) for tolerance.baseline: padding and non-finite values zeroed
+    (_yardstick_input), NaN cotangents 0."""
+    qs, ks = mask.get("query_seq_lengths"), mask.get("key_value_seq_lengths")
+    q_len, kv_len = q.shape[1], k.shape[1]
+    g = None if g_lse is None else np.nan_to_num(g_lse, nan=0.0)
+    return (_yardstick_input(q, qs, q_len), _yardstick_input(k, ks, kv_len),
+            _yardstick_input(v, ks, kv_len), _yardstick_input(do, qs, q_len), g)
+
+
 def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0, **mask):
     """Runs forward and backward kernels and asserts O, LSE, dQ, dK, dV against the oracle.
 
@@ -264,13 +274,7 @@ def _assert_against_oracle(got, q, k, v, do, g_lse, names, mask, **extra):
             assert (np.asarray(x, np.float64) == expected).all(), name
         got.update(extra)
         return got
-    base_inputs = None
-    if q.dtype != np.float32:
-        qs, ks = mask.get("query_seq_lengths"), mask.get("key_value_seq_lengths")
-        q_len, kv_len = q.shape[1], k.shape[1]
-        g = None if g_lse is None else np.nan_to_num(g_lse, nan=0.0)
-        base_inputs = (_yardstick_input(q, qs, q_len), _yardstick_input(k, ks, kv_len),
-                       _yardstick_input(v, ks, kv_len), _yardstick_input(do, qs, q_len), g)
+    base_inputs = None if q.dtype == np.float32 else yardstick_inputs(q, k, v, do, g_lse, mask)
     tolerance.assert_all_match_oracle(got, q, k, v, do, g_lse, baseline_inputs=base_inputs,
                                       names=names, **mask)
     got.update(extra)
