@@ -6,7 +6,7 @@
 #ifndef JAX_FLASH_METAL_FLASH_ATTENTION_KEY_BLOCKS_H_
 #define JAX_FLASH_METAL_FLASH_ATTENTION_KEY_BLOCKS_H_
 
-#include "flash_attention_tiles.h"
+#include "flash_attention_features.h"
 
 // Online softmax of one block of scores (base 2) for this lane's row: s holds S = Q K^T of the
 // row band in KF fragments; on return it holds P = exp2(S2 - m_new), m the running max, l this
