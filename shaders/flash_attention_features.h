@@ -60,6 +60,15 @@ inline JfmFeatureRow jfm_feature_at(constant AttentionParams& p, JfmFeatureRow r
   return row;
 }
 
+// Element (i + r, j) from the offsets of row i (jfm_feature_row): the dK/dV kernels walk a key
+// across the rows of a query block, r < its block size, in 32-bit steps (r * Tkv + j < 2^32).
+inline JfmFeatureRow jfm_feature_below(constant AttentionParams& p, JfmFeatureRow row, int r,
+                                       int j) {
+  row.bias += uint(r) * uint(p.bias_strides[2]) + uint(j) * uint(p.bias_strides[3]);
+  row.mask += uint(r) * uint(p.mask_strides[2]) + uint(j) * uint(p.mask_strides[3]);
+  return row;
+}
+
 // ---- one element ----
 
 // The bias at an offset as float (0 without a bias): stored in the dtype of q (T) or float32.
@@ -71,18 +80,33 @@ inline float jfm_bias_at(constant AttentionParams& p, device const uchar* bias, 
   return p.has_bias == JFM_BIAS_OF_Q ? jfm_to_float(((device const T*)bias)[offset]) : 0.0f;
 }
 
+// tanh(s / c) of the scaled score s = scale * q.k, for soft_cap c > 0: the capped score is c
+// times it, its derivative 1 - tanh^2 (the backward). A non-finite q.k becomes NaN first (tanh
+// would turn an Inf into a finite 1).
+inline float jfm_soft_cap_tanh(constant AttentionParams& p, float qk) {
+  return precise::tanh(jfm_finite_or_nan(qk * p.scale) / p.soft_cap);
+}
+
 // The log2-domain score of an element from its q.k sum (the MMA result) and bias. Without cap
-// and bias it is the plain kernels' S2 bit for bit. A non-finite q.k becomes NaN before the cap
-// (tanh would turn an Inf into a finite c), and a +inf/NaN bias gives NaN: they propagate.
+// and bias it is the plain kernels' S2 bit for bit. A non-finite q.k becomes NaN before the cap,
+// and a +inf/NaN bias gives NaN: they propagate.
 inline float jfm_feature_score2(constant AttentionParams& p, float qk, float bias) {
   if (p.soft_cap <= 0.0f && p.has_bias == 0) {
     return jfm_finite_or_nan(qk * p.scale_log2);
   }
-  float s = jfm_finite_or_nan(qk * p.scale);
-  if (p.soft_cap > 0.0f) {
-    s = p.soft_cap * precise::tanh(s / p.soft_cap);
-  }
+  const float s =
+      p.soft_cap > 0.0f ? p.soft_cap * jfm_soft_cap_tanh(p, qk) : jfm_finite_or_nan(qk * p.scale);
   return jfm_finite_or_nan((s + bias) * JFM_LOG2E);
+}
+
+// d(score)/d(scale q.k) of the soft cap, 1 - tanh^2, the factor dS takes before dQ and dK
+// (dbias is dS itself); 1 without a cap.
+inline float jfm_soft_cap_slope(constant AttentionParams& p, float qk) {
+  if (p.soft_cap <= 0.0f) {
+    return 1.0f;
+  }
+  const float t = jfm_soft_cap_tanh(p, qk);
+  return 1.0f - t * t;
 }
 
 // Whether the features keep an element that the band rules show: mask byte != 0, equal segment
