@@ -409,6 +409,12 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   buffers.resize(stages.size(),
                  {bq, bk, bv, bl2, bdo, bql, bkvl, whole(JFM_BUFFER_DELTA, delta, false),
                   whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)});
+  for (std::vector<Binding>& stage : buffers) {
+    for (int index : {JFM_BUFFER_Q_SEGMENT_IDS, JFM_BUFFER_KV_SEGMENT_IDS, JFM_BUFFER_BIAS,
+                      JFM_BUFFER_MASK}) {
+      stage.push_back(placeholder(index));
+    }
+  }
   return run_stages(*device, p, opt, stages, buffers);
 }
 

@@ -103,6 +103,12 @@ def _output(shape, dtype):
     return np.full(shape, np.nan, dtype=dtype)
 
 
+def _no_features():
+    """Placeholders for the optional feature buffers 16..19, which the kernels read only when
+    their flag is set."""
+    return {index: np.zeros(4, np.int32) for index in range(16, 20)}
+
+
 def _lengths(lengths):
     if lengths is None:
         return _DUMMY_LENGTHS
@@ -166,7 +172,7 @@ def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, bias
     dq = _output(q.shape, q.dtype)
     dk = _output(k.shape, k.dtype)
     dv = _output(v.shape, v.dtype)
-    inputs = {Q: q, K: k, V: v, DO: do, L2: l2, PARAMS: params,
+    inputs = {Q: q, K: k, V: v, DO: do, L2: l2, PARAMS: params, **_no_features(),
               Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
               KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths"))}
     dq_stage, *dkdv_stages = bwd_stages(head_dim)
