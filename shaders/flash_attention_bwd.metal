@@ -291,7 +291,7 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
         if (dbias_row && j0 + c < int(params.kv_len)) {
           dbias_out[j0 + c] = s[n].thread_elements()[e];
         }
-        if (params.soft_cap > 0.0f) {
+        if (params.soft_cap > 0.0f && visible) {  // a hidden pair's q.k may be NaN
           s[n].thread_elements()[e] *= jfm_soft_cap_slope(params, qk);
         }
       }
@@ -497,7 +497,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
           if (WANT_DK) {
             const float ds = p * (dp[n].thread_elements()[e] - stats.y);
             dp[n].thread_elements()[e] = visible ? ds : 0.0f;
-            if (params.soft_cap > 0.0f) {
+            if (params.soft_cap > 0.0f && visible) {  // a hidden pair's q.k may be NaN
               dp[n].thread_elements()[e] *= jfm_soft_cap_slope(params, qk);
             }
           }
