@@ -26,11 +26,8 @@
 //   also bias_grad i1 (needs has_bias).
 // q, k, v (and o, do, dq, dk, dv) share one dtype: f32, f16 or bf16.
 //
-// Optional features (DESIGN.md section 3). The contract below is fixed; no kernel implements it
-// yet, so today a handler refuses any call that sets one of them (kUnimplemented, "... not
-// supported by the fused kernels yet"), and the Python lowering never sends one
-// (ffi_lowering.KERNEL_FEATURES is empty: implementation=None lowers such calls to xla, an
-// explicit "metal"/"emulator" raises NotImplementedError naming the feature).
+// Optional features (DESIGN.md section 3), implemented by the kernels of both directions
+// (shaders/flash_attention_features.h; ffi_lowering.KERNEL_FEATURES):
 //   Operands, after the lengths, in this order, each present only when its flag is set; both
 //   directions take the same ones (so a call's forward and backward lower to one
 //   implementation):

@@ -21,10 +21,7 @@
       device const float* l2 [[buffer(JFM_BUFFER_L2)]],                   \
       device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],       \
       device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],     \
-      device const int* q_segment_ids [[buffer(JFM_BUFFER_Q_SEGMENT_IDS)]], \
-      device const int* kv_segment_ids [[buffer(JFM_BUFFER_KV_SEGMENT_IDS)]], \
-      device const uchar* bias [[buffer(JFM_BUFFER_BIAS)]],               \
-      device const uchar* mask [[buffer(JFM_BUFFER_MASK)]],               \
+      JFM_FEATURE_BUFFER_ARGS,                                            \
       constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],     \
       uint3 group [[threadgroup_position_in_grid]],                       \
       uint thread_index [[thread_index_in_threadgroup]],                  \
@@ -105,19 +102,6 @@ inline void jfm_zero_dbias_block(device float* dbias_row, int j0, int kv_len, Jf
   }
 }
 
-// The buffers of the optional features (the host binds placeholders for absent ones).
-inline JfmFeatureBuffers jfm_bwd_features(device const int* q_segment_ids,
-                                          device const int* kv_segment_ids,
-                                          device const uchar* bias, device const uchar* mask) {
-  JfmFeatureBuffers in;
-  in.q_segment_ids = q_segment_ids;
-  in.kv_segment_ids = kv_segment_ids;
-  in.bias = bias;
-  in.mask = mask;
-  in.sinks = nullptr;  // the backward reads no sinks: L2 includes them
-  return in;
-}
-
 // Owner: query rows [i0, i0 + BQ) of head h, 8 per simdgroup (the lane's row: jfm_frag_coord).
 //   stage Q_i, dO_i;  D_i = rowsum(dO_i * O_i) - g_lse_i  (written for the dK/dV kernels)
 //   for each key block j of the block's visible union (skip blocks never visited):
@@ -188,7 +172,7 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
                                           thread_index);
   const bool features = jfm_has_score_features(params);
   const bool segments = params.has_segment_ids != 0;
-  const JfmFeatureBuffers in = jfm_bwd_features(q_segment_ids, kv_segment_ids, bias, mask);
+  const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
   const JfmFeatureRow feature_row = jfm_feature_row(params, b, h, i);
   device const int* kv_ids = kv_segment_ids + ulong(b) * params.kv_len;
   if (segments) {  // the query ids in the Q tile's row padding
@@ -384,7 +368,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   const ulong kv_block = jfm_row_offset(b, j0, hk, params.kv_len, params.num_kv_heads, D);
   const bool features = jfm_has_score_features(params);
   const bool segments = params.has_segment_ids != 0;
-  const JfmFeatureBuffers in = jfm_bwd_features(q_segment_ids, kv_segment_ids, bias, mask);
+  const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
   device const int* q_ids = q_segment_ids + ulong(b) * params.q_len;
   if (union_lo <= union_hi) {  // uniform; the first query block's barrier publishes the tiles
     jfm_load_tile<T, BKV, D, THREADS, false>(k_tile, k + kv_block, kv_stride, 0, valid_keys,

@@ -21,6 +21,30 @@ struct JfmFeatureBuffers {
   device const float* sinks;         // float32 [H], natural-log logits
 };
 
+// The kernel arguments of the optional buffers (every kernel that reads a feature declares all
+// five, the host binds all five), and the struct made from them inside the kernel.
+#define JFM_FEATURE_BUFFER_ARGS                                             \
+  device const int* q_segment_ids [[buffer(JFM_BUFFER_Q_SEGMENT_IDS)]],     \
+      device const int* kv_segment_ids [[buffer(JFM_BUFFER_KV_SEGMENT_IDS)]], \
+      device const uchar* bias [[buffer(JFM_BUFFER_BIAS)]],                 \
+      device const uchar* mask [[buffer(JFM_BUFFER_MASK)]],                 \
+      device const float* sinks [[buffer(JFM_BUFFER_SINKS)]]
+#define JFM_FEATURE_BUFFERS \
+  jfm_feature_buffers(q_segment_ids, kv_segment_ids, bias, mask, sinks)
+
+inline JfmFeatureBuffers jfm_feature_buffers(device const int* q_segment_ids,
+                                             device const int* kv_segment_ids,
+                                             device const uchar* bias, device const uchar* mask,
+                                             device const float* sinks) {
+  JfmFeatureBuffers in;
+  in.q_segment_ids = q_segment_ids;
+  in.kv_segment_ids = kv_segment_ids;
+  in.bias = bias;
+  in.mask = mask;
+  in.sinks = sinks;
+  return in;
+}
+
 // Features that change the score or hide single elements; a kernel takes its feature loop iff
 // one is set (sinks only enter the row statistic, after the loop).
 inline bool jfm_has_score_features(constant AttentionParams& p) {

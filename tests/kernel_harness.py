@@ -24,7 +24,7 @@ DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
 
 # JFM_BUFFER_* of attention_params.h.
 Q, K, V, O, LSE, DO, DELTA, G_LSE, Q_LENGTHS, KV_LENGTHS, DQ, DK, DV, PARAMS, L2 = range(15)
-DBIAS = 21
+Q_SEGMENT_IDS, KV_SEGMENT_IDS, BIAS, MASK, SINKS, DBIAS = range(16, 22)
 
 PARAMS_DTYPE = np.dtype([
     ("batch", "<u4"), ("q_len", "<u4"), ("kv_len", "<u4"), ("num_heads", "<u4"),
@@ -33,7 +33,8 @@ PARAMS_DTYPE = np.dtype([
     ("has_q_lengths", "<u4"), ("has_kv_lengths", "<u4"),
     ("block_offset", "<u4"), ("head_offset", "<u4"), ("batch_offset", "<u4"),
     ("splits", "<u4"),
-    # The optional features of the FFI contract, which no kernel reads yet: left 0.
+    # The optional features of the FFI contract: left 0 here (their tests go through the FFI
+    # handler, tests/test_kernels_features.py).
     ("has_segment_ids", "<u4"), ("has_bias", "<u4"), ("has_mask", "<u4"), ("has_sinks", "<u4"),
     ("bias_grad", "<u4"), ("soft_cap", "<f4"),
     ("bias_strides", "<i8", (4,)), ("mask_strides", "<i8", (4,)),
@@ -44,6 +45,8 @@ assert PARAMS_DTYPE.fields["bias_strides"][1] == 96
 # Bound where a lengths buffer is absent; the kernels must not read it (if they did, these
 # values would empty every row and the comparison with the oracle would fail).
 _DUMMY_LENGTHS = np.full(4, -7, dtype=np.int32)
+# Bound at the optional feature buffers, as the host does: the kernels read none (flags 0).
+_FEATURE_PLACEHOLDER = np.full(4, -7, dtype=np.int32)
 
 
 def type_name(dtype):
@@ -103,12 +106,6 @@ def _output(shape, dtype):
     return np.full(shape, np.nan, dtype=dtype)
 
 
-def _no_features():
-    """Placeholders for the optional feature buffers 16..19, which the kernels read only when
-    their flag is set."""
-    return {index: np.zeros(4, np.int32) for index in range(16, 20)}
-
-
 def _lengths(lengths):
     if lengths is None:
         return _DUMMY_LENGTHS
@@ -121,6 +118,8 @@ def _dispatch(kind, dtype, head_dim, buffers, rows, heads, batch, schedule, seed
     if 0 in groups:
         return  # the host never dispatches an empty grid
     bound = {index: _device(array) for index, array in buffers.items()}
+    for index in (Q_SEGMENT_IDS, KV_SEGMENT_IDS, BIAS, MASK, SINKS):
+        bound.setdefault(index, _FEATURE_PLACEHOLDER)
     # Outputs are created C-contiguous, so `bound` holds them or uint16 views of them.
     emulator.run(kernel_name(kind, dtype, head_dim), bound, groups, (shape["threads"], 1, 1),
                  schedule=schedule, seed=seed)
@@ -172,7 +171,7 @@ def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, bias
     dq = _output(q.shape, q.dtype)
     dk = _output(k.shape, k.dtype)
     dv = _output(v.shape, v.dtype)
-    inputs = {Q: q, K: k, V: v, DO: do, L2: l2, PARAMS: params, **_no_features(),
+    inputs = {Q: q, K: k, V: v, DO: do, L2: l2, PARAMS: params,
               Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
               KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths"))}
     dq_stage, *dkdv_stages = bwd_stages(head_dim)

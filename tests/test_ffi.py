@@ -362,22 +362,22 @@ def _loss(implementation):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-@pytest.mark.parametrize("attrs,name", [
-    (dict(has_bias=True), "bias"), (dict(has_mask=True), "mask"),
-    (dict(has_segment_ids=True), "segment ids"), (dict(has_sinks=True), "sinks"),
-    (dict(logits_soft_cap=np.float32(30.0)), "logits_soft_cap"),
-    (dict(has_bias=True, has_sinks=True), "bias, sinks")])
-def test_handlers_refuse_the_optional_features(attrs, name):
-    """The contract's optional features (ffi/attention_ffi.h) are refused by both handlers
-    until kernels read them, before any operand is looked at."""
+def test_backward_handler_checks_the_dbias_result():
+    """bias_grad needs a bias operand, and the dbias result must be float32 [B, H, Tq, Tkv] with
+    it ([0] without it)."""
     rng = np.random.default_rng(3)
     q = _normal(rng, (1, 4, 2, 16))
     o, lse, l2 = _fwd_call(q, q, q)
-    message = f"{name} not supported by the fused kernels yet"
-    with pytest.raises(Exception, match=message):
-        _fwd_call(q, q, q, **attrs)
-    with pytest.raises(Exception, match=message):
-        _bwd_call(q, q, q, o, l2, q, jnp.zeros(lse.shape, jnp.float32), **attrs)
+    g = jnp.zeros(lse.shape, jnp.float32)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="bias_grad needs has_bias"):
+        _bwd_call(q, q, q, o, l2, q, g, bias_grad=True)
+    out = (jax.ShapeDtypeStruct(q.shape, q.dtype),) * 3 + (
+        jax.ShapeDtypeStruct((1, 2, 4, 3), jnp.float32), jax.ShapeDtypeStruct(lse.shape, jnp.float32))
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"output dbias must be float32 \[1, 2, 4, 4\]"):
+        jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
+            q, q, q, o, l2, q, g, jnp.zeros((1, 1, 1, 4), jnp.float32), bias_grad=np.bool_(True),
+            **_attrs(has_bias=True)))
 
 
 def test_compiled_hlo_has_custom_calls_only_on_the_fused_path():
