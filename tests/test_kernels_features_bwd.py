@@ -2,8 +2,10 @@
 cap; sinks through dsinks) on the emulator, end to end through flash_attention (the forward runs
 the features' forward kernels): dQ, dK, dV, dbias and dsinks against the float64 oracle with
 DESIGN.md tolerances, alone and combined with causal/window/lengths/GQA, across tile edges and
-head dims up to the split dK/dV kernels; no Tq x Tkv buffer without a bias gradient
-(check_grads through bias and sinks on the emulator: tests/test_features.py).
+head dims up to the split dK/dV kernels; the segment-id block skip in the profile, bit-identical
+gradients under every emulator schedule, vmap with a bias gradient, and no Tq x Tkv buffer
+without a bias gradient (check_grads through bias and sinks on the emulator:
+tests/test_features.py).
 """
 
 import jax
@@ -13,13 +15,12 @@ import pytest
 
 import tolerance
 from api_helpers import make_inputs, normal
-from jax_flash_metal import flash_attention, implementations
 
-pytestmark = pytest.mark.skipif("emulator" not in implementations.available(),
-                                reason="needs the extension")
+ext = pytest.importorskip("jax_flash_metal._ext")
+from jax_flash_metal import flash_attention, profile  # noqa: E402
 
 B, TQ, TK, H, HKV, D = 2, 9, 11, 4, 2, 16
-# Names of the diffentiable feature arguments, whose gradients the VJP also returns.
+# Names of the differentiable feature arguments, whose gradients the VJP also returns.
 DIFFERENTIABLE = ("bias", "sinks")
 
 
@@ -201,3 +202,67 @@ def test_no_score_sized_buffer_without_a_bias_gradient():
 
     assert temp_bytes((0, 1, 2)) < scores_bytes / 100
     assert temp_bytes((0, 1, 2, 3)) >= scores_bytes
+
+
+def _streamed_bytes(length, segment_len):
+    """(K and V bytes bwd_dq reads, Q and dO bytes bwd_dkdv reads) of the emulator's backward at
+    this length with packed segments of segment_len keys (0: none); float16, D 64, one head
+    (32 x 32 tiles in both kernels)."""
+    q, k, v, do, _ = inputs(24, batch=1, q_len=length, kv_len=length, heads=1, kv_heads=1,
+                            head_dim=64, dtype=jnp.float16)
+    kw = {}
+    if segment_len:
+        ids = jnp.asarray(np.arange(length)[None] // segment_len, jnp.int32)
+        kw = dict(query_segment_ids=ids, key_value_segment_ids=ids)
+    _, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, implementation="emulator", **kw),
+                     q, k, v)
+    records = profile._recorded(jax.jit(lambda vjp, ct: vjp(ct)), vjp, do)
+    reads = {r["kernel"].split("_f16")[0]: r["buffers"] for r in records}
+    dq, dkdv = reads["flash_attention_bwd_dq"], reads["flash_attention_bwd_dkdv"]
+    return dq[1]["read"] + dq[2]["read"], dkdv[0]["read"] + dkdv[5]["read"]
+
+
+def test_segments_that_never_meet_are_never_staged():
+    """Packed segments of 128: each owner block meets the 4 streamed blocks of its own segment,
+    the others are skipped before they are staged, so the streamed bytes of both backward
+    kernels are a quarter of the unpacked call's at length 512 and grow linearly."""
+    dense = _streamed_bytes(512, 0)
+    packed, packed_twice = _streamed_bytes(512, 128), _streamed_bytes(1024, 128)
+    assert packed == tuple(n // 4 for n in dense), (packed, dense)
+    assert packed_twice == tuple(2 * n for n in packed), (packed, packed_twice)
+
+
+def test_schedules_give_bit_identical_gradients():
+    """Every gradient element, dbias included, has one owner and a fixed reduction order:
+    the emulator's resume order (after every barrier and simd operation) changes no bit."""
+    q, k, v, do, g = inputs(25, batch=1, q_len=40, kv_len=70, heads=2, kv_heads=1)
+    kw = _all_features(np.random.default_rng(26), 1, 2, 40, 70)
+    before = ext.emulator_schedule()
+    results = []
+    try:
+        for schedule, seed in (("forward", 0), ("reverse", 0), ("random", 5)):
+            ext.set_emulator_schedule(schedule, seed)
+            jax.clear_caches()
+            results.append({n: np.asarray(x) for n, x in run(q, k, v, do, g, **kw).items()})
+    finally:
+        ext.set_emulator_schedule(*before)
+    for other in results[1:]:
+        for name, x in other.items():
+            assert x.tobytes() == results[0][name].tobytes(), name
+
+
+def test_vmap_with_a_bias_gradient():
+    """vmap over a batch-broadcast bias (expanded under the fold, its dbias summed back over
+    the batch): each example gets its own bias gradient."""
+    q, k, v, _, _ = inputs(19)
+    rng = np.random.default_rng(20)
+    bias = jnp.asarray(normal(rng, (3, 1, H, 1, TK), jnp.float32))
+    mask = jnp.asarray(rng.random((TQ, TK)) > 0.3)
+
+    def loss(bias):
+        out = flash_attention(q, k, v, bias, mask, implementation="emulator")
+        return jnp.sum(out * v[:, :TQ, :1])
+
+    dbias = jax.vmap(jax.grad(loss))(bias)
+    for i in range(3):
+        np.testing.assert_allclose(dbias[i], jax.grad(loss)(bias[i]), rtol=1e-5, atol=1e-6)
