@@ -36,13 +36,13 @@
 //   implementation):
 //     q_segment_ids int32 [B, Tq], kv_segment_ids int32 [B, Tkv]   (has_segment_ids)
 //     bias  [b, h, tq, tkv], dtype of q or f32                      (has_bias)
-//     mask  uint8 [b, h, tq, tkv], 0 = hidden, else visible         (has_mask; JAX bool bytes)
+//     mask  bool or uint8 [b, h, tq, tkv], 0 = hidden, else visible (has_mask; JAX bool bytes)
 //     sinks float32 [H]                                              (has_sinks)
 //   bias and mask are rank 4 with each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv]
 //   (jax_flash_metal.validation makes them so; the lowering converts a bias of another float
-//   dtype to float32). The mask may also be uint8. An absent operand's buffer index is bound to
-//   a placeholder the kernels never read; AttentionParams.has_bias is JFM_BIAS_OF_Q or
-//   JFM_BIAS_FLOAT32. logits_soft_cap must be >= 0 and finite. The handler derives per-axis element strides
+//   dtype to float32). An absent operand's buffer index is bound to a placeholder the kernels
+//   never read; AttentionParams.has_bias is JFM_BIAS_OF_Q or JFM_BIAS_FLOAT32;
+//   logits_soft_cap must be >= 0 and finite. The handler derives per-axis element strides
 //   over [B, H, Tq, Tkv] from the dims, 0 on a broadcast axis, and passes them in
 //   AttentionParams (bias_strides / mask_strides, 64-bit); a tile reads bias[b, h, i, j] at
 //   b*s0 + h*s1 + i*s2 + j*s3. Query head h of the group of kv head h / (H / HKV) indexes h.

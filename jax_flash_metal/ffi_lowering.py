@@ -185,7 +185,7 @@ def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q
     """The FFI attributes with their exact types (a Python float would become f64); the soft
     cap is 0.0 when absent. The handlers refuse the optional features a direction's kernels do
     not implement (check_supported stops such calls earlier, at lowering)."""
-    del bias_grad  # an attribute of the backward target once its kernels read a bias (attention_ffi.h)
+    del bias_grad  # a backward attribute once its kernels read a bias (attention_ffi.h)
     return dict(scale=np.float32(scale), is_causal=np.bool_(is_causal),
                 window_left=np.int32(window_left), window_right=np.int32(window_right),
                 bottom_right=np.bool_(bottom_right), has_q_lengths=np.bool_(has_q_lengths),
@@ -204,8 +204,8 @@ def _contract_operands(ctx: mlir.LoweringRuleContext, args, num_main: int, param
         return avals, args
     n = num_main + sum(bool(params.get(f)) for f in ("has_q_lengths", "has_kv_lengths"))
     n += 2 * bool(params.get("has_segment_ids"))
-    bias = cast(ShapedArray, avals[n])
-    if bias.dtype not in (avals[0].dtype, np.dtype(np.float32)):
+    bias, q = (cast(ShapedArray, avals[i]) for i in (n, 0))
+    if bias.dtype not in (q.dtype, np.dtype(np.float32)):
         f32 = ShapedArray(bias.shape, np.float32)
         convert = mlir.lower_fun(lambda b: b.astype(np.float32), multiple_results=False)
         [args[n]] = convert(ctx.replace(avals_in=[bias], avals_out=[f32]), args[n])
