@@ -5,7 +5,8 @@
 //
 // Forward  args:    q [B,Tq,H,D], k [B,Tkv,HKV,D], v [B,Tkv,HKV,D], then the optional
 //                   q_lengths int32 [B] and kv_lengths int32 [B] (in that order, each present
-//                   only when its has_* attribute is true; bound as the handler's remaining args)
+//                   only when its has_* attribute is true; bound as the handler's remaining args),
+//                   then the optional feature operands below
 //          results: o [B,Tq,H,D] (dtype of q), lse float32 [B,H,Tq] (natural log, -inf for a
 //                   row with no visible key), l2 float32 [B,H,Tq] (the base-2 statistic
 //                   L2 = m + log2(l) of the log2-domain scores; JFM_EMPTY_ROW_L2 for an empty
@@ -26,17 +27,21 @@
 //   also bias_grad i1 (needs has_bias).
 // q, k, v (and o, do, dq, dk, dv) share one dtype: f32, f16 or bf16.
 //
-// Optional features (DESIGN.md section 3), implemented by the kernels of both directions
-// (shaders/flash_attention_features.h; ffi_lowering.KERNEL_FEATURES):
+// Optional features (DESIGN.md section 3; shaders/flash_attention_features.h). The contract below
+// is fixed; the kernels of both directions (forward tiled and decode, backward) implement all of
+// it (ffi_lowering.KERNEL_FEATURES).
 //   Operands, after the lengths, in this order, each present only when its flag is set; both
 //   directions take the same ones (so a call's forward and backward lower to one
 //   implementation):
 //     q_segment_ids int32 [B, Tq], kv_segment_ids int32 [B, Tkv]   (has_segment_ids)
 //     bias  [b, h, tq, tkv], dtype of q or f32                      (has_bias)
-//     mask  uint8 [b, h, tq, tkv], 0 = hidden, else visible         (has_mask; JAX bool bytes)
+//     mask  bool or uint8 [b, h, tq, tkv], 0 = hidden, else visible (has_mask; JAX bool bytes)
 //     sinks float32 [H]                                              (has_sinks)
 //   bias and mask are rank 4 with each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv]
-//   (jax_flash_metal.validation makes them so). The handler derives per-axis element strides
+//   (jax_flash_metal.validation makes them so; the lowering converts a bias of another float
+//   dtype to float32). An absent operand's buffer index is bound to a placeholder the kernels
+//   never read; AttentionParams.has_bias is JFM_BIAS_OF_Q or JFM_BIAS_FLOAT32;
+//   logits_soft_cap must be >= 0 and finite. The handler derives per-axis element strides
 //   over [B, H, Tq, Tkv] from the dims, 0 on a broadcast axis, and passes them in
 //   AttentionParams (bias_strides / mask_strides, 64-bit); a tile reads bias[b, h, i, j] at
 //   b*s0 + h*s1 + i*s2 + j*s3. Query head h of the group of kv head h / (H / HKV) indexes h.

@@ -111,7 +111,7 @@ def kernel_names(implementation: str) -> frozenset[str]:
 
 
 # Optional features (primitives.feature_names) the fused kernels of each direction implement
-# (the FFI contract is ffi/attention_ffi.h; the handlers refuse the others as well). A call's
+# (the FFI contract is ffi/attention_ffi.h; today both implement all of it). A call's
 # forward and backward must lower to one implementation, so a fused implementation serves a call
 # only when both directions implement all its features (_lacking_features); other calls go to
 # the xla implementation, or raise when fused is explicit.
@@ -205,8 +205,8 @@ def _contract_operands(ctx: mlir.LoweringRuleContext, args, num_main: int, param
         return avals, args
     n = num_main + sum(bool(params.get(f)) for f in ("has_q_lengths", "has_kv_lengths"))
     n += 2 * bool(params.get("has_segment_ids"))
-    bias = cast(ShapedArray, avals[n])
-    if bias.dtype not in (avals[0].dtype, np.dtype(np.float32)):
+    bias, q = (cast(ShapedArray, avals[i]) for i in (n, 0))
+    if bias.dtype not in (q.dtype, np.dtype(np.float32)):
         f32 = ShapedArray(bias.shape, np.float32)
         convert = mlir.lower_fun(lambda b: b.astype(np.float32), multiple_results=False)
         [args[n]] = convert(ctx.replace(avals_in=[bias], avals_out=[f32]), args[n])

@@ -20,8 +20,8 @@ from api_helpers import normal
 
 ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import ffi_lowering, flash_attention, profile  # noqa: E402
+from test_ffi import _fwd_call  # noqa: E402  (the forward target called directly)
 
-FWD = "jax_flash_metal_attention_fwd_emulator"
 LN2 = np.log(2.0)
 
 
@@ -250,27 +250,6 @@ def test_emulator_schedules_give_identical_results(fused_forward):
 
 # ---- L2, the backward's residual, through the FFI target ----------------------------------
 
-def _attrs(**overrides):
-    attrs = dict(scale=np.float32(0.25), is_causal=False, window_left=np.int32(-1),
-                 window_right=np.int32(-1), bottom_right=False, has_q_lengths=False,
-                 has_kv_lengths=False, has_segment_ids=False, has_bias=False, has_mask=False,
-                 has_sinks=False, logits_soft_cap=np.float32(0.0))
-    attrs.update(overrides)
-    return attrs
-
-
-def _fwd_call(q, k, v, *operands, **attrs):
-    """The forward target called directly: (o, lse, l2)."""
-    b, tq, h, d = q.shape
-    _, elements = ext.decode_splits({np.dtype(np.float32): "f32"}.get(q.dtype, "f16"), b, tq,
-                                    k.shape[1], h, k.shape[2], d)
-    row = jax.ShapeDtypeStruct((b, h, tq), jnp.float32)
-    out = (jax.ShapeDtypeStruct(q.shape, q.dtype), row, row,
-           jax.ShapeDtypeStruct((elements,), jnp.float32))
-    return jax.block_until_ready(
-        jax.ffi.ffi_call(FWD, out)(q, k, v, *operands, **_attrs(**attrs)))[:3]
-
-
 @pytest.mark.parametrize("q_len", [1, 20], ids=["decode", "tiled"])
 def test_l2_includes_the_sinks(q_len):
     """L2 = LSE / ln 2 on every row, empty ones included (they hold the sink), so the backward's
@@ -313,7 +292,8 @@ _IDS = (jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 5), jnp.int32))
     ((jnp.zeros((1, 2, 4, 5), jnp.float16),), dict(has_bias=True),
      r"bias must have the dtype of query \(float32\) or float32, got float16"),
     ((jnp.zeros((2, 4, 5), jnp.float32),), dict(has_bias=True),
-     r"bias must have rank 4 with each axis 1 or the size of \[1, 2, 4, 5\], got shape \[2, 4, 5\]"),
+     r"bias must have rank 4 with each axis 1 or the size of \[1, 2, 4, 5\], got shape "
+     r"\[2, 4, 5\]"),
     ((jnp.zeros((1, 2, 3, 5), jnp.float32),), dict(has_bias=True), r"bias must have rank 4"),
     ((jnp.zeros((1, 1, 4, 5), jnp.float32),), dict(has_mask=True),
      "mask must be bool or uint8"),
