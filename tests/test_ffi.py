@@ -371,8 +371,9 @@ def test_backward_handler_checks_the_dbias_result():
     g = jnp.zeros(lse.shape, jnp.float32)
     with pytest.raises(jax.errors.JaxRuntimeError, match="bias_grad needs has_bias"):
         _bwd_call(q, q, q, o, l2, q, g, bias_grad=True)
+    f32 = jnp.float32
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype),) * 3 + (
-        jax.ShapeDtypeStruct((1, 2, 4, 3), jnp.float32), jax.ShapeDtypeStruct(lse.shape, jnp.float32))
+        jax.ShapeDtypeStruct((1, 2, 4, 3), f32), jax.ShapeDtypeStruct(lse.shape, f32))
     with pytest.raises(jax.errors.JaxRuntimeError,
                        match=r"output dbias must be float32 \[1, 2, 4, 4\]"):
         jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
