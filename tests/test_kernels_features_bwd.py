@@ -94,6 +94,18 @@ def test_minus_inf_bias_hides_like_a_false_mask():
     assert np.all(dbias[np.broadcast_to(~mask, dbias.shape)] == 0)
 
 
+@pytest.mark.parametrize("bad", [np.inf, np.nan], ids=["inf", "nan"])
+def test_non_finite_bias_propagates(bad):
+    """A +inf or NaN bias entry on a visible pair poisons its row's gradients and the keys that
+    row sees (the oracle's NaN pattern), never silently 0; the other rows stay finite."""
+    q, k, v, do, g = inputs(27)
+    bias = np.array(normal(np.random.default_rng(28), (TQ, TK), jnp.float32))
+    bias[4, 1] = bad
+    got, _ = check(q, k, v, do, g, bias=bias, is_causal=True)
+    assert not np.isfinite(np.asarray(got["dq"])[:, 4]).any()
+    assert np.isfinite(np.delete(np.asarray(got["dq"]), 4, axis=1)).all()
+
+
 def test_packed_segments_across_tiles():
     """Packed sequences over several 32-key blocks (float16, D 16: 32 x 32 dQ tiles) with causal:
     the id-range skip drops the blocks of other segments, whose dbias entries are exactly 0;
