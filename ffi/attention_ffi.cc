@@ -54,6 +54,10 @@ std::string dtype_name(ffi::DataType t) {
       return "int32";
     case ffi::DataType::S64:
       return "int64";
+    case ffi::DataType::PRED:
+      return "bool";
+    case ffi::DataType::U8:
+      return "uint8";
     default:
       return "dtype #" + std::to_string(static_cast<int>(t));
   }
@@ -88,6 +92,10 @@ struct Options {
   bool is_causal;
   int32_t window_left, window_right;
   bool bottom_right, has_q_lengths, has_kv_lengths;
+  // The contract's optional features (attention_ffi.h).
+  bool has_segment_ids, has_bias, has_mask, has_sinks;
+  float logits_soft_cap;  // 0 = none
+  bool bias_grad = false;  // backward only: the dQ kernel writes dbias
 };
 
 // q, k, v: ranks, matching dims, one supported dtype, divisible heads.
@@ -150,43 +158,169 @@ ffi::Error check_options(const Options& o) {
     return invalid("window_left/window_right must be >= 0, or -1 for unbounded; got (" +
                    std::to_string(o.window_left) + ", " + std::to_string(o.window_right) + ")");
   }
+  if (!(o.logits_soft_cap >= 0.0f) || std::isinf(o.logits_soft_cap)) {
+    return invalid("logits_soft_cap must be a positive finite float, or 0 for none; got " +
+                   std::to_string(o.logits_soft_cap));
+  }
   return ffi::Error::Success();
 }
 
-// The optional length operands, copied for binding. Clamping to [0, len] happens where the
-// kernels read them (jfm_valid_len), so nothing indexes out of bounds whatever the caller
-// passes. When a length is absent, the full length fills the buffer the kernel does not read.
-ffi::Error read_lengths(ffi::RemainingArgs rest, const Options& o, const Problem& p,
-                        std::vector<int32_t>* q_lengths, std::vector<int32_t>* kv_lengths) {
-  const size_t expected = size_t{o.has_q_lengths} + size_t{o.has_kv_lengths};
-  if (rest.size() != expected) {
-    return invalid("expected " + std::to_string(expected) +
-                   " length operand(s) after the arrays (has_q_lengths=" +
-                   std::to_string(o.has_q_lengths) + ", has_kv_lengths=" +
-                   std::to_string(o.has_kv_lengths) + "), got " + std::to_string(rest.size()));
+// The backward's dbias result: the full score layout with bias_grad, else empty.
+std::vector<int64_t> dbias_shape(const Problem& p, bool bias_grad) {
+  if (!bias_grad) return {0};
+  return {p.batch, p.heads, p.q_len, p.kv_len};
+}
+
+Binding whole(int index, ffi::AnyBuffer buffer, bool written) {
+  return Binding{index, buffer.untyped_data(), buffer.size_bytes(), written, false};
+}
+
+// The optional operands of a call (attention_ffi.h), as the kernels bind them.
+struct OptionalOperands {
+  // Copied for binding. Clamping to [0, len] happens where the kernels read them
+  // (jfm_valid_len), so nothing indexes out of bounds whatever the caller passes. When a length
+  // is absent, the full length fills the buffer the kernel does not read.
+  std::vector<int32_t> q_lengths, kv_lengths;
+  // Buffers 16-20 for every kernel of the call; an absent one is bound to `placeholder`, never
+  // read (its flag is 0), so every kernel argument is bound on Metal.
+  std::vector<Binding> features;
+  uint32_t bias_kind = JFM_BIAS_NONE;
+  int64_t bias_strides[4] = {0, 0, 0, 0}, mask_strides[4] = {0, 0, 0, 0};
+  int32_t placeholder[4] = {0, 0, 0, 0};
+  const float* sinks = nullptr;  // float32 [H] when has_sinks
+};
+
+// Element strides of a rank-4 row-major array over [B, H, Tq, Tkv], 0 on a broadcast axis (size
+// 1; the kernels then read index 0 of it for every position).
+void broadcast_strides(ffi::AnyBuffer::Dimensions dims, int64_t* strides) {
+  int64_t step = 1;
+  for (int axis = 3; axis >= 0; --axis) {
+    strides[axis] = dims[axis] == 1 ? 0 : step;
+    step *= dims[axis];
+  }
+}
+
+// A bias or mask: rank 4, each axis 1 or the full size of [B, H, Tq, Tkv].
+ffi::Error expect_broadcastable(const char* what, ffi::AnyBuffer buffer, const Problem& p) {
+  const std::vector<int64_t> full = {p.batch, p.heads, p.q_len, p.kv_len};
+  auto dims = buffer.dimensions();
+  bool ok = dims.size() == 4;
+  for (size_t axis = 0; ok && axis < 4; ++axis) {
+    ok = dims[axis] == 1 || dims[axis] == full[axis];
+  }
+  if (ok) return ffi::Error::Success();
+  return invalid(std::string(what) + " must have rank 4 with each axis 1 or the size of " +
+                 dims_string(full) + ", got shape " + dims_string(dims));
+}
+
+// Reads the optional operands after the main ones, in the contract's order (q_lengths,
+// kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks; each present iff its flag is
+// set), checks their dtypes and shapes, and prepares their bindings and strides. One function
+// for both directions, so both see one set of rules.
+ffi::Error read_optional(ffi::RemainingArgs rest, const Options& o, const Problem& p,
+                         OptionalOperands* out) {
+  const size_t length_operands = size_t{o.has_q_lengths} + size_t{o.has_kv_lengths};
+  const size_t feature_operands = 2 * size_t{o.has_segment_ids} + size_t{o.has_bias} +
+                          size_t{o.has_mask} + size_t{o.has_sinks};
+  if (rest.size() != length_operands + feature_operands) {
+    return invalid("expected " + std::to_string(length_operands) + " length operand(s) and " +
+                   std::to_string(feature_operands) + " feature operand(s) after the arrays " +
+                   "(has_q_lengths=" + std::to_string(o.has_q_lengths) +
+                   ", has_kv_lengths=" + std::to_string(o.has_kv_lengths) +
+                   ", has_segment_ids=" + std::to_string(o.has_segment_ids) +
+                   ", has_bias=" + std::to_string(o.has_bias) +
+                   ", has_mask=" + std::to_string(o.has_mask) +
+                   ", has_sinks=" + std::to_string(o.has_sinks) + "), got " +
+                   std::to_string(rest.size()));
   }
   size_t next = 0;
-  auto load = [&](bool present, const char* what, int64_t full,
-                  std::vector<int32_t>* out) -> ffi::Error {
-    out->assign(static_cast<size_t>(std::max<int64_t>(p.batch, 1)), static_cast<int32_t>(full));
-    if (!present) return ffi::Error::Success();
+  // Takes the next operand and hands it to `use`.
+  auto take = [&](const char* what, auto use) -> ffi::Error {
     auto arg = rest.get<ffi::AnyBuffer>(next++);
     if (arg.has_error()) return invalid(std::string(what) + ": " + arg.error().message());
-    ffi::AnyBuffer buffer = arg.value();
-    if (ffi::Error e = expect(what, buffer, ffi::DataType::S32, {p.batch});
-        e.failure()) {
-      return e;
-    }
-    const int32_t* values = static_cast<const int32_t*>(buffer.untyped_data());
-    for (int64_t b = 0; b < p.batch; ++b) {
-      (*out)[b] = values[b];
-    }
-    return ffi::Error::Success();
+    return use(arg.value());
   };
-  if (ffi::Error e = load(o.has_q_lengths, "q_lengths", p.q_len, q_lengths); e.failure()) {
+  auto lengths = [&](bool present, const char* what, int64_t full,
+                     std::vector<int32_t>* values) -> ffi::Error {
+    values->assign(static_cast<size_t>(std::max<int64_t>(p.batch, 1)),
+                   static_cast<int32_t>(full));
+    if (!present) return ffi::Error::Success();
+    return take(what, [&](ffi::AnyBuffer buffer) {
+      if (ffi::Error e = expect(what, buffer, ffi::DataType::S32, {p.batch}); e.failure()) {
+        return e;
+      }
+      const int32_t* data = static_cast<const int32_t*>(buffer.untyped_data());
+      std::copy(data, data + p.batch, values->begin());
+      return ffi::Error::Success();
+    });
+  };
+  if (ffi::Error e = lengths(o.has_q_lengths, "q_lengths", p.q_len, &out->q_lengths);
+      e.failure()) {
     return e;
   }
-  return load(o.has_kv_lengths, "kv_lengths", p.kv_len, kv_lengths);
+  if (ffi::Error e = lengths(o.has_kv_lengths, "kv_lengths", p.kv_len, &out->kv_lengths);
+      e.failure()) {
+    return e;
+  }
+  // A present feature operand, checked, bound read-only in place; an absent one, the placeholder.
+  auto feature = [&](bool present, const char* what, int index,
+                     auto check) -> ffi::Error {
+    if (!present) {
+      out->features.push_back(
+          Binding{index, out->placeholder, sizeof(out->placeholder), false, true});
+      return ffi::Error::Success();
+    }
+    return take(what, [&](ffi::AnyBuffer buffer) {
+      if (ffi::Error e = check(buffer); e.failure()) return e;
+      out->features.push_back(whole(index, buffer, false));
+      return ffi::Error::Success();
+    });
+  };
+  const ffi::DataType s32 = ffi::DataType::S32;
+  if (ffi::Error e = feature(o.has_segment_ids, "q_segment_ids", JFM_BUFFER_Q_SEGMENT_IDS,
+                             [&](ffi::AnyBuffer b) {
+                               return expect("q_segment_ids", b, s32, {p.batch, p.q_len});
+                             });
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = feature(o.has_segment_ids, "kv_segment_ids", JFM_BUFFER_KV_SEGMENT_IDS,
+                             [&](ffi::AnyBuffer b) {
+                               return expect("kv_segment_ids", b, s32, {p.batch, p.kv_len});
+                             });
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = feature(o.has_bias, "bias", JFM_BUFFER_BIAS, [&](ffi::AnyBuffer b) {
+        const ffi::DataType t = b.element_type();
+        if (t != p.dtype && t != ffi::DataType::F32) {
+          return invalid("bias must have the dtype of query (" + dtype_name(p.dtype) +
+                         ") or float32, got " + dtype_name(t));
+        }
+        if (ffi::Error e = expect_broadcastable("bias", b, p); e.failure()) return e;
+        out->bias_kind = t == p.dtype ? JFM_BIAS_OF_Q : JFM_BIAS_FLOAT32;
+        broadcast_strides(b.dimensions(), out->bias_strides);
+        return ffi::Error::Success();
+      });
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = feature(o.has_mask, "mask", JFM_BUFFER_MASK, [&](ffi::AnyBuffer b) {
+        const ffi::DataType t = b.element_type();
+        if (t != ffi::DataType::PRED && t != ffi::DataType::U8) {
+          return invalid("mask must be bool or uint8 (0 = hidden), got " + dtype_name(t));
+        }
+        if (ffi::Error e = expect_broadcastable("mask", b, p); e.failure()) return e;
+        broadcast_strides(b.dimensions(), out->mask_strides);
+        return ffi::Error::Success();
+      });
+      e.failure()) {
+    return e;
+  }
+  return feature(o.has_sinks, "sinks", JFM_BUFFER_SINKS, [&](ffi::AnyBuffer b) {
+    out->sinks = static_cast<const float*>(b.untyped_data());
+    return expect("sinks", b, ffi::DataType::F32, {p.heads});
+  });
 }
 
 std::string kernel_name(const char* stage, const char* suffix, int64_t head_dim) {
@@ -203,7 +337,7 @@ ffi::Error require_kernel(Device& device, const std::string& kernel, const Probl
   return invalid(message);
 }
 
-AttentionParams make_params(const Problem& p, const Options& o) {
+AttentionParams make_params(const Problem& p, const Options& o, const OptionalOperands& x) {
   AttentionParams params{};
   params.batch = static_cast<uint32_t>(p.batch);
   params.q_len = static_cast<uint32_t>(p.q_len);
@@ -219,15 +353,27 @@ AttentionParams make_params(const Problem& p, const Options& o) {
   params.bottom_right = o.bottom_right ? 1u : 0u;
   params.has_q_lengths = o.has_q_lengths ? 1u : 0u;
   params.has_kv_lengths = o.has_kv_lengths ? 1u : 0u;
+  params.has_segment_ids = o.has_segment_ids ? 1u : 0u;
+  params.has_bias = x.bias_kind;
+  params.has_mask = o.has_mask ? 1u : 0u;
+  params.has_sinks = o.has_sinks ? 1u : 0u;
+  params.soft_cap = o.logits_soft_cap;
+  params.bias_grad = o.bias_grad ? 1u : 0u;
+  std::copy(x.bias_strides, x.bias_strides + 4, params.bias_strides);
+  std::copy(x.mask_strides, x.mask_strides + 4, params.mask_strides);
   return params;
-}
-
-Binding whole(int index, ffi::AnyBuffer buffer, bool written) {
-  return Binding{index, buffer.untyped_data(), buffer.size_bytes(), written, false};
 }
 
 Binding lengths_binding(int index, std::vector<int32_t>& values) {
   return Binding{index, values.data(), values.size() * sizeof(int32_t), false, true};
+}
+
+// `main` followed by the optional operands' bindings: the lengths, then buffers 16-20.
+std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& x) {
+  main.push_back(lengths_binding(JFM_BUFFER_Q_LENGTHS, x.q_lengths));
+  main.push_back(lengths_binding(JFM_BUFFER_KV_LENGTHS, x.kv_lengths));
+  main.insert(main.end(), x.features.begin(), x.features.end());
+  return main;
 }
 
 std::vector<StageShape> stages_of(bool backward, const Problem& p, int gpu_cores) {
@@ -258,9 +404,9 @@ ffi::Error run(Device& device, const std::vector<Submission>& submissions) {
 // Runs the stages (stage i binds buffers[i]) in the submissions of the dispatch plan, each
 // chunk with its offsets in AttentionParams.
 ffi::Error run_stages(Device& device, const Problem& p, const Options& o,
-                      const std::vector<StageShape>& stages,
+                      const OptionalOperands& x, const std::vector<StageShape>& stages,
                       const std::vector<std::vector<Binding>>& buffers, int64_t splits = 0) {
-  AttentionParams base = make_params(p, o);
+  AttentionParams base = make_params(p, o, x);
   base.splits = static_cast<uint32_t>(splits);
   std::vector<Submission> submissions;
   for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
@@ -295,6 +441,23 @@ void zero(ffi::AnyBuffer buffer) {
   if (buffer.size_bytes()) std::memset(buffer.untyped_data(), 0, buffer.size_bytes());
 }
 
+// The forward's results when no key exists (kv_len 0), as the kernels write an empty row: O = 0,
+// LSE = -inf, L2 = JFM_EMPTY_ROW_L2; with sinks a row that saw only its sink (jfm_fold_sink):
+// L2 = sink * log2(e), LSE = L2 * ln 2, in the kernels' float arithmetic.
+void write_empty_rows(const Problem& p, const float* sinks, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                      ffi::AnyBuffer l2) {
+  zero(o);
+  float* lse_row = static_cast<float*>(lse.untyped_data());
+  float* l2_row = static_cast<float*>(l2.untyped_data());
+  for (int64_t bh = 0; bh < p.batch * p.heads; ++bh) {
+    const float row_l2 = sinks ? sinks[bh % p.heads] * 1.44269504088896341f : JFM_EMPTY_ROW_L2;
+    const float row_lse =
+        sinks ? row_l2 * 0.693147180559945309f : -std::numeric_limits<float>::infinity();
+    std::fill(l2_row + bh * p.q_len, l2_row + (bh + 1) * p.q_len, row_l2);
+    std::fill(lse_row + bh * p.q_len, lse_row + (bh + 1) * p.q_len, row_lse);
+  }
+}
+
 ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::RemainingArgs rest, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                    ffi::AnyBuffer l2, ffi::AnyBuffer workspace, const Options& opt) {
@@ -315,41 +478,35 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
       e.failure()) {
     return e;
   }
-  std::vector<int32_t> q_lengths, kv_lengths;
-  if (ffi::Error e = read_lengths(rest, opt, p, &q_lengths, &kv_lengths); e.failure()) return e;
+  OptionalOperands x;
+  if (ffi::Error e = read_optional(rest, opt, p, &x); e.failure()) return e;
 
   if (p.batch == 0 || p.q_len == 0 || p.heads == 0) return ffi::Error::Success();  // empty
   if (p.kv_len == 0) {  // no key is visible anywhere
-    zero(o);
-    float* l = static_cast<float*>(lse.untyped_data());
-    std::fill(l, l + lse.element_count(), -std::numeric_limits<float>::infinity());
-    float* s2 = static_cast<float*>(l2.untyped_data());
-    std::fill(s2, s2 + l2.element_count(), JFM_EMPTY_ROW_L2);
+    write_empty_rows(p, x.sinks, o, lse, l2);
     return ffi::Error::Success();
   }
   const std::vector<StageShape> stages = stages_of(false, p, device->gpu_cores());
   if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
-                bv = whole(JFM_BUFFER_V, v, false),
-                bql = lengths_binding(JFM_BUFFER_Q_LENGTHS, q_lengths),
-                bkvl = lengths_binding(JFM_BUFFER_KV_LENGTHS, kv_lengths),
-                bo = whole(JFM_BUFFER_O, o, true), blse = whole(JFM_BUFFER_LSE, lse, true),
-                bl2 = whole(JFM_BUFFER_L2, l2, true);
+                bv = whole(JFM_BUFFER_V, v, false), bo = whole(JFM_BUFFER_O, o, true),
+                blse = whole(JFM_BUFFER_LSE, lse, true), bl2 = whole(JFM_BUFFER_L2, l2, true);
   if (splits == 0) {
-    return run_stages(*device, p, opt, stages, {{bq, bk, bv, bql, bkvl, bo, blse, bl2}});
+    return run_stages(*device, p, opt, x, stages, {with_optional({bq, bk, bv, bo, blse, bl2}, x)});
   }
-  // Decode: pass 1 writes the workspace that pass 2 combines.
-  return run_stages(*device, p, opt, stages,
-                    {{bq, bk, bv, bql, bkvl, whole(JFM_BUFFER_WORKSPACE, workspace, true)},
-                     {whole(JFM_BUFFER_WORKSPACE, workspace, false), bo, blse, bl2}},
-                    splits);
+  // Decode: pass 1 writes the workspace that pass 2 combines (with the sinks).
+  return run_stages(
+      *device, p, opt, x, stages,
+      {with_optional({bq, bk, bv, whole(JFM_BUFFER_WORKSPACE, workspace, true)}, x),
+       with_optional({whole(JFM_BUFFER_WORKSPACE, workspace, false), bo, blse, bl2}, x)},
+      splits);
 }
 
 ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer o, ffi::AnyBuffer l2, ffi::AnyBuffer d_o,
                     ffi::AnyBuffer g_lse, ffi::RemainingArgs rest, ffi::AnyBuffer dq,
-                    ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer delta,
-                    const Options& opt) {
+                    ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer dbias,
+                    ffi::AnyBuffer delta, const Options& opt) {
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
   if (ffi::Error e = check_options(opt); e.failure()) return e;
@@ -362,51 +519,41 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
         std::make_tuple("output dq", dq, p.dtype, p.q_shape()),
         std::make_tuple("output dk", dk, p.dtype, p.kv_shape()),
         std::make_tuple("output dv", dv, p.dtype, p.kv_shape()),
+        std::make_tuple("output dbias", dbias, f32, dbias_shape(p, opt.bias_grad)),
         std::make_tuple("workspace delta", delta, f32, p.row_shape())}) {
     if (ffi::Error e = expect(what, buffer, dtype, shape); e.failure()) return e;
   }
-  std::vector<int32_t> q_lengths, kv_lengths;
-  if (ffi::Error e = read_lengths(rest, opt, p, &q_lengths, &kv_lengths); e.failure()) return e;
+  OptionalOperands x;
+  if (ffi::Error e = read_optional(rest, opt, p, &x); e.failure()) return e;
 
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();  // every output is empty
   if (p.q_len == 0 || p.kv_len == 0) {  // no query sees any key: all gradients are zero
     zero(dq);
     zero(dk);
     zero(dv);
+    zero(dbias);
     return ffi::Error::Success();
   }
   const std::vector<StageShape> stages = stages_of(true, p, device->gpu_cores());
   if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
                 bv = whole(JFM_BUFFER_V, v, false), bl2 = whole(JFM_BUFFER_L2, l2, false),
-                bdo = whole(JFM_BUFFER_DO, d_o, false),
-                bql = lengths_binding(JFM_BUFFER_Q_LENGTHS, q_lengths),
-                bkvl = lengths_binding(JFM_BUFFER_KV_LENGTHS, kv_lengths);
-  // dQ first: it also writes delta, which the dK/dV kernels (one, or the split pair) read.
+                bdo = whole(JFM_BUFFER_DO, d_o, false);
+  // dQ first: it also writes delta, which the dK/dV kernels (one, or the split pair) read,
+  // and with bias_grad every element of dbias (else a placeholder it never touches is bound).
+  const Binding bdbias =
+      opt.bias_grad ? whole(JFM_BUFFER_DBIAS, dbias, true)
+                    : Binding{JFM_BUFFER_DBIAS, x.placeholder, sizeof(x.placeholder), false, true};
   std::vector<std::vector<Binding>> buffers = {
-      {bq, bk, bv, bl2, bdo, bql, bkvl, whole(JFM_BUFFER_O, o, false),
-       whole(JFM_BUFFER_G_LSE, g_lse, false), whole(JFM_BUFFER_DELTA, delta, true),
-       whole(JFM_BUFFER_DQ, dq, true)}};
+      with_optional({bq, bk, bv, bl2, bdo, whole(JFM_BUFFER_O, o, false),
+                     whole(JFM_BUFFER_G_LSE, g_lse, false), whole(JFM_BUFFER_DELTA, delta, true),
+                     whole(JFM_BUFFER_DQ, dq, true), bdbias},
+                    x)};
   buffers.resize(stages.size(),
-                 {bq, bk, bv, bl2, bdo, bql, bkvl, whole(JFM_BUFFER_DELTA, delta, false),
-                  whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)});
-  return run_stages(*device, p, opt, stages, buffers);
-}
-
-// The contract's optional features (attention_ffi.h), which the kernels do not implement yet: a
-// call that sets any of them is refused before any operand is read. The Python lowering never
-// sends one (ffi_lowering.KERNEL_FEATURES); this guards direct ffi_call users.
-ffi::Error refuse_features(bool has_segment_ids, bool has_bias, bool has_mask, bool has_sinks,
-                           float logits_soft_cap) {
-  std::string used;
-  for (auto [on, name] : {std::pair<bool, const char*>{has_bias, "bias"}, {has_mask, "mask"},
-                          {has_segment_ids, "segment ids"}, {has_sinks, "sinks"},
-                          {logits_soft_cap != 0.0f, "logits_soft_cap"}}) {
-    if (on) used += (used.empty() ? "" : ", ") + std::string(name);
-  }
-  if (used.empty()) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    "jax_flash_metal: " + used + " not supported by the fused kernels yet");
+                 with_optional({bq, bk, bv, bl2, bdo, whole(JFM_BUFFER_DELTA, delta, false),
+                                whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)},
+                               x));
+  return run_stages(*device, p, opt, x, stages, buffers);
 }
 
 // Handler bodies, one per (direction, device); the device getter is a template argument so the
@@ -419,17 +566,13 @@ ffi::Error forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            int32_t window_left, int32_t window_right, bool bottom_right,
                            bool has_q_lengths, bool has_kv_lengths, bool has_segment_ids,
                            bool has_bias, bool has_mask, bool has_sinks, float logits_soft_cap) {
-  if (ffi::Error e = refuse_features(has_segment_ids, has_bias, has_mask, has_sinks,
-                                     logits_soft_cap);
-      e.failure()) {
-    return e;
-  }
+  const Options options{scale,         is_causal,       window_left, window_right,
+                        bottom_right,  has_q_lengths,   has_kv_lengths, has_segment_ids,
+                        has_bias,      has_mask,        has_sinks,   logits_soft_cap};
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
-  return forward(device, q, k, v, rest, *o, *lse, *l2, *workspace,
-                 Options{scale, is_causal, window_left, window_right, bottom_right,
-                         has_q_lengths, has_kv_lengths});
+  return forward(device, q, k, v, rest, *o, *lse, *l2, *workspace, options);
 }
 
 template <Device* (*GetDevice)(std::string*)>
@@ -437,22 +580,22 @@ ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
                             ffi::AnyBuffer o, ffi::AnyBuffer l2, ffi::AnyBuffer d_o,
                             ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                            float scale, bool is_causal, int32_t window_left,
-                            int32_t window_right, bool bottom_right, bool has_q_lengths,
-                            bool has_kv_lengths, bool has_segment_ids, bool has_bias,
-                            bool has_mask, bool has_sinks, float logits_soft_cap) {
-  if (ffi::Error e = refuse_features(has_segment_ids, has_bias, has_mask, has_sinks,
-                                     logits_soft_cap);
-      e.failure()) {
-    return e;
-  }
+                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
+                            ffi::Result<ffi::AnyBuffer> delta, float scale, bool is_causal,
+                            int32_t window_left, int32_t window_right, bool bottom_right,
+                            bool has_q_lengths, bool has_kv_lengths, bool has_segment_ids,
+                            bool has_bias, bool has_mask, bool has_sinks, float logits_soft_cap,
+                            bool bias_grad) {
+  const Options options{scale,         is_causal,       window_left, window_right,
+                        bottom_right,  has_q_lengths,   has_kv_lengths, has_segment_ids,
+                        has_bias,      has_mask,        has_sinks,   logits_soft_cap,
+                        bias_grad};
+  if (bias_grad && !has_bias) return invalid("bias_grad needs has_bias (a bias operand)");
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
-  return backward(device, q, k, v, o, l2, d_o, g_lse, rest, *dq, *dk, *dv, *delta,
-                  Options{scale, is_causal, window_left, window_right, bottom_right,
-                          has_q_lengths, has_kv_lengths});
+  return backward(device, q, k, v, o, l2, d_o, g_lse, rest, *dq, *dk, *dv, *dbias, *delta,
+                  options);
 }
 
 template <typename B>
@@ -465,7 +608,7 @@ auto with_attributes(B binding) {
       .template Attr<bool>("bottom_right")
       .template Attr<bool>("has_q_lengths")
       .template Attr<bool>("has_kv_lengths")
-      // The optional features of the contract in attention_ffi.h (no kernel reads them yet).
+      // The optional features of the contract in attention_ffi.h.
       .template Attr<bool>("has_segment_ids")
       .template Attr<bool>("has_bias")
       .template Attr<bool>("has_mask")
@@ -478,7 +621,7 @@ auto forward_binding() {
                              .Arg<ffi::AnyBuffer>()  // q
                              .Arg<ffi::AnyBuffer>()  // k
                              .Arg<ffi::AnyBuffer>()  // v
-                             .RemainingArgs()        // [q_lengths], [kv_lengths]
+                             .RemainingArgs()        // the optional operands (attention_ffi.h)
                              .Ret<ffi::AnyBuffer>()  // o
                              .Ret<ffi::AnyBuffer>()  // lse
                              .Ret<ffi::AnyBuffer>()  // l2
@@ -494,11 +637,13 @@ auto backward_binding() {
                              .Arg<ffi::AnyBuffer>()  // l2
                              .Arg<ffi::AnyBuffer>()  // do
                              .Arg<ffi::AnyBuffer>()  // g_lse
-                             .RemainingArgs()        // [q_lengths], [kv_lengths]
+                             .RemainingArgs()        // the optional operands (attention_ffi.h)
                              .Ret<ffi::AnyBuffer>()  // dq
                              .Ret<ffi::AnyBuffer>()  // dk
                              .Ret<ffi::AnyBuffer>()  // dv
-                             .Ret<ffi::AnyBuffer>());  // delta (workspace)
+                             .Ret<ffi::AnyBuffer>()  // dbias ([0] without bias_grad)
+                             .Ret<ffi::AnyBuffer>())  // delta (workspace)
+      .Attr<bool>("bias_grad");
 }
 
 Device* get_emulated_device(std::string*) { return &emulated_device(); }

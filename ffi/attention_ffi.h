@@ -5,7 +5,8 @@
 //
 // Forward  args:    q [B,Tq,H,D], k [B,Tkv,HKV,D], v [B,Tkv,HKV,D], then the optional
 //                   q_lengths int32 [B] and kv_lengths int32 [B] (in that order, each present
-//                   only when its has_* attribute is true; bound as the handler's remaining args)
+//                   only when its has_* attribute is true; bound as the handler's remaining args),
+//                   then the optional feature operands below
 //          results: o [B,Tq,H,D] (dtype of q), lse float32 [B,H,Tq] (natural log, -inf for a
 //                   row with no visible key), l2 float32 [B,H,Tq] (the base-2 statistic
 //                   L2 = m + log2(l) of the log2-domain scores; JFM_EMPTY_ROW_L2 for an empty
@@ -15,28 +16,32 @@
 // Backward args:    q, k, v, o, l2 (the forward's), do [B,Tq,H,D], g_lse float32 [B,H,Tq]
 //                   (the LSE cotangent), then the optional
 //                   lengths as above
-//          results: dq, dk, dv (shapes/dtypes of q, k, v), delta float32 [B,H,Tq] (workspace
-//                   for D_i = rowsum(dO*O) - g_lse_i; the lowering allocates it as an XLA
-//                   result so its memory is planned by XLA and shows in memory_analysis)
+//          results: dq, dk, dv (shapes/dtypes of q, k, v), dbias float32 [B,H,Tq,Tkv] with
+//                   bias_grad, else float32 [0] (see the optional features below), delta
+//                   float32 [B,H,Tq] (workspace for D_i = rowsum(dO*O) - g_lse_i; the lowering
+//                   allocates it as an XLA result so its memory is planned by XLA and shows in
+//                   memory_analysis)
 // Attributes (exact types): scale f32, is_causal i1, window_left i32, window_right i32
 //   (-1 = unbounded), bottom_right i1, has_q_lengths i1, has_kv_lengths i1, has_segment_ids i1,
-//   has_bias i1, has_mask i1, has_sinks i1, logits_soft_cap f32 (0 = no cap).
+//   has_bias i1, has_mask i1, has_sinks i1, logits_soft_cap f32 (0 = no cap); the backward
+//   also bias_grad i1 (needs has_bias).
 // q, k, v (and o, do, dq, dk, dv) share one dtype: f32, f16 or bf16.
 //
-// Optional features (DESIGN.md section 3). The contract below is fixed; no kernel implements it
-// yet, so today a handler refuses any call that sets one of them (kUnimplemented, "... not
-// supported by the fused kernels yet"), and the Python lowering never sends one
-// (ffi_lowering.KERNEL_FEATURES is empty: implementation=None lowers such calls to xla, an
-// explicit "metal"/"emulator" raises NotImplementedError naming the feature).
+// Optional features (DESIGN.md section 3; shaders/flash_attention_features.h). The contract below
+// is fixed; the kernels of both directions (forward tiled and decode, backward) implement all of
+// it (ffi_lowering.KERNEL_FEATURES).
 //   Operands, after the lengths, in this order, each present only when its flag is set; both
 //   directions take the same ones (so a call's forward and backward lower to one
 //   implementation):
 //     q_segment_ids int32 [B, Tq], kv_segment_ids int32 [B, Tkv]   (has_segment_ids)
 //     bias  [b, h, tq, tkv], dtype of q or f32                      (has_bias)
-//     mask  uint8 [b, h, tq, tkv], 0 = hidden, else visible         (has_mask; JAX bool bytes)
+//     mask  bool or uint8 [b, h, tq, tkv], 0 = hidden, else visible (has_mask; JAX bool bytes)
 //     sinks float32 [H]                                              (has_sinks)
 //   bias and mask are rank 4 with each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv]
-//   (jax_flash_metal.validation makes them so). The handler derives per-axis element strides
+//   (jax_flash_metal.validation makes them so; the lowering converts a bias of another float
+//   dtype to float32). An absent operand's buffer index is bound to a placeholder the kernels
+//   never read; AttentionParams.has_bias is JFM_BIAS_OF_Q or JFM_BIAS_FLOAT32;
+//   logits_soft_cap must be >= 0 and finite. The handler derives per-axis element strides
 //   over [B, H, Tq, Tkv] from the dims, 0 on a broadcast axis, and passes them in
 //   AttentionParams (bias_strides / mask_strides, 64-bit); a tile reads bias[b, h, i, j] at
 //   b*s0 + h*s1 + i*s2 + j*s3. Query head h of the group of kv head h / (H / HKV) indexes h.
@@ -45,12 +50,13 @@
 //   rules do (never NaN); +inf/NaN bias propagates. Sinks join each row's denominator:
 //   lse = log(exp(sink_h) + sum exp(score)), o = 0 and lse = sink_h for an empty row.
 //   Backward: the sinks need no kernel work (lse includes them; dsinks is computed by XLA from
-//   O, LSE, dO and g_lse). With a bias whose gradient is wanted (a bias_grad i1 attribute of the
-//   backward target, added with the bias kernels) the backward has one more result before the
-//   delta workspace: dbias float32 [B, H, Tq, Tkv], the full layout, written row block by row
-//   block by the dQ kernel (the one owner of each (b, h, row block): no atomics, deterministic);
-//   the lowering sums it over the bias's broadcast axes in XLA. A reduced layout would need
-//   several owners per entry (atomics) or a second pass. Without bias_grad no Tq x Tkv buffer
+//   O, LSE, dO and g_lse). With bias_grad (the bias's gradient is wanted) the dbias result is
+//   float32 [B, H, Tq, Tkv], the full layout, written row block by row block by the dQ kernel
+//   (the one owner of each (b, h, row block): no atomics, deterministic): dS = P (dP - D) at
+//   visible entries, 0 everywhere else (hidden entries, skipped tiles, rows past the valid
+//   length), so every element is written; the lowering sums it over the bias's broadcast axes
+//   in XLA. A reduced layout would need several owners per entry (atomics) or a second pass.
+//   Without bias_grad the result is [0] (like the forward's workspace): no Tq x Tkv buffer
 //   exists. The soft cap's derivative (1 - tanh^2) multiplies dS before dQ and dK, not dbias.
 #ifndef JAX_FLASH_METAL_ATTENTION_FFI_H_
 #define JAX_FLASH_METAL_ATTENTION_FFI_H_

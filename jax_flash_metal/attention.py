@@ -163,8 +163,9 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         (unbounded side): visible iff i + off - left <= j <= i + off + right (inclusive).
       implementation: None (best for the platform and this call, or
         $JAX_FLASH_METAL_IMPLEMENTATION), "xla", "metal" or "emulator"; resolved when the
-        computation is lowered. Calls using bias, mask, segment ids, sinks or the soft cap run
-        on "xla" for now: the fused kernels do not implement them yet.
+        computation is lowered. The fused kernels implement every feature below, forward and
+        backward (dbias: one float32 [batch, num_heads, q_len, kv_len] temporary, summed to the
+        bias's shape).
       query_segment_ids, key_value_segment_ids: integer [batch, q_len] / [batch, kv_len]
         ([len] for rank-3 inputs), both or neither; key j visible to query i only when their
         ids are equal (packed sequences).

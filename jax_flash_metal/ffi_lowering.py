@@ -27,6 +27,7 @@ import os
 from typing import cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
@@ -109,10 +110,21 @@ def kernel_names(implementation: str) -> frozenset[str]:
     return frozenset(_ext.kernel_names(implementation))
 
 
-# Optional features (primitives.feature_names) the fused kernels implement. The FFI contract for
-# bias, mask, segment ids, sinks and the soft cap is fixed in ffi/attention_ffi.h, but no kernel
-# reads them yet: calls using them go to the xla implementation (or raise when fused is explicit).
-KERNEL_FEATURES: frozenset[str] = frozenset()
+# Optional features (primitives.feature_names) the fused kernels of each direction implement
+# (the FFI contract is ffi/attention_ffi.h; today both implement all of it). A call's
+# forward and backward must lower to one implementation, so a fused implementation serves a call
+# only when both directions implement all its features (_lacking_features); other calls go to
+# the xla implementation, or raise when fused is explicit.
+KERNEL_FEATURES: dict[str, frozenset[str]] = {
+    "fwd": frozenset({"bias", "mask", "segment ids", "sinks", "logits_soft_cap"}),
+    "bwd": frozenset({"bias", "mask", "segment ids", "sinks", "logits_soft_cap"}),
+}
+
+
+def _lacking_features(features) -> dict[str, list[str]]:
+    """{feature: the directions whose kernels lack it} for the features some direction lacks."""
+    lacking = {f: [d for d, have in KERNEL_FEATURES.items() if f not in have] for f in features}
+    return {f: directions for f, directions in lacking.items() if directions}
 
 
 def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int,
@@ -124,11 +136,13 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
     The device's kernel list is asked (on Metal without compiling anything), so a build whose
     shaders lack a head dim is reported at trace time rather than when the computation runs.
     """
-    missing_features = [f for f in features if f not in KERNEL_FEATURES]
-    if missing_features:
-        return (f"flash_attention: {', '.join(missing_features)} "
-                f"{'is' if len(missing_features) == 1 else 'are'} not supported by the "
-                f"{implementation!r} kernels yet; use implementation=None or 'xla' for such calls")
+    lacking = _lacking_features(features)
+    if lacking:
+        where = "; ".join(f"{f}: no {' or '.join(d)} kernels" for f, d in lacking.items())
+        return (f"flash_attention: {', '.join(lacking)} "
+                f"{'is' if len(lacking) == 1 else 'are'} not supported by the "
+                f"{implementation!r} kernels yet ({where}; a call's forward and backward run one "
+                f"implementation); use implementation=None or 'xla' for such calls")
     dtype = np.dtype(dtype)
     suffix = _DTYPE_SUFFIX.get(dtype)
     if suffix is None:
@@ -161,19 +175,19 @@ def check_supported(implementation: str, direction: str, dtype, head_dim: int,
     reason = unsupported_reason(implementation, direction, dtype, head_dim, features)
     if reason is None:
         return
-    if any(f not in KERNEL_FEATURES for f in features):
+    if _lacking_features(features):
         raise NotImplementedError(reason)
     raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
 
 
 def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
                 has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks, logits_soft_cap,
-                bias_grad=False):
+                bias_grad=None):
     """The FFI attributes with their exact types (a Python float would become f64); the soft
-    cap is 0.0 when absent. The handlers refuse the optional features until the kernels
-    implement them (check_supported stops such calls earlier, at lowering)."""
-    del bias_grad  # an attribute of the backward target once its kernels read a bias (attention_ffi.h)
-    return dict(scale=np.float32(scale), is_causal=np.bool_(is_causal),
+    cap is 0.0 when absent; ``bias_grad`` only for the backward target (None for the forward).
+    """
+    backward = {} if bias_grad is None else dict(bias_grad=np.bool_(bias_grad))
+    return dict(**backward, scale=np.float32(scale), is_causal=np.bool_(is_causal),
                 window_left=np.int32(window_left), window_right=np.int32(window_right),
                 bottom_right=np.bool_(bottom_right), has_q_lengths=np.bool_(has_q_lengths),
                 has_kv_lengths=np.bool_(has_kv_lengths), has_segment_ids=np.bool_(has_segment_ids),
@@ -182,8 +196,27 @@ def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q
                 logits_soft_cap=np.float32(0.0 if logits_soft_cap is None else logits_soft_cap))
 
 
+def _contract_operands(ctx: mlir.LoweringRuleContext, args, num_main: int, params):
+    """(avals, args) with the bias in a dtype the FFI contract takes: the dtype of q, or float32
+    (a bias of another float dtype is converted, exactly). ``num_main``: operands before the
+    optional ones (validation.Operands order: lengths, segment ids, bias, mask, sinks)."""
+    avals, args = list(ctx.avals_in), list(args)
+    if not params.get("has_bias"):
+        return avals, args
+    n = num_main + sum(bool(params.get(f)) for f in ("has_q_lengths", "has_kv_lengths"))
+    n += 2 * bool(params.get("has_segment_ids"))
+    bias, q = (cast(ShapedArray, avals[i]) for i in (n, 0))
+    if bias.dtype not in (q.dtype, np.dtype(np.float32)):
+        f32 = ShapedArray(bias.shape, np.float32)
+        convert = mlir.lower_fun(lambda b: b.astype(np.float32), multiple_results=False)
+        [args[n]] = convert(ctx.replace(avals_in=[bias], avals_out=[f32]), args[n])
+        avals[n] = f32
+    return avals, args
+
+
 def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):
-    """Emit the forward FFI call: args (q, k, v, [q_lengths], [kv_lengths]) -> (o, lse, l2).
+    """Emit the forward FFI call: args (q, k, v, then the optional operands of
+    validation.Operands in the contract's order, ffi/attention_ffi.h) -> (o, lse, l2).
 
     Short queries against a long KV cache take the split-KV decode kernels (the handler decides,
     ``ffi/attention_ffi.h`` decode_splits); their float32 workspace is a fourth result of the
@@ -202,32 +235,49 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
         _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, k.shape[1], num_heads, k.shape[2],
         head_dim, implementation)
     workspace = ShapedArray((workspace_elements,), np.float32)
-    call_ctx = ctx.replace(avals_out=(*ctx.avals_out, workspace))
+    avals, args = _contract_operands(ctx, args, 3, params)
+    call_ctx = ctx.replace(avals_in=avals, avals_out=(*ctx.avals_out, workspace))
     rule = jax.ffi.ffi_lowering(_target("fwd", implementation))
     return list(rule(call_ctx, *args, **_attributes(**params)))[:3]
 
 
-def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):
+def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_grad=False,
+              **params):
     """Emit the backward FFI call for the primitive's args (q, k, v, o, lse, l2, do, g_lse,
-    [q_lengths], [kv_lengths]) -> (dq, dk, dv).
+    then the optional operands as for ``lower_fwd``) -> (dq, dk, dv[, dbias]).
 
     The kernels recompute P = exp2(S2 - l2) from the base-2 statistic, so the call takes
-    (q, k, v, o, l2, do, g_lse, [lengths]) and the natural-log lse operand is dropped. The custom
-    call has a fourth result, the float32 [batch, num_heads, q_len] workspace for
-    D_i = rowsum(dO_i * O_i) - g_lse_i, dropped here: XLA allocates it like any temporary, so it
-    shows up in memory_analysis() and needs no allocator inside the handler. Errors as for
+    (q, k, v, o, l2, do, g_lse, *optional) and the natural-log lse operand is dropped. The custom
+    call has two more results: dbias float32 [batch, num_heads, q_len, kv_len] with
+    ``bias_grad`` (else [0]), summed here over the bias operand's broadcast axes to the
+    primitive's dbias, and the float32 [batch, num_heads, q_len] workspace for
+    D_i = rowsum(dO_i * O_i) - g_lse_i, dropped here: XLA allocates both like any temporary, so
+    they show up in memory_analysis() and need no allocator inside the handler. Errors as for
     ``lower_fwd``.
     """
-    q = cast(ShapedArray, ctx.avals_in[0])
+    q, k = (cast(ShapedArray, aval) for aval in ctx.avals_in[:2])
     _check_built(implementation)
     check_supported(implementation, "bwd", q.dtype, q.shape[3], feature_names(params))
     batch, q_len, num_heads, _ = q.shape
+    full = (batch, num_heads, q_len, k.shape[1])
+    dbias = ShapedArray(full if bias_grad else (0,), np.float32)
     delta = ShapedArray((batch, num_heads, q_len), np.float32)
+    avals, args = _contract_operands(ctx, args, 8, params)
     keep = [n for n in range(len(args)) if n != _BWD_LSE_OPERAND]
-    call_ctx = ctx.replace(avals_in=[ctx.avals_in[n] for n in keep],
-                           avals_out=(*ctx.avals_out, delta))
+    call_ctx = ctx.replace(avals_in=[avals[n] for n in keep],
+                           avals_out=(*ctx.avals_out[:3], dbias, delta))
     rule = jax.ffi.ffi_lowering(_target("bwd", implementation))
-    return list(rule(call_ctx, *(args[n] for n in keep), **_attributes(**params)))[:3]
+    results = list(rule(call_ctx, *(args[n] for n in keep),
+                        **_attributes(bias_grad=bias_grad, **params)))
+    if not bias_grad:
+        return results[:3]
+    # The bias's broadcast axes are the size-1 axes of the primitive's dbias result.
+    reduced = cast(ShapedArray, ctx.avals_out[3])
+    axes = tuple(n for n, size in enumerate(reduced.shape) if size == 1 and full[n] != 1)
+    sum_ctx = ctx.replace(avals_in=[dbias], avals_out=[reduced])
+    summed = mlir.lower_fun(lambda d: jnp.sum(d, axis=axes, keepdims=True),
+                            multiple_results=False)(sum_ctx, results[3])
+    return [*results[:3], *summed]
 
 
 _BWD_LSE_OPERAND = 4  # position of lse in the backward primitive's operands

@@ -36,13 +36,18 @@ typedef long jfm_long;  // 64-bit in MSL
 #define JFM_BUFFER_PARAMS 13
 #define JFM_BUFFER_L2 14
 #define JFM_BUFFER_WORKSPACE 15  // the decode's float32 split partials (jfm_decode_workspace_row)
-// Optional features (ffi/attention_ffi.h); no kernel binds them yet.
+// Optional features (ffi/attention_ffi.h, shaders/flash_attention_features.h).
 #define JFM_BUFFER_Q_SEGMENT_IDS 16
 #define JFM_BUFFER_KV_SEGMENT_IDS 17
 #define JFM_BUFFER_BIAS 18
 #define JFM_BUFFER_MASK 19
 #define JFM_BUFFER_SINKS 20
 #define JFM_BUFFER_DBIAS 21
+
+// AttentionParams::has_bias: no bias, a bias in the dtype of q, or a float32 bias.
+#define JFM_BIAS_NONE 0
+#define JFM_BIAS_OF_Q 1
+#define JFM_BIAS_FLOAT32 2
 
 // The forward's base-2 softmax statistic L2 = m + log2(l) (float32 [B, H, Tq], the residual the
 // backward recomputes P = exp2(S2 - L2) from) for a row with no visible key: finite, so no
@@ -78,9 +83,9 @@ struct AttentionParams {
   uint head_offset;
   uint batch_offset;
   uint splits;  // decode only: key splits per (batch, kv head), the pass-1 grid's x extent
-  // Optional features (ffi/attention_ffi.h); the host sets them all 0 until kernels read them.
+  // Optional features (ffi/attention_ffi.h, shaders/flash_attention_features.h).
   uint has_segment_ids;  // 1: int32 [B, Tq] / [B, Tkv] at JFM_BUFFER_{Q,KV}_SEGMENT_IDS
-  uint has_bias;         // 1: bias at JFM_BUFFER_BIAS, strides in bias_strides
+  uint has_bias;         // JFM_BIAS_*: bias at JFM_BUFFER_BIAS, strides in bias_strides
   uint has_mask;         // 1: uchar mask at JFM_BUFFER_MASK, strides in mask_strides
   uint has_sinks;        // 1: float [H] at JFM_BUFFER_SINKS
   uint bias_grad;        // 1: the dQ kernel writes dbias float [B, H, Tq, Tkv] at JFM_BUFFER_DBIAS

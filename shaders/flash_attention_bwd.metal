@@ -8,8 +8,10 @@
 // Scores S2 = (Q K^T) * scale * log2(e), by MMA over head-dim chunks in ascending order from 0,
 // exactly as the forward forms them (K Q^T multiplies the same pairs in the same order), so
 // P = exp2(S2 - L2) reproduces the forward's probabilities bit for bit: a one-hot row gives P = 1.
+// The optional features (soft cap, bias, mask, segment ids) form scores and visibility through
+// flash_attention_features.h, as the forward does; a call without them runs the plain code.
 // Loops, tiles and memory: shaders/README.md.
-#include "flash_attention_tiles.h"
+#include "flash_attention_features.h"
 
 #define JFM_BWD_INPUTS(T)                                                 \
   device const T* q [[buffer(JFM_BUFFER_Q)]],                             \
@@ -19,6 +21,7 @@
       device const float* l2 [[buffer(JFM_BUFFER_L2)]],                   \
       device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],       \
       device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],     \
+      JFM_FEATURE_BUFFER_ARGS,                                            \
       constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],     \
       uint3 group [[threadgroup_position_in_grid]],                       \
       uint thread_index [[thread_index_in_threadgroup]],                  \
@@ -29,7 +32,8 @@
   (JFM_BWD_INPUTS(T), device const T* o [[buffer(JFM_BUFFER_O)]],        \
    device const float* g_lse [[buffer(JFM_BUFFER_G_LSE)]],                \
    device float* delta [[buffer(JFM_BUFFER_DELTA)]],                      \
-   device T* dq [[buffer(JFM_BUFFER_DQ)]])
+   device T* dq [[buffer(JFM_BUFFER_DQ)]],                                \
+   device float* dbias [[buffer(JFM_BUFFER_DBIAS)]])
 
 #define JFM_BWD_DKDV_SIGNATURE(T)                                             \
   (JFM_BWD_INPUTS(T), device const float* delta [[buffer(JFM_BUFFER_DELTA)]], \
@@ -83,14 +87,31 @@ inline void jfm_mma_ab(thread JfmFrag* acc, thread const JfmFrag* p, threadgroup
 
 // ---- dQ ----
 
+// Zeros for this lane's dbias elements of a key block the loop skips: columns
+// j0 + 8n + at.col + e below kv_len, the ones it would hold in the block's fragments, so the
+// lanes of the row band together write every element of the block's rows.
+template <int KF>
+inline void jfm_zero_dbias_block(device float* dbias_row, int j0, int kv_len, JfmFragCoord at) {
+  for (int n = 0; n < KF; ++n) {
+    for (int e = 0; e < 2; ++e) {
+      const int j = j0 + n * 8 + int(at.col) + e;
+      if (j < kv_len) {
+        dbias_row[j] = 0.0f;
+      }
+    }
+  }
+}
+
 // Owner: query rows [i0, i0 + BQ) of head h, 8 per simdgroup (the lane's row: jfm_frag_coord).
 //   stage Q_i, dO_i;  D_i = rowsum(dO_i * O_i) - g_lse_i  (written for the dK/dV kernels)
 //   for each key block j of the block's visible union (skip blocks never visited):
 //     stage K_j, V_j (rows outside the union zero-filled)
 //     dP = dO_i V_j^T;  S2 = Q_i K_j^T * scale log2(e);  P = exp2(S2 - L2_i)
 //     dS = P (dP - D_i)                       (edge blocks: 0 where not visible)
-//     dQ_i += dS K_j
+//     dbias_ij = dS (with bias_grad; 0 in every block or element not visited)
+//     dQ_i += dS (1 - tanh^2) K_j              (the soft cap's derivative, 1 without a cap)
 //   dQ_i *= scale
+// With segment ids, a key block whose id range cannot meet the query block's is skipped.
 template <typename T, int D>
 [[max_total_threads_per_threadgroup(JFM_BWD_THREADS(JFM_KERNEL_BWD_DQ, T, D))]] kernel void
 flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
@@ -149,7 +170,18 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
                                           thread_index);
   jfm_load_tile<T, BQ, D, THREADS, false>(do_tile, d_o + q_block, q_stride, 0, valid_rows,
                                           thread_index);
+  const bool features = jfm_has_score_features(params);
+  const bool segments = params.has_segment_ids != 0;
+  const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
+  const JfmFeatureRow feature_row = jfm_feature_row(params, b, h, i);
+  device const int* kv_ids = kv_segment_ids + ulong(b) * params.kv_len;
+  if (segments) {  // the query ids in the Q tile's row padding
+    jfm_stage_segment_ids<T, BQ, D, THREADS>(q_tile, q_segment_ids + ulong(b) * params.q_len + i0,
+                                             uint(BQ), BQ, 0, valid_rows, thread_index);
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
+  const JfmRange32 q_ids = jfm_segment_range<T, D>(q_tile, 0, segments ? valid_rows : 0);
+  const int q_segment = segments ? jfm_segment_of<T, D>(q_tile, band + int(at.row)) : 0;
   threadgroup const T* q_band = q_tile + band * LD;
   threadgroup const T* do_band = do_tile + band * LD;
 
@@ -175,15 +207,37 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   }
   threadgroup T* k_tile = kv_tile;
   threadgroup T* v_tile = kv_tile + (ONE_KV_BUFFER ? 0 : BK * LD);
-  for (int j0 = union_lo / BK * BK; j0 <= union_hi; j0 += BK) {
-    const int kind = jfm_classify_tile(first_keys, last_keys, valid_rows == BQ, j0, j0 + BK - 1);
-    if (kind == JFM_TILE_SKIP) {
-      continue;  // uniform
-    }
+  // With bias_grad the loop runs over every key block, so that the blocks it skips get their
+  // dbias zeros (XLA does not zero results); this lane's row exists below q_len.
+  const bool dbias_row = params.bias_grad != 0 && i < int(params.q_len);
+  device float* dbias_out =
+      dbias + jfm_stat_offset(b, h, i, params.num_heads, params.q_len) * ulong(params.kv_len);
+  const int loop_begin = params.bias_grad != 0 ? 0 : union_lo / BK * BK;
+  const int loop_end = params.bias_grad != 0 ? int(params.kv_len) - 1 : union_hi;
+  for (int j0 = loop_begin; j0 <= loop_end; j0 += BK) {
+    int kind = j0 > union_hi || j0 + BK <= union_lo
+                   ? JFM_TILE_SKIP
+                   : jfm_classify_tile(first_keys, last_keys, valid_rows == BQ, j0, j0 + BK - 1);
     const int load_begin = max(union_lo - j0, 0);
     const int load_end = min(union_hi - j0 + 1, BK);
+    if (kind != JFM_TILE_SKIP) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
+      JfmRange32 kv_block_ids = q_ids;
+      if (segments) {  // the key ids in the K tile's row padding, then their range
+        jfm_stage_segment_ids<T, BK, D, THREADS>(k_tile, kv_ids + j0, uint(BK), BK, load_begin,
+                                                 load_end, thread_index);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        kv_block_ids = jfm_segment_range<T, D>(k_tile, load_begin, load_end);
+      }
+      kind = features ? jfm_classify_feature_tile(params, kind, q_ids, kv_block_ids) : kind;
+    }
+    if (kind == JFM_TILE_SKIP) {
+      if (dbias_row) {
+        jfm_zero_dbias_block<KF>(dbias_out, j0, int(params.kv_len), at);
+      }
+      continue;  // uniform
+    }
     const ulong block_offset = ulong(j0) * kv_stride;
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
     jfm_load_tile<T, BK, D, THREADS, false>(v_tile, v_head + block_offset, kv_stride, load_begin,
                                             load_end, thread_index);
     if (!ONE_KV_BUFFER) {
@@ -203,15 +257,27 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
     JfmFrag s[KF];
     jfm_mma_abt<T, D, LD, KF>(s, q_band, k_tile, at);  // S = Q K^T
 
-    // dS = P (dP - D) into s; edge blocks select 0 where not visible, so a masked pair adds
-    // nothing even when its score or dP is NaN.
+    // dS = P (dP - D) into s (dbias), times the cap's derivative; edge blocks select 0 where
+    // not visible, so a masked pair adds nothing even when its score or dP is NaN.
     for (int n = 0; n < KF; ++n) {
       for (int e = 0; e < 2; ++e) {
-        const float s2 = jfm_finite_or_nan(s[n].thread_elements()[e] * params.scale_log2);
+        const int c = n * 8 + int(at.col) + e;
+        const float qk = s[n].thread_elements()[e];
+        float s2 = jfm_finite_or_nan(qk * params.scale_log2);
+        bool visible = kind == JFM_TILE_FULL || jfm_visible(keys, j0 + c);
+        if (features && visible) {
+          visible = jfm_feature_element<T>(params, in, jfm_feature_at(params, feature_row, j0 + c),
+                                           q_segment,
+                                           segments ? jfm_segment_of<T, D>(k_tile, c) : 0, qk, s2);
+        }
         const float ds = jfm_probability(s2, row_l2) * (dp[n].thread_elements()[e] - row_delta);
-        const bool visible =
-            kind == JFM_TILE_FULL || jfm_visible(keys, j0 + n * 8 + int(at.col) + e);
         s[n].thread_elements()[e] = visible ? ds : 0.0f;
+        if (dbias_row && j0 + c < int(params.kv_len)) {
+          dbias_out[j0 + c] = s[n].thread_elements()[e];
+        }
+        if (params.soft_cap > 0.0f && visible) {  // a hidden pair's q.k may be NaN
+          s[n].thread_elements()[e] *= jfm_soft_cap_slope(params, qk);
+        }
       }
     }
     // dQ += dS K. In an edge block a key that another row sees may hold Inf/NaN: it enters as
@@ -240,8 +306,9 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
 //     S2^T = K_j Q_i^T * scale log2(e);  P^T = exp2(S2^T - L2_i)  (edge blocks: 0 where not
 //     visible)
 //     dV_j += P^T dO_i
-//     dP^T = V_j dO_i^T;  dS^T = P^T (dP^T - D_i);  dK_j += dS^T Q_i
+//     dP^T = V_j dO_i^T;  dS^T = P^T (dP^T - D_i) (1 - tanh^2);  dK_j += dS^T Q_i
 //   dK_j *= scale
+// With segment ids, a query block whose id range cannot meet the key block's is skipped.
 // FAMILY: JFM_KERNEL_BWD_DKDV (both outputs), JFM_KERNEL_BWD_DK or JFM_KERNEL_BWD_DV.
 template <typename T, int D, int FAMILY>
 [[max_total_threads_per_threadgroup(JFM_BWD_THREADS(FAMILY, T, D))]] kernel void
@@ -299,6 +366,10 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   const uint q_stride = params.num_heads * uint(D);
   const uint kv_stride = params.num_kv_heads * uint(D);
   const ulong kv_block = jfm_row_offset(b, j0, hk, params.kv_len, params.num_kv_heads, D);
+  const bool features = jfm_has_score_features(params);
+  const bool segments = params.has_segment_ids != 0;
+  const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
+  device const int* q_ids = q_segment_ids + ulong(b) * params.q_len;
   if (union_lo <= union_hi) {  // uniform; the first query block's barrier publishes the tiles
     jfm_load_tile<T, BKV, D, THREADS, false>(k_tile, k + kv_block, kv_stride, 0, valid_keys,
                                              thread_index);
@@ -306,6 +377,16 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
       jfm_load_tile<T, BKV, D, THREADS, false>(v_tile, v + kv_block, kv_stride, 0, valid_keys,
                                                thread_index);
     }
+  }
+  JfmRange32 kv_ids = {0, -1};
+  int kv_segment = 0;
+  if (segments) {  // the key ids in the K tile's row padding, and their range
+    jfm_stage_segment_ids<T, BKV, D, THREADS>(k_tile, kv_segment_ids + ulong(b) * params.kv_len +
+                                                          j0,
+                                              uint(BKV), BKV, 0, valid_keys, thread_index);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    kv_ids = jfm_segment_range<T, D>(k_tile, 0, valid_keys);
+    kv_segment = jfm_segment_of<T, D>(k_tile, band + int(at.row));
   }
   threadgroup const T* k_band = k_tile + band * LD;
   threadgroup const T* v_band = v_tile + band * LD;
@@ -330,7 +411,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
     device const T* do_head = d_o + jfm_row_offset(b, 0, h, params.q_len, params.num_heads, D);
     const ulong stat_head = jfm_stat_offset(b, h, 0, params.num_heads, params.q_len);
     for (int i0 = union_lo / BQ * BQ; i0 <= union_hi; i0 += BQ) {
-      const int kind =
+      int kind =
           jfm_classify_tile(first_queries, last_queries, valid_keys == BKV, i0, i0 + BQ - 1);
       if (kind == JFM_TILE_SKIP) {
         continue;  // uniform
@@ -339,6 +420,19 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
       const int load_end = min(union_hi - i0 + 1, BQ);
       const ulong block_offset = ulong(i0) * q_stride;
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
+      if (segments) {  // the query ids in the Q tile's row padding, then their range
+        jfm_stage_segment_ids<T, BQ, D, THREADS>(q_tile, q_ids + i0, uint(BQ), BQ, load_begin,
+                                                 load_end, thread_index);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        kind = jfm_classify_feature_tile(params, kind, kv_ids,
+                                         jfm_segment_range<T, D>(q_tile, load_begin, load_end));
+        if (kind == JFM_TILE_SKIP) {
+          continue;  // uniform
+        }
+      } else if (features) {
+        kind = jfm_classify_feature_tile(params, kind, kv_ids, kv_ids);
+      }
+      const JfmFeatureRow block_row = jfm_feature_row(params, b, h, i0);
       if (!ONE_QDO_BUFFER || WANT_DK) {
         jfm_load_tile<T, BQ, D, THREADS, false>(do_tile, do_head + block_offset, q_stride,
                                                 load_begin, load_end, thread_index);
@@ -368,18 +462,28 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
       JfmFrag st[QF];
       jfm_mma_abt<T, D, LD, QF>(st, k_band, q_tile, at);  // S^T = K Q^T
 
-      // P^T into st, dS^T = P^T (dP^T - D) into dp; edge blocks select 0 where not visible.
+      // P^T into st, dS^T = P^T (dP^T - D) (1 - tanh^2) into dp; edge blocks select 0 where
+      // not visible.
       for (int n = 0; n < QF; ++n) {
         for (int e = 0; e < 2; ++e) {
           const int c = n * 8 + int(at.col) + e;
-          const float s2 = jfm_finite_or_nan(st[n].thread_elements()[e] * params.scale_log2);
+          const float qk = st[n].thread_elements()[e];
           const float2 stats = stats_tile[c];
+          float s2 = jfm_finite_or_nan(qk * params.scale_log2);
+          bool visible = kind == JFM_TILE_FULL || jfm_visible(queries, i0 + c);
+          if (features && visible) {
+            visible = jfm_feature_element<T>(
+                params, in, jfm_feature_below(params, block_row, c, j),
+                segments ? jfm_segment_of<T, D>(q_tile, c) : 0, kv_segment, qk, s2);
+          }
           const float p = jfm_probability(s2, stats.x);
-          const bool visible = kind == JFM_TILE_FULL || jfm_visible(queries, i0 + c);
           st[n].thread_elements()[e] = visible ? p : 0.0f;
           if (WANT_DK) {
             const float ds = p * (dp[n].thread_elements()[e] - stats.y);
             dp[n].thread_elements()[e] = visible ? ds : 0.0f;
+            if (params.soft_cap > 0.0f && visible) {  // a hidden pair's q.k may be NaN
+              dp[n].thread_elements()[e] *= jfm_soft_cap_slope(params, qk);
+            }
           }
         }
       }

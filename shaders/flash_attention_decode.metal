@@ -24,6 +24,7 @@ inline ulong jfm_decode_workspace_row(uint b, uint hk, uint split, uint r, const
    device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],          \
    device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],        \
    device float* workspace [[buffer(JFM_BUFFER_WORKSPACE)]],              \
+   JFM_FEATURE_BUFFER_ARGS,                                               \
    constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
    uint3 group [[threadgroup_position_in_grid]],                          \
    uint thread_index [[thread_index_in_threadgroup]],                     \
@@ -35,7 +36,8 @@ inline ulong jfm_decode_workspace_row(uint b, uint hk, uint split, uint r, const
 // One threadgroup per (split, kv head, batch). The rows' visible union [U_lo, U_hi] (from query
 // positions 0 and q_valid - 1: bounds are monotone in the position) is cut into `splits` runs
 // of whole key blocks, split s taking run s; a split past the union writes empty rows (m the
-// sentinel, l = 0, O = 0), so every workspace row pass 2 reads is written.
+// sentinel, l = 0, O = 0), so every workspace row pass 2 reads is written. Score features run
+// the loop's FEATURES variant (as the forward), the rows' segment ids staged by position.
 template <typename T, int D>
 [[max_total_threads_per_threadgroup(JFM_DECODE_THREADS(T, D))]] kernel void
 flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
@@ -82,6 +84,9 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
   const int r = band + int(at.row);
   const int i = r < rows ? r % int(params.q_len) : int(q_valid);
   const JfmRange32 keys = jfm_range32(jfm_keys_of_query(params, i, q_valid, kv_valid), kv_valid);
+  const bool features = jfm_has_score_features(params);  // uniform
+  JfmFeatureLane f = jfm_feature_lane(params, JFM_FEATURE_BUFFERS, b,
+                                      hk * G + uint(min(r, rows - 1)) / params.q_len, i);
 
   const uint q_stride = params.num_heads * uint(D);
   const uint kv_stride = params.num_kv_heads * uint(D);
@@ -101,14 +106,26 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
     jfm_load_tile_runs<T, BQ, D, THREADS, false>(
         q_tile, q + jfm_row_offset(b, 0, hk * G, params.q_len, params.num_heads, D), q_stride,
         params.q_len, uint(D), rows, 0, int(q_valid), thread_index);
+    if (features && params.has_segment_ids != 0) {  // row r holds the id of position r % q_len
+      jfm_stage_segment_ids<T, BQ, D, THREADS>(q_tile,
+                                               f.in.q_segment_ids + ulong(b) * params.q_len,
+                                               params.q_len, rows, 0, int(q_valid), thread_index);
+    }
     if (thread_index == 0) {
       nonfinite_v_block[0] = -1;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    jfm_attend_key_blocks<T, D, THREADS>(q_tile + band * LD, kv_tile, nonfinite_v_block, k_head,
-                                         v_head, kv_stride, first_keys, last_keys,
-                                         q_valid == long(params.q_len), chunk_lo, chunk_hi, keys,
-                                         params.scale_log2, at, thread_index, m, l, acc);
+    const bool rows_full = q_valid == long(params.q_len);
+    if (features) {  // rows [0, q_valid) hold every valid position once
+      jfm_lane_segments<T, D>(params, q_tile, r, int(q_valid), f);
+      jfm_attend_key_blocks<T, D, THREADS, true>(
+          q_tile + band * LD, kv_tile, nonfinite_v_block, k_head, v_head, kv_stride, first_keys,
+          last_keys, rows_full, chunk_lo, chunk_hi, keys, params, f, at, thread_index, m, l, acc);
+    } else {
+      jfm_attend_key_blocks<T, D, THREADS, false>(
+          q_tile + band * LD, kv_tile, nonfinite_v_block, k_head, v_head, kv_stride, first_keys,
+          last_keys, rows_full, chunk_lo, chunk_hi, keys, params, f, at, thread_index, m, l, acc);
+    }
   }
 
   const float row_l = jfm_row_sum(l);
@@ -130,14 +147,16 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
    device T* o [[buffer(JFM_BUFFER_O)]],                                  \
    device float* lse [[buffer(JFM_BUFFER_LSE)]],                          \
    device float* l2 [[buffer(JFM_BUFFER_L2)]],                            \
+   device const float* sinks [[buffer(JFM_BUFFER_SINKS)]],                \
    constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
    uint3 group [[threadgroup_position_in_grid]],                          \
    uint lane [[thread_index_in_simdgroup]])
 
 // One simdgroup per row (r, kv head, batch); lane t reads the statistics of splits t, t + 32, ...
 // once, and the weights are broadcast split by split. M = max m_s, then in split order
-// w_s = l_s 2^(m_s - M), W = sum w_s, O = sum w_s O_s / W, L2 = M + log2(W), LSE = L2 ln 2; a row
-// with W = 0 saw no key: O = 0, LSE = -inf, L2 = JFM_EMPTY_ROW_L2 (as the forward).
+// w_s = l_s 2^(m_s - M), W = sum w_s, then the head's sink folded into (M, W) as the forward does
+// (jfm_fold_sink), O = sum w_s O_s / W, L2 = M + log2(W), LSE = L2 ln 2; a row with W = 0 saw
+// no key and has no sink: O = 0, LSE = -inf, L2 = JFM_EMPTY_ROW_L2 (as the forward).
 template <typename T, int D>
 [[max_total_threads_per_threadgroup(JFM_SIMD_WIDTH)]] kernel void
 flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
@@ -181,6 +200,12 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
       if (d < uint(D)) {
         sum[n] += w * w_row[d];
       }
+    }
+  }
+  if (params.has_sinks != 0) {
+    const float alpha = jfm_fold_sink(sinks[h], big_m, weights);
+    for (int n = 0; n < DL; ++n) {
+      sum[n] *= alpha;
     }
   }
   const bool empty = weights == 0.0f;

@@ -13,6 +13,7 @@
    device T* o [[buffer(JFM_BUFFER_O)]],                                  \
    device float* lse [[buffer(JFM_BUFFER_LSE)]],                          \
    device float* l2 [[buffer(JFM_BUFFER_L2)]],                            \
+   JFM_FEATURE_BUFFER_ARGS,                                               \
    constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
    uint3 group [[threadgroup_position_in_grid]],                          \
    uint thread_index [[thread_index_in_threadgroup]],                     \
@@ -24,7 +25,9 @@
 // One threadgroup per block of BQ query rows of head h in batch b, 8 rows per simdgroup; lane
 // coordinates give each thread one query row. Per visible key block [j0, j0 + BK): stage K and V
 // (zero-filled outside the block's visible union, V sanitized), S = Q K^T by MMA, online softmax,
-// O = alpha O + P V by MMA. Every early return is threadgroup-uniform.
+// O = alpha O + P V by MMA. With score features (flash_attention_features.h) the key-block loop
+// is its FEATURES variant and the rows' segment ids sit in the Q tile's row padding; sinks join
+// each row's statistic after the loop. Every early return is threadgroup-uniform.
 template <typename T, int D>
 [[max_total_threads_per_threadgroup(JFM_FWD_THREADS(T, D))]] kernel void flash_attention_fwd
     JFM_FWD_SIGNATURE(T) {
@@ -70,6 +73,8 @@ template <typename T, int D>
   const int band = int(simd_index) * 8;  // the simdgroup's rows within the block
   const int i = i0 + band + int(at.row);
   const JfmRange32 keys = jfm_range32(jfm_keys_of_query(params, i, q_valid, kv_valid), kv_valid);
+  const bool features = jfm_has_score_features(params);  // uniform
+  JfmFeatureLane f = jfm_feature_lane(params, JFM_FEATURE_BUFFERS, b, h, i);
 
   const uint q_stride = params.num_heads * uint(D);  // elements between consecutive rows
   const uint kv_stride = params.num_kv_heads * uint(D);
@@ -87,20 +92,39 @@ template <typename T, int D>
     jfm_load_tile<T, BQ, D, THREADS, false>(
         q_tile, q + jfm_row_offset(b, i0, h, params.q_len, params.num_heads, D), q_stride, 0,
         valid_rows, thread_index);
+    if (features && params.has_segment_ids != 0) {
+      jfm_stage_segment_ids<T, BQ, D, THREADS>(
+          q_tile, f.in.q_segment_ids + ulong(b) * params.q_len + i0, uint(BQ), BQ, 0, valid_rows,
+          thread_index);
+    }
     if (thread_index == 0) {
       nonfinite_v_block[0] = -1;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    jfm_attend_key_blocks<T, D, THREADS>(q_tile + band * LD, kv_tile, nonfinite_v_block, k_head,
-                                         v_head, kv_stride, first_keys, last_keys,
-                                         valid_rows == BQ, union_lo, union_hi, keys,
-                                         params.scale_log2, at, thread_index, m, l, acc);
+    if (features) {
+      jfm_lane_segments<T, D>(params, q_tile, band + int(at.row), valid_rows, f);
+      jfm_attend_key_blocks<T, D, THREADS, true>(
+          q_tile + band * LD, kv_tile, nonfinite_v_block, k_head, v_head, kv_stride, first_keys,
+          last_keys, valid_rows == BQ, union_lo, union_hi, keys, params, f, at, thread_index, m,
+          l, acc);
+    } else {
+      jfm_attend_key_blocks<T, D, THREADS, false>(
+          q_tile + band * LD, kv_tile, nonfinite_v_block, k_head, v_head, kv_stride, first_keys,
+          last_keys, valid_rows == BQ, union_lo, union_hi, keys, params, f, at, thread_index, m,
+          l, acc);
+    }
   }
 
   // Epilogue: normalise and store this lane's row (rows past the allocated q_len do not exist).
-  const float row_l = jfm_row_sum(l);
+  float row_l = jfm_row_sum(l);
+  if (params.has_sinks != 0) {  // uniform
+    const float alpha = jfm_fold_sink(f.in.sinks[h], m, row_l);
+    for (int d = 0; d < DF; ++d) {
+      acc[d].thread_elements() *= alpha;
+    }
+  }
   if (i < int(params.q_len)) {
-    const bool empty = keys.lo > keys.hi;
+    const bool empty = row_l == 0.0f;  // no visible key (and no sink): l is >= 1 otherwise
     device T* o_row = o + jfm_row_offset(b, i, h, params.q_len, params.num_heads, D);
     for (int d = 0; d < DF; ++d) {
       // An empty row accumulated only P = 0 times finite (sanitized) V: acc is exactly 0.

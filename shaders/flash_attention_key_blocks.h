@@ -6,22 +6,19 @@
 #ifndef JAX_FLASH_METAL_FLASH_ATTENTION_KEY_BLOCKS_H_
 #define JAX_FLASH_METAL_FLASH_ATTENTION_KEY_BLOCKS_H_
 
-#include "flash_attention_tiles.h"
+#include "flash_attention_features.h"
 
-// Online softmax of one block of scores (base 2) for this lane's row: s holds S = Q K^T of the
-// row band in KF fragments; on return it holds P = exp2(S2 - m_new), m the running max, l this
-// lane's share of the running sum, and alpha = exp2(m_old - m_new) rescales the accumulator. EDGE
-// blocks test every element against the row's visible interval; others are all visible. A
-// non-finite score becomes NaN (jfm_finite_or_nan) so a NaN or Inf input poisons its row.
-template <int KF, bool EDGE>
-inline float jfm_online_softmax(thread JfmFrag* s, float scale_log2, JfmRange32 keys, int j0,
-                                JfmFragCoord at, thread float& m, thread float& l) {
+// Online softmax update of one block for this lane's row: s holds the block's base-2 scores S2
+// in KF fragments, JFM_MASKED_SCORE where hidden, and bit 2 n + e of `visible` says whether
+// element e of fragment n is visible. On return s holds P = exp2(S2 - m_new) (0 where hidden), m
+// the running max, l this lane's share of the running sum, and the result alpha =
+// exp2(m_old - m_new) rescales the accumulator.
+template <int KF>
+inline float jfm_softmax_update(thread JfmFrag* s, uint visible, thread float& m,
+                                thread float& l) {
   float block_max = JFM_MASKED_SCORE;
   for (int n = 0; n < KF; ++n) {
     for (int e = 0; e < 2; ++e) {
-      const float s2 = jfm_finite_or_nan(s[n].thread_elements()[e] * scale_log2);
-      const bool visible = !EDGE || jfm_visible(keys, j0 + n * 8 + int(at.col) + e);
-      s[n].thread_elements()[e] = visible ? s2 : JFM_MASKED_SCORE;
       block_max = max(block_max, s[n].thread_elements()[e]);
     }
   }
@@ -30,8 +27,8 @@ inline float jfm_online_softmax(thread JfmFrag* s, float scale_log2, JfmRange32 
   float block_sum = 0.0f;
   for (int n = 0; n < KF; ++n) {
     for (int e = 0; e < 2; ++e) {
-      const bool visible = !EDGE || jfm_visible(keys, j0 + n * 8 + int(at.col) + e);
-      const float p = visible ? fast::exp2(s[n].thread_elements()[e] - m_new) : 0.0f;
+      const bool seen = ((visible >> uint(2 * n + e)) & 1u) != 0u;
+      const float p = seen ? fast::exp2(s[n].thread_elements()[e] - m_new) : 0.0f;
       s[n].thread_elements()[e] = p;
       block_sum += p;
     }
@@ -41,21 +38,113 @@ inline float jfm_online_softmax(thread JfmFrag* s, float scale_log2, JfmRange32 
   return alpha;
 }
 
+// The plain online softmax: s holds S = Q K^T of the row band; EDGE blocks test every element
+// against the row's visible interval, others are all visible. A non-finite score becomes NaN
+// (jfm_finite_or_nan) so a NaN or Inf input poisons its row.
+template <int KF, bool EDGE>
+inline float jfm_online_softmax(thread JfmFrag* s, float scale_log2, JfmRange32 keys, int j0,
+                                JfmFragCoord at, thread float& m, thread float& l) {
+  uint visible = 0u;
+  for (int n = 0; n < KF; ++n) {
+    for (int e = 0; e < 2; ++e) {
+      const bool seen = !EDGE || jfm_visible(keys, j0 + n * 8 + int(at.col) + e);
+      const float s2 = jfm_finite_or_nan(s[n].thread_elements()[e] * scale_log2);
+      s[n].thread_elements()[e] = seen ? s2 : JFM_MASKED_SCORE;
+      visible |= uint(seen) << uint(2 * n + e);
+    }
+  }
+  return jfm_softmax_update<KF>(s, visible, m, l);
+}
+
+// What the feature loop knows of this lane's query row (flash_attention_features.h).
+struct JfmFeatureLane {
+  JfmFeatureBuffers in;
+  JfmFeatureRow row;              // bias/mask offsets of (b, h, i, 0)
+  device const int* kv_segments;  // key segment ids of batch b (has_segment_ids)
+  int segment;                    // the row's segment id (has_segment_ids)
+  JfmRange32 row_segments;        // [min, max] segment id of the tile's valid rows
+};
+
+// The lane context of query row i of head h in batch b; segment and row_segments are set by
+// jfm_lane_segments once the rows' ids are staged.
+inline JfmFeatureLane jfm_feature_lane(constant AttentionParams& p, JfmFeatureBuffers in,
+                                       uint b, uint h, long i) {
+  JfmFeatureLane f;
+  f.in = in;
+  f.row = jfm_feature_row(p, b, h, i);
+  f.kv_segments = p.has_segment_ids != 0 ? in.kv_segment_ids + ulong(b) * p.kv_len
+                                         : in.kv_segment_ids;
+  f.segment = 0;
+  f.row_segments.lo = 0;
+  f.row_segments.hi = 0;
+  return f;
+}
+
+// With segment ids: this lane's id (tile row `row`) and the range of the tile's valid rows
+// [0, valid_rows), from the ids staged in q_tile's row padding (barrier passed).
+template <typename T, int D>
+inline void jfm_lane_segments(constant AttentionParams& p, threadgroup const T* q_tile, int row,
+                              int valid_rows, thread JfmFeatureLane& f) {
+  if (p.has_segment_ids != 0) {
+    f.segment = jfm_segment_of<T, D>(q_tile, row);
+    f.row_segments = jfm_segment_range<T, D>(q_tile, 0, valid_rows);
+  }
+}
+
+// Whether the features keep key j of this lane's row (band-visible j only), its segment id read
+// from device memory: the rare path that poisons O for a non-finite V.
+template <typename T>
+inline bool jfm_lane_keeps(constant AttentionParams& p, thread const JfmFeatureLane& f, int j) {
+  const JfmFeatureRow at = jfm_feature_at(p, f.row, j);
+  return jfm_feature_keeps(p, f.in.mask, at.mask, f.segment,
+                           p.has_segment_ids != 0 ? f.kv_segments[j] : 0,
+                           jfm_bias_at<T>(p, f.in.bias, at.bias));
+}
+
+// The online softmax with the score features: every element the band shows (all, in a FULL
+// tile) goes through jfm_feature_element (cap, bias, mask, segment ids); the key block's
+// segment ids are staged in k_tile's row padding.
+template <typename T, int D, int KF>
+inline float jfm_online_softmax_features(thread JfmFrag* s, constant AttentionParams& p,
+                                         thread const JfmFeatureLane& f,
+                                         threadgroup const T* k_tile, JfmRange32 keys,
+                                         bool edge, int j0, JfmFragCoord at, thread float& m,
+                                         thread float& l) {
+  uint visible = 0u;
+  for (int n = 0; n < KF; ++n) {
+    for (int e = 0; e < 2; ++e) {
+      const int c = n * 8 + int(at.col) + e;
+      float s2 = JFM_MASKED_SCORE;
+      const bool seen =
+          (!edge || jfm_visible(keys, j0 + c)) &&
+          jfm_feature_element<T>(p, f.in, jfm_feature_at(p, f.row, j0 + c), f.segment,
+                                 p.has_segment_ids != 0 ? jfm_segment_of<T, D>(k_tile, c) : 0,
+                                 s[n].thread_elements()[e], s2);
+      s[n].thread_elements()[e] = seen ? s2 : JFM_MASKED_SCORE;
+      visible |= uint(seen) << uint(2 * n + e);
+    }
+  }
+  return jfm_softmax_update<KF>(s, visible, m, l);
+}
+
 // Key blocks [j0, j0 + BK) from the one holding union_lo to the one holding union_hi (a
 // threadgroup-uniform range): stage K and V (zero-filled outside [union_lo, union_hi], V
 // sanitized), S = Q K^T by MMA, online softmax, O = alpha O + P V by MMA. q_band: the
 // simdgroup's 8 rows of the staged Q tile (loaded, barrier passed); kv_tile: the K/V tiles;
 // first_keys/last_keys: the intervals bounding every row's (block classification); rows_full:
 // every row of the tile is a real row; keys: this lane's row interval. On return m, l and acc
-// hold this lane's running max, sum share and unnormalised O (DF fragments).
-template <typename T, int D, int THREADS>
+// hold this lane's running max, sum share and unnormalised O (DF fragments). FEATURES: the score
+// features of `f` apply (flash_attention_features.h): a key block whose segment ids cannot meet
+// the rows' is skipped before K and V are staged; without them the loop is the plain one.
+template <typename T, int D, int THREADS, bool FEATURES>
 inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv_tile,
                                   threadgroup int* nonfinite_v_block, device const T* k_head,
                                   device const T* v_head, uint kv_stride, JfmRange32 first_keys,
                                   JfmRange32 last_keys, bool rows_full, int union_lo,
-                                  int union_hi, JfmRange32 keys, float scale_log2,
-                                  JfmFragCoord at, uint thread_index, thread float& m,
-                                  thread float& l, thread JfmFrag* acc) {
+                                  int union_hi, JfmRange32 keys, constant AttentionParams& params,
+                                  thread const JfmFeatureLane& f, JfmFragCoord at,
+                                  uint thread_index, thread float& m, thread float& l,
+                                  thread JfmFrag* acc) {
   constexpr int EB = int(sizeof(T));
   constexpr int BK = jfm_fwd_block_k(EB, D);
   constexpr bool Q_IN_REGISTERS = jfm_fwd_q_in_registers(EB, D);
@@ -73,7 +162,7 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
   threadgroup T* v_tile = kv_tile + (ONE_KV_BUFFER ? 0 : BK * LD);
 
   for (int j0 = union_lo / BK * BK; j0 <= union_hi; j0 += BK) {
-    const int kind = jfm_classify_tile(first_keys, last_keys, rows_full, j0, j0 + BK - 1);
+    int kind = jfm_classify_tile(first_keys, last_keys, rows_full, j0, j0 + BK - 1);
     if (kind == JFM_TILE_SKIP) {
       continue;  // uniform
     }
@@ -82,6 +171,19 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
     const int load_end = min(union_hi - j0 + 1, BK);
     const ulong block_offset = ulong(j0) * kv_stride;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
+    JfmRange32 block_segments = f.row_segments;
+    if (FEATURES && params.has_segment_ids != 0) {  // uniform
+      jfm_stage_segment_ids<T, BK, D, THREADS>(k_tile, f.kv_segments + j0, uint(BK), BK,
+                                               load_begin, load_end, thread_index);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      block_segments = jfm_segment_range<T, D>(k_tile, load_begin, load_end);
+    }
+    if (FEATURES) {
+      kind = jfm_classify_feature_tile(params, kind, f.row_segments, block_segments);
+      if (kind == JFM_TILE_SKIP) {
+        continue;  // uniform: the next block's first barrier orders the ids' reads
+      }
+    }
     jfm_load_tile<T, BK, D, THREADS, false>(k_tile, k_head + block_offset, kv_stride,
                                             load_begin, load_end, thread_index);
     if (!ONE_KV_BUFFER && jfm_load_tile<T, BK, D, THREADS, true>(
@@ -105,9 +207,11 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
     }
 
     const float alpha =
-        kind == JFM_TILE_EDGE
-            ? jfm_online_softmax<KF, true>(s, scale_log2, keys, j0, at, m, l)
-            : jfm_online_softmax<KF, false>(s, scale_log2, keys, j0, at, m, l);
+        FEATURES ? jfm_online_softmax_features<T, D, KF>(s, params, f, k_tile, keys,
+                                                         kind == JFM_TILE_EDGE, j0, at, m, l)
+        : kind == JFM_TILE_EDGE
+            ? jfm_online_softmax<KF, true>(s, params.scale_log2, keys, j0, at, m, l)
+            : jfm_online_softmax<KF, false>(s, params.scale_log2, keys, j0, at, m, l);
     for (int d = 0; d < DF; ++d) {
       acc[d].thread_elements() *= alpha;
     }
@@ -132,6 +236,9 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
       // sees such a value, reading only this row's visible keys.
       const int hi = min(keys.hi, j0 + BK - 1);
       for (int j = max(keys.lo, j0); j <= hi; ++j) {
+        if (FEATURES && !jfm_lane_keeps<T>(params, f, j)) {
+          continue;
+        }
         device const T* v_row = v_head + ulong(j) * kv_stride;
         for (int d = 0; d < DF; ++d) {
           for (int e = 0; e < 2; ++e) {

@@ -24,6 +24,7 @@ DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
 
 # JFM_BUFFER_* of attention_params.h.
 Q, K, V, O, LSE, DO, DELTA, G_LSE, Q_LENGTHS, KV_LENGTHS, DQ, DK, DV, PARAMS, L2 = range(15)
+Q_SEGMENT_IDS, KV_SEGMENT_IDS, BIAS, MASK, SINKS, DBIAS = range(16, 22)
 
 PARAMS_DTYPE = np.dtype([
     ("batch", "<u4"), ("q_len", "<u4"), ("kv_len", "<u4"), ("num_heads", "<u4"),
@@ -32,7 +33,8 @@ PARAMS_DTYPE = np.dtype([
     ("has_q_lengths", "<u4"), ("has_kv_lengths", "<u4"),
     ("block_offset", "<u4"), ("head_offset", "<u4"), ("batch_offset", "<u4"),
     ("splits", "<u4"),
-    # The optional features of the FFI contract, which no kernel reads yet: left 0.
+    # The optional features of the FFI contract: left 0 here (their tests go through the FFI
+    # handler, tests/test_kernels_features.py).
     ("has_segment_ids", "<u4"), ("has_bias", "<u4"), ("has_mask", "<u4"), ("has_sinks", "<u4"),
     ("bias_grad", "<u4"), ("soft_cap", "<f4"),
     ("bias_strides", "<i8", (4,)), ("mask_strides", "<i8", (4,)),
@@ -43,6 +45,8 @@ assert PARAMS_DTYPE.fields["bias_strides"][1] == 96
 # Bound where a lengths buffer is absent; the kernels must not read it (if they did, these
 # values would empty every row and the comparison with the oracle would fail).
 _DUMMY_LENGTHS = np.full(4, -7, dtype=np.int32)
+# Bound at the optional feature buffers, as the host does: the kernels read none (flags 0).
+_FEATURE_PLACEHOLDER = np.full(4, -7, dtype=np.int32)
 
 
 def type_name(dtype):
@@ -69,7 +73,8 @@ def window_bounds(local_window_size):
 
 
 def pack_params(q_shape, kv_shape, *, scale=None, is_causal=False, local_window_size=None,
-                query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment="top_left"):
+                query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment="top_left",
+                bias_grad=False):
     """AttentionParams as uint8 bytes [160] for q [B, Tq, H, D] and k/v [B, Tkv, HKV, D]."""
     batch, q_len, heads, head_dim = q_shape
     _, kv_len, kv_heads, _ = kv_shape
@@ -85,6 +90,7 @@ def pack_params(q_shape, kv_shape, *, scale=None, is_causal=False, local_window_
     p["bottom_right"] = int(causal_alignment == "bottom_right")
     p["has_q_lengths"] = int(query_seq_lengths is not None)
     p["has_kv_lengths"] = int(key_value_seq_lengths is not None)
+    p["bias_grad"] = int(bias_grad)
     return np.frombuffer(p.tobytes(), dtype=np.uint8).copy()
 
 
@@ -112,6 +118,8 @@ def _dispatch(kind, dtype, head_dim, buffers, rows, heads, batch, schedule, seed
     if 0 in groups:
         return  # the host never dispatches an empty grid
     bound = {index: _device(array) for index, array in buffers.items()}
+    for index in (Q_SEGMENT_IDS, KV_SEGMENT_IDS, BIAS, MASK, SINKS):
+        bound.setdefault(index, _FEATURE_PLACEHOLDER)
     # Outputs are created C-contiguous, so `bound` holds them or uint16 views of them.
     emulator.run(kernel_name(kind, dtype, head_dim), bound, groups, (shape["threads"], 1, 1),
                  schedule=schedule, seed=seed)
@@ -143,16 +151,20 @@ def forward(q, k, v, *, schedule="forward", seed=0, **mask):
     return o, lse, l2
 
 
-def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, **mask):
-    """Runs the backward stages as the host does (bwd_stages): bwd_dq, which also writes delta,
-    then bwd_dkdv (or bwd_dk and bwd_dv). Returns (dq, dk, dv, delta).
+def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, bias_grad=False,
+             **mask):
+    """Runs the backward stages as the host does (bwd_stages): bwd_dq, which also writes delta
+    (and with bias_grad dbias), then bwd_dkdv (or bwd_dk and bwd_dv). Returns (dq, dk, dv,
+    delta), and dbias float32 [B, H, Tq, Tkv] after them with bias_grad.
 
     o, l2: the forward's outputs; do like o; g_lse float32 [B, H, Tq] or None (zeros).
     dq has q's shape and dtype, dk/dv k's; delta is float32 [B, H, Tq].
     """
     batch, q_len, heads, head_dim = q.shape
     _, kv_len, kv_heads, _ = k.shape
-    params = pack_params(q.shape, k.shape, **mask)
+    params = pack_params(q.shape, k.shape, bias_grad=bias_grad, **mask)
+    # Without bias_grad the host binds a placeholder the kernel never touches.
+    dbias = _output((batch, heads, q_len, kv_len) if bias_grad else (4,), np.float32)
     if g_lse is None:
         g_lse = np.zeros((batch, heads, q_len), np.float32)
     delta = _output((batch, heads, q_len), np.float32)
@@ -165,11 +177,11 @@ def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, **ma
     dq_stage, *dkdv_stages = bwd_stages(head_dim)
     _dispatch(dq_stage, q.dtype, head_dim,
               {**inputs, O: o, G_LSE: np.ascontiguousarray(g_lse, dtype=np.float32),
-               DELTA: delta, DQ: dq}, q_len, heads, batch, schedule, seed)
+               DELTA: delta, DQ: dq, DBIAS: dbias}, q_len, heads, batch, schedule, seed)
     for stage in dkdv_stages:
         _dispatch(stage, q.dtype, head_dim, {**inputs, DELTA: delta, DK: dk, DV: dv},
                   kv_len, kv_heads, batch, schedule, seed)
-    return dq, dk, dv, delta
+    return (dq, dk, dv, delta) + ((dbias,) if bias_grad else ())
 
 
 # ---- inputs and oracle comparison shared by tests/test_kernels*.py ----
@@ -216,6 +228,16 @@ def _yardstick_input(x, lengths, axis_len):
     return x
 
 
+def yardstick_inputs(q, k, v, do, g_lse, mask):
+    """(q, k, v, do, g_lse) for tolerance.baseline: padding and non-finite values zeroed
+    (_yardstick_input), NaN cotangents 0."""
+    qs, ks = mask.get("query_seq_lengths"), mask.get("key_value_seq_lengths")
+    q_len, kv_len = q.shape[1], k.shape[1]
+    g = None if g_lse is None else np.nan_to_num(g_lse, nan=0.0)
+    return (_yardstick_input(q, qs, q_len), _yardstick_input(k, ks, kv_len),
+            _yardstick_input(v, ks, kv_len), _yardstick_input(do, qs, q_len), g)
+
+
 def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0, **mask):
     """Runs forward and backward kernels and asserts O, LSE, dQ, dK, dV against the oracle.
 
@@ -257,13 +279,7 @@ def _assert_against_oracle(got, q, k, v, do, g_lse, names, mask, **extra):
             assert (np.asarray(x, np.float64) == expected).all(), name
         got.update(extra)
         return got
-    base_inputs = None
-    if q.dtype != np.float32:
-        qs, ks = mask.get("query_seq_lengths"), mask.get("key_value_seq_lengths")
-        q_len, kv_len = q.shape[1], k.shape[1]
-        g = None if g_lse is None else np.nan_to_num(g_lse, nan=0.0)
-        base_inputs = (_yardstick_input(q, qs, q_len), _yardstick_input(k, ks, kv_len),
-                       _yardstick_input(v, ks, kv_len), _yardstick_input(do, qs, q_len), g)
+    base_inputs = None if q.dtype == np.float32 else yardstick_inputs(q, k, v, do, g_lse, mask)
     tolerance.assert_all_match_oracle(got, q, k, v, do, g_lse, baseline_inputs=base_inputs,
                                       names=names, **mask)
     got.update(extra)

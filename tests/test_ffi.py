@@ -66,12 +66,16 @@ def _fwd_call(q, k, v, *lengths, lse_shape=None, l2_shape=None, workspace=None, 
         jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **_attrs(**attrs)))[:3]
 
 
-def _bwd_call(q, k, v, o, l2, do, g_lse, *lengths, **attrs):
+def _bwd_call(q, k, v, o, l2, do, g_lse, *optional, bias_grad=False, **attrs):
+    """The backward target called directly: (dq, dk, dv, dbias, delta); dbias is float32
+    [B, H, Tq, Tkv] with bias_grad, else [0]."""
     b, tq, h, _ = q.shape
+    dbias = (b, h, tq, k.shape[1]) if bias_grad else (0,)
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-           jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
-    return jax.block_until_ready(
-        jax.ffi.ffi_call(BWD, out)(q, k, v, o, l2, do, g_lse, *lengths, **_attrs(**attrs)))
+           jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dbias, jnp.float32),
+           jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
+    return jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
+        q, k, v, o, l2, do, g_lse, *optional, bias_grad=np.bool_(bias_grad), **_attrs(**attrs)))
 
 
 def _normal(rng, shape, dtype=jnp.float32):
@@ -358,22 +362,23 @@ def _loss(implementation):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-@pytest.mark.parametrize("attrs,name", [
-    (dict(has_bias=True), "bias"), (dict(has_mask=True), "mask"),
-    (dict(has_segment_ids=True), "segment ids"), (dict(has_sinks=True), "sinks"),
-    (dict(logits_soft_cap=np.float32(30.0)), "logits_soft_cap"),
-    (dict(has_bias=True, has_sinks=True), "bias, sinks")])
-def test_handlers_refuse_the_optional_features(attrs, name):
-    """The contract's optional features (ffi/attention_ffi.h) are refused by both handlers
-    until kernels read them, before any operand is looked at."""
+def test_backward_handler_checks_the_dbias_result():
+    """bias_grad needs a bias operand, and the dbias result must be float32 [B, H, Tq, Tkv] with
+    it ([0] without it)."""
     rng = np.random.default_rng(3)
     q = _normal(rng, (1, 4, 2, 16))
     o, lse, l2 = _fwd_call(q, q, q)
-    message = f"{name} not supported by the fused kernels yet"
-    with pytest.raises(Exception, match=message):
-        _fwd_call(q, q, q, **attrs)
-    with pytest.raises(Exception, match=message):
-        _bwd_call(q, q, q, o, l2, q, jnp.zeros(lse.shape, jnp.float32), **attrs)
+    g = jnp.zeros(lse.shape, jnp.float32)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="bias_grad needs has_bias"):
+        _bwd_call(q, q, q, o, l2, q, g, bias_grad=True)
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct(q.shape, q.dtype),) * 3 + (
+        jax.ShapeDtypeStruct((1, 2, 4, 3), f32), jax.ShapeDtypeStruct(lse.shape, f32))
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"output dbias must be float32 \[1, 2, 4, 4\]"):
+        jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
+            q, q, q, o, l2, q, g, jnp.zeros((1, 1, 1, 4), jnp.float32), bias_grad=np.bool_(True),
+            **_attrs(has_bias=True)))
 
 
 def test_compiled_hlo_has_custom_calls_only_on_the_fused_path():
@@ -421,11 +426,11 @@ def test_zero_length_problems_write_exact_outputs_without_dispatch():
     assert np.array_equal(np.asarray(lse), np.full((2, 4, 3), -np.inf))
     assert np.array_equal(np.asarray(l2), np.full((2, 4, 3), EMPTY_ROW_L2, np.float32))
     g = jnp.ones((2, 4, 3), jnp.float32)
-    dq, dk, dv, _ = _bwd_call(q, k0, k0, q, g, q, g)
+    dq, dk, dv, _, _ = _bwd_call(q, k0, k0, q, g, q, g)
     assert np.array_equal(np.asarray(dq), np.zeros(q.shape)) and dk.shape == dv.shape == k0.shape
     q0, k = jnp.zeros((2, 0, 4, 16), jnp.float32), _normal(rng, (2, 5, 2, 16))
     g0 = jnp.zeros((2, 4, 0), jnp.float32)
-    dq, dk, dv, _ = _bwd_call(q0, k, k, q0, g0, q0, g0)
+    dq, dk, dv, _, _ = _bwd_call(q0, k, k, q0, g0, q0, g0)
     assert dq.shape == q0.shape
     assert np.array_equal(np.asarray(dk), np.zeros(k.shape))
     assert np.array_equal(np.asarray(dv), np.zeros(k.shape))

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import kernel_harness as kh
+import oracle
+import tolerance
 from jax_flash_metal._ext import bwd_stages
 
 # One (dtype, head dim) per backward family of tile_shapes.h: 32/32, 32/16, 16/8 (one dK/dV
@@ -112,3 +114,27 @@ def test_schedules_are_bit_identical(dtype, head_dim):
                           schedule=schedule, seed=seed, **mask)
         for name, x in zip(("dq", "dk", "dv", "delta"), got):
             assert x.tobytes() == reference[name].tobytes(), (schedule, seed, name)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("f32", 16), ("f16", 64), ("f32", 160)])
+def test_dbias_is_written_everywhere(dtype, head_dim):
+    """With bias_grad the dQ kernel writes every element of dbias [B, H, Tq, Tkv] (outputs start
+    as NaN): dS = P (dP - D) where visible, 0 in skipped key blocks, hidden entries and rows past
+    the lengths; a zero full-shape bias leaves the scores as they are, so the oracle's dbias is
+    dS. The other gradients are bit for bit those without bias_grad."""
+    rows, cols = kh.blocks("bwd_dq", dtype, head_dim)
+    lengths = dict(query_seq_lengths=np.array([rows + 5, rows // 2], np.int32),
+                   key_value_seq_lengths=np.array([3 * cols + 2, cols + 1], np.int32))
+    mask = dict(is_causal=True, local_window_size=(cols // 2, 3), **lengths)
+    q, k, v, do, g_lse = _inputs(dtype, 2, rows + 5, 3 * cols + 2, 4, 2, head_dim, seed=8,
+                                 **lengths)
+    o, _, l2 = kh.forward(q, k, v, **mask)
+    *grads, dbias = kh.backward(q, k, v, o, l2, do, g_lse, bias_grad=True, **mask)
+    zero_bias = dict(bias=np.zeros(dbias.shape, np.float32), **mask)
+    want = oracle.gradients(q, k, v, do, g_lse, **zero_bias)["dbias"]
+    base = None if dtype == "f32" else tolerance.baseline(
+        *kh.yardstick_inputs(q, k, v, do, g_lse, mask), **zero_bias)["dbias"]
+    tolerance.assert_matches_oracle("dbias", dbias, want, base, input_dtype=q.dtype)
+    assert (dbias[want == 0] == 0).all()
+    for got, plain in zip(grads, kh.backward(q, k, v, o, l2, do, g_lse, **mask)):
+        assert got.tobytes() == plain.tobytes()

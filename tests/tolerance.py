@@ -21,8 +21,9 @@ FLOAT32_RTOL = {"o": 1e-5, "lse": 1e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4, "dbi
 def baseline(q, k, v, do, g_lse=None, **mask_kwargs):
     """Plain attention computed in the inputs' dtype with jnp, and its autodiff gradients.
 
-    Returns a dict with o, lse, dq, dk, dv (as float64 NumPy) — the error yardstick for
-    half-precision results. Invisible keys are masked in the dtype; empty rows give 0.
+    Returns a dict with o, lse, dq, dk, dv (and dbias / dsinks with a bias / sinks) as float64
+    NumPy — the error yardstick for half-precision results. Invisible keys are masked in the
+    dtype; empty rows give 0.
     """
     q, k, v, do = (jnp.asarray(x) for x in (q, k, v, do))
     b, tq, h, d = q.shape
@@ -33,27 +34,35 @@ def baseline(q, k, v, do, g_lse=None, **mask_kwargs):
     sinks = mask_kwargs.pop("sinks", None)
     bias = mask_kwargs.get("bias")
     mask = jnp.asarray(oracle.full_visibility(b, h, tq, k.shape[1], **mask_kwargs))
+    has_bias, has_sinks = bias is not None, sinks is not None
     bias = jnp.zeros((), q.dtype) if bias is None else jnp.asarray(bias, jnp.float32).astype(
         q.dtype)
     bias = jnp.where(jnp.isneginf(bias), 0, bias)  # -inf entries are masked instead
-    sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32).astype(q.dtype)
+    sinks = jnp.zeros(h, q.dtype) if sinks is None else jnp.asarray(sinks, jnp.float32).astype(
+        q.dtype)
     # Keys no row may see are zeroed so padded garbage cannot reach the baseline.
     key_used = mask.any(axis=(1, 2))[:, :, None, None]
 
     g = jnp.zeros((b, h, tq), jnp.float32) if g_lse is None else jnp.asarray(g_lse, jnp.float32)
     # One compiled function per shape instead of dozens of eagerly compiled ops.
-    o, lse, dq, dk, dv = _baseline_compiled(q, k, v, do, g, mask, key_used, bias, sinks,
-                                            scale=float(scale), cap=cap)
+    o, lse, dq, dk, dv, dbias, dsinks = _baseline_compiled(
+        q, k, v, do, g, mask, key_used, bias, sinks, scale=float(scale), cap=cap,
+        has_sinks=has_sinks)
     out = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+    if has_bias:
+        out["dbias"] = jnp.reshape(dbias, np.shape(mask_kwargs["bias"]))
+    if has_sinks:
+        out["dsinks"] = dsinks
     return {name: np.asarray(x, dtype=np.float64) for name, x in out.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "cap"))
-def _baseline_compiled(q, k, v, do, g, mask, key_used, bias, sinks, *, scale, cap):
+@functools.partial(jax.jit, static_argnames=("scale", "cap", "has_sinks"))
+def _baseline_compiled(q, k, v, do, g, mask, key_used, bias, sinks, *, scale, cap, has_sinks):
     dtype = q.dtype
     h, hkv = q.shape[2], k.shape[2]
+    sinks = sinks if has_sinks else None
 
-    def attend(q, k, v):
+    def attend(q, k, v, bias, sinks):
         k = jnp.repeat(jnp.where(key_used, k, 0), h // hkv, axis=2)
         v = jnp.repeat(jnp.where(key_used, v, 0), h // hkv, axis=2)
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(scale, dtype)
@@ -74,19 +83,23 @@ def _baseline_compiled(q, k, v, do, g, mask, key_used, bias, sinks, *, scale, ca
         lse = jnp.where(denom[..., 0] == 0, -jnp.inf, (m + jnp.log(safe))[..., 0])
         return o, lse.astype(jnp.float32)
 
-    (o, lse), vjp = jax.vjp(attend, q, k, v)
+    (o, lse), vjp = jax.vjp(attend, q, k, v, bias, sinks)
     g = jnp.where(jnp.isfinite(lse), g, 0)
-    return (o, lse) + tuple(vjp((do.astype(dtype), g)))
+    dq, dk, dv, dbias, dsinks = vjp((do.astype(dtype), g))
+    return o, lse, dq, dk, dv, dbias, jnp.zeros(h) if dsinks is None else dsinks
 
 
-def assert_matches_oracle(name, actual, expected, baseline_value=None, kind=None):
+def assert_matches_oracle(name, actual, expected, baseline_value=None, kind=None,
+                          input_dtype=None):
     """Asserts `actual` (any dtype) is within DESIGN.md tolerance of the float64 `expected`.
 
-    kind: one of o, lse, dq, dk, dv (defaults to `name`), selecting the float32 tolerance.
-    baseline_value: the same quantity from `baseline(...)`; required when `actual` is f16/bf16.
+    kind: one of o, lse, dq, dk, dv, dbias, dsinks (defaults to `name`), selecting the float32
+    tolerance. input_dtype: the dtype of the attention inputs the value was computed from
+    (default: its own; a float32 dbias of bfloat16 inputs is a half-precision result).
+    baseline_value: the same quantity from `baseline(...)`; required for f16/bf16.
     """
     kind = kind or name
-    actual_dtype = np.asarray(actual).dtype
+    actual_dtype = np.asarray(actual).dtype if input_dtype is None else np.dtype(input_dtype)
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
     assert a.shape == e.shape, f"{name}: shape {a.shape} != oracle {e.shape}"
@@ -131,5 +144,7 @@ def assert_all_match_oracle(got, q, k, v, do, g_lse=None, *, baseline_inputs=Non
     if np.dtype(q.dtype) != np.float32:
         base = baseline(*(baseline_inputs or (q, k, v, do, g_lse)), **mask_kwargs)
     for name in names:
-        assert_matches_oracle(name, got[name], want[name], None if base is None else base[name])
+        # dbias and dsinks are float32 whatever the inputs: judge them by the inputs' dtype.
+        assert_matches_oracle(name, got[name], want[name], None if base is None else base[name],
+                              input_dtype=q.dtype if name in ("dbias", "dsinks") else None)
     return want

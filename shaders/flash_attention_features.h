@@ -1,0 +1,234 @@
+// The optional score features of DESIGN.md section 3 (soft cap, bias, mask, segment ids, sinks)
+// per element and per tile, shared by the forward (and decode) and the backward kernels so that
+// both directions form bit-identical scores and visibility. A kernel without any feature never
+// calls these: its loop keeps the plain score S2 = (q.k) * scale * log2(e) and the band tests.
+// MSL 3.0 (C++14 base).
+#ifndef JAX_FLASH_METAL_FLASH_ATTENTION_FEATURES_H_
+#define JAX_FLASH_METAL_FLASH_ATTENTION_FEATURES_H_
+
+#include "flash_attention_tiles.h"
+
+#define JFM_LOG2E 1.44269504088896341f
+
+// The optional buffers as the kernel binds them (the host binds a placeholder where a flag in
+// AttentionParams is 0, so nothing is read from them then). The bias is bytes because its dtype
+// is the query's or float32 (params.has_bias says which).
+struct JfmFeatureBuffers {
+  device const int* q_segment_ids;   // int32 [B, Tq]
+  device const int* kv_segment_ids;  // int32 [B, Tkv]
+  device const uchar* bias;          // [b, h, tq, tkv] through params.bias_strides
+  device const uchar* mask;          // uchar, same, through params.mask_strides; 0 = hidden
+  device const float* sinks;         // float32 [H], natural-log logits
+};
+
+// The kernel arguments of the optional buffers (every kernel that reads a feature declares all
+// five, the host binds all five), and the struct made from them inside the kernel.
+#define JFM_FEATURE_BUFFER_ARGS                                             \
+  device const int* q_segment_ids [[buffer(JFM_BUFFER_Q_SEGMENT_IDS)]],     \
+      device const int* kv_segment_ids [[buffer(JFM_BUFFER_KV_SEGMENT_IDS)]], \
+      device const uchar* bias [[buffer(JFM_BUFFER_BIAS)]],                 \
+      device const uchar* mask [[buffer(JFM_BUFFER_MASK)]],                 \
+      device const float* sinks [[buffer(JFM_BUFFER_SINKS)]]
+#define JFM_FEATURE_BUFFERS \
+  jfm_feature_buffers(q_segment_ids, kv_segment_ids, bias, mask, sinks)
+
+inline JfmFeatureBuffers jfm_feature_buffers(device const int* q_segment_ids,
+                                             device const int* kv_segment_ids,
+                                             device const uchar* bias, device const uchar* mask,
+                                             device const float* sinks) {
+  JfmFeatureBuffers in;
+  in.q_segment_ids = q_segment_ids;
+  in.kv_segment_ids = kv_segment_ids;
+  in.bias = bias;
+  in.mask = mask;
+  in.sinks = sinks;
+  return in;
+}
+
+// Features that change the score or hide single elements; a kernel takes its feature loop iff
+// one is set (sinks only enter the row statistic, after the loop).
+inline bool jfm_has_score_features(constant AttentionParams& p) {
+  return p.has_mask != 0 || p.has_bias != 0 || p.has_segment_ids != 0 || p.soft_cap > 0.0f;
+}
+
+// Features that hide elements inside the band: a tile with any of them is never FULL.
+inline bool jfm_has_element_features(constant AttentionParams& p) {
+  return p.has_mask != 0 || p.has_bias != 0 || p.has_segment_ids != 0;
+}
+
+// ---- addressing ----
+
+// Element offsets of (b, h, i, 0) in the bias and in the mask: 64-bit, computed once per row
+// (or per block), never per element.
+struct JfmFeatureRow {
+  ulong bias;
+  ulong mask;
+};
+
+inline ulong jfm_feature_offset(constant jfm_long* strides, uint b, uint h, long i) {
+  return ulong(b) * ulong(strides[0]) + ulong(h) * ulong(strides[1]) +
+         ulong(i) * ulong(strides[2]);
+}
+
+inline JfmFeatureRow jfm_feature_row(constant AttentionParams& p, uint b, uint h, long i) {
+  JfmFeatureRow r;
+  r.bias = jfm_feature_offset(p.bias_strides, b, h, i);
+  r.mask = jfm_feature_offset(p.mask_strides, b, h, i);
+  return r;
+}
+
+// Key j of a row: the key axis is contiguous or broadcast (stride 1 or 0), so a 32-bit index.
+inline JfmFeatureRow jfm_feature_at(constant AttentionParams& p, JfmFeatureRow row, int j) {
+  row.bias += uint(j) * uint(p.bias_strides[3]);
+  row.mask += uint(j) * uint(p.mask_strides[3]);
+  return row;
+}
+
+// Element (i + r, j) from the offsets of row i (jfm_feature_row): the dK/dV kernels walk a key
+// across the rows of a query block, r < its block size, in 32-bit steps (r * Tkv + j < 2^32).
+inline JfmFeatureRow jfm_feature_below(constant AttentionParams& p, JfmFeatureRow row, int r,
+                                       int j) {
+  row.bias += uint(r) * uint(p.bias_strides[2]) + uint(j) * uint(p.bias_strides[3]);
+  row.mask += uint(r) * uint(p.mask_strides[2]) + uint(j) * uint(p.mask_strides[3]);
+  return row;
+}
+
+// ---- one element ----
+
+// The bias at an offset as float (0 without a bias): stored in the dtype of q (T) or float32.
+template <typename T>
+inline float jfm_bias_at(constant AttentionParams& p, device const uchar* bias, ulong offset) {
+  if (p.has_bias == JFM_BIAS_FLOAT32) {
+    return ((device const float*)bias)[offset];
+  }
+  return p.has_bias == JFM_BIAS_OF_Q ? jfm_to_float(((device const T*)bias)[offset]) : 0.0f;
+}
+
+// tanh(s / c) of the scaled score s = scale * q.k, for soft_cap c > 0: the capped score is c
+// times it, its derivative 1 - tanh^2 (the backward). A non-finite q.k becomes NaN first (tanh
+// would turn an Inf into a finite 1).
+inline float jfm_soft_cap_tanh(constant AttentionParams& p, float qk) {
+  return precise::tanh(jfm_finite_or_nan(qk * p.scale) / p.soft_cap);
+}
+
+// The log2-domain score of an element from its q.k sum (the MMA result) and bias. Without cap
+// and bias it is the plain kernels' S2 bit for bit. A non-finite q.k becomes NaN before the cap,
+// and a +inf/NaN bias gives NaN: they propagate.
+inline float jfm_feature_score2(constant AttentionParams& p, float qk, float bias) {
+  if (p.soft_cap <= 0.0f && p.has_bias == 0) {
+    return jfm_finite_or_nan(qk * p.scale_log2);
+  }
+  const float s =
+      p.soft_cap > 0.0f ? p.soft_cap * jfm_soft_cap_tanh(p, qk) : jfm_finite_or_nan(qk * p.scale);
+  return jfm_finite_or_nan((s + bias) * JFM_LOG2E);
+}
+
+// d(score)/d(scale q.k) of the soft cap, 1 - tanh^2, the factor dS takes before dQ and dK
+// (dbias is dS itself); 1 without a cap.
+inline float jfm_soft_cap_slope(constant AttentionParams& p, float qk) {
+  if (p.soft_cap <= 0.0f) {
+    return 1.0f;
+  }
+  const float t = jfm_soft_cap_tanh(p, qk);
+  return 1.0f - t * t;
+}
+
+// Whether the features keep an element that the band rules show: mask byte != 0, equal segment
+// ids, bias != -inf (an additive -inf hides the key exactly as a False mask entry does). Call it
+// for band-visible elements only: their offsets are in bounds, others' need not be.
+inline bool jfm_feature_keeps(constant AttentionParams& p, device const uchar* mask,
+                              ulong mask_offset, int q_segment, int kv_segment, float bias) {
+  return (p.has_mask == 0 || mask[mask_offset] != 0) &&
+         (p.has_segment_ids == 0 || q_segment == kv_segment) &&
+         (p.has_bias == 0 || as_type<uint>(bias) != 0xff800000u);  // -inf, a bit test
+}
+
+// Score and visibility of a band-visible element (i, j) at `at` (jfm_feature_at): returns
+// whether it is visible and sets s2 (the log2-domain score) when it is.
+template <typename T>
+inline bool jfm_feature_element(constant AttentionParams& p, JfmFeatureBuffers in,
+                                JfmFeatureRow at, int q_segment, int kv_segment, float qk,
+                                thread float& s2) {
+  const float bias = jfm_bias_at<T>(p, in.bias, at.bias);
+  s2 = jfm_feature_score2(p, qk, bias);
+  return jfm_feature_keeps(p, in.mask, at.mask, q_segment, kv_segment, bias);
+}
+
+// ---- segment ids of a block, kept in its tile's row padding ----
+//
+// Every tile row has 16 bytes of padding after its D elements (jfm_tile_stride) that no
+// fragment reads and no tile load writes, so a row's segment id lives there: the plain kernels'
+// threadgroup memory stays as it is, and restaging the row's data (K then V in one buffer)
+// leaves the id in place.
+
+template <typename T, int D>
+inline threadgroup int* jfm_segment_slot(threadgroup T* tile, int row) {
+  return (threadgroup int*)(tile + row * jfm_tile_stride<T>(D) + D);
+}
+
+// The ids of rows [0, R) of a block, with jfm_load_tile_runs' row mapping: row r = s * run + t
+// holds ids[t] when r < rows and t in [valid_begin, valid_end), else 0 (never compared: such
+// rows are outside every band). All THREADS threads call it; a barrier must follow.
+template <typename T, int R, int D, int THREADS>
+inline void jfm_stage_segment_ids(threadgroup T* tile, device const int* ids, uint run,
+                                  int rows, int valid_begin, int valid_end, uint thread_index) {
+  for (uint r = thread_index; r < uint(R); r += THREADS) {
+    const int t = int(r % run);
+    const bool valid = int(r) < rows && t >= valid_begin && t < valid_end;
+    *jfm_segment_slot<T, D>(tile, int(r)) = valid ? ids[t] : 0;
+  }
+}
+
+template <typename T, int D>
+inline int jfm_segment_of(threadgroup const T* tile, int row) {
+  return *(threadgroup const int*)(tile + row * jfm_tile_stride<T>(D) + D);
+}
+
+// [min, max] of the staged ids of rows [begin, end) (empty, lo > hi, when begin >= end). Every
+// thread computes the same range, so decisions on it are threadgroup-uniform.
+template <typename T, int D>
+inline JfmRange32 jfm_segment_range(threadgroup const T* tile, int begin, int end) {
+  JfmRange32 r;
+  r.lo = 0x7fffffff;
+  r.hi = -0x7fffffff - 1;
+  for (int row = begin; row < end; ++row) {
+    const int id = jfm_segment_of<T, D>(tile, row);
+    r.lo = min(r.lo, id);
+    r.hi = max(r.hi, id);
+  }
+  return r;
+}
+
+// ---- a tile ----
+
+// The classification of a (row block, column block) tile with the features: SKIP when the band
+// skips it or when the blocks' segment-id ranges cannot meet (no equal pair: packed sequences
+// that never see each other cost nothing), never FULL when an element feature may hide an entry
+// the band shows. rows_segments/cols_segments: jfm_segment_range of the two blocks (unused
+// without segment ids).
+inline int jfm_classify_feature_tile(constant AttentionParams& p, int band_kind,
+                                     JfmRange32 rows_segments, JfmRange32 cols_segments) {
+  if (band_kind == JFM_TILE_SKIP ||
+      (p.has_segment_ids != 0 &&
+       (rows_segments.hi < cols_segments.lo || cols_segments.hi < rows_segments.lo))) {
+    return JFM_TILE_SKIP;
+  }
+  return jfm_has_element_features(p) ? JFM_TILE_EDGE : band_kind;
+}
+
+// ---- sinks ----
+
+// Folds the sink of head h (a natural-log logit with no value) into a row's base-2 statistic:
+// m becomes max(m, sink2), l the sum over the keys and the sink in that frame. Returns the
+// factor the row's unnormalised O is rescaled by (0 for a row that saw no key: m was the
+// sentinel). Afterwards l >= 1, so no row is empty: O = 0 there, L2 = sink2.
+inline float jfm_fold_sink(float sink, thread float& m, thread float& l) {
+  const float sink2 = sink * JFM_LOG2E;
+  const float m_all = max(m, sink2);
+  const float alpha = fast::exp2(m - m_all);
+  l = l * alpha + fast::exp2(sink2 - m_all);
+  m = m_all;
+  return alpha;
+}
+
+#endif  // JAX_FLASH_METAL_FLASH_ATTENTION_FEATURES_H_
