@@ -46,7 +46,6 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
           process_heads: as Equinox: maps the (query, key, value) heads [len, num_heads, size]
             to new heads of the same shapes (e.g. rotary embeddings).
           implementation: flash_attention's (an addition to Equinox's call; None = the default).
-            Calls with a mask run on "xla" until the fused kernels take masks.
         Returns:
           [q_len, output_size]. Scores are scaled by 1/sqrt(qk_size); the attention runs in the
           projections' dtype (float32, float16 or bfloat16) with a float32 softmax.

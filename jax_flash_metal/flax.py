@@ -67,7 +67,6 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
       force_fp32_for_softmax: always honoured (the softmax is float32 for every dtype).
       broadcast_dropout, dropout_rng: used only by dropout, which is refused when active.
       implementation: flash_attention's (bind it with functools.partial; Flax never passes it).
-        Calls with a mask or bias run on "xla" until the fused kernels take them.
     Returns:
       [batch..., q_len, num_heads, head_dim] in the computation dtype.
     Raises:

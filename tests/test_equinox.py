@@ -87,13 +87,12 @@ def masks(case):
             "per-head": per_head}[case]
 
 
-# Masked calls: implementation None (the default), which runs them on "xla" until the fused
-# kernels take masks; unmasked tests run on every implementation.
+# Masked calls, on every implementation: the fused kernels read the mask per tile.
 @pytest.mark.parametrize("case", ["causal", "padding", "per-head"])
-def test_masks(case):
+def test_masks(implementation, case):
     theirs, mine = pair()
     args = inputs()
-    got = output_and_grads(mine, args, mask=masks(case))
+    got = output_and_grads(mine, args, mask=masks(case), implementation=implementation)
     want = output_and_grads(theirs, args, mask=masks(case))
     assert_close("output", got[0], want[0])
     assert_close("gradient", got[1], want[1])
@@ -150,10 +149,10 @@ def test_bad_mask_and_lengths():
 
 def test_training_matches_equinox(implementation):
     """20 Adam steps of a one-layer byte model: the same losses as with Equinox's attention.
-    Causal on "xla"; without a mask on the fused implementations, which take no masks yet."""
+    The causal mask reaches the fused kernels as a mask operand."""
     tokens = jnp.asarray(np.frombuffer(b"the quick brown fox jumps over the lazy dog", np.uint8)
                          [:LEN * 4].reshape(4, LEN).astype(np.int32))
-    causal = jnp.tril(jnp.ones((LEN - 1, LEN - 1), bool)) if implementation == "xla" else None
+    causal = jnp.tril(jnp.ones((LEN - 1, LEN - 1), bool))
 
     def model(cls):
         k1, k2 = jax.random.split(jax.random.PRNGKey(3))

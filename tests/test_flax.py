@@ -1,7 +1,6 @@
 """jax_flash_metal.flax.attention_fn in flax.nnx and flax.linen modules, against Flax's own
 attention with the same weights and inputs (outputs and gradients)."""
 
-import dataclasses
 import functools
 
 import jax
@@ -68,14 +67,13 @@ def test_nnx_unmasked(implementation):
     assert_close("gradient", got[1], want[1])
 
 
-# Masked calls: implementation None (the default), which runs them on "xla" until the fused
-# kernels take masks; unmasked tests above and below run on every implementation.
+# Masked calls, on every implementation: the fused kernels read the mask per tile.
 @pytest.mark.parametrize("case", ["causal", "padding", "causal+padding"])
 @pytest.mark.parametrize("shape", [(2, LEN, FEATURES), (2, 3, LEN, FEATURES)],
                          ids=["one-batch-axis", "two-batch-axes"])
-def test_nnx_masks(case, shape):
+def test_nnx_masks(implementation, case, shape):
     x = inputs(shape)
-    got = nnx_output_and_grads(nnx_module(attention_fn), x, **masks(case, x))
+    got = nnx_output_and_grads(nnx_module(ours(implementation)), x, **masks(case, x))
     want = nnx_output_and_grads(nnx_module(nnx.dot_product_attention), x, **masks(case, x))
     assert_close("output", got[0], want[0])
     assert_close("gradient", got[1], want[1])
@@ -220,8 +218,7 @@ def test_dtype_promotion_like_flax():
 def test_nnx_training_matches_flax(implementation):
     from jax_flash_metal.examples import train_flax
 
-    # Causal on "xla"; without a mask on the fused implementations, which take no masks yet.
-    cfg = dataclasses.replace(train_flax.TINY, causal=implementation == "xla")
+    cfg = train_flax.TINY  # causal: its mask reaches the fused kernels
     data = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 20, np.uint8)
     want, _ = train_flax.train(cfg, data, nnx.dot_product_attention)
     got, _ = train_flax.train(cfg, data, ours(implementation))
@@ -239,7 +236,7 @@ def test_train_flax_example(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "median ms per step" in out and "causal" in out
     (flax_name, want), (ours_name, got) = result["losses"].items()
-    assert flax_name in out and ours_name in out and result["causal"]
+    assert flax_name in out and ours_name in out
     assert len(got) == len(want) == 6
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
     assert set(result["step_seconds"]) == {flax_name, ours_name}

@@ -5,9 +5,7 @@ O and LSE against the float64 oracle (tests/oracle.py, tolerances of tests/toler
 base-2 residual L2 against LSE, the segment-id tile skip in the kernel profile, and the
 handler's errors for bad feature operands.
 
-The backward kernels do not implement the features yet, so ffi_lowering refuses them for a call
-(forward and backward must lower to one implementation); the ``fused_forward`` fixture lets the
-forward lower alone by declaring them for the backward too, and no test here differentiates.
+The backward with the features: tests/test_kernels_features_bwd.py.
 """
 
 import jax
@@ -19,17 +17,10 @@ import tolerance
 from api_helpers import normal
 
 ext = pytest.importorskip("jax_flash_metal._ext")
-from jax_flash_metal import ffi_lowering, flash_attention, profile  # noqa: E402
+from jax_flash_metal import flash_attention, profile  # noqa: E402
 from test_ffi import _fwd_call  # noqa: E402  (the forward target called directly)
 
 LN2 = np.log(2.0)
-
-
-@pytest.fixture
-def fused_forward(monkeypatch):
-    """Lets the forward of a feature call lower to the emulator on its own."""
-    monkeypatch.setitem(ffi_lowering.KERNEL_FEATURES, "bwd", ffi_lowering.KERNEL_FEATURES["fwd"])
-    return forward
 
 
 def forward(q, k, v, bias=None, mask=None, **kw):
@@ -81,7 +72,7 @@ KINDS = ("bias", "mask", "segments", "soft_cap", "sinks")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_each_feature_alone(fused_forward, kind):
+def test_each_feature_alone(kind):
     q, k, v = qkv(1, B, TQ, TK, H, HKV, D, scale=2.0)
     check(q, k, v, **_features(np.random.default_rng(2), kind))
 
@@ -94,7 +85,7 @@ def test_each_feature_alone(fused_forward, kind):
          key_value_seq_lengths=np.array([30, 37], np.int32)),
 ], ids=["causal", "window", "lengths"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_all_features_with_the_band_rules_and_gqa(fused_forward, band, dtype):
+def test_all_features_with_the_band_rules_and_gqa(band, dtype):
     rng = np.random.default_rng(3)
     q, k, v = qkv(4, B, TQ, TK, H, HKV, D, dtype, scale=2.0)
     features = {}
@@ -106,7 +97,7 @@ def test_all_features_with_the_band_rules_and_gqa(fused_forward, band, dtype):
 
 @pytest.mark.parametrize("shape", [(B, 1, 1, TK), (1, H, TQ, TK), (TQ, TK), (B, H, TQ, 1),
                                    (1, 1, TQ, 1)])
-def test_masks_of_every_broadcast_shape_with_empty_rows(fused_forward, shape):
+def test_masks_of_every_broadcast_shape_with_empty_rows(shape):
     """Rows whose every key is masked output exactly 0 and LSE -inf."""
     rng = np.random.default_rng(5)
     mask = rng.random(shape) < 0.5
@@ -126,13 +117,13 @@ def test_masks_of_every_broadcast_shape_with_empty_rows(fused_forward, shape):
     ((1, H, 1, 1), jnp.float32, jnp.float16),  # float32 with half inputs
     ((B, 1, TQ, TK), jnp.float16, jnp.float32),  # converted to float32 by the lowering
 ])
-def test_bias_of_several_broadcast_shapes_and_dtypes(fused_forward, shape, bias_dtype, q_dtype):
+def test_bias_of_several_broadcast_shapes_and_dtypes(shape, bias_dtype, q_dtype):
     rng = np.random.default_rng(7)
     q, k, v = qkv(8, B, TQ, TK, H, HKV, D, q_dtype)
     check(q, k, v, bias=normal(rng, shape, bias_dtype, 3.0))
 
 
-def test_bias_minus_inf_hides_and_plus_inf_nan_propagate(fused_forward):
+def test_bias_minus_inf_hides_and_plus_inf_nan_propagate():
     """-inf hides a key exactly like a False mask entry (a row of -inf is empty: O = 0, LSE =
     -inf, never NaN); +inf or NaN on a visible entry poisons its row only."""
     rng = np.random.default_rng(9)
@@ -150,21 +141,21 @@ def test_bias_minus_inf_hides_and_plus_inf_nan_propagate(fused_forward):
     assert nan_rows.sum() == 2  # exactly the two poisoned (row, head) pairs
 
 
-def test_packed_segments_with_causal(fused_forward):
+def test_packed_segments_with_causal():
     rng = np.random.default_rng(11)
     q, k, v = qkv(12, 2, 70, 70, 2, 1, 32, jnp.float16)
     ids = segments(rng, 2, 70, 4)
     check(q, k, v, query_segment_ids=ids, key_value_segment_ids=ids, is_causal=True)
 
 
-def test_segments_that_never_meet_are_empty_rows(fused_forward):
+def test_segments_that_never_meet_are_empty_rows():
     q, k, v = qkv(13, 1, 40, 50, 2, 2, 16)
     o, lse = check(q, k, v, query_segment_ids=jnp.zeros((1, 40), jnp.int32),
                    key_value_segment_ids=jnp.ones((1, 50), jnp.int32))
     assert (np.asarray(o) == 0).all() and np.isneginf(np.asarray(lse)).all()
 
 
-def test_soft_cap_with_large_logits_in_bfloat16(fused_forward):
+def test_soft_cap_with_large_logits_in_bfloat16():
     """Scores up to ~+-500 capped at 5: without the cap the softmax would be one-hot."""
     q, k, v = qkv(14, 1, 33, 70, 2, 1, 64, jnp.bfloat16, scale=6.0)
     check(q, k, v, logits_soft_cap=5.0)
@@ -172,7 +163,7 @@ def test_soft_cap_with_large_logits_in_bfloat16(fused_forward):
                                                     jnp.float32))
 
 
-def test_sinks_with_empty_rows(fused_forward):
+def test_sinks_with_empty_rows():
     """A row with no visible key: O = 0 and LSE = its head's sink (lengths, masks and rows a
     window leaves empty)."""
     rng = np.random.default_rng(15)
@@ -196,7 +187,7 @@ def test_sinks_with_empty_rows(fused_forward):
     (jnp.float32, 128, 31, 17),   # BK 16, K and V in one buffer
     (jnp.bfloat16, 160, 17, 15),  # BK 16, one buffer, Q reloaded
 ])
-def test_tile_sizes_around_the_block_edges(fused_forward, dtype, head_dim, q_len, kv_len):
+def test_tile_sizes_around_the_block_edges(dtype, head_dim, q_len, kv_len):
     rng = np.random.default_rng(17)
     q, k, v = qkv(18, 1, q_len, kv_len, 2, 1, head_dim, dtype)
     check(q, k, v, bias=normal(rng, (1, 2, q_len, kv_len), jnp.float32),
@@ -209,7 +200,7 @@ def test_tile_sizes_around_the_block_edges(fused_forward, dtype, head_dim, q_len
 @pytest.mark.parametrize("q_len,heads,kv_heads,dtype", [(1, 8, 2, jnp.float16),
                                                         (3, 4, 1, jnp.float32),
                                                         (16, 2, 2, jnp.bfloat16)])
-def test_decode_shapes(fused_forward, q_len, heads, kv_heads, dtype):
+def test_decode_shapes(q_len, heads, kv_heads, dtype):
     """Short queries against a KV cache take the split-KV decode with every feature: a padding
     mask as Flax passes it, a bias, packed segments, a cap and sinks (combined across splits)."""
     batch, kv_len, head_dim = 2, 700, 32
@@ -228,7 +219,7 @@ def test_decode_shapes(fused_forward, q_len, heads, kv_heads, dtype):
           causal_alignment="bottom_right")
 
 
-def test_emulator_schedules_give_identical_results(fused_forward):
+def test_emulator_schedules_give_identical_results():
     rng = np.random.default_rng(21)
     q, k, v = qkv(22, 1, 40, 70, 2, 1, 16)
     kw = dict(mask=jnp.asarray(rng.random((40, 70)) < 0.7),
@@ -322,7 +313,7 @@ def _kv_bytes(q_len, segment_len):
     return record["buffers"][1]["read"] + record["buffers"][2]["read"]
 
 
-def test_segments_that_never_meet_are_never_staged(fused_forward):
+def test_segments_that_never_meet_are_never_staged():
     """Packed segments of 128 keys: a 32-row block's ids meet the two key blocks of its own
     segment only; the others are skipped before K and V are staged (their ids are read, 4 bytes
     a key), so the K/V bytes grow linearly with the length (unpacked: quadratically) and are a

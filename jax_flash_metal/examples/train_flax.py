@@ -45,7 +45,6 @@ class Config:
     batch_size: int
     steps: int
     lr: float
-    causal: bool = True  # False: no mask (bidirectional), for the fused kernels, which take none
 
 
 # Both runs take 17-25 s on 2 shared CPU cores (XLA:CPU).
@@ -65,11 +64,10 @@ class Block(nnx.Module):
         self.mlp_norm = nnx.RMSNorm(d, rngs=rngs)
         self.mlp_in = nnx.Linear(d, 4 * d, rngs=rngs)
         self.mlp_out = nnx.Linear(4 * d, d, rngs=rngs)
-        self.causal = cfg.causal
 
     def __call__(self, x):
         # [batch, 1, seq_len, seq_len]
-        mask = nnx.make_causal_mask(x[..., 0], dtype=jnp.bool_) if self.causal else None
+        mask = nnx.make_causal_mask(x[..., 0], dtype=jnp.bool_)
         x = x + self.attn(self.attn_norm(x), mask=mask)
         return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
 
@@ -125,9 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m jax_flash_metal.examples.train_flax",
         description="Train a Flax NNX transformer with Flax's attention and with flash_attention.")
     add_common_args(p, "flash_attention implementation (default: the package's choice per "
-                       "call, which is xla for masked calls). The fused kernels take no masks "
-                       "yet: with emulator or metal the model is trained without its causal "
-                       "mask; the emulator is slow by design and uses the tiny configuration")
+                       "call); the emulator is slow by design and uses the tiny configuration")
     p.add_argument("--tiny", action="store_true", help="use the tiny configuration")
     p.add_argument("--steps", type=int, default=None, help="override the number of steps")
     p.add_argument("--seed", type=int, default=0)
@@ -142,14 +138,13 @@ def main(argv=None) -> dict:
         raise SystemExit(f"error: the {args.implementation} implementation is not available here "
                          f"(available: {', '.join(implementations.available())})")
     cfg = TINY if args.tiny or args.implementation == "emulator" else DEFAULT
-    cfg = dataclasses.replace(cfg, causal=not fused,
-                              steps=cfg.steps if args.steps is None else args.steps)
+    cfg = dataclasses.replace(cfg, steps=cfg.steps if args.steps is None else args.steps)
     data, source = load_text(args.text, args.max_bytes)
     train_data, _ = split(data, cfg.seq_len)
     print(f"jax_flash_metal {jax_flash_metal.__version__}, jax {jax.__version__}; corpus: "
           f"{len(data):,} bytes from {source}")
     print(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, "
-          f"{'causal' if cfg.causal else 'no mask (the fused kernels take no masks yet)'}; "
+          f"causal; "
           f"{cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes, AdamW lr {cfg.lr:g}")
 
     runs: dict[str, Callable[..., Any]] = {
@@ -168,7 +163,7 @@ def main(argv=None) -> dict:
     print("median ms per step (after the first, which compiles): " + ", ".join(
         f"{name} {1e3 * t:.1f}" for name, t in times.items()))
     return {"losses": {name: losses for name, (losses, _) in results.items()},
-            "step_seconds": times, "causal": cfg.causal}
+            "step_seconds": times}
 
 
 if __name__ == "__main__":
