@@ -115,9 +115,11 @@ def _from_row_blocks(x, length):
 
 
 def _all_finite(*xs):
-    # x * 0 is 0 for finite x and NaN otherwise; a float sum compiles far faster than a
-    # boolean all-reduction on XLA:CPU.
-    return jnp.isfinite(functools.reduce(jnp.add, [jnp.sum(x * 0.0) for x in xs]))
+    """False when some x has a NaN or Inf entry (and, harmlessly, when a sum overflows: the
+    exact branch then runs for nothing). A float sum compiles and runs faster on XLA:CPU than
+    a boolean all-reduction; it reads the arrays as the caller passes them (pass the inputs,
+    not copies laid out for the tiles, so XLA need not materialise those)."""
+    return jnp.isfinite(functools.reduce(jnp.add, [jnp.sum(x, dtype=F32) for x in xs]))
 
 
 def _block(x, i):
@@ -142,8 +144,8 @@ def _block_ranges(lo, hi, n, size, other):
 
 def _nan_rows(x):
     """A query or key row with any non-finite entry becomes all-NaN, so its scores are NaN
-    (adding the row's sum of x * 0: 0 for a finite row, NaN otherwise)."""
-    return x + jnp.sum(x * 0.0, axis=-1, keepdims=True)
+    (adding the row's sum of x - x: 0 for a finite row, NaN otherwise)."""
+    return x + jnp.sum(x - x, axis=-1, keepdims=True)
 
 
 def _zero_nonfinite(x):
@@ -372,9 +374,16 @@ def _heads_major(x):
     return jnp.swapaxes(x, 1, 2)
 
 
-def _poison_if(pred, out, counts_fn):
-    """out with NaN where ``counts_fn()`` (computed only when ``pred``) is positive."""
-    return jax.lax.cond(pred, lambda o: nonfinite.poison(o, counts_fn()), lambda o: o, out)
+def _poison_if(pred, outs, counts_fn):
+    """``outs`` with NaN where the counts ``counts_fn()`` returns for them (computed only when
+    ``pred``) are positive. The ``lax.cond`` returns only the counts (zeros when not ``pred``)
+    and takes none of ``outs``: no output has to pass through it, and it can run beside the
+    main computation."""
+    def masks():
+        return [jnp.broadcast_to(c > 0, o.shape) for c, o in zip(counts_fn(), outs)]
+
+    masks = jax.lax.cond(pred, masks, lambda: [jnp.zeros(o.shape, bool) for o in outs])
+    return [nonfinite.poison(o, c) for o, c in zip(outs, masks)]
 
 
 def _per_query_head(counts):
@@ -406,18 +415,24 @@ def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left
         return tiles.forward_step(state, q, _block(k_nan, c), _block(v_zeroed, c), visible,
                                   bias, logits_soft_cap)
 
-    o, lse = blocks.over_query_blocks(tiles.running_init, step,
-                                      lambda st: tiles.forward_finish(st, sinks), _nan_rows(qb))
+    if t.dense:
+        o, lse = tiles.forward_whole_rows(_nan_rows(qb)[0], k_nan[0], v_zeroed[0],
+                                          *blocks.visible(0, 0), logits_soft_cap, sinks)
+        o, lse = o[None], lse[None]
+    else:
+        o, lse = blocks.over_query_blocks(tiles.running_init, step,
+                                          lambda st: tiles.forward_finish(st, sinks),
+                                          _nan_rows(qb))
     o = _from_query_blocks(o, q_len, F32).reshape(batch, q_len, kv_heads, -1, head_dim)
 
     def counts():
         if blocks.features.present:  # visibility is no longer one interval per row
-            return _tile_counts_forward(blocks, vb, q_len, num_heads)
+            return [_tile_counts_forward(blocks, vb, q_len, num_heads)]
         lo, hi = blocks.band.key_intervals(jnp.arange(q_len, dtype=jnp.int32))
-        return _per_query_head(nonfinite.interval_counts(
-            nonfinite.indicator(_heads_major(v)), lo, hi))
+        return [_per_query_head(nonfinite.interval_counts(
+            nonfinite.indicator(_heads_major(v)), lo, hi))]
 
-    o = _poison_if(~_all_finite(vb), o, counts)
+    (o,) = _poison_if(~_all_finite(v), [o], counts)
     return o.reshape(q.shape).astype(q.dtype), _from_row_blocks(lse, q_len)
 
 
@@ -490,9 +505,9 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     dq = _from_query_blocks(dq * jnp.float32(scale), q_len, F32)
     dk, dv = _from_key_blocks(dk, kv_len, F32), _from_key_blocks(dv, kv_len, F32)
 
-    def poisoned(grads):
-        dq, dk, dv = grads
-        group = (batch, q_len, kv_heads, num_heads // kv_heads, head_dim)
+    group = (batch, q_len, kv_heads, num_heads // kv_heads, head_dim)
+
+    def counts():
         if blocks.features.present:  # visibility is no longer one interval per row
             dq_counts, dk_counts, dv_counts = _tile_counts_backward(blocks, qb, kb, dob, q_len,
                                                                     kv_len)
@@ -507,10 +522,10 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
                                    for x in (q, do)], axis=-1)
             key_counts = _heads_major(nonfinite.interval_counts(_heads_major(bad), lo, hi))
             dk_counts, dv_counts = key_counts[..., :head_dim], key_counts[..., head_dim:]
-        dq = nonfinite.poison(dq.reshape(group), dq_counts).reshape(q.shape)
-        return dq, nonfinite.poison(dk, dk_counts), nonfinite.poison(dv, dv_counts)
+        return dq_counts, dk_counts, dv_counts
 
-    dq, dk, dv = jax.lax.cond(~_all_finite(qb, kb, dob), poisoned, lambda g: g, (dq, dk, dv))
+    dq, dk, dv = _poison_if(~_all_finite(q, k, do), [dq.reshape(group), dk, dv], counts)
+    dq = dq.reshape(q.shape)
     grads = [dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)]
     if bias_grad:
         grads.append(_unpad_bias(dbias, operands.bias.shape))
