@@ -298,8 +298,9 @@ class _Blocks:
             q = qb[0]
             return jax.tree_util.tree_map(lambda x: x[None],
                                           finish(step(init(q), 0, q, self.visible(0, 0))))
-        lo, hi = self.band.key_intervals(jnp.arange(t.nq * t.br, dtype=jnp.int32))
-        firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nq, t.br, t.bc), self.meets)
+        with jax.ensure_compile_time_eval():  # constants when no length is traced
+            lo, hi = self.band.key_intervals(jnp.arange(t.nq * t.br, dtype=jnp.int32))
+            firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nq, t.br, t.bc), self.meets)
 
         def query_block(_, xs):
             r, q, first, last = xs
@@ -325,9 +326,10 @@ class _Blocks:
             return (jax.tree_util.tree_map(lambda x: x[None], rows),
                     jax.tree_util.tree_map(lambda x: x[None], keys),
                     None if pair_init is None else add_pair(pair_init, 0, 0, pair))
-        lo, hi = self.band.row_intervals(jnp.arange(t.nk * t.bc, dtype=jnp.int32))
-        firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nk, t.bc, t.br),
-                                None if self.meets is None else self.meets.T)
+        with jax.ensure_compile_time_eval():
+            lo, hi = self.band.row_intervals(jnp.arange(t.nk * t.bc, dtype=jnp.int32))
+            firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nk, t.bc, t.br),
+                                    None if self.meets is None else self.meets.T)
 
         def key_block(carry, xs):
             c, first, last, xs = xs
@@ -355,9 +357,12 @@ class _Blocks:
 def _setup(q, k, operands, is_causal, window_left, window_right, bottom_right):
     batch, q_len, _, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
-    band = visibility.Band(batch, q_len, kv_len, operands.q_lengths, operands.kv_lengths,
-                           is_causal=is_causal, window_left=window_left,
-                           window_right=window_right, bottom_right=bottom_right)
+    # Concrete (not traced) band arrays when no lengths are given: the block ranges computed
+    # from them are then compile-time constants, no HLO to compile.
+    with jax.ensure_compile_time_eval():
+        band = visibility.Band(batch, q_len, kv_len, operands.q_lengths, operands.kv_lengths,
+                               is_causal=is_causal, window_left=window_left,
+                               window_right=window_right, bottom_right=bottom_right)
     t = tiling(q_len, kv_len)
     return _Blocks(band, t, q_len, kv_len, operands, kv_heads), t
 
@@ -426,7 +431,7 @@ def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left
     o = _from_query_blocks(o, q_len, F32).reshape(batch, q_len, kv_heads, -1, head_dim)
 
     def counts():
-        if blocks.features.present:  # visibility is no longer one interval per row
+        if blocks.features.present or t.dense:  # not one interval per row / one tile
             return [_tile_counts_forward(blocks, vb, q_len, num_heads)]
         lo, hi = blocks.band.key_intervals(jnp.arange(q_len, dtype=jnp.int32))
         return [_per_query_head(nonfinite.interval_counts(
@@ -508,7 +513,7 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     group = (batch, q_len, kv_heads, num_heads // kv_heads, head_dim)
 
     def counts():
-        if blocks.features.present:  # visibility is no longer one interval per row
+        if blocks.features.present or t.dense:  # not one interval per row / one tile
             dq_counts, dk_counts, dv_counts = _tile_counts_backward(blocks, qb, kb, dob, q_len,
                                                                     kv_len)
         else:
@@ -524,7 +529,12 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
             dk_counts, dv_counts = key_counts[..., :head_dim], key_counts[..., head_dim:]
         return dq_counts, dk_counts, dv_counts
 
-    dq, dk, dv = _poison_if(~_all_finite(q, k, do), [dq.reshape(group), dk, dv], counts)
+    # A visible pair read a non-finite q or k entry exactly when some row's lse is NaN (the
+    # score is NaN: _nan_rows), and a non-finite dO entry of a row makes its delta non-finite
+    # (dO * O has no finite value for it): two checks of [B, H, Tq] arrays instead of reading
+    # q, k and dO again. Other causes (a NaN O, bias or g_lse) only run the exact branch.
+    nonfinite_read = jnp.isnan(jnp.sum(lse)) | ~_all_finite(delta)
+    dq, dk, dv = _poison_if(nonfinite_read, [dq.reshape(group), dk, dv], counts)
     dq = dq.reshape(q.shape)
     grads = [dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)]
     if bias_grad:
