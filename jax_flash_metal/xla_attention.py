@@ -10,7 +10,8 @@ forward walks key blocks with an online softmax, the backward recomputes each ti
 (q, k, v, lse) and accumulates dQ, dK, dV (tile math in ``xla_tiles``).
 
 Size rule: a problem with ``q_len <= DENSE_MAX_LEN`` and ``kv_len <= DENSE_MAX_LEN`` runs as one
-dense tile (no loops: fastest when the scores are small). Anything larger is tiled into blocks of
+dense tile (no loops: fastest when the scores are small; a two-pass softmax whose P is the one
+the backward recomputes, so in one jit XLA computes scores and P once). Anything larger is tiled into blocks of
 ``BLOCK_Q`` query rows by ``BLOCK_K`` keys: a scan over query blocks with an inner loop over only
 the key blocks that intersect the causal/window band and the valid lengths (the forward), and a
 scan over key blocks with an inner loop over the query blocks that can see them (the backward,
@@ -20,12 +21,16 @@ is then O(B * H * BLOCK_Q * BLOCK_K) plus the float32 copies of the inputs: line
 Non-finite inputs (DESIGN.md section 3): rows past the lengths are zeroed first (padding is never
 read). The tiles get each operand in the form that keeps NaN from reaching invisible pairs
 (``xla_tiles``: non-finite key rows all-NaN, weighted values with non-finite entries zeroed), and
-one ``lax.cond`` per primitive, taken only when some input is non-finite, puts NaN back in the
-outputs that a visible pair would have made NaN (``nonfinite``: prefix sums, O(length * D)).
+one ``lax.cond`` per primitive, taken only when some input is non-finite (the forward sums v; the
+backward checks lse and delta), computes where a visible pair would have made an output NaN
+(``nonfinite``: prefix sums, O(length * D); for the dense tile, one count matmul per output),
+and the outputs get NaN there. The cond returns only those masks, so no output passes through
+it, and its branch compiles small.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -276,6 +281,8 @@ class _Blocks:
         self.check_rows = operands.q_lengths is not None or t.nq * t.br != q_len
         self.check_keys = operands.kv_lengths is not None or t.nk * t.bc != kv_len
         self.features = _Features(operands, kv_heads, t)
+        self.static = (operands.q_lengths is None and operands.kv_lengths is None
+                       and operands.q_segment_ids is None)
         self.meets = self.features.meets(
             _padded_valid(operands.q_lengths, q_len, t.nq * t.br),
             _padded_valid(operands.kv_lengths, kv_len, t.nk * t.bc))
@@ -298,7 +305,7 @@ class _Blocks:
             q = qb[0]
             return jax.tree_util.tree_map(lambda x: x[None],
                                           finish(step(init(q), 0, q, self.visible(0, 0))))
-        with jax.ensure_compile_time_eval():  # constants when no length is traced
+        with _evaluated_now(self.static):
             lo, hi = self.band.key_intervals(jnp.arange(t.nq * t.br, dtype=jnp.int32))
             firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nq, t.br, t.bc), self.meets)
 
@@ -326,7 +333,7 @@ class _Blocks:
             return (jax.tree_util.tree_map(lambda x: x[None], rows),
                     jax.tree_util.tree_map(lambda x: x[None], keys),
                     None if pair_init is None else add_pair(pair_init, 0, 0, pair))
-        with jax.ensure_compile_time_eval():
+        with _evaluated_now(self.static):
             lo, hi = self.band.row_intervals(jnp.arange(t.nk * t.bc, dtype=jnp.int32))
             firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nk, t.bc, t.br),
                                     None if self.meets is None else self.meets.T)
@@ -354,12 +361,17 @@ class _Blocks:
         return rows, keys, pair
 
 
+def _evaluated_now(static):
+    """``jax.ensure_compile_time_eval()`` when ``static`` (nothing traced goes in: no lengths,
+    no segment ids), so the band and the block ranges are constants and XLA compiles none of
+    their arithmetic; else no change."""
+    return jax.ensure_compile_time_eval() if static else contextlib.nullcontext()
+
+
 def _setup(q, k, operands, is_causal, window_left, window_right, bottom_right):
     batch, q_len, _, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
-    # Concrete (not traced) band arrays when no lengths are given: the block ranges computed
-    # from them are then compile-time constants, no HLO to compile.
-    with jax.ensure_compile_time_eval():
+    with _evaluated_now(operands.q_lengths is None and operands.kv_lengths is None):
         band = visibility.Band(batch, q_len, kv_len, operands.q_lengths, operands.kv_lengths,
                                is_causal=is_causal, window_left=window_left,
                                window_right=window_right, bottom_right=bottom_right)
