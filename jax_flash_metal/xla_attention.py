@@ -460,8 +460,8 @@ def _visible_f32(tile, shape):
 
 def _tile_counts_forward(blocks, vb, q_len, num_heads):
     """Per output entry, how many visible keys have a non-finite value there, by tiles
-    (with a mask, segments or bias the visible keys of a row are not one interval):
-    [B, Tq, HKV, G, D]."""
+    (with a mask, segments or bias the visible keys of a row are not one interval; for the
+    dense tile one matmul compiles smaller than prefix sums): [B, Tq, HKV, G, D]."""
     bad_v = nonfinite.indicator(vb)  # [nk, B, HKV, Bc, D]
     t = blocks.t
     b, hkv, _, d = bad_v.shape[1:]
