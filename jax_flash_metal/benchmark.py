@@ -7,7 +7,9 @@ causal setting it reports:
   then ``--repeats`` rounds call every method once in turn (interleaved, so a change in machine
   load hits all methods alike); the median is shown. forward+backward is ``jax.vjp`` of the
   attention with a fixed random output cotangent, returning (dq, dk, dv).
-- compile time of forward+backward: wall time of ``jax.jit(...).lower(...).compile()``.
+- compile time of forward+backward: wall time of ``jax.jit(...).lower(...).compile()``, the
+  median of ``--compile-rounds`` rounds that each compile every method once (interleaved, like
+  the timed calls; the median also drops the one-time cost of the process's first compilations).
 - compiled temporary memory: ``memory_analysis().temp_size_in_bytes`` of the compiled function
   (XLA's scratch space beyond inputs and outputs), i.e. what the score matrix costs.
 - decode rows (``--decode-kv-lens``, seq shown as ``1xN``): one query against N cached keys, as
@@ -183,18 +185,28 @@ def inputs(*, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int
     return q, k, v, jax.random.normal(kc, q.shape, dtype)
 
 
-def compile_pair(fn, causal: bool, q, k, v, ct):
-    """(compiled forward, compiled forward+backward, forward+backward compile seconds)."""
+def _forward_backward(fn, causal: bool):
     def forward(q, k, v):
         return fn(q, k, v, causal)
 
     def forward_backward(q, k, v, ct):
         return jax.vjp(forward, q, k, v)[1](ct)
 
-    fwd = jax.jit(forward).lower(q, k, v).compile()
+    return forward, forward_backward
+
+
+def compile_seconds(fn, causal: bool, q, k, v, ct) -> tuple[object, float]:
+    """(compiled forward+backward, wall seconds of ``jax.jit(...).lower(...).compile()``); a
+    fresh ``jax.jit`` each call, so nothing is reused from an earlier compile of it."""
     start = time.perf_counter()
-    fwdbwd = jax.jit(forward_backward).lower(q, k, v, ct).compile()
-    return fwd, fwdbwd, time.perf_counter() - start
+    compiled = jax.jit(_forward_backward(fn, causal)[1]).lower(q, k, v, ct).compile()
+    return compiled, time.perf_counter() - start
+
+
+def compile_pair(fn, causal: bool, q, k, v, ct):
+    """(compiled forward, compiled forward+backward, forward+backward compile seconds)."""
+    fwd = jax.jit(_forward_backward(fn, causal)[0]).lower(q, k, v).compile()
+    return (fwd, *compile_seconds(fn, causal, q, k, v, ct))
 
 
 def metal_gpu_seconds() -> float:
@@ -233,7 +245,7 @@ def time_interleaved(compiled: dict, args: dict, repeats: int,
 def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch=1, heads=8,
                   kv_heads=None, dtype="float32", repeats=5, run_up_to=2048,
                   emulator_max_len=256, progress=None, decode_kv_lens=(),
-                  decode_q_len=1, gpu_timers=None) -> list[Row]:
+                  decode_q_len=1, gpu_timers=None, compile_rounds=1) -> list[Row]:
     """Measure every (method, head_dim, causal, seq_len), then every (method, head_dim, kv_len
     of ``decode_kv_lens``) with ``decode_q_len`` queries; returns the rows in that order.
 
@@ -243,7 +255,8 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
 
     ``progress``, if given, is called with each finished row (for printing as we go).
     ``gpu_timers`` maps method names to cumulative GPU-seconds functions (``time_interleaved``);
-    default: ``metal_gpu_seconds`` for flash:metal when it is benchmarked.
+    default: ``metal_gpu_seconds`` for flash:metal when it is benchmarked. The compile time is
+    the median of ``compile_rounds`` rounds that compile every method's forward+backward once.
     """
     kv_heads = heads if kv_heads is None else kv_heads
     table = methods(method_names)
@@ -258,6 +271,14 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
         compiled, timed, timers = {}, {}, {}
         for name, fn in table.items():
             compiled[name] = compile_pair(fn, causal, q, k, v, ct)
+        # More compile rounds, every method once per round; the median drops the one-time cost
+        # of a process's first compilations, which would fall on whichever method comes first.
+        compile_s = {name: [compiled[name][2]] for name in table}
+        for _ in range(compile_rounds - 1):
+            for name, fn in table.items():
+                compile_s[name].append(compile_seconds(fn, causal, q, k, v, ct)[1])
+        for name, fn in table.items():
+            compiled[name] = (*compiled[name][:2], statistics.median(compile_s[name]))
             longest = min(run_up_to, emulator_max_len) if name == "flash:emulator" \
                 else run_up_to
             if seq_len <= longest:
@@ -466,6 +487,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls after one warm-up; median")
+    p.add_argument("--compile-rounds", type=int, default=3,
+                   help="forward+backward compiles per method, interleaved; median")
     p.add_argument("--impls", type=lambda s: [x for x in s.split(",") if x], default=None,
                    help="comma-separated methods (default all available here: "
                         + ", ".join(methods()) + ")")
@@ -501,8 +524,8 @@ def main(argv=None) -> list[Row]:
     print(environment)
     print("implementations: " + "; ".join(f"{k}: {v}" for k, v in where.items()))
     print(f"batch {args.batch}, heads {args.heads}/{args.kv_heads or args.heads} (q/kv), "
-          f"{args.dtype}, median of {args.repeats} after 1 warm-up; lengths > {args.run_up_to} "
-          f"compile-only (memory only)")
+          f"{args.dtype}, median of {args.repeats} after 1 warm-up; compile time median of "
+          f"{args.compile_rounds} rounds; lengths > {args.run_up_to} compile-only (memory only)")
     if gpu:
         print(f"GPU: {gpu}")
     if "flash:metal" in names:
@@ -518,6 +541,7 @@ def main(argv=None) -> list[Row]:
         method_names=names, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
         dtype=args.dtype, repeats=args.repeats, run_up_to=args.run_up_to,
         emulator_max_len=args.emulator_max_len, decode_kv_lens=args.decode_kv_lens,
+        compile_rounds=args.compile_rounds,
         progress=lambda r: print(f"  measured {r.method} T={r.seq_len} D={r.head_dim} "
                                  f"causal={r.causal}", file=sys.stderr, flush=True))
     print(format_table(rows, peak))

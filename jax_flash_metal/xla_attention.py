@@ -10,7 +10,8 @@ forward walks key blocks with an online softmax, the backward recomputes each ti
 (q, k, v, lse) and accumulates dQ, dK, dV (tile math in ``xla_tiles``).
 
 Size rule: a problem with ``q_len <= DENSE_MAX_LEN`` and ``kv_len <= DENSE_MAX_LEN`` runs as one
-dense tile (no loops: fastest when the scores are small). Anything larger is tiled into blocks of
+dense tile (no loops: fastest when the scores are small; a two-pass softmax whose P is the one
+the backward recomputes, so in one jit XLA computes scores and P once). Anything larger is tiled into blocks of
 ``BLOCK_Q`` query rows by ``BLOCK_K`` keys: a scan over query blocks with an inner loop over only
 the key blocks that intersect the causal/window band and the valid lengths (the forward), and a
 scan over key blocks with an inner loop over the query blocks that can see them (the backward,
@@ -20,12 +21,16 @@ is then O(B * H * BLOCK_Q * BLOCK_K) plus the float32 copies of the inputs: line
 Non-finite inputs (DESIGN.md section 3): rows past the lengths are zeroed first (padding is never
 read). The tiles get each operand in the form that keeps NaN from reaching invisible pairs
 (``xla_tiles``: non-finite key rows all-NaN, weighted values with non-finite entries zeroed), and
-one ``lax.cond`` per primitive, taken only when some input is non-finite, puts NaN back in the
-outputs that a visible pair would have made NaN (``nonfinite``: prefix sums, O(length * D)).
+one ``lax.cond`` per primitive, taken only when some input is non-finite (the forward sums v; the
+backward checks lse and delta), computes where a visible pair would have made an output NaN
+(``nonfinite``: prefix sums, O(length * D); for the dense tile, one count matmul per output),
+and the outputs get NaN there. The cond returns only those masks, so no output passes through
+it, and its branch compiles small.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -115,9 +120,11 @@ def _from_row_blocks(x, length):
 
 
 def _all_finite(*xs):
-    # x * 0 is 0 for finite x and NaN otherwise; a float sum compiles far faster than a
-    # boolean all-reduction on XLA:CPU.
-    return jnp.isfinite(functools.reduce(jnp.add, [jnp.sum(x * 0.0) for x in xs]))
+    """False when some x has a NaN or Inf entry (and, harmlessly, when a sum overflows: the
+    exact branch then runs for nothing). A float sum compiles and runs faster on XLA:CPU than
+    a boolean all-reduction; it reads the arrays as the caller passes them (pass the inputs,
+    not copies laid out for the tiles, so XLA need not materialise those)."""
+    return jnp.isfinite(functools.reduce(jnp.add, [jnp.sum(x, dtype=F32) for x in xs]))
 
 
 def _block(x, i):
@@ -142,8 +149,8 @@ def _block_ranges(lo, hi, n, size, other):
 
 def _nan_rows(x):
     """A query or key row with any non-finite entry becomes all-NaN, so its scores are NaN
-    (adding the row's sum of x * 0: 0 for a finite row, NaN otherwise)."""
-    return x + jnp.sum(x * 0.0, axis=-1, keepdims=True)
+    (adding the row's sum of x - x: 0 for a finite row, NaN otherwise)."""
+    return x + jnp.sum(x - x, axis=-1, keepdims=True)
 
 
 def _zero_nonfinite(x):
@@ -274,6 +281,8 @@ class _Blocks:
         self.check_rows = operands.q_lengths is not None or t.nq * t.br != q_len
         self.check_keys = operands.kv_lengths is not None or t.nk * t.bc != kv_len
         self.features = _Features(operands, kv_heads, t)
+        self.static = (operands.q_lengths is None and operands.kv_lengths is None
+                       and operands.q_segment_ids is None)
         self.meets = self.features.meets(
             _padded_valid(operands.q_lengths, q_len, t.nq * t.br),
             _padded_valid(operands.kv_lengths, kv_len, t.nk * t.bc))
@@ -296,8 +305,9 @@ class _Blocks:
             q = qb[0]
             return jax.tree_util.tree_map(lambda x: x[None],
                                           finish(step(init(q), 0, q, self.visible(0, 0))))
-        lo, hi = self.band.key_intervals(jnp.arange(t.nq * t.br, dtype=jnp.int32))
-        firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nq, t.br, t.bc), self.meets)
+        with _evaluated_now(self.static):
+            lo, hi = self.band.key_intervals(jnp.arange(t.nq * t.br, dtype=jnp.int32))
+            firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nq, t.br, t.bc), self.meets)
 
         def query_block(_, xs):
             r, q, first, last = xs
@@ -323,9 +333,10 @@ class _Blocks:
             return (jax.tree_util.tree_map(lambda x: x[None], rows),
                     jax.tree_util.tree_map(lambda x: x[None], keys),
                     None if pair_init is None else add_pair(pair_init, 0, 0, pair))
-        lo, hi = self.band.row_intervals(jnp.arange(t.nk * t.bc, dtype=jnp.int32))
-        firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nk, t.bc, t.br),
-                                None if self.meets is None else self.meets.T)
+        with _evaluated_now(self.static):
+            lo, hi = self.band.row_intervals(jnp.arange(t.nk * t.bc, dtype=jnp.int32))
+            firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nk, t.bc, t.br),
+                                    None if self.meets is None else self.meets.T)
 
         def key_block(carry, xs):
             c, first, last, xs = xs
@@ -350,12 +361,20 @@ class _Blocks:
         return rows, keys, pair
 
 
+def _evaluated_now(static):
+    """``jax.ensure_compile_time_eval()`` when ``static`` (nothing traced goes in: no lengths,
+    no segment ids), so the band and the block ranges are constants and XLA compiles none of
+    their arithmetic; else no change."""
+    return jax.ensure_compile_time_eval() if static else contextlib.nullcontext()
+
+
 def _setup(q, k, operands, is_causal, window_left, window_right, bottom_right):
     batch, q_len, _, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
-    band = visibility.Band(batch, q_len, kv_len, operands.q_lengths, operands.kv_lengths,
-                           is_causal=is_causal, window_left=window_left,
-                           window_right=window_right, bottom_right=bottom_right)
+    with _evaluated_now(operands.q_lengths is None and operands.kv_lengths is None):
+        band = visibility.Band(batch, q_len, kv_len, operands.q_lengths, operands.kv_lengths,
+                               is_causal=is_causal, window_left=window_left,
+                               window_right=window_right, bottom_right=bottom_right)
     t = tiling(q_len, kv_len)
     return _Blocks(band, t, q_len, kv_len, operands, kv_heads), t
 
@@ -372,9 +391,16 @@ def _heads_major(x):
     return jnp.swapaxes(x, 1, 2)
 
 
-def _poison_if(pred, out, counts_fn):
-    """out with NaN where ``counts_fn()`` (computed only when ``pred``) is positive."""
-    return jax.lax.cond(pred, lambda o: nonfinite.poison(o, counts_fn()), lambda o: o, out)
+def _poison_if(pred, outs, counts_fn):
+    """``outs`` with NaN where the counts ``counts_fn()`` returns for them (computed only when
+    ``pred``) are positive. The ``lax.cond`` returns only the counts (zeros when not ``pred``)
+    and takes none of ``outs``: no output has to pass through it, and it can run beside the
+    main computation."""
+    def masks():
+        return [jnp.broadcast_to(c > 0, o.shape) for c, o in zip(counts_fn(), outs)]
+
+    masks = jax.lax.cond(pred, masks, lambda: [jnp.zeros(o.shape, bool) for o in outs])
+    return [nonfinite.poison(o, c) for o, c in zip(outs, masks)]
 
 
 def _per_query_head(counts):
@@ -406,18 +432,24 @@ def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left
         return tiles.forward_step(state, q, _block(k_nan, c), _block(v_zeroed, c), visible,
                                   bias, logits_soft_cap)
 
-    o, lse = blocks.over_query_blocks(tiles.running_init, step,
-                                      lambda st: tiles.forward_finish(st, sinks), _nan_rows(qb))
+    if t.dense:
+        o, lse = tiles.forward_whole_rows(_nan_rows(qb)[0], k_nan[0], v_zeroed[0],
+                                          *blocks.visible(0, 0), logits_soft_cap, sinks)
+        o, lse = o[None], lse[None]
+    else:
+        o, lse = blocks.over_query_blocks(tiles.running_init, step,
+                                          lambda st: tiles.forward_finish(st, sinks),
+                                          _nan_rows(qb))
     o = _from_query_blocks(o, q_len, F32).reshape(batch, q_len, kv_heads, -1, head_dim)
 
     def counts():
-        if blocks.features.present:  # visibility is no longer one interval per row
-            return _tile_counts_forward(blocks, vb, q_len, num_heads)
+        if blocks.features.present or t.dense:  # not one interval per row / one tile
+            return [_tile_counts_forward(blocks, vb, q_len, num_heads)]
         lo, hi = blocks.band.key_intervals(jnp.arange(q_len, dtype=jnp.int32))
-        return _per_query_head(nonfinite.interval_counts(
-            nonfinite.indicator(_heads_major(v)), lo, hi))
+        return [_per_query_head(nonfinite.interval_counts(
+            nonfinite.indicator(_heads_major(v)), lo, hi))]
 
-    o = _poison_if(~_all_finite(vb), o, counts)
+    (o,) = _poison_if(~_all_finite(v), [o], counts)
     return o.reshape(q.shape).astype(q.dtype), _from_row_blocks(lse, q_len)
 
 
@@ -428,8 +460,8 @@ def _visible_f32(tile, shape):
 
 def _tile_counts_forward(blocks, vb, q_len, num_heads):
     """Per output entry, how many visible keys have a non-finite value there, by tiles
-    (with a mask, segments or bias the visible keys of a row are not one interval):
-    [B, Tq, HKV, G, D]."""
+    (with a mask, segments or bias the visible keys of a row are not one interval; for the
+    dense tile one matmul compiles smaller than prefix sums): [B, Tq, HKV, G, D]."""
     bad_v = nonfinite.indicator(vb)  # [nk, B, HKV, Bc, D]
     t = blocks.t
     b, hkv, _, d = bad_v.shape[1:]
@@ -490,10 +522,10 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     dq = _from_query_blocks(dq * jnp.float32(scale), q_len, F32)
     dk, dv = _from_key_blocks(dk, kv_len, F32), _from_key_blocks(dv, kv_len, F32)
 
-    def poisoned(grads):
-        dq, dk, dv = grads
-        group = (batch, q_len, kv_heads, num_heads // kv_heads, head_dim)
-        if blocks.features.present:  # visibility is no longer one interval per row
+    group = (batch, q_len, kv_heads, num_heads // kv_heads, head_dim)
+
+    def counts():
+        if blocks.features.present or t.dense:  # not one interval per row / one tile
             dq_counts, dk_counts, dv_counts = _tile_counts_backward(blocks, qb, kb, dob, q_len,
                                                                     kv_len)
         else:
@@ -507,10 +539,15 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
                                    for x in (q, do)], axis=-1)
             key_counts = _heads_major(nonfinite.interval_counts(_heads_major(bad), lo, hi))
             dk_counts, dv_counts = key_counts[..., :head_dim], key_counts[..., head_dim:]
-        dq = nonfinite.poison(dq.reshape(group), dq_counts).reshape(q.shape)
-        return dq, nonfinite.poison(dk, dk_counts), nonfinite.poison(dv, dv_counts)
+        return dq_counts, dk_counts, dv_counts
 
-    dq, dk, dv = jax.lax.cond(~_all_finite(qb, kb, dob), poisoned, lambda g: g, (dq, dk, dv))
+    # A visible pair read a non-finite q or k entry exactly when some row's lse is NaN (the
+    # score is NaN: _nan_rows), and a non-finite dO entry of a row makes its delta non-finite
+    # (dO * O has no finite value for it): two checks of [B, H, Tq] arrays instead of reading
+    # q, k and dO again. Other causes (a NaN O, bias or g_lse) only run the exact branch.
+    nonfinite_read = jnp.isnan(jnp.sum(lse)) | ~_all_finite(delta)
+    dq, dk, dv = _poison_if(nonfinite_read, [dq.reshape(group), dk, dv], counts)
+    dq = dq.reshape(q.shape)
     grads = [dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)]
     if bias_grad:
         grads.append(_unpad_bias(dbias, operands.bias.shape))

@@ -102,16 +102,48 @@ class BackwardOperands(NamedTuple):
     delta: jax.Array
 
 
+def probabilities(s, lse, visible):
+    """P = exp(S - lse), 0 at invisible pairs; lse = -inf (an empty row, only invisible pairs)
+    is clamped to LOWEST. ``forward_whole_rows`` and ``backward_tile`` both take P from here,
+    so inside one jit XLA finds the backward's P equal to the forward's and computes it once."""
+    return jnp.exp(_masked(visible, s - jnp.maximum(lse, LOWEST)[..., None], -jnp.inf))
+
+
+def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=None):
+    """(o, lse) of a tile that holds every key of its rows (the dense path), in two passes over
+    the scores instead of the online softmax: m = max S, l = sum exp(S - m) (plus the sinks as
+    in ``forward_finish``), lse = m + log l (-inf for a row that sees no key), then
+    o = P V with P = ``probabilities(S, lse)``, the same P the backward recomputes."""
+    s = _scores(q, k_nan, bias, cap)[0]
+    m = jnp.maximum(jnp.max(_masked(visible, s, -jnp.inf), axis=-1), LOWEST)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks)
+    l = jnp.sum(jnp.exp(_masked(visible, s - m[..., None], -jnp.inf)), axis=-1)
+    if sinks is not None:
+        l = l + jnp.exp(sinks - m)
+    lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l))
+    return _dot("bhgqk,bhkd->bhgqd", probabilities(s, lse, visible), v_zeroed), lse
+
+
+def _key_major(small, big):
+    """sum over rows (and heads of a group) of big [B, HKV, G, Br, Bc] x small [B, HKV, G, Br, D]
+    -> [B, HKV, Bc, D] (dS^T q, P^T dO), computed as (small^T big)^T: a plain matmul that
+    reads the [rows, keys] operand in its layout. The optimization barriers keep XLA from
+    folding the two small transposes back into the matmul, which XLA:CPU would then run as a
+    transposed-operand matmul about 1.5x slower."""
+    small_t = jax.lax.optimization_barrier(jnp.moveaxis(small, -1, 2))  # [B, HKV, D, G, Br]
+    return jnp.swapaxes(jax.lax.optimization_barrier(
+        _dot("bhdgq,bhgqk->bhdk", small_t, big)), -1, -2)
+
+
 def backward_tile(x: BackwardOperands, visible, bias=None, cap=None):
     """(dq unscaled, dk, dv, dS) contributions of one tile: P = exp(S - lse) (lse = -inf for
     empty rows), dV = P^T dO, dP = dO V^T, dS = P (dP - delta) (the bias gradient), then through
     the soft cap's slope dS_raw = dS (1 - tanh^2), dQ = dS_raw K, dK = dS_raw^T (scale q)."""
-    lse = jnp.maximum(x.lse, LOWEST)  # an empty row (-inf) has only invisible pairs
     s, slope = _scores(x.q, x.k_nan, bias, cap)
-    p = jnp.exp(_masked(visible, s - lse[..., None], -jnp.inf))
+    p = probabilities(s, x.lse, visible)
     dp = _dot("bhgqd,bhkd->bhgqk", x.do, x.v)
     ds = _masked(visible, p * (dp - x.delta[..., None]), 0.0)
     ds_raw = ds if slope is None else ds * slope
     return (_dot("bhgqk,bhkd->bhgqd", ds_raw, x.k_zeroed),
-            _dot("bhgqk,bhgqd->bhkd", ds_raw, x.q_zeroed),
-            _dot("bhgqk,bhgqd->bhkd", p, x.do_zeroed), ds)
+            _key_major(x.q_zeroed, ds_raw), _key_major(x.do_zeroed, p), ds)
