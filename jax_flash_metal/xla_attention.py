@@ -314,16 +314,16 @@ class _Blocks:
         extra, bias = self.features.tile(r, c)
         return features.combine(None if band is None else band[:, None, None], extra), bias
 
-    def over_query_blocks(self, init, step, finish, qb, counting=None):
-        """For each pass p and query block r (rows of ``qb`` [nq, ...]): state = init(q_r),
-        then state = step(state, p, c, q_r, visible) for every key block c that r can see, then
+    def over_query_blocks(self, init, step, finish, rows, counting=None):
+        """For each pass p and query block r (``q_r = rows(p, r)``): state = init(q_r), then
+        state = step(state, p, c, q_r, visible) for every key block c that r can see, then
         finish(state, p). One pass (p = 0) unless ``counting`` (a traced bool; not for the
         dense tile) holds, then a second one (p = 1, the counting pass: xla_tiles). Returns the
         results [slots, nq, ...], pass p at [p] (zeros for a pass that did not run); one slot
         without ``counting``, else 2."""
         t = self.t
         if t.dense:
-            q = qb[0]
+            q = rows(0, 0)
             return jax.tree_util.tree_map(lambda x: x[None, None],
                                           finish(step(init(q), 0, 0, q, self.visible(0, 0)), 0))
         with _evaluated_now(self.static):
@@ -333,13 +333,13 @@ class _Blocks:
 
         def query_block(i, results):
             p, r = i // t.nq, i % t.nq
-            q = _block(qb, r)
+            q = rows(p, r)
             state = jax.lax.fori_loop(_block(firsts, r), _block(lasts, r),
                                       lambda c, s: step(s, p, c, q, self.visible(r, c)), init(q))
             return jax.tree_util.tree_map(lambda acc, x: _set_block(acc, x, p, r), results,
                                           finish(state, p))
 
-        shapes = jax.eval_shape(lambda: finish(init(qb[0]), 0))
+        shapes = jax.eval_shape(lambda: finish(init(rows(0, 0)), 0))
         zeros = jax.tree_util.tree_map(lambda x: jnp.zeros((slots, t.nq) + x.shape, x.dtype),
                                        shapes)
         return jax.lax.fori_loop(0, passes * t.nq, query_block, zeros)
@@ -431,11 +431,19 @@ def _poison_if(pred, outs, counts_fn):
     return [nonfinite.poison(o, c) for o, c in zip(outs, masks)]
 
 
-def _weighted(x, counting):
-    """The form of an operand that P or dS weighs, [slots, ...]: x with non-finite entries
-    zeroed, and with ``counting`` (not None) its indicator for the counting pass after it."""
-    return jnp.stack([_zero_nonfinite(x)] + ([] if counting is None
-                                             else [nonfinite.indicator(x)]))
+def _of_pass(p, x, counting_value=0.0):
+    """An operand block of pass ``p``: x, or ``counting_value`` in the counting pass (p == 1,
+    xla_tiles); x itself where p is a Python int (the dense tile has one pass). Computed per
+    block inside the loops, so no counting-pass copy of an operand is ever stored."""
+    if x is None or isinstance(p, int):
+        return x
+    return jnp.where(p == 1, counting_value, x)
+
+
+def _weighted(p, x):
+    """A block of an operand that P or dS weighs: x with non-finite entries zeroed, or (counting
+    pass) its indicator."""
+    return _of_pass(p, _zero_nonfinite(x), nonfinite.indicator(x))
 
 
 def _counted(x):
@@ -459,29 +467,31 @@ def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left
     kv_valid = _valid(operands.kv_lengths, kv_len)
     qb = _query_blocks(q, kv_heads, t, _valid(operands.q_lengths, q_len), scale)
     kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
-    k_nan = _nan_rows(kb)
     sinks = None if operands.sinks is None else operands.sinks.reshape(1, kv_heads, -1, 1)
     nonfinite_v = ~_all_finite(v)
 
     if t.dense:
-        o, lse = tiles.forward_whole_rows(_nan_rows(qb)[0], k_nan[0], _zero_nonfinite(vb)[0],
+        o, lse = tiles.forward_whole_rows(_nan_rows(qb)[0], _nan_rows(kb)[0],
+                                          _zero_nonfinite(vb)[0],
                                           *blocks.visible(0, 0), logits_soft_cap, sinks)
         (o,) = _poison_if(nonfinite_v, [o[None]],
                           lambda: [_tile_counts_forward(blocks, vb, num_heads)])
         lse = lse[None]
     else:
-        v_weighted = _weighted(vb, nonfinite_v)
+        q_nan, k_nan = _nan_rows(qb), _nan_rows(kb)
 
-        def step(state, p, c, q, tile):  # q: the rows of _nan_rows(qb)
+        def step(state, p, c, q, tile):  # q: the rows of q_nan
             visible, bias = tile
-            return tiles.forward_step(state, q, _block(k_nan, c), _block(v_weighted, p, c),
-                                      visible, bias, logits_soft_cap, counting=p == 1)
+            return tiles.forward_step(state, q, _of_pass(p, _block(k_nan, c)),
+                                      _weighted(p, _block(vb, c)), visible, _of_pass(p, bias),
+                                      logits_soft_cap)
 
         def finish(state, p):  # the counting pass has no sinks
             return tiles.forward_finish(
                 state, None if sinks is None else jnp.where(p == 1, -jnp.inf, sinks))
 
-        o, lse = blocks.over_query_blocks(tiles.running_init, step, finish, _nan_rows(qb),
+        o, lse = blocks.over_query_blocks(tiles.running_init, step, finish,
+                                          lambda p, r: _of_pass(p, _block(q_nan, r)),
                                           nonfinite_v)
         o, lse = _counted(o), lse[0]
     o = _from_query_blocks(o, q_len, q.dtype)
@@ -508,8 +518,8 @@ def _tile_counts_forward(blocks, vb, num_heads):
         return acc + jnp.einsum("bhgqk,bhkd->bhgqd", _visible_f32(tile, shape), _block(bad_v, c))
 
     # Only the shape of the query block matters here.
-    rows = jnp.zeros((1, b, hkv, num_heads // hkv, t.br, 1), F32)
-    return blocks.over_query_blocks(init, step, lambda acc, p: acc, rows)[0]
+    rows = jnp.zeros((b, hkv, num_heads // hkv, t.br, 1), F32)
+    return blocks.over_query_blocks(init, step, lambda acc, p: acc, lambda p, r: rows)[0]
 
 
 # ------------------------------------------------------------------------- backward
@@ -543,25 +553,25 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     # (dO * O has no finite value for it): two checks of [B, H, Tq] arrays instead of reading
     # q, k and dO again. Other causes (a NaN O, bias or g_lse) only run the counting pass.
     nonfinite_read = jnp.isnan(jnp.sum(lse)) | ~_all_finite(delta)
+    dbias_init = jnp.zeros(blocks.features.bias.shape, F32) if bias_grad else None
     counting = None if t.dense else nonfinite_read
-    q_nan, q_weighted, do_weighted = _nan_rows(qb), _weighted(qb, counting), _weighted(dob,
-                                                                                        counting)
-    k_nan, k_weighted = _nan_rows(kb), _weighted(kb, counting)
+    q_nan, k_nan = _nan_rows(qb), _nan_rows(kb)
     lse_b, delta_b = _row_blocks(lse, kv_heads, t), _row_blocks(delta, kv_heads, t)
 
     def tile(p, r, c, xs, visible_bias):
         visible, bias = visible_bias
+        q_r, do_r = _block(qb, r), _block(dob, r)
         dq, dk, dv, ds = tiles.backward_tile(tiles.BackwardOperands(
-            _block(q_nan, r), _block(q_weighted, p, r), *xs, _block(dob, r),
-            _block(do_weighted, p, r), _block(lse_b, r), _block(delta_b, r)), visible, bias,
-            logits_soft_cap, counting=p == 1)
-        return dq, (dk, dv), ds
+            _of_pass(p, _block(q_nan, r)), _weighted(p, q_r), *xs, _of_pass(p, do_r),
+            _weighted(p, do_r), _of_pass(p, _block(lse_b, r)),
+            _of_pass(p, _block(delta_b, r), -1.0)), visible, _of_pass(p, bias), logits_soft_cap)
+        return dq, (dk, dv), _of_pass(p, ds)
 
     def key_xs(p, c):
-        return _block(k_nan, c), _block(k_weighted, p, c), _block(vb, c)
+        return (_of_pass(p, _block(k_nan, c)), _weighted(p, _block(kb, c)),
+                _of_pass(p, _block(vb, c)))
 
     slots = _passes(counting)[1]
-    dbias_init = jnp.zeros(blocks.features.bias.shape, F32) if bias_grad else None
     dq, (dk, dv), dbias = blocks.over_key_blocks(
         jnp.zeros((slots,) + qb.shape, F32), tile, key_xs, dbias_init, counting)
     dq = dq * jnp.float32(scale)

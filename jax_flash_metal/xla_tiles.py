@@ -16,10 +16,11 @@ the forward; dO, k, q in the backward) arrive with non-finite entries zeroed, si
 exactly 0 times NaN would be NaN.
 
 The NaN goes back where a visible pair read one through a counting pass of the same tile code
-(``counting`` true): P and dS become the visibility indicator (1 at visible pairs, 0 elsewhere)
-and the weighted operands arrive as ``nonfinite.indicator`` arrays, so the outputs count, per
-entry, the visible pairs that read a non-finite input there (the forward's o: that count over
-the number of visible keys). Running the same loops twice compiles one loop body, not two.
+with other operands: q, k, v for dP and dO for dP all 0, lse 0, delta -1 and no bias make
+every visible score 0, so P and dS are the visibility indicator (1 at visible pairs, 0
+elsewhere), and the weighted operands arrive as ``nonfinite.indicator`` arrays: the outputs
+then count, per entry, the visible pairs that read a non-finite input there (the forward's o:
+that count over the number of visible keys).
 """
 
 from __future__ import annotations
@@ -70,10 +71,9 @@ def running_init(q):
     return Running(jnp.full(rows, LOWEST, F32), jnp.zeros(rows, F32), jnp.zeros(q.shape, F32))
 
 
-def forward_step(state, q, k_nan, v_zeroed, visible, bias=None, cap=None, counting=False):
-    """Fold one key block into the running state (rescaling by exp(m_old - m_new)); with
-    ``counting`` (a traced bool) every visible score is 0, so P is the visibility indicator."""
-    s = _masked(visible, jnp.where(counting, 0.0, _scores(q, k_nan, bias, cap)[0]), -jnp.inf)
+def forward_step(state, q, k_nan, v_zeroed, visible, bias=None, cap=None):
+    """Fold one key block into the running state (rescaling by exp(m_old - m_new))."""
+    s = _masked(visible, _scores(q, k_nan, bias, cap)[0], -jnp.inf)
     m = jnp.maximum(state.m, jnp.max(s, axis=-1))
     p = jnp.exp(s - m[..., None])
     alpha = jnp.exp(state.m - m)
@@ -143,18 +143,14 @@ def _key_major(small, big):
         _dot("bhdgq,bhgqk->bhdk", small_t, big)), -1, -2)
 
 
-def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, counting=False):
+def backward_tile(x: BackwardOperands, visible, bias=None, cap=None):
     """(dq unscaled, dk, dv, dS) contributions of one tile: P = exp(S - lse) (lse = -inf for
     empty rows), dV = P^T dO, dP = dO V^T, dS = P (dP - delta) (the bias gradient), then through
-    the soft cap's slope dS_raw = dS (1 - tanh^2), dQ = dS_raw K, dK = dS_raw^T (scale q).
-    With ``counting`` (a traced bool) P and dS_raw are the visibility indicator and dS is 0."""
+    the soft cap's slope dS_raw = dS (1 - tanh^2), dQ = dS_raw K, dK = dS_raw^T (scale q)."""
     s, slope = _scores(x.q, x.k_nan, bias, cap)
     p = probabilities(s, x.lse, visible)
     dp = _dot("bhgqd,bhkd->bhgqk", x.do, x.v)
     ds = _masked(visible, p * (dp - x.delta[..., None]), 0.0)
     ds_raw = ds if slope is None else ds * slope
-    ones = jnp.float32(1.0) if visible is None else visible.astype(F32)
-    p, ds_raw = jnp.where(counting, ones, p), jnp.where(counting, ones, ds_raw)
-    ds = jnp.where(counting, 0.0, ds)
     return (_dot("bhgqk,bhkd->bhgqd", ds_raw, x.k_zeroed),
             _key_major(x.q_zeroed, ds_raw), _key_major(x.do_zeroed, p), ds)
