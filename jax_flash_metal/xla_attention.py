@@ -20,12 +20,14 @@ is then O(B * H * BLOCK_Q * BLOCK_K) plus the float32 copies of the inputs: line
 
 Non-finite inputs (DESIGN.md section 3): rows past the lengths are zeroed first (padding is never
 read). The tiles get each operand in the form that keeps NaN from reaching invisible pairs
-(``xla_tiles``: non-finite key rows all-NaN, weighted values with non-finite entries zeroed), and
-one ``lax.cond`` per primitive, taken only when some input is non-finite (the forward sums v; the
-backward checks lse and delta), computes where a visible pair would have made an output NaN
-(``nonfinite``: prefix sums, O(length * D); for the dense tile, one count matmul per output),
-and the outputs get NaN there. The cond returns only those masks, so no output passes through
-it, and its branch compiles small.
+(``xla_tiles``: non-finite key rows all-NaN, weighted values with non-finite entries zeroed).
+Only when some input is non-finite (the forward sums v; the backward checks lse and delta), the
+loops of the tiled path run a second, counting pass over the same blocks (``xla_tiles``), whose
+outputs count per entry the visible pairs that read a non-finite input there, and the outputs
+get NaN where a count is positive. The counting pass is the same loop body with other operand
+blocks (picked per block inside the loop: nothing is stored for it), so XLA compiles one loop
+nest per primitive and no branch: compile time goes with the number of distinct kernels. The
+dense tile instead counts with one matmul per output inside a ``lax.cond``.
 """
 
 from __future__ import annotations
@@ -574,12 +576,12 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     slots = _passes(counting)[1]
     dq, (dk, dv), dbias = blocks.over_key_blocks(
         jnp.zeros((slots,) + qb.shape, F32), tile, key_xs, dbias_init, counting)
-    dq = dq * jnp.float32(scale)
     if t.dense:
         dq, dk, dv = _poison_if(nonfinite_read, [dq[0], dk[0], dv[0]],
                                 lambda: _tile_counts_backward(blocks, qb, kb, dob))
     else:
         dq, dk, dv = _counted(dq), _counted(dk), _counted(dv)
+    dq = dq * jnp.float32(scale)
     grads = [_from_query_blocks(dq, q_len, q.dtype), _from_key_blocks(dk, kv_len, k.dtype),
              _from_key_blocks(dv, kv_len, v.dtype)]
     if bias_grad:
