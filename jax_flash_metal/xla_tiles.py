@@ -129,7 +129,11 @@ def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=N
     if sinks is not None:
         l = l + jnp.exp(sinks - m)
     lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l))
-    return _dot("bhgqk,bhkd->bhgqd", probabilities(s, lse, visible), v_zeroed), lse
+    # P V / (l exp(m - lse)) = P V in exact arithmetic; where lse rounds to m (every score of the
+    # row near a huge offset, e.g. an additive -1e9 mask) it restores the normalisation.
+    norm = jnp.where(l == 0.0, 1.0, 1.0 / (l * jnp.exp(m - jnp.maximum(lse, LOWEST))))
+    o = _dot("bhgqk,bhkd->bhgqd", probabilities(s, lse, visible), v_zeroed)
+    return o * norm[..., None], lse
 
 
 def _key_major(small, big):

@@ -66,6 +66,21 @@ inline float jfm_finite_or_nan(float x) {
   return (as_type<uint>(x) & 0x7f800000u) != 0x7f800000u ? x : as_type<float>(0x7fc00000u);
 }
 
+// The largest base-2 score magnitude (FLT_MAX / 2): finite inputs whose score leaves this range
+// (a bias of finfo.min turns into -inf in the log2 domain) saturate at it, so the difference of
+// any two scores stays finite and the masked score stays below every real one. An overflow to
+// +-inf saturates, a NaN stays NaN. Bit tests, valid under fast math.
+#define JFM_SCORE2_LIMIT 1.70141173e38f
+inline float jfm_saturate_score2(float x) {
+  const uint magnitude = as_type<uint>(x) & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) {
+    return x;  // NaN
+  }
+  const float limit = as_type<float>((as_type<uint>(x) & 0x80000000u) |
+                                     as_type<uint>(JFM_SCORE2_LIMIT));
+  return magnitude >= as_type<uint>(JFM_SCORE2_LIMIT) ? limit : x;
+}
+
 // ---- grid position ----
 
 // The (row block, head, batch) a threadgroup works on: its grid position plus the offsets of

@@ -120,7 +120,10 @@ inline float jfm_feature_score2(constant AttentionParams& p, float qk, float bia
   }
   const float s =
       p.soft_cap > 0.0f ? p.soft_cap * jfm_soft_cap_tanh(p, qk) : jfm_finite_or_nan(qk * p.scale);
-  return jfm_finite_or_nan((s + bias) * JFM_LOG2E);
+  // A finite bias far below the band (finfo.min, an additive mask) leaves the log2 range:
+  // saturate, as the float32 score of jax.nn stays finite. A +inf bias poisons.
+  return jfm_is_finite(bias) ? jfm_saturate_score2((s + bias) * JFM_LOG2E)
+                             : jfm_finite_or_nan(bias);
 }
 
 // d(score)/d(scale q.k) of the soft cap, 1 - tanh^2, the factor dS takes before dQ and dK
@@ -223,7 +226,8 @@ inline int jfm_classify_feature_tile(constant AttentionParams& p, int band_kind,
 // factor the row's unnormalised O is rescaled by (0 for a row that saw no key: m was the
 // sentinel). Afterwards l >= 1, so no row is empty: O = 0 there, L2 = sink2.
 inline float jfm_fold_sink(float sink, thread float& m, thread float& l) {
-  const float sink2 = sink * JFM_LOG2E;
+  // A finite sink saturates like a score (jfm_saturate_score2); -inf stays "no sink".
+  const float sink2 = jfm_is_finite(sink) ? jfm_saturate_score2(sink * JFM_LOG2E) : sink * JFM_LOG2E;
   const float m_all = max(m, sink2);
   const float alpha = fast::exp2(m - m_all);
   l = l * alpha + fast::exp2(sink2 - m_all);

@@ -6,6 +6,8 @@ features: tests/test_kernels_features.py (forward) and tests/test_kernels_featur
 (gradients).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -213,6 +215,30 @@ def test_equals_jax_nn():
     np.testing.assert_allclose(out, jax.nn.dot_product_attention(
         q[0], k[0], v[0], bias[0], mask[0], scale=0.3), atol=2e-6)
     assert out.shape == q[0].shape and lse.shape == (H, TQ)
+
+
+@pytest.mark.parametrize("fill", [-1e9, float(jnp.finfo(jnp.float32).min)], ids=str)
+def test_large_negative_additive_masks_equal_jax_nn(implementation, blocks, fill):
+    """The PyTorch / jax.nn idiom of an additive mask (-1e9 or finfo.min where hidden): O equals
+    jax.nn's, including a row hidden everywhere (uniform weights, as jax.nn; only -inf hides), and
+    the gradients of the rows that see a key do too."""
+    q, k, v, _, _ = inputs(23)
+    keep = np.tril(np.ones((TQ, TK), bool), 1)
+    keep[4] = False
+    bias = jnp.where(jnp.asarray(keep), 0.0, jnp.float32(fill))[None, None]
+    out = flash_attention(q, k, v, bias, implementation=implementation)
+    np.testing.assert_allclose(out, jax.nn.dot_product_attention(q, k, v, bias), atol=2e-5)
+
+    seen = jnp.asarray(keep.any(axis=1))[None, :, None, None]  # the loss skips row 4
+
+    def loss(attention):
+        return lambda q, k, v: jnp.sum(jnp.where(seen, jnp.sin(attention(q, k, v, bias)), 0.0))
+
+    got = jax.grad(loss(functools.partial(flash_attention, implementation=implementation)),
+                   (0, 1, 2))(q, k, v)
+    want = jax.grad(loss(jax.nn.dot_product_attention), (0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", got, want):
+        np.testing.assert_allclose(a, b, atol=5e-5, err_msg=f"d{name}")
 
 
 def test_check_grads_through_bias_and_sinks(implementation):

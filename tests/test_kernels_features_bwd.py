@@ -278,3 +278,27 @@ def test_vmap_with_a_bias_gradient():
     dbias = jax.vmap(jax.grad(loss))(bias)
     for i in range(3):
         np.testing.assert_allclose(dbias[i], jax.grad(loss)(bias[i]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fill", [float(jnp.finfo(jnp.float32).min),
+                                  float(jnp.finfo(jnp.bfloat16).min), -2.4e38], ids=str)
+def test_finfo_min_additive_mask(fill):
+    """An additive causal mask of finfo.min (the usual jax.nn / PyTorch idiom) leaves the log2
+    domain's float range; its scores saturate (jfm_saturate_score2) instead of overflowing to
+    NaN. Every row sees its diagonal: O, LSE and every gradient match the oracle."""
+    q, k, v, do, g = inputs(21, q_len=TK)
+    keep = np.tril(np.ones((TK, TK), bool))
+    check(q, k, v, do, g, bias=jnp.where(keep, 0.0, jnp.float32(fill)))
+
+
+def test_saturated_rows_and_sinks_stay_finite():
+    """A row whose every bias is finfo.min attends uniformly, as in jax.nn (not an empty row:
+    only -inf hides); a sink of 3e38 takes all of its head's weight (O = 0), never NaN."""
+    q, k, v, _, _ = inputs(22)
+    bias = jnp.zeros((B, H, TQ, TK)).at[:, :, 3].set(jnp.finfo(jnp.float32).min)
+    o = flash_attention(q, k, v, bias, implementation="emulator")
+    np.testing.assert_allclose(o, jax.nn.dot_product_attention(q, k, v, bias), rtol=2e-5,
+                               atol=2e-5)
+    sinks = jnp.array([3e38, 0.0, 0.0, 0.0], jnp.float32)
+    o, lse = flash_attention(q, k, v, sinks=sinks, implementation="emulator", return_lse=True)
+    assert np.isfinite(np.asarray(lse)).all() and (np.asarray(o)[:, :, 0] == 0).all()
