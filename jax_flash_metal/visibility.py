@@ -6,7 +6,7 @@ and local-window bounds hold: ``diag - left <= j <= diag + right``. ``Band`` hol
 the per-batch lengths (traced int32) and answers two questions: the boolean mask of any block of
 (rows, keys), and the interval of keys each row sees (or of rows that see each key): visibility
 is always one contiguous interval per row, which lets blockwise code visit only the blocks that
-intersect the band and count visible entries with prefix sums.
+intersect the band.
 """
 
 from __future__ import annotations

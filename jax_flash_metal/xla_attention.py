@@ -20,12 +20,14 @@ is then O(B * H * BLOCK_Q * BLOCK_K) plus the float32 copies of the inputs: line
 
 Non-finite inputs (DESIGN.md section 3): rows past the lengths are zeroed first (padding is never
 read). The tiles get each operand in the form that keeps NaN from reaching invisible pairs
-(``xla_tiles``: non-finite key rows all-NaN, weighted values with non-finite entries zeroed), and
-one ``lax.cond`` per primitive, taken only when some input is non-finite (the forward sums v; the
-backward checks lse and delta), computes where a visible pair would have made an output NaN
-(``nonfinite``: prefix sums, O(length * D); for the dense tile, one count matmul per output),
-and the outputs get NaN there. The cond returns only those masks, so no output passes through
-it, and its branch compiles small.
+(``xla_tiles``: non-finite key rows all-NaN, weighted values with non-finite entries zeroed).
+Only when some input is non-finite (the forward sums v; the backward checks lse and delta), the
+loops of the tiled path run a second, counting pass over the same blocks (``xla_tiles``), whose
+outputs count per entry the visible pairs that read a non-finite input there, and the outputs
+get NaN where a count is positive. The counting pass is the same loop body with other operand
+blocks (picked per block inside the loop: nothing is stored for it), so XLA compiles one loop
+nest per primitive and no branch: compile time goes with the number of distinct kernels. The
+dense tile instead counts with one matmul per output inside a ``lax.cond``.
 """
 
 from __future__ import annotations
@@ -127,12 +129,30 @@ def _all_finite(*xs):
     return jnp.isfinite(functools.reduce(jnp.add, [jnp.sum(x, dtype=F32) for x in xs]))
 
 
-def _block(x, i):
-    return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+def _start(index, ndim):
+    return [jnp.asarray(i, jnp.int32) for i in index] + [jnp.int32(0)] * (ndim - len(index))
 
 
-def _add_block(x, i, part):
-    return jax.lax.dynamic_update_index_in_dim(x, _block(x, i) + part, i, 0)
+def _block(x, *index):
+    """x[index] for (traced) integer indices of the leading axes."""
+    n = len(index)
+    return jax.lax.dynamic_slice(x, _start(index, x.ndim), (1,) * n + x.shape[n:]).reshape(
+        x.shape[n:])
+
+
+def _set_block(x, part, *index):
+    """x with x[index] = part."""
+    return jax.lax.dynamic_update_slice(x, part.reshape((1,) * len(index) + part.shape),
+                                        _start(index, x.ndim))
+
+
+def _add_block(x, part, *index):
+    return _set_block(x, _block(x, *index) + part, *index)
+
+
+def _passes(counting):
+    """(number of passes: 2 when the traced bool ``counting`` holds, else 1; result slots)."""
+    return (1, 1) if counting is None else (1 + counting.astype(jnp.int32), 2)
 
 
 def _block_ranges(lo, hi, n, size, other):
@@ -296,68 +316,83 @@ class _Blocks:
         extra, bias = self.features.tile(r, c)
         return features.combine(None if band is None else band[:, None, None], extra), bias
 
-    def over_query_blocks(self, init, step, finish, qb):
-        """For each query block r (rows of ``qb`` [nq, ...]): state = init(q_r), then
-        state = step(state, c, q_r, visible) for every key block c that r can see, then
-        finish(state). Returns the stacked results ([nq, ...] leaves)."""
+    def over_query_blocks(self, init, step, finish, rows, counting=None):
+        """For each pass p and query block r (``q_r = rows(p, r)``): state = init(q_r), then
+        state = step(state, p, c, q_r, visible) for every key block c that r can see, then
+        finish(state, p). One pass (p = 0) unless ``counting`` (a traced bool; not for the
+        dense tile) holds, then a second one (p = 1, the counting pass: xla_tiles). Returns the
+        results [slots, nq, ...], pass p at [p] (zeros for a pass that did not run); one slot
+        without ``counting``, else 2."""
         t = self.t
         if t.dense:
-            q = qb[0]
-            return jax.tree_util.tree_map(lambda x: x[None],
-                                          finish(step(init(q), 0, q, self.visible(0, 0))))
+            q = rows(0, 0)
+            return jax.tree_util.tree_map(lambda x: x[None, None],
+                                          finish(step(init(q), 0, 0, q, self.visible(0, 0)), 0))
         with _evaluated_now(self.static):
             lo, hi = self.band.key_intervals(jnp.arange(t.nq * t.br, dtype=jnp.int32))
             firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nq, t.br, t.bc), self.meets)
+        passes, slots = _passes(counting)
 
-        def query_block(_, xs):
-            r, q, first, last = xs
-            state = jax.lax.fori_loop(first, last,
-                                      lambda c, s: step(s, c, q, self.visible(r, c)), init(q))
-            return None, finish(state)
+        def query_block(i, results):
+            p, r = i // t.nq, i % t.nq
+            q = rows(p, r)
+            state = jax.lax.fori_loop(_block(firsts, r), _block(lasts, r),
+                                      lambda c, s: step(s, p, c, q, self.visible(r, c)), init(q))
+            return jax.tree_util.tree_map(lambda acc, x: _set_block(acc, x, p, r), results,
+                                          finish(state, p))
 
-        return jax.lax.scan(query_block, None,
-                            (jnp.arange(t.nq, dtype=jnp.int32), qb, firsts, lasts))[1]
+        shapes = jax.eval_shape(lambda: finish(init(rows(0, 0)), 0))
+        zeros = jax.tree_util.tree_map(lambda x: jnp.zeros((slots, t.nq) + x.shape, x.dtype),
+                                       shapes)
+        return jax.lax.fori_loop(0, passes * t.nq, query_block, zeros)
 
-    def over_key_blocks(self, row_init, tile, key_xs, pair_init=None):
-        """For each key block c (``key_xs``: arrays [nk, ...]) and every query block r that can
-        see it, ``tile(r, c, xs_c, visible)`` -> (row part, key part, pair part); row parts are
-        summed into ``row_init`` (leaves [nq, ...]) at block r, key parts per key block, and
-        pair parts (a bias-shaped gradient, only with ``pair_init``) into ``pair_init`` at
-        block (r, c) (``_Features.add_block``), all in a fixed order (deterministic). Returns
-        (row sums, stacked key sums [nk, ...], pair sums or None)."""
+    def over_key_blocks(self, row_init, tile, key_xs, pair_init=None, counting=None):
+        """For each pass p (as ``over_query_blocks``), each key block c and every query block r
+        that can see it, ``tile(p, r, c, key_xs(p, c), visible)`` -> (row part, key part, pair
+        part); row parts are summed into ``row_init`` (leaves [slots, nq, ...]) at [p, r], key
+        parts per key block, and pair parts (a bias-shaped gradient, only with ``pair_init``)
+        into ``pair_init`` at block (r, c) (``_Features.add_block``), all in a fixed order
+        (deterministic). Returns (row sums, key sums [slots, nk, ...], pair sums or None)."""
         t = self.t
         add_pair = self.features.add_block
         if t.dense:
-            rows, keys, pair = tile(0, 0, jax.tree_util.tree_map(lambda x: x[0], key_xs),
-                                    self.visible(0, 0))
-            return (jax.tree_util.tree_map(lambda x: x[None], rows),
-                    jax.tree_util.tree_map(lambda x: x[None], keys),
+            rows, keys, pair = tile(0, 0, 0, key_xs(0, 0), self.visible(0, 0))
+            return (jax.tree_util.tree_map(lambda a, x: a + x[None, None], row_init, rows),
+                    jax.tree_util.tree_map(lambda x: x[None, None], keys),
                     None if pair_init is None else add_pair(pair_init, 0, 0, pair))
         with _evaluated_now(self.static):
             lo, hi = self.band.row_intervals(jnp.arange(t.nk * t.bc, dtype=jnp.int32))
             firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nk, t.bc, t.br),
                                     None if self.meets is None else self.meets.T)
+        passes, slots = _passes(counting)
 
-        def key_block(carry, xs):
-            c, first, last, xs = xs
-            # The key sums start at zero, shaped like one tile's key part.
-            zero_keys = jax.tree_util.tree_map(
-                lambda s: jnp.zeros(s.shape, s.dtype),
-                jax.eval_shape(lambda: tile(0, c, xs, self.visible(0, c))[1]))
+        def key_block(i, accs):
+            (row_acc, pair_acc), key_acc = accs
+            p, c = i // t.nk, i % t.nk
+            xs = key_xs(p, c)
 
             def body(r, accs):
-                (row_acc, pair_acc), key_acc = accs
-                rows, keys, pair = tile(r, c, xs, self.visible(r, c))
-                row_acc = jax.tree_util.tree_map(lambda a, p: _add_block(a, r, p), row_acc, rows)
+                row_acc, pair_acc, keys_c = accs
+                rows, keys, pair = tile(p, r, c, xs, self.visible(r, c))
+                row_acc = jax.tree_util.tree_map(lambda a, x: _add_block(a, x, p, r), row_acc,
+                                                 rows)
                 if pair_acc is not None:
                     pair_acc = add_pair(pair_acc, r, c, pair)
-                return (row_acc, pair_acc), jax.tree_util.tree_map(jnp.add, key_acc, keys)
+                return row_acc, pair_acc, jax.tree_util.tree_map(jnp.add, keys_c, keys)
 
-            return jax.lax.fori_loop(first, last, body, (carry, zero_keys))
+            # The key sums start at zero, shaped like one tile's key part.
+            zero_keys = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape[2:], x.dtype),
+                                               key_acc)
+            row_acc, pair_acc, keys_c = jax.lax.fori_loop(
+                _block(firsts, c), _block(lasts, c), body, (row_acc, pair_acc, zero_keys))
+            key_acc = jax.tree_util.tree_map(lambda a, x: _set_block(a, x, p, c), key_acc, keys_c)
+            return (row_acc, pair_acc), key_acc
 
-        (rows, pair), keys = jax.lax.scan(
-            key_block, (row_init, pair_init),
-            (jnp.arange(t.nk, dtype=jnp.int32), firsts, lasts, key_xs))
+        key_shapes = jax.eval_shape(lambda: tile(0, 0, 0, key_xs(0, 0), self.visible(0, 0))[1])
+        key_init = jax.tree_util.tree_map(
+            lambda x: jnp.zeros((slots, t.nk) + x.shape, x.dtype), key_shapes)
+        (rows, pair), keys = jax.lax.fori_loop(0, passes * t.nk, key_block,
+                                               ((row_init, pair_init), key_init))
         return rows, keys, pair
 
 
@@ -386,11 +421,6 @@ def _empty_lse(sinks, batch, num_heads, q_len):
     return jnp.broadcast_to(sinks.astype(F32)[None, :, None], (batch, num_heads, q_len))
 
 
-def _heads_major(x):
-    """[B, T, N, D] -> [B, N, T, D] (the sequence axis where ``nonfinite`` counts along it)."""
-    return jnp.swapaxes(x, 1, 2)
-
-
 def _poison_if(pred, outs, counts_fn):
     """``outs`` with NaN where the counts ``counts_fn()`` returns for them (computed only when
     ``pred``) are positive. The ``lax.cond`` returns only the counts (zeros when not ``pred``)
@@ -403,9 +433,24 @@ def _poison_if(pred, outs, counts_fn):
     return [nonfinite.poison(o, c) for o, c in zip(outs, masks)]
 
 
-def _per_query_head(counts):
-    """Counts [B, HKV, T, D] of a kv head -> [B, T, HKV, 1, D] against [B, T, HKV, G, D]."""
-    return _heads_major(counts)[:, :, :, None, :]
+def _of_pass(p, x, counting_value=0.0):
+    """An operand block of pass ``p``: x, or ``counting_value`` in the counting pass (p == 1,
+    xla_tiles); x itself where p is a Python int (the dense tile has one pass). Computed per
+    block inside the loops, so no counting-pass copy of an operand is ever stored."""
+    if x is None or isinstance(p, int):
+        return x
+    return jnp.where(p == 1, counting_value, x)
+
+
+def _weighted(p, x):
+    """A block of an operand that P or dS weighs: x with non-finite entries zeroed, or (counting
+    pass) its indicator."""
+    return _of_pass(p, _zero_nonfinite(x), nonfinite.indicator(x))
+
+
+def _counted(x):
+    """Pass 0's result with NaN where the counting pass (slot 1) counted a non-finite read."""
+    return nonfinite.poison(x[0], x[1])
 
 
 # ------------------------------------------------------------------------- forward
@@ -424,33 +469,35 @@ def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left
     kv_valid = _valid(operands.kv_lengths, kv_len)
     qb = _query_blocks(q, kv_heads, t, _valid(operands.q_lengths, q_len), scale)
     kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
-    k_nan, v_zeroed = _nan_rows(kb), _zero_nonfinite(vb)
     sinks = None if operands.sinks is None else operands.sinks.reshape(1, kv_heads, -1, 1)
-
-    def step(state, c, q, tile):  # q: the rows of _nan_rows(qb)
-        visible, bias = tile
-        return tiles.forward_step(state, q, _block(k_nan, c), _block(v_zeroed, c), visible,
-                                  bias, logits_soft_cap)
+    nonfinite_v = ~_all_finite(v)
 
     if t.dense:
-        o, lse = tiles.forward_whole_rows(_nan_rows(qb)[0], k_nan[0], v_zeroed[0],
+        o, lse = tiles.forward_whole_rows(_nan_rows(qb)[0], _nan_rows(kb)[0],
+                                          _zero_nonfinite(vb)[0],
                                           *blocks.visible(0, 0), logits_soft_cap, sinks)
-        o, lse = o[None], lse[None]
+        (o,) = _poison_if(nonfinite_v, [o[None]],
+                          lambda: [_tile_counts_forward(blocks, vb, num_heads)])
+        lse = lse[None]
     else:
-        o, lse = blocks.over_query_blocks(tiles.running_init, step,
-                                          lambda st: tiles.forward_finish(st, sinks),
-                                          _nan_rows(qb))
-    o = _from_query_blocks(o, q_len, F32).reshape(batch, q_len, kv_heads, -1, head_dim)
+        q_nan, k_nan = _nan_rows(qb), _nan_rows(kb)
 
-    def counts():
-        if blocks.features.present or t.dense:  # not one interval per row / one tile
-            return [_tile_counts_forward(blocks, vb, q_len, num_heads)]
-        lo, hi = blocks.band.key_intervals(jnp.arange(q_len, dtype=jnp.int32))
-        return [_per_query_head(nonfinite.interval_counts(
-            nonfinite.indicator(_heads_major(v)), lo, hi))]
+        def step(state, p, c, q, tile):  # q: the rows of q_nan
+            visible, bias = tile
+            return tiles.forward_step(state, q, _of_pass(p, _block(k_nan, c)),
+                                      _weighted(p, _block(vb, c)), visible, _of_pass(p, bias),
+                                      logits_soft_cap)
 
-    (o,) = _poison_if(~_all_finite(v), [o], counts)
-    return o.reshape(q.shape).astype(q.dtype), _from_row_blocks(lse, q_len)
+        def finish(state, p):  # the counting pass has no sinks
+            return tiles.forward_finish(
+                state, None if sinks is None else jnp.where(p == 1, -jnp.inf, sinks))
+
+        o, lse = blocks.over_query_blocks(tiles.running_init, step, finish,
+                                          lambda p, r: _of_pass(p, _block(q_nan, r)),
+                                          nonfinite_v)
+        o, lse = _counted(o), lse[0]
+    o = _from_query_blocks(o, q_len, q.dtype)
+    return o, _from_row_blocks(lse, q_len)
 
 
 def _visible_f32(tile, shape):
@@ -458,25 +505,23 @@ def _visible_f32(tile, shape):
     return jnp.ones(shape, F32) if visible is None else jnp.broadcast_to(visible, shape).astype(F32)
 
 
-def _tile_counts_forward(blocks, vb, q_len, num_heads):
-    """Per output entry, how many visible keys have a non-finite value there, by tiles
-    (with a mask, segments or bias the visible keys of a row are not one interval; for the
-    dense tile one matmul compiles smaller than prefix sums): [B, Tq, HKV, G, D]."""
-    bad_v = nonfinite.indicator(vb)  # [nk, B, HKV, Bc, D]
+def _tile_counts_forward(blocks, vb, num_heads):
+    """Per output entry of the dense tile, how many visible keys have a non-finite value
+    there (one matmul): [1, B, HKV, G, Br, D]."""
+    bad_v = nonfinite.indicator(vb)  # [1, B, HKV, Bc, D]
     t = blocks.t
     b, hkv, _, d = bad_v.shape[1:]
 
     def init(q):
         return jnp.zeros(q.shape[:-1] + (d,), F32)
 
-    def step(acc, c, q, tile):
+    def step(acc, p, c, q, tile):
         shape = q.shape[:-1] + (t.bc,)
         return acc + jnp.einsum("bhgqk,bhkd->bhgqd", _visible_f32(tile, shape), _block(bad_v, c))
 
-    # Only the shape of the query blocks matters here.
-    rows = jnp.zeros((t.nq, b, hkv, num_heads // hkv, t.br, 1), F32)
-    counts = blocks.over_query_blocks(init, step, lambda acc: acc, rows)
-    return _from_query_blocks(counts, q_len, F32).reshape(b, q_len, hkv, -1, d)
+    # Only the shape of the query block matters here.
+    rows = jnp.zeros((b, hkv, num_heads // hkv, t.br, 1), F32)
+    return blocks.over_query_blocks(init, step, lambda acc, p: acc, lambda p, r: rows)[0]
 
 
 # ------------------------------------------------------------------------- backward
@@ -505,50 +550,40 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     qb, dob = _query_blocks(q, kv_heads, t, q_valid, scale), _query_blocks(do, kv_heads, t,
                                                                            q_valid)
     kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
-    row_xs = (_nan_rows(qb), _zero_nonfinite(qb), dob, _zero_nonfinite(dob),
-              _row_blocks(lse, kv_heads, t), _row_blocks(delta, kv_heads, t))
-
-    def tile(r, c, xs, visible_bias):
-        visible, bias = visible_bias
-        q_r, q_zeroed, do_r, do_zeroed, lse_r, delta_r = (_block(x, r) for x in row_xs)
-        dq, dk, dv, ds = tiles.backward_tile(tiles.BackwardOperands(
-            q_r, q_zeroed, *xs, do_r, do_zeroed, lse_r, delta_r), visible, bias,
-            logits_soft_cap)
-        return dq, (dk, dv), ds
-
-    dbias_init = jnp.zeros(blocks.features.bias.shape, F32) if bias_grad else None
-    dq, (dk, dv), dbias = blocks.over_key_blocks(
-        jnp.zeros(qb.shape, F32), tile, (_nan_rows(kb), _zero_nonfinite(kb), vb), dbias_init)
-    dq = _from_query_blocks(dq * jnp.float32(scale), q_len, F32)
-    dk, dv = _from_key_blocks(dk, kv_len, F32), _from_key_blocks(dv, kv_len, F32)
-
-    group = (batch, q_len, kv_heads, num_heads // kv_heads, head_dim)
-
-    def counts():
-        if blocks.features.present or t.dense:  # not one interval per row / one tile
-            dq_counts, dk_counts, dv_counts = _tile_counts_backward(blocks, qb, kb, dob, q_len,
-                                                                    kv_len)
-        else:
-            lo, hi = blocks.band.key_intervals(jnp.arange(q_len, dtype=jnp.int32))
-            dq_counts = _per_query_head(nonfinite.interval_counts(
-                nonfinite.indicator(_heads_major(k)), lo, hi))
-            # dK and dV counts in one pass: q's and dO's indicators side by side on the last
-            # axis.
-            lo, hi = blocks.band.row_intervals(jnp.arange(kv_len, dtype=jnp.int32))
-            bad = jnp.concatenate([nonfinite.indicator(x.reshape(group), group_axis=3)
-                                   for x in (q, do)], axis=-1)
-            key_counts = _heads_major(nonfinite.interval_counts(_heads_major(bad), lo, hi))
-            dk_counts, dv_counts = key_counts[..., :head_dim], key_counts[..., head_dim:]
-        return dq_counts, dk_counts, dv_counts
-
     # A visible pair read a non-finite q or k entry exactly when some row's lse is NaN (the
     # score is NaN: _nan_rows), and a non-finite dO entry of a row makes its delta non-finite
     # (dO * O has no finite value for it): two checks of [B, H, Tq] arrays instead of reading
-    # q, k and dO again. Other causes (a NaN O, bias or g_lse) only run the exact branch.
+    # q, k and dO again. Other causes (a NaN O, bias or g_lse) only run the counting pass.
     nonfinite_read = jnp.isnan(jnp.sum(lse)) | ~_all_finite(delta)
-    dq, dk, dv = _poison_if(nonfinite_read, [dq.reshape(group), dk, dv], counts)
-    dq = dq.reshape(q.shape)
-    grads = [dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)]
+    dbias_init = jnp.zeros(blocks.features.bias.shape, F32) if bias_grad else None
+    counting = None if t.dense else nonfinite_read
+    q_nan, k_nan = _nan_rows(qb), _nan_rows(kb)
+    lse_b, delta_b = _row_blocks(lse, kv_heads, t), _row_blocks(delta, kv_heads, t)
+
+    def tile(p, r, c, xs, visible_bias):
+        visible, bias = visible_bias
+        q_r, do_r = _block(qb, r), _block(dob, r)
+        dq, dk, dv, ds = tiles.backward_tile(tiles.BackwardOperands(
+            _of_pass(p, _block(q_nan, r)), _weighted(p, q_r), *xs, _of_pass(p, do_r),
+            _weighted(p, do_r), _of_pass(p, _block(lse_b, r)),
+            _of_pass(p, _block(delta_b, r), -1.0)), visible, _of_pass(p, bias), logits_soft_cap)
+        return dq, (dk, dv), _of_pass(p, ds)
+
+    def key_xs(p, c):
+        return (_of_pass(p, _block(k_nan, c)), _weighted(p, _block(kb, c)),
+                _of_pass(p, _block(vb, c)))
+
+    slots = _passes(counting)[1]
+    dq, (dk, dv), dbias = blocks.over_key_blocks(
+        jnp.zeros((slots,) + qb.shape, F32), tile, key_xs, dbias_init, counting)
+    if t.dense:
+        dq, dk, dv = _poison_if(nonfinite_read, [dq[0], dk[0], dv[0]],
+                                lambda: _tile_counts_backward(blocks, qb, kb, dob))
+    else:
+        dq, dk, dv = _counted(dq), _counted(dk), _counted(dv)
+    dq = dq * jnp.float32(scale)
+    grads = [_from_query_blocks(dq, q_len, q.dtype), _from_key_blocks(dk, kv_len, k.dtype),
+             _from_key_blocks(dv, kv_len, v.dtype)]
     if bias_grad:
         grads.append(_unpad_bias(dbias, operands.bias.shape))
     return grads
@@ -560,20 +595,18 @@ def _unpad_bias(x, shape):
     return x[:, :, :, :tq, :tkv].reshape(b, h, tq, tkv)
 
 
-def _tile_counts_backward(blocks, qb, kb, dob, q_len, kv_len):
-    """By tiles, per gradient entry, how many visible pairs read a non-finite input there:
-    dQ from K ([B, Tq, HKV, G, D]), dK from q and dV from dO ([B, Tkv, HKV, D])."""
+def _tile_counts_backward(blocks, qb, kb, dob):
+    """For the dense tile, per gradient entry, how many visible pairs read a non-finite input
+    there: dQ from K ([1, B, HKV, G, Br, D]), dK from q and dV from dO ([1, B, HKV, Bc, D])."""
     bad_q, bad_do, bad_k = (nonfinite.indicator(x) for x in (qb, dob, kb))
 
-    def tile(r, c, xs, visible_bias):
-        bad_k_c = xs
+    def tile(p, r, c, bad_k_c, visible_bias):
         q_r, do_r = _block(bad_q, r), _block(bad_do, r)
         vis = _visible_f32(visible_bias, q_r.shape[:-1] + (bad_k_c.shape[-2],))
         return (jnp.einsum("bhgqk,bhkd->bhgqd", vis, bad_k_c),
                 (jnp.einsum("bhgqk,bhgqd->bhkd", vis, q_r),
                  jnp.einsum("bhgqk,bhgqd->bhkd", vis, do_r)), None)
 
-    dq, (dk, dv), _ = blocks.over_key_blocks(jnp.zeros(qb.shape, F32), tile, bad_k)
-    b, hkv = qb.shape[1], qb.shape[2]
-    dq = _from_query_blocks(dq, q_len, F32).reshape(b, q_len, hkv, -1, qb.shape[-1])
-    return dq, _from_key_blocks(dk, kv_len, F32), _from_key_blocks(dv, kv_len, F32)
+    dq, (dk, dv), _ = blocks.over_key_blocks(jnp.zeros((1,) + qb.shape, F32), tile,
+                                             lambda p, c: _block(bad_k, c))
+    return dq[0], dk[0], dv[0]

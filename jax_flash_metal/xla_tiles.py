@@ -13,7 +13,14 @@ made all-NaN (a key with an Inf entry scores NaN, not a -inf that would quietly 
 dP uses raw v and dO; and scores, P and dS are selected with ``visible`` before any sum, so a NaN
 there reaches only the outputs of visible pairs. The operands that are weighted by P or dS (v in
 the forward; dO, k, q in the backward) arrive with non-finite entries zeroed, since a weight of
-exactly 0 times NaN would be NaN; ``nonfinite`` puts the NaN back where a visible pair read one.
+exactly 0 times NaN would be NaN.
+
+The NaN goes back where a visible pair read one through a counting pass of the same tile code
+with other operands: q, k, v for dP and dO for dP all 0, lse 0, delta -1 and no bias make
+every visible score 0, so P and dS are the visibility indicator (1 at visible pairs, 0
+elsewhere), and the weighted operands arrive as ``nonfinite.indicator`` arrays: the outputs
+then count, per entry, the visible pairs that read a non-finite input there (the forward's o:
+that count over the number of visible keys).
 """
 
 from __future__ import annotations

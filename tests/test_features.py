@@ -16,7 +16,7 @@ from jax.test_util import check_grads
 
 import tolerance
 from api_helpers import make_inputs, normal
-from jax_flash_metal import flash_attention, implementations, nonfinite, reference_attention
+from jax_flash_metal import flash_attention, implementations, reference_attention
 from jax_flash_metal import xla_attention
 
 B, TQ, TK, H, HKV, D = 2, 9, 11, 4, 2, 16
@@ -30,7 +30,6 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(xla_attention, "DENSE_MAX_LEN", 4)
         monkeypatch.setattr(xla_attention, "BLOCK_Q", 4)
         monkeypatch.setattr(xla_attention, "BLOCK_K", 4)
-        monkeypatch.setattr(nonfinite, "_PREFIX_BLOCK", 4)
         yield request.param
         jax.clear_caches()
     else:

@@ -14,7 +14,7 @@ import pytest
 from jax.test_util import check_grads
 
 from api_helpers import check_against_oracle, make_inputs
-from jax_flash_metal import flash_attention, nonfinite, xla_attention
+from jax_flash_metal import flash_attention, xla_attention
 
 MASKS = [
     dict(),
@@ -33,12 +33,11 @@ SHAPES = [(2, 33, 47, 4, 2), (1, 16, 32, 2, 1), (2, 40, 9, 2, 2), (1, 1, 40, 2, 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """Blocks of 8 query rows x 16 keys, dense only up to 8, prefix sums in blocks of 4."""
+    """Blocks of 8 query rows x 16 keys, dense only up to 8."""
     jax.clear_caches()  # compiled functions keep the tiling they were lowered with
     monkeypatch.setattr(xla_attention, "DENSE_MAX_LEN", 8)
     monkeypatch.setattr(xla_attention, "BLOCK_Q", 8)
     monkeypatch.setattr(xla_attention, "BLOCK_K", 16)
-    monkeypatch.setattr(nonfinite, "_PREFIX_BLOCK", 4)
     yield
     jax.clear_caches()
 
