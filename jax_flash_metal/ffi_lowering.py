@@ -32,7 +32,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 import jax_flash_metal._ext as _ext  # a module import: mypy takes the unbuilt extension as Any
-from .primitives import feature_names
+from .primitives import bwd_p, feature_names, fwd_p, operand_roles
 from ._jax_private import ShapedArray
 
 _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
@@ -110,21 +110,10 @@ def kernel_names(implementation: str) -> frozenset[str]:
     return frozenset(_ext.kernel_names(implementation))
 
 
-# Optional features (primitives.feature_names) the fused kernels of each direction implement
-# (the FFI contract is ffi/attention_ffi.h; today both implement all of it). A call's
-# forward and backward must lower to one implementation, so a fused implementation serves a call
-# only when both directions implement all its features (_lacking_features); other calls go to
-# the xla implementation, or raise when fused is explicit.
-KERNEL_FEATURES: dict[str, frozenset[str]] = {
-    "fwd": frozenset({"bias", "mask", "segment ids", "sinks", "logits_soft_cap"}),
-    "bwd": frozenset({"bias", "mask", "segment ids", "sinks", "logits_soft_cap"}),
-}
-
-
-def _lacking_features(features) -> dict[str, list[str]]:
-    """{feature: the directions whose kernels lack it} for the features some direction lacks."""
-    lacking = {f: [d for d, have in KERNEL_FEATURES.items() if f not in have] for f in features}
-    return {f: directions for f, directions in lacking.items() if directions}
+# Optional features (primitives.feature_names) the fused kernels implement, forward and backward
+# alike (the FFI contract is ffi/attention_ffi.h); calls using another one go to the xla
+# implementation, or raise when fused is explicit.
+KERNEL_FEATURES = frozenset({"bias", "mask", "segment ids", "sinks", "logits_soft_cap"})
 
 
 def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int,
@@ -136,13 +125,11 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
     The device's kernel list is asked (on Metal without compiling anything), so a build whose
     shaders lack a head dim is reported at trace time rather than when the computation runs.
     """
-    lacking = _lacking_features(features)
-    if lacking:
-        where = "; ".join(f"{f}: no {' or '.join(d)} kernels" for f, d in lacking.items())
-        return (f"flash_attention: {', '.join(lacking)} "
-                f"{'is' if len(lacking) == 1 else 'are'} not supported by the "
-                f"{implementation!r} kernels yet ({where}; a call's forward and backward run one "
-                f"implementation); use implementation=None or 'xla' for such calls")
+    missing_features = [f for f in features if f not in KERNEL_FEATURES]
+    if missing_features:
+        return (f"flash_attention: {', '.join(missing_features)} "
+                f"{'is' if len(missing_features) == 1 else 'are'} not supported by the "
+                f"{implementation!r} kernels yet; use implementation=None or 'xla' for such calls")
     dtype = np.dtype(dtype)
     suffix = _DTYPE_SUFFIX.get(dtype)
     if suffix is None:
@@ -175,7 +162,7 @@ def check_supported(implementation: str, direction: str, dtype, head_dim: int,
     reason = unsupported_reason(implementation, direction, dtype, head_dim, features)
     if reason is None:
         return
-    if _lacking_features(features):
+    if any(f not in KERNEL_FEATURES for f in features):
         raise NotImplementedError(reason)
     raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
 
@@ -196,15 +183,14 @@ def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q
                 logits_soft_cap=np.float32(0.0 if logits_soft_cap is None else logits_soft_cap))
 
 
-def _contract_operands(ctx: mlir.LoweringRuleContext, args, num_main: int, params):
-    """(avals, args) with the bias in a dtype the FFI contract takes: the dtype of q, or float32
-    (a bias of another float dtype is converted, exactly). ``num_main``: operands before the
-    optional ones (validation.Operands order: lengths, segment ids, bias, mask, sinks)."""
+def _contract_operands(ctx: mlir.LoweringRuleContext, args, prim, params):
+    """(avals, args) of primitive ``prim``'s call with the bias in a dtype the FFI contract
+    takes: the dtype of q, or float32 (a bias of another float dtype is converted, exactly)."""
     avals, args = list(ctx.avals_in), list(args)
-    if not params.get("has_bias"):
+    roles = operand_roles(prim, params)
+    if "bias" not in roles:
         return avals, args
-    n = num_main + sum(bool(params.get(f)) for f in ("has_q_lengths", "has_kv_lengths"))
-    n += 2 * bool(params.get("has_segment_ids"))
+    n = roles.index("bias")
     bias, q = (cast(ShapedArray, avals[i]) for i in (n, 0))
     if bias.dtype not in (q.dtype, np.dtype(np.float32)):
         f32 = ShapedArray(bias.shape, np.float32)
@@ -235,7 +221,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
         _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, k.shape[1], num_heads, k.shape[2],
         head_dim, implementation)
     workspace = ShapedArray((workspace_elements,), np.float32)
-    avals, args = _contract_operands(ctx, args, 3, params)
+    avals, args = _contract_operands(ctx, args, fwd_p, params)
     call_ctx = ctx.replace(avals_in=avals, avals_out=(*ctx.avals_out, workspace))
     rule = jax.ffi.ffi_lowering(_target("fwd", implementation))
     return list(rule(call_ctx, *args, **_attributes(**params)))[:3]
@@ -262,7 +248,7 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_gr
     full = (batch, num_heads, q_len, k.shape[1])
     dbias = ShapedArray(full if bias_grad else (0,), np.float32)
     delta = ShapedArray((batch, num_heads, q_len), np.float32)
-    avals, args = _contract_operands(ctx, args, 8, params)
+    avals, args = _contract_operands(ctx, args, bwd_p, params)
     keep = [n for n in range(len(args)) if n != _BWD_LSE_OPERAND]
     call_ctx = ctx.replace(avals_in=[avals[n] for n in keep],
                            avals_out=(*ctx.avals_out[:3], dbias, delta))

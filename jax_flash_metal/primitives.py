@@ -182,7 +182,7 @@ def _fold_broadcast(x, dim, size, batch, keep_unbatched):
     return x.reshape((size * batch,) + x.shape[2:])
 
 
-def _roles(prim, params):
+def operand_roles(prim, params):
     """The role of each operand: "main" or the Operands field name."""
     flags = Operands.flags(*(bool(params.get(f, False)) for f in _FLAG_NAMES))
     return ["main"] * _NUM_MAIN[prim] + [n for n, f in zip(Operands._fields, flags) if f]
@@ -211,7 +211,7 @@ def _make_batcher(prim):
         if all(d is None for d in dims):  # nothing vmapped: bind as is, outputs unbatched
             outs = prim.bind(*args, **params)
             return outs, [None] * len(outs)
-        roles = _roles(prim, params)
+        roles = operand_roles(prim, params)
         if any(r == "sinks" and d is not None for r, d in zip(roles, dims)):
             return _map_batcher(prim, args, dims, params)
         size = axis_data.size
