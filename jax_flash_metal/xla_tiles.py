@@ -120,7 +120,8 @@ def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=N
     """(o, lse) of a tile that holds every key of its rows (the dense path), in two passes over
     the scores instead of the online softmax: m = max S, l = sum exp(S - m) (plus the sinks as
     in ``forward_finish``), lse = m + log l (-inf for a row that sees no key), then
-    o = P V with P = ``probabilities(S, lse)``, the same P the backward recomputes."""
+    o = P V / (l exp(m - lse)) with P = ``probabilities(S, lse)``, the same P the backward
+    recomputes (the divisor is 1 but for rows whose lse rounds to m)."""
     s = _scores(q, k_nan, bias, cap)[0]
     m = jnp.maximum(jnp.max(_masked(visible, s, -jnp.inf), axis=-1), LOWEST)
     if sinks is not None:
@@ -129,8 +130,8 @@ def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=N
     if sinks is not None:
         l = l + jnp.exp(sinks - m)
     lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l))
-    # P V / (l exp(m - lse)) = P V in exact arithmetic; where lse rounds to m (every score of the
-    # row near a huge offset, e.g. an additive -1e9 mask) it restores the normalisation.
+    # The divisor is 1 in exact arithmetic; where lse rounds to m (every score of the row near a
+    # huge offset, e.g. an additive -1e9 mask) it restores the normalisation.
     norm = jnp.where(l == 0.0, 1.0, 1.0 / (l * jnp.exp(m - jnp.maximum(lse, LOWEST))))
     o = _dot("bhgqk,bhkd->bhgqd", probabilities(s, lse, visible), v_zeroed)
     return o * norm[..., None], lse
