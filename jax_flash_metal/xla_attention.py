@@ -11,7 +11,8 @@ forward walks key blocks with an online softmax, the backward recomputes each ti
 
 Size rule: a problem with ``q_len <= DENSE_MAX_LEN`` and ``kv_len <= DENSE_MAX_LEN`` runs as one
 dense tile (no loops: fastest when the scores are small; a two-pass softmax whose P is the one
-the backward recomputes, so in one jit XLA computes scores and P once). Anything larger is tiled into blocks of
+the backward recomputes, so in one jit XLA computes scores and P once; its backward forms delta's
+rowsum(dO O) as rowsum(P dP), so it does not read O). Anything larger is tiled into blocks of
 ``BLOCK_Q`` query rows by ``BLOCK_K`` keys: a scan over query blocks with an inner loop over only
 the key blocks that intersect the causal/window band and the valid lengths (the forward), and a
 scan over key blocks with an inner loop over the query blocks that can see them (the backward,
@@ -21,7 +22,10 @@ is then O(B * H * BLOCK_Q * BLOCK_K) plus the float32 copies of the inputs: line
 Non-finite inputs (DESIGN.md section 3): rows past the lengths are zeroed first (padding is never
 read). The tiles get each operand in the form that keeps NaN from reaching invisible pairs
 (``xla_tiles``: non-finite key rows all-NaN, weighted values with non-finite entries zeroed).
-Only when some input is non-finite (the forward sums v; the backward checks lse and delta), the
+Without causal, window, lengths, mask, segment ids and bias, no pair of real positions is hidden
+(only zero padding is), so the weighted values keep their non-finite entries (as NaN) and the
+matmuls place NaN exactly by themselves: nothing more is computed or compiled for it. Otherwise,
+only when some input is non-finite (the forward sums v; the backward checks lse and delta), the
 loops of the tiled path run a second, counting pass over the same blocks (``xla_tiles``), whose
 outputs count per entry the visible pairs that read a non-finite input there, and the outputs
 get NaN where a count is positive. The counting pass is the same loop body with other operand
@@ -177,6 +181,12 @@ def _zero_nonfinite(x):
     return jnp.where(jnp.isfinite(x), x, 0.0)
 
 
+def _nan_entries(x):
+    """x with every non-finite entry NaN (x - x is 0 for a finite entry, else NaN): a matmul
+    that weighs it then gives NaN, where an Inf could have given a finite or infinite value."""
+    return x + (x - x)
+
+
 def _pad_axis(x, axis, size, value):
     """x padded at the end of ``axis`` to ``size`` (unless that axis broadcasts: size 1)."""
     if x.shape[axis] == 1 or x.shape[axis] == size:
@@ -301,6 +311,12 @@ class _Blocks:
         self.check_rows = operands.q_lengths is not None or t.nq * t.br != q_len
         self.check_keys = operands.kv_lengths is not None or t.nk * t.bc != kv_len
         self.features = _Features(operands, kv_heads, t)
+        # Whether some pair of real positions is hidden (else only the zero padding of the
+        # last blocks is): only then can a weight of 0 meet a non-finite entry, so only then
+        # do the weighted operands need zeroing and NaN placement its counting pass.
+        self.hides_pairs = (band.left is not None or band.right is not None
+                            or operands.q_lengths is not None or operands.kv_lengths is not None
+                            or self.features.present)
         self.static = (operands.q_lengths is None and operands.kv_lengths is None
                        and operands.q_segment_ids is None)
         self.meets = self.features.meets(
@@ -334,7 +350,7 @@ class _Blocks:
         passes, slots = _passes(counting)
 
         def query_block(i, results):
-            p, r = i // t.nq, i % t.nq
+            p, r = (0, i) if counting is None else (i // t.nq, i % t.nq)
             q = rows(p, r)
             state = jax.lax.fori_loop(_block(firsts, r), _block(lasts, r),
                                       lambda c, s: step(s, p, c, q, self.visible(r, c)), init(q))
@@ -368,7 +384,7 @@ class _Blocks:
 
         def key_block(i, accs):
             (row_acc, pair_acc), key_acc = accs
-            p, c = i // t.nk, i % t.nk
+            p, c = (0, i) if counting is None else (i // t.nk, i % t.nk)
             xs = key_xs(p, c)
 
             def body(r, accs):
@@ -435,22 +451,27 @@ def _poison_if(pred, outs, counts_fn):
 
 def _of_pass(p, x, counting_value=0.0):
     """An operand block of pass ``p``: x, or ``counting_value`` in the counting pass (p == 1,
-    xla_tiles); x itself where p is a Python int (the dense tile has one pass). Computed per
+    xla_tiles); x itself where p is a Python int (a loop without a counting pass, or the dense
+    tile). Computed per
     block inside the loops, so no counting-pass copy of an operand is ever stored."""
     if x is None or isinstance(p, int):
         return x
     return jnp.where(p == 1, counting_value, x)
 
 
-def _weighted(p, x):
+def _weighted(p, x, hides_pairs):
     """A block of an operand that P or dS weighs: x with non-finite entries zeroed, or (counting
-    pass) its indicator."""
+    pass) its indicator; where no pair is hidden (``_Blocks.hides_pairs`` false), x with them
+    NaN, so the matmuls place NaN and no counting pass is needed."""
+    if not hides_pairs:
+        return _nan_entries(x)
     return _of_pass(p, _zero_nonfinite(x), nonfinite.indicator(x))
 
 
 def _counted(x):
-    """Pass 0's result with NaN where the counting pass (slot 1) counted a non-finite read."""
-    return nonfinite.poison(x[0], x[1])
+    """Pass 0's result with NaN where the counting pass (slot 1, if any) counted a non-finite
+    read."""
+    return x[0] if x.shape[0] == 1 else nonfinite.poison(x[0], x[1])
 
 
 # ------------------------------------------------------------------------- forward
@@ -470,31 +491,33 @@ def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left
     qb = _query_blocks(q, kv_heads, t, _valid(operands.q_lengths, q_len), scale)
     kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
     sinks = None if operands.sinks is None else operands.sinks.reshape(1, kv_heads, -1, 1)
-    nonfinite_v = ~_all_finite(v)
+    # NaN placement needs a counting pass (or the dense tile's counts) only where pairs are
+    # hidden and some value is non-finite.
+    counting = ~_all_finite(v) if blocks.hides_pairs else None
 
     if t.dense:
         o, lse = tiles.forward_whole_rows(_nan_rows(qb)[0], _nan_rows(kb)[0],
-                                          _zero_nonfinite(vb)[0],
+                                          _weighted(0, vb, blocks.hides_pairs)[0],
                                           *blocks.visible(0, 0), logits_soft_cap, sinks)
-        (o,) = _poison_if(nonfinite_v, [o[None]],
-                          lambda: [_tile_counts_forward(blocks, vb, num_heads)])
-        lse = lse[None]
+        o, lse = o[None], lse[None]
+        if counting is not None:
+            (o,) = _poison_if(counting, [o], lambda: [_tile_counts_forward(blocks, vb, num_heads)])
     else:
         q_nan, k_nan = _nan_rows(qb), _nan_rows(kb)
 
         def step(state, p, c, q, tile):  # q: the rows of q_nan
             visible, bias = tile
             return tiles.forward_step(state, q, _of_pass(p, _block(k_nan, c)),
-                                      _weighted(p, _block(vb, c)), visible, _of_pass(p, bias),
+                                      _weighted(p, _block(vb, c), blocks.hides_pairs), visible,
+                                      _of_pass(p, bias),
                                       logits_soft_cap)
 
         def finish(state, p):  # the counting pass has no sinks
-            return tiles.forward_finish(
-                state, None if sinks is None else jnp.where(p == 1, -jnp.inf, sinks))
+            return tiles.forward_finish(state, _of_pass(p, sinks, -jnp.inf))
 
         o, lse = blocks.over_query_blocks(tiles.running_init, step, finish,
                                           lambda p, r: _of_pass(p, _block(q_nan, r)),
-                                          nonfinite_v)
+                                          counting)
         o, lse = _counted(o), lse[0]
     o = _from_query_blocks(o, q_len, q.dtype)
     return o, _from_row_blocks(lse, q_len)
@@ -543,8 +566,10 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     blocks, t = _setup(q, k, operands, is_causal, window_left, window_right, bottom_right)
     q_valid = _valid(operands.q_lengths, q_len)
     kv_valid = _valid(operands.kv_lengths, kv_len)
-    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(F32), o.astype(F32),
-                       precision=jax.lax.Precision.HIGHEST) - g_lse.astype(F32)
+    delta = -g_lse.astype(F32)
+    if not t.dense:  # the dense tile adds rowsum(P dP) itself (backward_tile's whole_rows)
+        delta = delta + jnp.einsum("bqhd,bqhd->bhq", do.astype(F32), o.astype(F32),
+                                   precision=jax.lax.Precision.HIGHEST)
     if q_valid is not None:
         delta = jnp.where(q_valid[:, None, :], delta, 0.0)
     qb, dob = _query_blocks(q, kv_heads, t, q_valid, scale), _query_blocks(do, kv_heads, t,
@@ -552,11 +577,16 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
     # A visible pair read a non-finite q or k entry exactly when some row's lse is NaN (the
     # score is NaN: _nan_rows), and a non-finite dO entry of a row makes its delta non-finite
-    # (dO * O has no finite value for it): two checks of [B, H, Tq] arrays instead of reading
-    # q, k and dO again. Other causes (a NaN O, bias or g_lse) only run the counting pass.
-    nonfinite_read = jnp.isnan(jnp.sum(lse)) | ~_all_finite(delta)
+    # (dO * O has no finite value for it): the tiled path checks [B, H, Tq] arrays instead of
+    # reading q, k and dO again (the dense tile's delta is formed inside it: it checks dO).
+    # Other causes (a NaN O, bias or g_lse) only run the counting pass. Where no pair is
+    # hidden, the matmuls place NaN themselves (``_weighted``).
+    nonfinite_read = None
+    if blocks.hides_pairs:
+        nonfinite_read = jnp.isnan(jnp.sum(lse)) | ~_all_finite(delta, *([do] if t.dense else []))
     dbias_init = jnp.zeros(blocks.features.bias.shape, F32) if bias_grad else None
     counting = None if t.dense else nonfinite_read
+    hides = blocks.hides_pairs
     q_nan, k_nan = _nan_rows(qb), _nan_rows(kb)
     lse_b, delta_b = _row_blocks(lse, kv_heads, t), _row_blocks(delta, kv_heads, t)
 
@@ -564,19 +594,20 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
         visible, bias = visible_bias
         q_r, do_r = _block(qb, r), _block(dob, r)
         dq, dk, dv, ds = tiles.backward_tile(tiles.BackwardOperands(
-            _of_pass(p, _block(q_nan, r)), _weighted(p, q_r), *xs, _of_pass(p, do_r),
-            _weighted(p, do_r), _of_pass(p, _block(lse_b, r)),
-            _of_pass(p, _block(delta_b, r), -1.0)), visible, _of_pass(p, bias), logits_soft_cap)
+            _of_pass(p, _block(q_nan, r)), _weighted(p, q_r, hides), *xs, _of_pass(p, do_r),
+            _weighted(p, do_r, hides), _of_pass(p, _block(lse_b, r)),
+            _of_pass(p, _block(delta_b, r), -1.0)), visible, _of_pass(p, bias), logits_soft_cap,
+            t.dense)
         return dq, (dk, dv), _of_pass(p, ds)
 
     def key_xs(p, c):
-        return (_of_pass(p, _block(k_nan, c)), _weighted(p, _block(kb, c)),
+        return (_of_pass(p, _block(k_nan, c)), _weighted(p, _block(kb, c), hides),
                 _of_pass(p, _block(vb, c)))
 
     slots = _passes(counting)[1]
     dq, (dk, dv), dbias = blocks.over_key_blocks(
         jnp.zeros((slots,) + qb.shape, F32), tile, key_xs, dbias_init, counting)
-    if t.dense:
+    if t.dense and nonfinite_read is not None:
         dq, dk, dv = _poison_if(nonfinite_read, [dq[0], dk[0], dv[0]],
                                 lambda: _tile_counts_backward(blocks, qb, kb, dob))
     else:

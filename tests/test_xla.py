@@ -103,6 +103,23 @@ def test_blockwise_nan_placement(small_blocks):
     assert np.isnan(o[0, 21:30, 0, 3]).all() and np.isfinite(o[0, 21:30, 0, :3]).all()
 
 
+@pytest.mark.parametrize("blocks", [False, True])
+def test_nan_placement_without_hidden_pairs(request, blocks):
+    """With no mask of any kind every pair is visible but the zero padding of the last blocks
+    (33 rows, 47 keys), and the matmuls place NaN themselves: Inf and NaN in each input reach
+    exactly the outputs the oracle says (an Inf value must give NaN, not Inf)."""
+    if blocks:
+        request.getfixturevalue("small_blocks")
+    q, k, v, do, g = make_inputs(55, 2, 33, 47, 4, 2, 16, jnp.float32)
+    v = v.at[0, 21, 0, 3].set(jnp.inf)
+    k = k.at[1, 40, 1, 0].set(-jnp.inf)
+    q = q.at[0, 12, 3, 7].set(jnp.nan)
+    do = do.at[1, 5, 0, 2].set(jnp.inf)
+    actual, _ = check_against_oracle(q, k, v, do, g, implementation="xla")
+    o = np.asarray(actual["o"])
+    assert np.isnan(o[0, :, :2, 3]).all() and np.isfinite(o[0, :12, :2, :3]).all()
+
+
 @pytest.mark.parametrize("kw", [MASKS[0], MASKS[5]])
 def test_blockwise_check_grads(small_blocks, kw):
     q, k, v, _, _ = make_inputs(53, 1, 20, 23, 2, 1, 8, jnp.float32)
