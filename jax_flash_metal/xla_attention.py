@@ -21,7 +21,7 @@ is then O(B * H * BLOCK_Q * BLOCK_K) plus the float32 copies of the inputs: line
 
 Non-finite inputs (DESIGN.md section 3): rows past the lengths are zeroed first (padding is never
 read). The tiles get each operand in the form that keeps NaN from reaching invisible pairs
-(``xla_tiles``: non-finite key rows all-NaN, weighted values with non-finite entries zeroed).
+(``xla_tiles``: non-finite entries NaN, weighted values with non-finite entries zeroed).
 Without causal, window, lengths, mask, segment ids and bias, no pair of real positions is hidden
 (only zero padding is), so the weighted values keep their non-finite entries (as NaN) and the
 matmuls place NaN exactly by themselves: nothing more is computed or compiled for it. Otherwise,
@@ -82,14 +82,15 @@ def _valid(lengths, size):
 
 
 def _query_blocks(x, kv_heads, t: _Tiling, valid, scale=1.0):
-    """[B, Tq, H, D] -> float32 [nq, B, HKV, G, Br, D], rows past the lengths zeroed."""
+    """[B, Tq, H, D] -> float32 [nq, B, HKV, G, Br, D], rows past the lengths zeroed, other
+    non-finite entries NaN (``_nan_entries``)."""
     b, length, h, d = x.shape
     x = x.astype(F32)
     if valid is not None:
         x = jnp.where(valid[:, :, None, None], x, 0.0)
     if scale != 1.0:
         x = x * jnp.float32(scale)
-    x = jnp.pad(x, ((0, 0), (0, t.nq * t.br - length), (0, 0), (0, 0)))
+    x = jnp.pad(_nan_entries(x), ((0, 0), (0, t.nq * t.br - length), (0, 0), (0, 0)))
     return x.reshape(b, t.nq, t.br, kv_heads, h // kv_heads, d).transpose(1, 0, 3, 4, 2, 5)
 
 
@@ -99,12 +100,13 @@ def _from_query_blocks(x, length, dtype):
 
 
 def _key_blocks(x, t: _Tiling, valid):
-    """[B, Tkv, HKV, D] -> float32 [nk, B, HKV, Bc, D], keys past the lengths zeroed."""
+    """[B, Tkv, HKV, D] -> float32 [nk, B, HKV, Bc, D], keys past the lengths zeroed, other
+    non-finite entries NaN."""
     b, length, hkv, d = x.shape
     x = x.astype(F32)
     if valid is not None:
         x = jnp.where(valid[:, :, None, None], x, 0.0)
-    x = jnp.pad(x, ((0, 0), (0, t.nk * t.bc - length), (0, 0), (0, 0)))
+    x = jnp.pad(_nan_entries(x), ((0, 0), (0, t.nk * t.bc - length), (0, 0), (0, 0)))
     return x.reshape(b, t.nk, t.bc, hkv, d).transpose(1, 0, 3, 2, 4)
 
 
@@ -171,19 +173,14 @@ def _block_ranges(lo, hi, n, size, other):
             jnp.where(none, 0, (last + other - 1) // other))
 
 
-def _nan_rows(x):
-    """A query or key row with any non-finite entry becomes all-NaN, so its scores are NaN
-    (adding the row's sum of x - x: 0 for a finite row, NaN otherwise)."""
-    return x + jnp.sum(x - x, axis=-1, keepdims=True)
-
-
 def _zero_nonfinite(x):
     return jnp.where(jnp.isfinite(x), x, 0.0)
 
 
 def _nan_entries(x):
-    """x with every non-finite entry NaN (x - x is 0 for a finite entry, else NaN): a matmul
-    that weighs it then gives NaN, where an Inf could have given a finite or infinite value."""
+    """x with every non-finite entry NaN (x - x is 0 for a finite entry, else NaN). A matmul
+    then gives NaN wherever it reads one, where an Inf could have given a finite or infinite
+    value: a query or key with one scores NaN against every key or query."""
     return x + (x - x)
 
 
@@ -460,11 +457,12 @@ def _of_pass(p, x, counting_value=0.0):
 
 
 def _weighted(p, x, hides_pairs):
-    """A block of an operand that P or dS weighs: x with non-finite entries zeroed, or (counting
-    pass) its indicator; where no pair is hidden (``_Blocks.hides_pairs`` false), x with them
-    NaN, so the matmuls place NaN and no counting pass is needed."""
+    """A block of an operand that P or dS weighs (x: its non-finite entries NaN): x with them
+    zeroed, or (counting pass) its indicator; where no pair is hidden
+    (``_Blocks.hides_pairs`` false), x itself, so the matmuls place NaN and no counting pass is
+    needed."""
     if not hides_pairs:
-        return _nan_entries(x)
+        return x
     return _of_pass(p, _zero_nonfinite(x), nonfinite.indicator(x))
 
 
@@ -496,18 +494,15 @@ def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left
     counting = ~_all_finite(v) if blocks.hides_pairs else None
 
     if t.dense:
-        o, lse = tiles.forward_whole_rows(_nan_rows(qb)[0], _nan_rows(kb)[0],
-                                          _weighted(0, vb, blocks.hides_pairs)[0],
+        o, lse = tiles.forward_whole_rows(qb[0], kb[0], _weighted(0, vb, blocks.hides_pairs)[0],
                                           *blocks.visible(0, 0), logits_soft_cap, sinks)
         o, lse = o[None], lse[None]
         if counting is not None:
             (o,) = _poison_if(counting, [o], lambda: [_tile_counts_forward(blocks, vb, num_heads)])
     else:
-        q_nan, k_nan = _nan_rows(qb), _nan_rows(kb)
-
-        def step(state, p, c, q, tile):  # q: the rows of q_nan
+        def step(state, p, c, q, tile):  # q: the rows of qb
             visible, bias = tile
-            return tiles.forward_step(state, q, _of_pass(p, _block(k_nan, c)),
+            return tiles.forward_step(state, q, _of_pass(p, _block(kb, c)),
                                       _weighted(p, _block(vb, c), blocks.hides_pairs), visible,
                                       _of_pass(p, bias),
                                       logits_soft_cap)
@@ -516,7 +511,7 @@ def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left
             return tiles.forward_finish(state, _of_pass(p, sinks, -jnp.inf))
 
         o, lse = blocks.over_query_blocks(tiles.running_init, step, finish,
-                                          lambda p, r: _of_pass(p, _block(q_nan, r)),
+                                          lambda p, r: _of_pass(p, _block(qb, r)),
                                           counting)
         o, lse = _counted(o), lse[0]
     o = _from_query_blocks(o, q_len, q.dtype)
@@ -576,7 +571,7 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
                                                                            q_valid)
     kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
     # A visible pair read a non-finite q or k entry exactly when some row's lse is NaN (the
-    # score is NaN: _nan_rows), and a non-finite dO entry of a row makes its delta non-finite
+    # score is NaN: _nan_entries), and a non-finite dO entry of a row makes its delta non-finite
     # (dO * O has no finite value for it): the tiled path checks [B, H, Tq] arrays instead of
     # reading q, k and dO again (the dense tile's delta is formed inside it: it checks dO).
     # Other causes (a NaN O, bias or g_lse) only run the counting pass. Where no pair is
@@ -587,22 +582,21 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     dbias_init = jnp.zeros(blocks.features.bias.shape, F32) if bias_grad else None
     counting = None if t.dense else nonfinite_read
     hides = blocks.hides_pairs
-    q_nan, k_nan = _nan_rows(qb), _nan_rows(kb)
     lse_b, delta_b = _row_blocks(lse, kv_heads, t), _row_blocks(delta, kv_heads, t)
 
     def tile(p, r, c, xs, visible_bias):
         visible, bias = visible_bias
         q_r, do_r = _block(qb, r), _block(dob, r)
         dq, dk, dv, ds = tiles.backward_tile(tiles.BackwardOperands(
-            _of_pass(p, _block(q_nan, r)), _weighted(p, q_r, hides), *xs, _of_pass(p, do_r),
+            _of_pass(p, q_r), _weighted(p, q_r, hides), *xs, _of_pass(p, do_r),
             _weighted(p, do_r, hides), _of_pass(p, _block(lse_b, r)),
             _of_pass(p, _block(delta_b, r), -1.0)), visible, _of_pass(p, bias), logits_soft_cap,
             t.dense)
         return dq, (dk, dv), _of_pass(p, ds)
 
     def key_xs(p, c):
-        return (_of_pass(p, _block(k_nan, c)), _weighted(p, _block(kb, c), hides),
-                _of_pass(p, _block(vb, c)))
+        k_c = _block(kb, c)
+        return _of_pass(p, k_c), _weighted(p, k_c, hides), _of_pass(p, _block(vb, c))
 
     slots = _passes(counting)[1]
     dq, (dk, dv), dbias = blocks.over_key_blocks(

@@ -8,12 +8,13 @@ pair of the tile is visible, ``bias`` float32 broadcastable the same way or None
 multiplied by the softmax scale. Scores are ``cap(q . k) + bias`` (``features.soft_cap``).
 
 Non-finite inputs (DESIGN.md section 3) cost nothing here: the caller passes each operand in the
-form that makes plain matmuls place NaN exactly. Scores use q and k with every non-finite row
-made all-NaN (a key with an Inf entry scores NaN, not a -inf that would quietly weigh it 0);
-dP uses raw v and dO; and scores, P and dS are selected with ``visible`` before any sum, so a NaN
-there reaches only the outputs of visible pairs. The operands that are weighted by P or dS (v in
-the forward; dO, k, q in the backward) arrive with non-finite entries zeroed, since a weight of
-exactly 0 times NaN would be NaN.
+form that makes plain matmuls place NaN exactly. Every operand arrives with its non-finite
+entries NaN, so a query or key with one scores NaN (a key with an Inf entry scores NaN, not a
+-inf that would quietly weigh it 0), and so does dP; scores, P and dS are selected with
+``visible`` before any sum, so a NaN there reaches only the outputs of visible pairs. Where some
+pair is hidden, the operands that are weighted by P or dS (v in the forward; dO, k, q in the
+backward) arrive with non-finite entries zeroed instead, since a weight of exactly 0 times NaN
+would be NaN.
 
 The NaN goes back where a visible pair read one through a counting pass of the same tile code
 with other operands: q, k, v for dP and dO for dP all 0, lse 0, delta -1 and no bias make
@@ -98,12 +99,12 @@ def forward_finish(state, sinks=None):
 class BackwardOperands(NamedTuple):
     """One tile's backward inputs, each in the form the module docstring gives."""
 
-    q: jax.Array         # non-finite rows all-NaN, times scale (for the scores)
+    q: jax.Array         # non-finite entries NaN, times scale (for the scores)
     q_zeroed: jax.Array  # non-finite entries 0 (for dK)
-    k_nan: jax.Array     # non-finite key rows all-NaN (for the scores)
+    k_nan: jax.Array     # non-finite entries NaN (for the scores)
     k_zeroed: jax.Array  # (for dQ)
-    v: jax.Array         # raw (for dP)
-    do: jax.Array        # raw (for dP)
+    v: jax.Array         # non-finite entries NaN (for dP)
+    do: jax.Array        # (for dP)
     do_zeroed: jax.Array  # (for dV)
     lse: jax.Array
     delta: jax.Array     # rowsum(dO O) - g_lse, or only -g_lse with ``whole_rows``
