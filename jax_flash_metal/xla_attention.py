@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import features, nonfinite, visibility
 from . import xla_tiles as tiles
@@ -135,8 +136,14 @@ def _all_finite(*xs):
     return jnp.isfinite(functools.reduce(jnp.add, [jnp.sum(x, dtype=F32) for x in xs]))
 
 
+def _index(i):
+    """A start index as uint32: JAX adds no negative-index wrap-around to an unsigned one (a
+    compare and select per index, in tracing and in each loop iteration's compiled code)."""
+    return jnp.asarray(i).astype(jnp.uint32)
+
+
 def _start(index, ndim):
-    return [jnp.asarray(i, jnp.int32) for i in index] + [jnp.int32(0)] * (ndim - len(index))
+    return [_index(i) for i in index] + [np.uint32(0)] * (ndim - len(index))
 
 
 def _block(x, *index):
@@ -195,7 +202,9 @@ def _pad_axis(x, axis, size, value):
 
 def _slice_axis(x, axis, start, size):
     """The block [start, start + size) of ``axis``, or x itself where that axis broadcasts."""
-    return x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+    if x.shape[axis] == 1:
+        return x
+    return jax.lax.dynamic_slice_in_dim(x, _index(start), size, axis)
 
 
 class _Features:
@@ -237,8 +246,8 @@ class _Features:
         mask = None if self.mask is None else self._block(self.mask, r, c)
         qs = ks = None
         if self.q_segments is not None:
-            qs = jax.lax.dynamic_slice_in_dim(self.q_segments, r * t.br, t.br, 1)
-            ks = jax.lax.dynamic_slice_in_dim(self.kv_segments, c * t.bc, t.bc, 1)
+            qs = _slice_axis(self.q_segments, 1, r * t.br, t.br)
+            ks = _slice_axis(self.kv_segments, 1, c * t.bc, t.bc)
         return features.visible(mask, bias, qs, ks), bias
 
     def add_block(self, acc, r, c, ds):
@@ -248,7 +257,7 @@ class _Features:
         part = jnp.sum(ds, axis=axes, keepdims=True)
         t = self.t
         start = [0, 0, 0, 0 if acc.shape[3] == 1 else r * t.br, 0 if acc.shape[4] == 1 else c * t.bc]
-        start = [jnp.asarray(x, jnp.int32) for x in start]
+        start = [_index(x) for x in start]
         return jax.lax.dynamic_update_slice(
             acc, jax.lax.dynamic_slice(acc, start, part.shape) + part, start)
 
