@@ -82,17 +82,31 @@ def _valid(lengths, size):
     return None if lengths is None else jnp.arange(size)[None, :] < lengths[:, None]
 
 
-def _query_blocks(x, kv_heads, t: _Tiling, valid, scale=1.0):
-    """[B, Tq, H, D] -> float32 [nq, B, HKV, G, Br, D], rows past the lengths zeroed, other
-    non-finite entries NaN (``_nan_entries``)."""
-    b, length, h, d = x.shape
+def _split_rows(x, n, size):
+    """[B, T, ...] -> [B, n, size, ...], padded with zeros (False) at the end of T."""
+    pad = [(0, 0), (0, n * size - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, pad).reshape(x.shape[0], n, size, *x.shape[2:])
+
+
+def _operand_form(x, valid, scale=1.0):
+    """float32 x with the positions past the lengths (``valid`` False) zeroed, times
+    ``scale``, other non-finite entries NaN (``_nan_entries``). Applied after the transpose to
+    the block layout, so XLA writes that layout in one pass."""
     x = x.astype(F32)
     if valid is not None:
-        x = jnp.where(valid[:, :, None, None], x, 0.0)
+        x = jnp.where(valid, x, 0.0)
     if scale != 1.0:
         x = x * jnp.float32(scale)
-    x = jnp.pad(_nan_entries(x), ((0, 0), (0, t.nq * t.br - length), (0, 0), (0, 0)))
-    return x.reshape(b, t.nq, t.br, kv_heads, h // kv_heads, d).transpose(1, 0, 3, 4, 2, 5)
+    return _nan_entries(x)
+
+
+def _query_blocks(x, kv_heads, t: _Tiling, valid, scale=1.0):
+    """[B, Tq, H, D] -> float32 [nq, B, HKV, G, Br, D] in ``_operand_form``."""
+    b, _, h, d = x.shape
+    x = _split_rows(x, t.nq, t.br).reshape(b, t.nq, t.br, kv_heads, h // kv_heads, d)
+    if valid is not None:
+        valid = _split_rows(valid, t.nq, t.br).transpose(1, 0, 2)[:, :, None, None, :, None]
+    return _operand_form(x.transpose(1, 0, 3, 4, 2, 5), valid, scale)
 
 
 def _from_query_blocks(x, length, dtype):
@@ -101,14 +115,10 @@ def _from_query_blocks(x, length, dtype):
 
 
 def _key_blocks(x, t: _Tiling, valid):
-    """[B, Tkv, HKV, D] -> float32 [nk, B, HKV, Bc, D], keys past the lengths zeroed, other
-    non-finite entries NaN."""
-    b, length, hkv, d = x.shape
-    x = x.astype(F32)
+    """[B, Tkv, HKV, D] -> float32 [nk, B, HKV, Bc, D] in ``_operand_form``."""
     if valid is not None:
-        x = jnp.where(valid[:, :, None, None], x, 0.0)
-    x = jnp.pad(_nan_entries(x), ((0, 0), (0, t.nk * t.bc - length), (0, 0), (0, 0)))
-    return x.reshape(b, t.nk, t.bc, hkv, d).transpose(1, 0, 3, 2, 4)
+        valid = _split_rows(valid, t.nk, t.bc).transpose(1, 0, 2)[:, :, None, :, None]
+    return _operand_form(_split_rows(x, t.nk, t.bc).transpose(1, 0, 3, 2, 4), valid)
 
 
 def _from_key_blocks(x, length, dtype):
