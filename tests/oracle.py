@@ -94,10 +94,14 @@ def _probabilities(q, k, scale, mask, bias=None, logits_soft_cap=None, sinks=Non
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     qh, kh = _heads(q, q.shape[2]), _heads(k, q.shape[2])
     with np.errstate(invalid="ignore", over="ignore"):
-        finite_k = np.isfinite(kh)
-        s = scale * np.einsum("bhqd,bhkd->bhqk", qh, np.where(finite_k, kh, 0.0))
+        # A query or key with a non-finite entry scores NaN against every key or query (an
+        # Inf could otherwise give an infinite score that a soft cap makes finite).
+        finite_q, finite_k = np.isfinite(qh), np.isfinite(kh)
+        s = scale * np.einsum("bhqd,bhkd->bhqk", np.where(finite_q, qh, 0.0),
+                              np.where(finite_k, kh, 0.0))
+        bad_q = (~finite_q).any(axis=-1)[:, :, :, None]
         bad_k = (~finite_k).any(axis=-1)[:, :, None, :]
-        s = np.where(bad_k, np.nan, s)
+        s = np.where(bad_q | bad_k, np.nan, s)
         cap_slope = np.ones_like(s)
         if logits_soft_cap is not None:
             c = float(logits_soft_cap)

@@ -150,6 +150,17 @@ def test_soft_cap_with_large_logits(blocks, dtype):
                            np.asarray(run(q, k, v, do, g)["o"], np.float32), atol=1e-2)
 
 
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=str)
+def test_soft_cap_keeps_non_finite_queries_nan(implementation, blocks, bad):
+    """A query with an Inf entry propagates NaN (DESIGN.md section 3) even though the cap
+    would squash its infinite scores to finite ones."""
+    q, k, v, do, g = inputs(12)
+    q = q.at[1, 3, 2, 0].set(bad)
+    got, _ = check(q, k, v, do, g, names=tolerance.OUTPUTS, logits_soft_cap=5.0,
+                   implementation=implementation)
+    assert np.isnan(np.asarray(got["o"])[1, 3, 2]).all()
+
+
 def test_sinks_with_empty_rows(blocks):
     """Sinks join every denominator; empty rows (a zero kv length, rows past q_len, a window
     that misses) output 0 with LSE = the sink; dsinks matches the oracle."""

@@ -105,7 +105,7 @@ def assert_matches_oracle(name, actual, expected, baseline_value=None, kind=None
     assert a.shape == e.shape, f"{name}: shape {a.shape} != oracle {e.shape}"
     finite = np.isfinite(e)
     assert np.array_equal(a[np.isinf(e)], e[np.isinf(e)]), f"{name}: infinities differ from oracle"
-    assert not np.isfinite(a[np.isnan(e)]).any(), f"{name}: NaN in oracle not propagated"
+    assert np.isnan(a[np.isnan(e)]).all(), f"{name}: NaN in oracle not propagated as NaN"
     assert np.isfinite(a[finite]).all(), f"{name}: non-finite values where the oracle is finite"
     if not finite.any():
         return
