@@ -1,10 +1,11 @@
 """Exact NaN placement for the xla implementation (DESIGN.md section 3).
 
-The blockwise code zeroes non-finite entries of every operand that a probability or dS weighs,
-because a weight of exactly 0 (an invisible pair) times NaN would be NaN. An output entry must be
-NaN exactly when a visible pair read a non-finite entry there: the xla implementation counts
-those pairs with matmuls of the visibility and ``indicator`` arrays (its counting pass,
-``xla_tiles``), and ``poison`` puts NaN where a count is positive.
+Where some pair of real positions is hidden, the blockwise code zeroes non-finite entries of
+every operand that a probability or dS weighs, because a weight of exactly 0 (an invisible pair)
+times NaN would be NaN. An output entry must be NaN exactly when a visible pair read a
+non-finite entry there: the xla implementation counts those pairs with matmuls of the
+visibility and ``indicator`` arrays (its counting pass, ``xla_tiles``), and ``poison`` puts NaN
+where a count is positive.
 """
 
 from __future__ import annotations

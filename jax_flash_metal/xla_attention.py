@@ -468,8 +468,8 @@ def _poison_if(pred, outs, counts_fn):
 def _of_pass(p, x, counting_value=0.0):
     """An operand block of pass ``p``: x, or ``counting_value`` in the counting pass (p == 1,
     xla_tiles); x itself where p is a Python int (a loop without a counting pass, or the dense
-    tile). Computed per
-    block inside the loops, so no counting-pass copy of an operand is ever stored."""
+    tile). Computed per block inside the loops, so no counting-pass copy of an operand is ever
+    stored."""
     if x is None or isinstance(p, int):
         return x
     return jnp.where(p == 1, counting_value, x)
@@ -523,8 +523,7 @@ def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left
             visible, bias = tile
             return tiles.forward_step(state, q, _of_pass(p, _block(kb, c)),
                                       _weighted(p, _block(vb, c), blocks.hides_pairs), visible,
-                                      _of_pass(p, bias),
-                                      logits_soft_cap)
+                                      _of_pass(p, bias), logits_soft_cap)
 
         def finish(state, p):  # the counting pass has no sinks
             return tiles.forward_finish(state, _of_pass(p, sinks, -jnp.inf))
