@@ -149,11 +149,11 @@ def unavailable_reasons() -> dict[str, str]:
 def devices() -> dict[str, str]:
     """What this installation can run, for lowering on ``cpu``: {implementation: device} for
     "xla", "emulator" and "metal", in that order. An implementation in ``available("cpu")`` maps
-    to its device, e.g. ``{"xla": "jax.numpy reference (any platform)", "emulator": "MSL-on-CPU
-    emulator", "metal": "Apple M2 Pro"}``; one that cannot run here maps to ``"unavailable: "``
-    and the reason, e.g. ``"unavailable: the GPU 'AMD Radeon Pro 5500M' is not in GPU family
-    Apple7 or newer ..."`` on an Intel Mac."""
-    result = {"xla": "jax.numpy reference (any platform)"}
+    to its device, e.g. ``{"xla": "FlashAttention-2 in jax.numpy (any platform)",
+    "emulator": "MSL-on-CPU emulator", "metal": "Apple M2 Pro"}``; one that cannot run here maps
+    to ``"unavailable: "`` and the reason, e.g. ``"unavailable: the GPU 'AMD Radeon Pro 5500M'
+    is not in GPU family Apple7 or newer ..."`` on an Intel Mac."""
+    result = {"xla": "FlashAttention-2 in jax.numpy (any platform)"}
     module, _ = _ffi_lowering()
     if module is not None:
         result.update(module.device_names())
