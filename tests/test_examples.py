@@ -206,3 +206,24 @@ def test_benchmark_ratios_and_json(tmp_path, capsys):
         assert e["compile_time"] == mine.compile_s / base.compile_s > 0
     growth = {(g["method"], g["from_len"], g["to_len"]) for g in data["memory_growth"]}
     assert growth == {("flash:xla", 16, 32), ("jax.nn", 16, 32)}
+
+
+def test_compile_floor_fixtures_are_attention():
+    """benchmarks/xla_compile_floor.py's bare FlashAttention-2s (what its compile-time floor is
+    measured on) compute attention and its gradients (float64 oracle)."""
+    import pathlib
+
+    import jax
+    import jax.numpy as jnp
+    import tolerance
+    from api_helpers import make_inputs
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "xla_compile_floor.py"
+    spec = importlib.util.spec_from_file_location("xla_compile_floor", path)
+    floor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor)
+    q, k, v, do, _ = make_inputs(3, 1, 256, 256, 2, 2, 64, jnp.float32)
+    for name in ("bare FA-2, two loops", "bare FA-2, one loop"):
+        o, vjp = jax.vjp(lambda q, k, v: floor.METHODS[name](q, k, v, False), q, k, v)
+        got = dict(zip(("o", "dq", "dk", "dv"), (o, *vjp(do))))
+        tolerance.assert_all_match_oracle(got, q, k, v, do, names=tuple(got))
