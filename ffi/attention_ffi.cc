@@ -346,7 +346,7 @@ AttentionParams make_params(const Problem& p, const Options& o, const OptionalOp
   params.num_kv_heads = static_cast<uint32_t>(p.kv_heads);
   params.head_dim = static_cast<uint32_t>(p.head_dim);
   params.scale = o.scale;
-  params.scale_log2 = o.scale * 1.4426950408889634f;  // log2(e)
+  params.scale_log2 = o.scale * JFM_LOG2E;
   params.window_left = o.window_left;
   params.window_right = o.window_right;
   params.causal = o.is_causal ? 1u : 0u;
@@ -450,9 +450,8 @@ void write_empty_rows(const Problem& p, const float* sinks, ffi::AnyBuffer o, ff
   float* lse_row = static_cast<float*>(lse.untyped_data());
   float* l2_row = static_cast<float*>(l2.untyped_data());
   for (int64_t bh = 0; bh < p.batch * p.heads; ++bh) {
-    const float row_l2 = sinks ? sinks[bh % p.heads] * 1.44269504088896341f : JFM_EMPTY_ROW_L2;
-    const float row_lse =
-        sinks ? row_l2 * 0.693147180559945309f : -std::numeric_limits<float>::infinity();
+    const float row_l2 = sinks ? sinks[bh % p.heads] * JFM_LOG2E : JFM_EMPTY_ROW_L2;
+    const float row_lse = sinks ? row_l2 * JFM_LN2 : -std::numeric_limits<float>::infinity();
     std::fill(l2_row + bh * p.q_len, l2_row + (bh + 1) * p.q_len, row_l2);
     std::fill(lse_row + bh * p.q_len, lse_row + (bh + 1) * p.q_len, row_lse);
   }

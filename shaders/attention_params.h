@@ -55,6 +55,11 @@ typedef long jfm_long;  // 64-bit in MSL
 // for every score |s2| < 1.7e38. The user's natural-log LSE of such a row is -inf.
 #define JFM_EMPTY_ROW_L2 1.70141173e38f
 
+// The kernels work with base-2 scores and statistics, the API with natural logs: x * JFM_LOG2E
+// converts a natural-log value to base 2, x * JFM_LN2 back (one definition for host and kernels).
+#define JFM_LOG2E 1.44269504088896341f
+#define JFM_LN2 0.693147180559945309f
+
 // Dispatch shapes (threads and rows per threadgroup, per kernel, dtype and head dim) are in
 // tile_shapes.h. Kernels declare all threadgroup memory statically (no [[threadgroup(n)]]
 // arguments).

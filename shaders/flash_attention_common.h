@@ -15,7 +15,6 @@ using namespace metal;
 #define JFM_MASKED_SCORE (-3.40282347e38f)
 // Initial running max: finite, and far enough below any real score that exp2(m - m_new) is 0.
 #define JFM_MAX_SENTINEL (-1.70141173e38f)
-#define JFM_LN2 0.693147180559945309f
 
 // ---- instantiation families (lazy compiles) ----
 

@@ -8,8 +8,6 @@
 
 #include "flash_attention_tiles.h"
 
-#define JFM_LOG2E 1.44269504088896341f
-
 // The optional buffers as the kernel binds them (the host binds a placeholder where a flag in
 // AttentionParams is 0, so nothing is read from them then). The bias is bytes because its dtype
 // is the query's or float32 (params.has_bias says which).
