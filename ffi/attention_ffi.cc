@@ -188,6 +188,11 @@ struct OptionalOperands {
   int64_t bias_strides[4] = {0, 0, 0, 0}, mask_strides[4] = {0, 0, 0, 0};
   int32_t placeholder[4] = {0, 0, 0, 0};
   const float* sinks = nullptr;  // float32 [H] when has_sinks
+
+  // Buffer `index` bound to the placeholder (a kernel argument nothing reads).
+  Binding unused(int index) {
+    return Binding{index, placeholder, sizeof(placeholder), false, true};
+  }
 };
 
 // Element strides of a rank-4 row-major array over [B, H, Tq, Tkv], 0 on a broadcast axis (size
@@ -266,8 +271,7 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Options& o, const Proble
   auto feature = [&](bool present, const char* what, int index,
                      auto check) -> ffi::Error {
     if (!present) {
-      out->features.push_back(
-          Binding{index, out->placeholder, sizeof(out->placeholder), false, true});
+      out->features.push_back(out->unused(index));
       return ffi::Error::Success();
     }
     return take(what, [&](ffi::AnyBuffer buffer) {
@@ -541,8 +545,7 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   // dQ first: it also writes delta, which the dK/dV kernels (one, or the split pair) read,
   // and with bias_grad every element of dbias (else a placeholder it never touches is bound).
   const Binding bdbias =
-      opt.bias_grad ? whole(JFM_BUFFER_DBIAS, dbias, true)
-                    : Binding{JFM_BUFFER_DBIAS, x.placeholder, sizeof(x.placeholder), false, true};
+      opt.bias_grad ? whole(JFM_BUFFER_DBIAS, dbias, true) : x.unused(JFM_BUFFER_DBIAS);
   std::vector<std::vector<Binding>> buffers = {
       with_optional({bq, bk, bv, bl2, bdo, whole(JFM_BUFFER_O, o, false),
                      whole(JFM_BUFFER_G_LSE, g_lse, false), whole(JFM_BUFFER_DELTA, delta, true),
