@@ -263,13 +263,11 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
       for (int e = 0; e < 2; ++e) {
         const int c = n * 8 + int(at.col) + e;
         const float qk = s[n].thread_elements()[e];
-        float s2 = jfm_finite_or_nan(qk * params.scale_log2);
-        bool visible = kind == JFM_TILE_FULL || jfm_visible(keys, j0 + c);
-        if (features && visible) {
-          visible = jfm_feature_element<T>(params, in, jfm_feature_at(params, feature_row, j0 + c),
-                                           q_segment,
-                                           segments ? jfm_segment_of<T, D>(k_tile, c) : 0, qk, s2);
-        }
+        float s2;
+        const bool visible = jfm_element<T>(
+            params, features, in, jfm_feature_at(params, feature_row, j0 + c), q_segment,
+            segments ? jfm_segment_of<T, D>(k_tile, c) : 0,
+            kind == JFM_TILE_FULL || jfm_visible(keys, j0 + c), qk, s2);
         const float ds = jfm_probability(s2, row_l2) * (dp[n].thread_elements()[e] - row_delta);
         s[n].thread_elements()[e] = visible ? ds : 0.0f;
         if (dbias_row && j0 + c < int(params.kv_len)) {
@@ -469,13 +467,11 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
           const int c = n * 8 + int(at.col) + e;
           const float qk = st[n].thread_elements()[e];
           const float2 stats = stats_tile[c];
-          float s2 = jfm_finite_or_nan(qk * params.scale_log2);
-          bool visible = kind == JFM_TILE_FULL || jfm_visible(queries, i0 + c);
-          if (features && visible) {
-            visible = jfm_feature_element<T>(
-                params, in, jfm_feature_below(params, block_row, c, j),
-                segments ? jfm_segment_of<T, D>(q_tile, c) : 0, kv_segment, qk, s2);
-          }
+          float s2;
+          const bool visible = jfm_element<T>(
+              params, features, in, jfm_feature_below(params, block_row, c, j),
+              segments ? jfm_segment_of<T, D>(q_tile, c) : 0, kv_segment,
+              kind == JFM_TILE_FULL || jfm_visible(queries, i0 + c), qk, s2);
           const float p = jfm_probability(s2, stats.x);
           st[n].thread_elements()[e] = visible ? p : 0.0f;
           if (WANT_DK) {

@@ -144,12 +144,19 @@ inline bool jfm_feature_keeps(constant AttentionParams& p, device const uchar* m
          (p.has_bias == 0 || as_type<uint>(bias) != 0xff800000u);  // -inf, a bit test
 }
 
-// Score and visibility of a band-visible element (i, j) at `at` (jfm_feature_at): returns
-// whether it is visible and sets s2 (the log2-domain score) when it is.
+// Score and visibility of element (i, j), one definition for every kernel: returns whether it
+// is visible and sets s2, its log2-domain score. band_visible is the band rules' verdict; with
+// `features` the element at `at` (jfm_feature_at) must also pass jfm_feature_keeps and s2 is
+// jfm_feature_score2, else s2 is the plain S2 = q.k * scale * log2(e). The features' buffers
+// are read for band-visible elements only (others' offsets need not be in bounds).
 template <typename T>
-inline bool jfm_feature_element(constant AttentionParams& p, JfmFeatureBuffers in,
-                                JfmFeatureRow at, int q_segment, int kv_segment, float qk,
-                                thread float& s2) {
+inline bool jfm_element(constant AttentionParams& p, bool features, JfmFeatureBuffers in,
+                        JfmFeatureRow at, int q_segment, int kv_segment, bool band_visible,
+                        float qk, thread float& s2) {
+  if (!features || !band_visible) {
+    s2 = jfm_finite_or_nan(qk * p.scale_log2);
+    return band_visible;
+  }
   const float bias = jfm_bias_at<T>(p, in.bias, at.bias);
   s2 = jfm_feature_score2(p, qk, bias);
   return jfm_feature_keeps(p, in.mask, at.mask, q_segment, kv_segment, bias);
@@ -225,7 +232,8 @@ inline int jfm_classify_feature_tile(constant AttentionParams& p, int band_kind,
 // sentinel). Afterwards l >= 1, so no row is empty: O = 0 there, L2 = sink2.
 inline float jfm_fold_sink(float sink, thread float& m, thread float& l) {
   // A finite sink saturates like a score (jfm_saturate_score2); -inf stays "no sink".
-  const float sink2 = jfm_is_finite(sink) ? jfm_saturate_score2(sink * JFM_LOG2E) : sink * JFM_LOG2E;
+  const float sink2 =
+      jfm_is_finite(sink) ? jfm_saturate_score2(sink * JFM_LOG2E) : sink * JFM_LOG2E;
   const float m_all = max(m, sink2);
   const float alpha = fast::exp2(m - m_all);
   l = l * alpha + fast::exp2(sink2 - m_all);

@@ -102,8 +102,8 @@ inline bool jfm_lane_keeps(constant AttentionParams& p, thread const JfmFeatureL
 }
 
 // The online softmax with the score features: every element the band shows (all, in a FULL
-// tile) goes through jfm_feature_element (cap, bias, mask, segment ids); the key block's
-// segment ids are staged in k_tile's row padding.
+// tile) goes through jfm_element (cap, bias, mask, segment ids); the key block's segment ids
+// are staged in k_tile's row padding.
 template <typename T, int D, int KF>
 inline float jfm_online_softmax_features(thread JfmFrag* s, constant AttentionParams& p,
                                          thread const JfmFeatureLane& f,
@@ -114,12 +114,11 @@ inline float jfm_online_softmax_features(thread JfmFrag* s, constant AttentionPa
   for (int n = 0; n < KF; ++n) {
     for (int e = 0; e < 2; ++e) {
       const int c = n * 8 + int(at.col) + e;
-      float s2 = JFM_MASKED_SCORE;
-      const bool seen =
-          (!edge || jfm_visible(keys, j0 + c)) &&
-          jfm_feature_element<T>(p, f.in, jfm_feature_at(p, f.row, j0 + c), f.segment,
-                                 p.has_segment_ids != 0 ? jfm_segment_of<T, D>(k_tile, c) : 0,
-                                 s[n].thread_elements()[e], s2);
+      float s2;
+      const bool seen = jfm_element<T>(
+          p, true, f.in, jfm_feature_at(p, f.row, j0 + c), f.segment,
+          p.has_segment_ids != 0 ? jfm_segment_of<T, D>(k_tile, c) : 0,
+          !edge || jfm_visible(keys, j0 + c), s[n].thread_elements()[e], s2);
       s[n].thread_elements()[e] = seen ? s2 : JFM_MASKED_SCORE;
       visible |= uint(seen) << uint(2 * n + e);
     }
