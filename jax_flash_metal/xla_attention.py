@@ -77,9 +77,14 @@ def tiling(q_len, kv_len):
 
 # ------------------------------------------------------------------------- layout
 
-def _valid(lengths, size):
-    """bool [B, size]: position < length (None when every position is valid)."""
-    return None if lengths is None else jnp.arange(size)[None, :] < lengths[:, None]
+def _valid(lengths, size, padded=None):
+    """bool [B, padded (default size)]: position < length and < size; None when every position
+    is valid."""
+    padded = size if padded is None else padded
+    if lengths is None and size == padded:
+        return None
+    limit = size if lengths is None else jnp.minimum(lengths, size)[:, None]
+    return jnp.arange(padded)[None, :] < limit
 
 
 def _split_rows(x, n, size):
@@ -266,8 +271,9 @@ class _Features:
         axes = tuple(i for i, n in enumerate(acc.shape) if n == 1 and ds.shape[i] != 1)
         part = jnp.sum(ds, axis=axes, keepdims=True)
         t = self.t
-        start = [0, 0, 0, 0 if acc.shape[3] == 1 else r * t.br, 0 if acc.shape[4] == 1 else c * t.bc]
-        start = [_index(x) for x in start]
+        rows = 0 if acc.shape[3] == 1 else r * t.br
+        keys = 0 if acc.shape[4] == 1 else c * t.bc
+        start = _start((0, 0, 0, rows, keys), acc.ndim)
         return jax.lax.dynamic_update_slice(
             acc, jax.lax.dynamic_slice(acc, start, part.shape) + part, start)
 
@@ -307,14 +313,6 @@ def _narrow(firsts, lasts, meets):
     return jnp.where(any_ok, first, 0), jnp.where(any_ok, last, 0)
 
 
-def _padded_valid(lengths, size, padded):
-    """bool [B, padded]: position < length and < size; None when all of them are valid."""
-    if lengths is None and size == padded:
-        return None
-    limit = size if lengths is None else jnp.minimum(lengths, size)[:, None]
-    return jnp.arange(padded)[None, :] < limit
-
-
 class _Blocks:
     """The block grid of one call: the band, the tiling, and the two loop drivers.
 
@@ -336,8 +334,8 @@ class _Blocks:
         self.static = (operands.q_lengths is None and operands.kv_lengths is None
                        and operands.q_segment_ids is None)
         self.meets = self.features.meets(
-            _padded_valid(operands.q_lengths, q_len, t.nq * t.br),
-            _padded_valid(operands.kv_lengths, kv_len, t.nk * t.bc))
+            _valid(operands.q_lengths, q_len, t.nq * t.br),
+            _valid(operands.kv_lengths, kv_len, t.nk * t.bc))
 
     def visible(self, r, c):
         """(visible bool broadcastable to [B, HKV, G, Br, Bc] or None, bias block or None)."""
