@@ -143,8 +143,7 @@ def main(argv=None) -> dict:
     train_data, _ = split(data, cfg.seq_len)
     print(f"jax_flash_metal {jax_flash_metal.__version__}, jax {jax.__version__}; corpus: "
           f"{len(data):,} bytes from {source}")
-    print(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, "
-          f"causal; "
+    print(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, causal; "
           f"{cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes, AdamW lr {cfg.lr:g}")
 
     runs: dict[str, Callable[..., Any]] = {
