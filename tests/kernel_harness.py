@@ -42,11 +42,10 @@ PARAMS_DTYPE = np.dtype([
 assert PARAMS_DTYPE.itemsize == 160  # static_assert in attention_params.h
 assert PARAMS_DTYPE.fields["bias_strides"][1] == 96
 
-# Bound where a lengths buffer is absent; the kernels must not read it (if they did, these
-# values would empty every row and the comparison with the oracle would fail).
-_DUMMY_LENGTHS = np.full(4, -7, dtype=np.int32)
-# Bound at the optional feature buffers, as the host does: the kernels read none (flags 0).
-_FEATURE_PLACEHOLDER = np.full(4, -7, dtype=np.int32)
+# Bound where a lengths buffer is absent and at the optional feature buffers (flags 0), as the
+# host does; the kernels must not read it (if they did, these values would empty every row and
+# the comparison with the oracle would fail).
+_PLACEHOLDER = np.full(4, -7, dtype=np.int32)
 
 
 def type_name(dtype):
@@ -108,7 +107,7 @@ def _output(shape, dtype):
 
 def _lengths(lengths):
     if lengths is None:
-        return _DUMMY_LENGTHS
+        return _PLACEHOLDER
     return np.ascontiguousarray(np.asarray(lengths, dtype=np.int32))
 
 
@@ -119,7 +118,7 @@ def _dispatch(kind, dtype, head_dim, buffers, rows, heads, batch, schedule, seed
         return  # the host never dispatches an empty grid
     bound = {index: _device(array) for index, array in buffers.items()}
     for index in (Q_SEGMENT_IDS, KV_SEGMENT_IDS, BIAS, MASK, SINKS):
-        bound.setdefault(index, _FEATURE_PLACEHOLDER)
+        bound.setdefault(index, _PLACEHOLDER)
     # Outputs are created C-contiguous, so `bound` holds them or uint16 views of them.
     emulator.run(kernel_name(kind, dtype, head_dim), bound, groups, (shape["threads"], 1, 1),
                  schedule=schedule, seed=seed)
