@@ -117,8 +117,9 @@ uint64_t emulator_schedule_seed() { return g_seed.load(); }
 
 std::string set_emulator_profiling(bool on) {
   if (on && !emu::has_counting_variant())
-    return "this build has no counting kernel variants (configured with "
-           "JFM_EMULATOR_COUNTING=OFF or a compiler without -fsanitize=thread)";
+    return "this build has no counting kernel variants: reinstall with JFM_EMULATOR_COUNTING=ON "
+           "in the environment (off by default; a compiler without -fsanitize=thread cannot "
+           "build them)";
   std::lock_guard<std::mutex> lock(g_profile_mutex);
   g_profile.clear();
   g_profiling.store(on);

@@ -147,6 +147,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
       head_dim]; or any of them without the batch axis (rank 3, batch 1). float32, float16 or
       bfloat16, all one dtype; num_heads % num_kv_heads == 0 (grouped-query attention: query
       head n reads kv head n // (num_heads // num_kv_heads)).
+    Every array argument takes what ``jnp.asarray`` takes, as jax.nn does: JAX or NumPy arrays,
+    (nested) Python lists, scalars where the shape allows (a scalar bias or mask).
     Args:
       bias: float, rank <= 4, broadcastable to [batch, num_heads, q_len, kv_len] (each axis 1
         or full; missing leading axes are 1); added to the (soft-capped) scores. A -inf entry
@@ -157,8 +159,11 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         time (Python, NumPy or a concrete JAX scalar; 0 and negatives included) is used as
         given; NaN and +-inf raise ValueError.
       is_causal: key j visible to query i only if j <= i + off.
-      query_seq_lengths, key_value_seq_lengths: integer [batch] (cast to int32, clamped to
-        [0, len]); rows i >= q_len_b output 0, keys j >= kv_len_b are never read.
+      query_seq_lengths, key_value_seq_lengths: integer [batch], clamped exactly to [0, len]
+        in their own dtype, then cast to int32 (concrete ones, e.g. NumPy int64 2**40, are
+        clamped in NumPy first; under jit a 64-bit argument reaches this function already
+        converted by JAX, which wraps values >= 2**31 unless jax_enable_x64 is on); rows
+        i >= q_len_b output 0, keys j >= kv_len_b are never read.
       local_window_size: None, int w (= (w, w)) or (left, right) with ints >= 0 or None
         (unbounded side): visible iff i + off - left <= j <= i + off + right (inclusive).
       implementation: None (best for the platform and this call, or
@@ -205,6 +210,6 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         # JAX's own message ("can't apply forward-mode autodiff (jvp) to a custom_vjp function")
         # does not say which function or what to do instead.
         if "forward-mode" in str(e) and "custom_vjp" in str(e):
-            raise TypeError(NO_JVP_MESSAGE.format("flash_attention")) from e
+            raise TypeError(NO_JVP_MESSAGE) from e
         raise
     return validation.restore_rank(query, out, lse, return_lse)

@@ -244,22 +244,21 @@ batching.fancy_primitive_batchers[bwd_p] = _make_batcher(bwd_p)
 
 # ---------------------------------------------------------------- differentiation
 
+# Names the public function, not the primitive a transform happened to reach.
 NO_JVP_MESSAGE = (
     "flash_attention supports only first-order reverse-mode differentiation (jax.grad, jax.vjp, "
-    "jax.jacrev). Forward-mode (jax.jvp, jax.jacfwd) and higher-order derivatives "
-    "(grad of grad, jax.hessian) are not implemented by '{}'; use "
-    "jax_flash_metal.reference_attention, which is plain jax.numpy, for those."
+    "jax.jacrev); forward-mode (jax.jvp, jax.jacfwd) and higher-order derivatives (grad of "
+    "grad, jax.hessian) of it are not implemented. Use jax_flash_metal.reference_attention "
+    "(same arguments, plain jax.numpy) for those."
 )
 
 
-def _make_no_jvp(prim):
-    def jvp(primals, tangents, **params):
-        raise TypeError(NO_JVP_MESSAGE.format(prim.name))
-    return jvp
+def _no_jvp(primals, tangents, **params):
+    raise TypeError(NO_JVP_MESSAGE)
 
 
-ad.primitive_jvps[fwd_p] = _make_no_jvp(fwd_p)
-ad.primitive_jvps[bwd_p] = _make_no_jvp(bwd_p)
+ad.primitive_jvps[fwd_p] = _no_jvp
+ad.primitive_jvps[bwd_p] = _no_jvp
 
 
 # ---------------------------------------------------------------- lowering

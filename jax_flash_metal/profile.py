@@ -70,6 +70,12 @@ USEFUL_FLOPS_PER_PAIR = {"fwd": 4, "decode_partial": 4, "decode_combine": 0, "bw
 MMA_FLOPS = 2 * 8 * 8 * 8  # one simdgroup_multiply_accumulate: an 8x8x8 multiply-add
 KERNEL_NAME = re.compile(r"^flash_attention_(?P<stage>\w+?)_(?:f32|f16|bf16)_d\d+$")
 
+# The counting variants are built only when asked (ffi/emulator/CMakeLists.txt).
+NO_COUNTING_MESSAGE = ("this build has no counting kernel variants (they are built only when "
+                       "asked): reinstall with JFM_EMULATOR_COUNTING=ON in the environment, e.g. "
+                       "JFM_EMULATOR_COUNTING=ON pip install .")
+
+
 def _ext():
     from . import _ext as ext  # the native extension; absent in an unbuilt source tree
     return ext
@@ -350,7 +356,7 @@ def main(argv=None) -> int:
         except (TypeError, ValueError, NotImplementedError) as e:
             parser.error(f"--dtype {problem.dtype} --head-dim {problem.head_dim}: {e}")
     if not _ext().emulator.has_counting_variant():
-        parser.error("this build has no counting kernel variants (JFM_EMULATOR_COUNTING=OFF)")
+        parser.error(NO_COUNTING_MESSAGE)
     records = []
     for problem in problems:
         start = time.perf_counter()

@@ -78,11 +78,23 @@ class Operands(NamedTuple):
         return cls(*(xs.pop(0) if f else None for f in flags))
 
 
+def _is_jax(x):
+    """A JAX array, a tracer (tracers are jax.Array instances) or a JAX-convertible object."""
+    return isinstance(x, jax.Array) or hasattr(x, "__jax_array__")
+
+
+def _array_like(x, name, asarray):
+    """``asarray(x)`` for every array-like ``jnp.asarray`` takes, as jax.nn does (JAX and NumPy
+    arrays, nested lists, scalars); TypeError naming ``name`` for anything else."""
+    try:
+        return asarray(x)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TypeError(f"{name} must be an array-like (a JAX or NumPy array, a nested list or a "
+                        f"scalar), got {type(x).__name__}: {e}") from None
+
+
 def _as_array(x, name):
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)) or hasattr(x, "__jax_array__"):
-        return jnp.asarray(x)
-    # Tracers are jax.Array instances; anything else (lists, scalars, None) is rejected.
-    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    return x if isinstance(x, jax.Array) else _array_like(x, name, jnp.asarray)
 
 
 def _check_bool(value, name):
@@ -189,14 +201,19 @@ def env_implementation():
 def _check_lengths(lengths, name, batch, max_len):
     if lengths is None:
         return None
-    lengths = _as_array(lengths, name)
+    # Lengths beyond the array (or negative) are clamped, so every implementation agrees and no
+    # kernel ever reads outside its buffers. The clamp is exact, in the lengths' own dtype and
+    # before the int32 cast; values known here (NumPy, lists) are clamped in NumPy, since
+    # jnp.asarray would first wrap a 64-bit value >= 2**31 to int32.
+    xp = jnp if _is_jax(lengths) else np
+    lengths = _array_like(lengths, name, xp.asarray)
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype, got {lengths.dtype}")
     if lengths.shape != (batch,):
         raise ValueError(f"{name} must have shape [batch] = ({batch},), got {lengths.shape}")
-    # Lengths beyond the array (or negative) are clamped, so every implementation agrees and no
-    # kernel ever reads outside its buffers.
-    return jnp.clip(lengths, 0, max_len).astype(jnp.int32)
+    # A bound past the dtype's range would wrap in it (int8 and a length of 1000).
+    top = min(max_len, int(np.iinfo(lengths.dtype).max))
+    return jnp.asarray(xp.clip(lengths, 0, top), jnp.int32)
 
 
 def _with_batch(x, name):
@@ -374,6 +391,6 @@ def check_inputs(
 def restore_rank(query, out, lse, return_lse):
     """out (and lse, when ``return_lse``) without the batch axis that ``check_inputs`` added
     for a rank-3 query."""
-    if jnp.ndim(query) == 3:
+    if np.ndim(query) == 3:  # NumPy's: takes a nested list too (jnp.ndim deprecates that)
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

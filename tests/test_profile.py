@@ -13,6 +13,9 @@ from jax_flash_metal import profile, roofline
 from jax_flash_metal import _ext as ext
 from jax_flash_metal._ext import emulator
 
+# The counting variants are built only with JFM_EMULATOR_COUNTING=ON (.ci/run sets it).
+needs_counting = pytest.mark.skipif(not emulator.has_counting_variant(),
+                                    reason=profile.NO_COUNTING_MESSAGE)
 ZERO = dict(threadgroup_bytes_read=0, threadgroup_bytes_written=0, mma_ops=0, simd_ops=0,
             barriers=0, fma_ops=0, threadgroup_memory_bytes=0)
 
@@ -39,6 +42,7 @@ def test_profile_off_returns_none():
                         (8, 1, 1)) is None
 
 
+@needs_counting
 @pytest.mark.parametrize("name,dtype,width", [("profile_copy_f32", np.float32, 1),
                                               ("profile_copy_f16", np.float16, 1),
                                               ("profile_copy_f32x4", np.float32, 4)])
@@ -59,6 +63,7 @@ def test_copy(name, dtype, width, num_workers):
     np.testing.assert_array_equal(dst, src)
 
 
+@needs_counting
 def test_strided_read():
     threads, stride, count = 96, 97, 5
     src = np.arange(threads + stride * count, dtype=np.float32) / 7
@@ -70,6 +75,7 @@ def test_strided_read():
                   **{**ZERO, "fma_ops": threads * count})
 
 
+@needs_counting
 @pytest.mark.parametrize("schedule", ["forward", "random"])
 def test_tiled_gemm(schedule):
     m, n, k = 32, 48, 40
@@ -94,6 +100,7 @@ def test_tiled_gemm(schedule):
     np.testing.assert_array_equal(c, a.astype(np.float32) @ b.astype(np.float32))
 
 
+@needs_counting
 def test_barrier_loop():
     rounds, groups, group = 7, 3, 64
     out = np.zeros(groups * group, np.float32)
@@ -302,6 +309,7 @@ def make_problem(argv):
     return profile.Problem(args, args.dtype[0], args.head_dim[0])
 
 
+@needs_counting
 @pytest.mark.parametrize("argv", ATTENTION_CASES,
                          ids=["causal-gqa", "window-lengths", "bf16", "split", "one-buffer"])
 def test_attention_counts(argv):
@@ -325,6 +333,7 @@ TINY = ["--q-len", "20", "--kv-len", "36", "--heads", "2", "--kv-heads", "1", "-
         "--causal", "--causal-alignment", "bottom_right"]
 
 
+@needs_counting
 def test_json_schema_and_useful_flops(tmp_path, capsys):
     path = tmp_path / "profile.json"
     assert profile.main([*TINY, "--dtype", "float32", "--json", str(path)]) == 0
@@ -369,6 +378,20 @@ def test_cli_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_missing_counting_variants_name_the_build_option(monkeypatch, capsys):
+    class NoCounting:
+        class emulator:
+            @staticmethod
+            def has_counting_variant():
+                return False
+
+    monkeypatch.setattr(profile, "_ext", lambda: NoCounting)
+    with pytest.raises(SystemExit) as e:
+        profile.main(TINY)
+    assert e.value.code == 2
+    assert "JFM_EMULATOR_COUNTING=ON" in capsys.readouterr().err
+
+
 def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         profile.main(["--help"])
@@ -410,6 +433,7 @@ def test_model_bounds():
     assert math.isclose(t["percent_of_peak"], 0.0)
 
 
+@needs_counting
 def test_split_submissions_share_counts_and_useful_flops():
     """A call split into many submissions (a tiny time budget: one chunk per threadgroup or so)
     launches every kernel several times; the launches' counts and useful FLOPs add up to those of
@@ -437,6 +461,7 @@ def test_split_submissions_share_counts_and_useful_flops():
     assert sum(r["useful_flops"] for r in split if r["pass"] == "backward") == 10 * 16 * 2 * pairs
 
 
+@needs_counting
 @pytest.mark.parametrize("dtype,head_dim", [("float16", 64), ("float32", 128)])
 def test_tiled_forward_causal_moves_at_most_six_tenths_of_the_bytes(dtype, head_dim):
     """Key blocks outside a query block's visible union are never staged, so causal attention at
