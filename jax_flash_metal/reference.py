@@ -1,4 +1,5 @@
-"""``reference_attention``: the plain dense ``jax.numpy`` definition of DESIGN.md section 3.
+"""``reference_attention``: the plain dense ``jax.numpy`` definition of the API semantics
+(docs/design.md#api-semantics).
 
 ``forward`` materialises the [batch, kv_heads, group, q_len, kv_len] score tensor and applies the
 visibility rules (``visibility.Band``) with ``where`` (never by adding large negatives), so rows
@@ -27,8 +28,8 @@ _F32 = jnp.float32
 def visibility(batch, q_len, kv_len, q_lengths, kv_lengths, *, is_causal, window_left,
                window_right, bottom_right):
     """Boolean mask [batch, q_len, kv_len]: may query row i see key j under the band rules
-    (lengths, causal, window; DESIGN.md section 3)? Also returns the per-batch valid-row mask
-    [batch, q_len] (i < q_len_b)."""
+    (lengths, causal, window; docs/design.md#visibility)? Also returns the per-batch valid-row
+    mask [batch, q_len] (i < q_len_b)."""
     band = visibility_rules.Band(batch, q_len, kv_len, q_lengths, kv_lengths,
                                  is_causal=is_causal, window_left=window_left,
                                  window_right=window_right, bottom_right=bottom_right)
