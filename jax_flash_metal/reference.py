@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import features, nonfinite, validation
+from . import contract, features, nonfinite, validation
 from . import visibility as visibility_rules
 
 _HI = jax.lax.Precision.HIGHEST
@@ -63,9 +63,9 @@ def _scores(q, k, scale):
     return jnp.where(bad_key, jnp.nan, s)
 
 
-def forward(q, k, v, operands=validation.Operands(), *, scale, is_causal=False, window_left=-1,
+def forward(q, k, v, operands=contract.Operands(), *, scale, is_causal=False, window_left=-1,
             window_right=-1, bottom_right=False, logits_soft_cap=None, **unused_static):
-    """Reference forward. q [B,Tq,H,D], k/v [B,Tkv,HKV,D], ``operands``: validation.Operands.
+    """Reference forward. q [B,Tq,H,D], k/v [B,Tkv,HKV,D], ``operands``: contract.Operands.
 
     Returns (o [B,Tq,H,D] in q.dtype, lse [B,H,Tq] float32). Also differentiable by plain JAX
     autodiff (the row max is a stop_gradient constant and every masked value is selected away

@@ -46,7 +46,7 @@ import numpy as np
 
 from . import features, nonfinite, visibility
 from . import xla_tiles as tiles
-from .validation import Operands
+from .contract import Operands
 
 F32 = tiles.F32
 DENSE_MAX_LEN = 256
@@ -494,7 +494,7 @@ def _counted(x):
 def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left=-1,
             window_right=-1, bottom_right=False, logits_soft_cap=None, **unused_static):
     """(o [B, Tq, H, D] in q.dtype, lse float32 [B, H, Tq]); see the module docstring.
-    ``operands``: validation.Operands (lengths, segment ids, bias, mask, sinks or None)."""
+    ``operands``: contract.Operands (lengths, segment ids, bias, mask, sinks or None)."""
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
