@@ -27,7 +27,7 @@
 //   also bias_grad i1 (needs has_bias).
 // q, k, v (and o, do, dq, dk, dv) share one dtype: f32, f16 or bf16.
 //
-// Optional features (DESIGN.md section 3; shaders/flash_attention_features.h). The contract below
+// Optional features (docs/design.md#scores; shaders/flash_attention_features.h). The contract below
 // is fixed; the kernels of both directions (forward tiled and decode, backward) implement all of
 // it (ffi_lowering.KERNEL_FEATURES).
 //   Operands, after the lengths, in this order, each present only when its flag is set; both

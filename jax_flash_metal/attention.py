@@ -12,7 +12,7 @@ from jax.typing import ArrayLike
 
 from . import validation
 from .primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
-from .validation import Operands
+from .contract import Operands
 
 # local_window_size: None, w, or (left, right) with None for an unbounded side.
 Window = Optional[Union[int, Tuple[Optional[int], Optional[int]]]]

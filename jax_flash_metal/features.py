@@ -1,4 +1,4 @@
-"""The optional score features of DESIGN.md section 3, per block of the score matrix: soft cap,
+"""The optional score features of docs/design.md#scores, per block of the score matrix: soft cap,
 bias, mask and segment ids. Shared by ``reference_attention`` (one block = the whole matrix) and
 the xla implementation (one block = one tile).
 

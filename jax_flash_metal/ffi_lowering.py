@@ -32,7 +32,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 import jax_flash_metal._ext as _ext  # a module import: mypy takes the unbuilt extension as Any
-from .primitives import bwd_p, feature_names, fwd_p, operand_roles
+from .contract import MAIN_OPERANDS, feature_names, operand_roles
 from ._jax_private import ShapedArray
 
 _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
@@ -183,11 +183,12 @@ def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q
                 logits_soft_cap=np.float32(0.0 if logits_soft_cap is None else logits_soft_cap))
 
 
-def _contract_operands(ctx: mlir.LoweringRuleContext, args, prim, params):
-    """(avals, args) of primitive ``prim``'s call with the bias in a dtype the FFI contract
-    takes: the dtype of q, or float32 (a bias of another float dtype is converted, exactly)."""
+def _contract_operands(ctx: mlir.LoweringRuleContext, args, direction, params):
+    """(avals, args) of a ``direction`` ("fwd" or "bwd") primitive's call with the bias in a dtype
+    the FFI contract takes: the dtype of q, or float32 (a bias of another float dtype is
+    converted, exactly)."""
     avals, args = list(ctx.avals_in), list(args)
-    roles = operand_roles(prim, params)
+    roles = operand_roles(direction, params)
     if "bias" not in roles:
         return avals, args
     n = roles.index("bias")
@@ -202,7 +203,7 @@ def _contract_operands(ctx: mlir.LoweringRuleContext, args, prim, params):
 
 def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):
     """Emit the forward FFI call: args (q, k, v, then the optional operands of
-    validation.Operands in the contract's order, ffi/attention_ffi.h) -> (o, lse, l2).
+    contract.Operands in the contract's order, ffi/attention_ffi.h) -> (o, lse, l2).
 
     Short queries against a long KV cache take the split-KV decode kernels (the handler decides,
     ``ffi/attention_ffi.h`` decode_splits); their float32 workspace is a fourth result of the
@@ -221,7 +222,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
         _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, k.shape[1], num_heads, k.shape[2],
         head_dim, implementation)
     workspace = ShapedArray((workspace_elements,), np.float32)
-    avals, args = _contract_operands(ctx, args, fwd_p, params)
+    avals, args = _contract_operands(ctx, args, "fwd", params)
     call_ctx = ctx.replace(avals_in=avals, avals_out=(*ctx.avals_out, workspace))
     rule = jax.ffi.ffi_lowering(_target("fwd", implementation))
     return list(rule(call_ctx, *args, **_attributes(**params)))[:3]
@@ -248,7 +249,7 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_gr
     full = (batch, num_heads, q_len, k.shape[1])
     dbias = ShapedArray(full if bias_grad else (0,), np.float32)
     delta = ShapedArray((batch, num_heads, q_len), np.float32)
-    avals, args = _contract_operands(ctx, args, bwd_p, params)
+    avals, args = _contract_operands(ctx, args, "bwd", params)
     keep = [n for n in range(len(args)) if n != _BWD_LSE_OPERAND]
     call_ctx = ctx.replace(avals_in=[avals[n] for n in keep],
                            avals_out=(*ctx.avals_out[:3], dbias, delta))
@@ -266,4 +267,4 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_gr
     return [*results[:3], *summed]
 
 
-_BWD_LSE_OPERAND = 4  # position of lse in the backward primitive's operands
+_BWD_LSE_OPERAND = MAIN_OPERANDS["bwd"].index("lse")

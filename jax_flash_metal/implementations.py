@@ -131,6 +131,17 @@ def resolve(implementation: str | None, platform: str, call=None) -> str:
     return implementation
 
 
+def lower_fused(direction: str, ctx, *args, implementation: str, **params):
+    """The FFI custom call of a ``direction`` ("fwd" or "bwd") primitive for the fused
+    ``implementation`` that ``resolve`` chose (``ffi_lowering.lower_fwd`` / ``lower_bwd``): the
+    primitives reach the FFI side only through this module."""
+    module, reason = _ffi_lowering()
+    if module is None:  # resolve() returns a fused name only when the module imported
+        raise NotImplementedError(f"flash_attention implementation={implementation!r}: {reason}")
+    lower = module.lower_fwd if direction == "fwd" else module.lower_bwd
+    return lower(ctx, *args, implementation=implementation, **params)
+
+
 def metal_available() -> bool:
     """True when ``implementation="metal"`` can run here: the native extension was built on
     macOS, and the GPU is Apple silicon (GPU family Apple7 or newer, unified memory, 32-wide

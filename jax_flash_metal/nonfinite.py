@@ -1,4 +1,5 @@
-"""Exact NaN placement for the xla implementation (DESIGN.md section 3).
+"""Exact NaN placement for the xla implementation
+(docs/design.md#empty-rows-and-non-finite-inputs).
 
 Where some pair of real positions is hidden, the blockwise code zeroes non-finite entries of
 every operand that a probability or dS weighs, because a weight of exactly 0 (an invisible pair)

@@ -10,7 +10,7 @@ residual only: the fused backward recomputes P = exp2(S2 - l2) from it and ignor
 backward uses lse and ignores l2. Its value for an empty row is implementation-defined (the
 kernels store a large finite sentinel, the xla implementation lse * log2(e) = -inf).
 
-``optional`` are the present fields of ``validation.Operands`` in its order: q_lengths,
+``optional`` are the present fields of ``contract.Operands`` in its order: q_lengths,
 kv_lengths (int32 [B]), q_segment_ids, kv_segment_ids (int32 [B, T]), bias (float, rank 4, each
 axis 1 or full over [B, H, Tq, Tkv]), mask (bool, same), sinks (float32 [H]); each is present
 exactly when its ``has_*`` flag is True. Both primitives take the same optional operands, so a
@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import implementations, xla_attention
-from .validation import Operands
+from . import contract, implementations, xla_attention
+from .contract import Operands, coerce_params
 from ._jax_private import ShapedArray
 
 fwd_p = Primitive("flash_attention_fwd")
@@ -51,38 +51,18 @@ bwd_p.multiple_results = True
 
 LOG2_E = 1.4426950408889634
 
-_NUM_MAIN = {fwd_p: 3, bwd_p: 8}  # operands before the optional ones
+_DIRECTION = {fwd_p: "fwd", bwd_p: "bwd"}
 
 
 def _split(prim, args, params):
-    """(main operands, validation.Operands); checks the operand count against the flags."""
-    n = _NUM_MAIN[prim]
-    flags = Operands.flags(*(bool(params.get(f, False)) for f in _FLAG_NAMES))
+    """(main operands, contract.Operands); checks the operand count against the flags."""
+    n = len(contract.MAIN_OPERANDS[_DIRECTION[prim]])
+    flags = contract.operand_flags(params)
     try:
         return list(args[:n]), Operands.from_list(args[n:], flags)
     except ValueError as e:
-        raise ValueError(f"{prim.name}: {e} for {dict(zip(_FLAG_NAMES, flags))}") from None
-
-
-_FLAG_NAMES = ("has_q_lengths", "has_kv_lengths", "has_segment_ids", "has_bias", "has_mask",
-               "has_sinks")
-
-
-def coerce_params(*, scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
-                  has_kv_lengths, implementation, has_segment_ids=False, has_bias=False,
-                  has_mask=False, has_sinks=False, logits_soft_cap=None, bias_grad=None):
-    """The static params with their exact Python types (FFI attributes are typed).
-    ``bias_grad`` (backward only) is included when given."""
-    params = dict(scale=float(scale), is_causal=bool(is_causal), window_left=int(window_left),
-                  window_right=int(window_right), bottom_right=bool(bottom_right),
-                  has_q_lengths=bool(has_q_lengths), has_kv_lengths=bool(has_kv_lengths),
-                  implementation=None if implementation is None else str(implementation),
-                  has_segment_ids=bool(has_segment_ids), has_bias=bool(has_bias),
-                  has_mask=bool(has_mask), has_sinks=bool(has_sinks),
-                  logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap))
-    if bias_grad is not None:
-        params["bias_grad"] = bool(bias_grad)
-    return params
+        named = dict(zip(contract.FLAG_NAMES, flags))
+        raise ValueError(f"{prim.name}: {e} for {named}") from None
 
 
 # ---------------------------------------------------------------- abstract evaluation
@@ -182,12 +162,6 @@ def _fold_broadcast(x, dim, size, batch, keep_unbatched):
     return x.reshape((size * batch,) + x.shape[2:])
 
 
-def operand_roles(prim, params):
-    """The role of each operand: "main" or the Operands field name."""
-    flags = Operands.flags(*(bool(params.get(f, False)) for f in _FLAG_NAMES))
-    return ["main"] * _NUM_MAIN[prim] + [n for n, f in zip(Operands._fields, flags) if f]
-
-
 def _map_batcher(prim, args, dims, params):
     """vmap as a sequential lax.map over the vmapped axis (for per-example sinks, which the
     batch axis cannot absorb)."""
@@ -211,7 +185,7 @@ def _make_batcher(prim):
         if all(d is None for d in dims):  # nothing vmapped: bind as is, outputs unbatched
             outs = prim.bind(*args, **params)
             return outs, [None] * len(outs)
-        roles = operand_roles(prim, params)
+        roles = contract.operand_roles(_DIRECTION[prim], params)
         if any(r == "sinks" and d is not None for r, d in zip(roles, dims)):
             return _map_batcher(prim, args, dims, params)
         size = axis_data.size
@@ -297,37 +271,24 @@ def _has_zero_size(ctx):
     return any(0 in aval.shape for aval in ctx.avals_in[:3])
 
 
-_DIRECTION = {fwd_p: "fwd", bwd_p: "bwd"}
+def _make_cpu_lowering(prim):
+    direction = _DIRECTION[prim]
 
-
-def feature_names(params):
-    """Names of the optional features a call uses (as ``ffi_lowering.unsupported_reason`` and
-    its error messages name them)."""
-    names = [name for flag, name in (("has_bias", "bias"), ("has_mask", "mask"),
-                                     ("has_segment_ids", "segment ids"), ("has_sinks", "sinks"))
-             if params.get(flag)]
-    if params.get("logits_soft_cap") is not None:
-        names.append("logits_soft_cap")
-    return tuple(names)
-
-
-def _make_cpu_lowering(prim, ffi_name):
     def lowering(ctx, *args, **params):
         params = coerce_params(**params)
         q = ctx.avals_in[0]
         impl = implementations.resolve(params["implementation"], "cpu",
-                                       call=(_DIRECTION[prim], q.dtype, q.shape[3],
-                                             feature_names(params)))
+                                       call=(direction, q.dtype, q.shape[3],
+                                             contract.feature_names(params)))
         # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):
             return _XLA_LOWERING[prim](ctx, *args, **params)
-        from . import ffi_lowering
         params["implementation"] = impl
-        return getattr(ffi_lowering, ffi_name)(ctx, *args, **params)
+        return implementations.lower_fused(direction, ctx, *args, **params)
     return lowering
 
 
 mlir.register_lowering(fwd_p, _make_default_lowering(fwd_p))
 mlir.register_lowering(bwd_p, _make_default_lowering(bwd_p))
-mlir.register_lowering(fwd_p, _make_cpu_lowering(fwd_p, "lower_fwd"), platform="cpu")
-mlir.register_lowering(bwd_p, _make_cpu_lowering(bwd_p, "lower_bwd"), platform="cpu")
+mlir.register_lowering(fwd_p, _make_cpu_lowering(fwd_p), platform="cpu")
+mlir.register_lowering(bwd_p, _make_cpu_lowering(bwd_p), platform="cpu")

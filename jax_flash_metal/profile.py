@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import reference, validation
+from . import contract, reference, validation
 from .attention import flash_attention
 from .roofline import GPUS, model_launch
 
@@ -99,7 +99,7 @@ def _window(text):
         left, right = validation.check_window(bounds[0] if len(bounds) == 1 else tuple(bounds))
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"bad window {text!r}: {e}") from None
-    return tuple(None if b == validation.UNBOUNDED else b for b in (left, right))
+    return tuple(None if b == contract.UNBOUNDED else b for b in (left, right))
 
 
 def _lengths(text):

@@ -1,4 +1,5 @@
-"""``reference_attention``: the plain dense ``jax.numpy`` definition of DESIGN.md section 3.
+"""``reference_attention``: the plain dense ``jax.numpy`` definition of the API semantics
+(docs/design.md#api-semantics).
 
 ``forward`` materialises the [batch, kv_heads, group, q_len, kv_len] score tensor and applies the
 visibility rules (``visibility.Band``) with ``where`` (never by adding large negatives), so rows
@@ -17,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import features, nonfinite, validation
+from . import contract, features, nonfinite, validation
 from . import visibility as visibility_rules
 
 _HI = jax.lax.Precision.HIGHEST
@@ -27,8 +28,8 @@ _F32 = jnp.float32
 def visibility(batch, q_len, kv_len, q_lengths, kv_lengths, *, is_causal, window_left,
                window_right, bottom_right):
     """Boolean mask [batch, q_len, kv_len]: may query row i see key j under the band rules
-    (lengths, causal, window; DESIGN.md section 3)? Also returns the per-batch valid-row mask
-    [batch, q_len] (i < q_len_b)."""
+    (lengths, causal, window; docs/design.md#visibility)? Also returns the per-batch valid-row
+    mask [batch, q_len] (i < q_len_b)."""
     band = visibility_rules.Band(batch, q_len, kv_len, q_lengths, kv_lengths,
                                  is_causal=is_causal, window_left=window_left,
                                  window_right=window_right, bottom_right=bottom_right)
@@ -62,9 +63,9 @@ def _scores(q, k, scale):
     return jnp.where(bad_key, jnp.nan, s)
 
 
-def forward(q, k, v, operands=validation.Operands(), *, scale, is_causal=False, window_left=-1,
+def forward(q, k, v, operands=contract.Operands(), *, scale, is_causal=False, window_left=-1,
             window_right=-1, bottom_right=False, logits_soft_cap=None, **unused_static):
-    """Reference forward. q [B,Tq,H,D], k/v [B,Tkv,HKV,D], ``operands``: validation.Operands.
+    """Reference forward. q [B,Tq,H,D], k/v [B,Tkv,HKV,D], ``operands``: contract.Operands.
 
     Returns (o [B,Tq,H,D] in q.dtype, lse [B,H,Tq] float32). Also differentiable by plain JAX
     autodiff (the row max is a stop_gradient constant and every masked value is selected away

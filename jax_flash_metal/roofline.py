@@ -9,9 +9,10 @@ an upper bound), launch overhead, and non-matmul instructions (exp2, max, shuffl
 
 Figures per GPU (largest configuration of each chip), with their sources:
 
-- Cores and GPU clock: philipturner/applegpuinfo reports (M1, M1 Max, M2 Max; issues #11, #2,
-  #10 of github.com/philipturner/applegpuinfo), hmc-tech.com GPU pages (M3 Max 40-core 1398 MHz,
-  M4 10-core 1470 MHz, M4 Max 1678 MHz) and Apple's announcements for core counts.
+- Cores and GPU clock: philipturner/applegpuinfo reports (M1, M1 Max, M2 Max: "applegpuinfo
+  #11, #2, #10" are github.com/philipturner/applegpuinfo/issues/11, /2, /10), hmc-tech.com GPU
+  pages (M3 Max 40-core 1398 MHz, M4 10-core 1470 MHz, M4 Max 1678 MHz) and Apple's announcements
+  for core counts.
 - Peak FP32 FLOP/s = cores x 128 ALUs x 2 (FMA) x clock (the 128 FP32 ALUs per core of
   github.com/philipturner/metal-benchmarks, "Layout of a GPU core"). This reproduces the published
   figures: 2.617 TFLOPS M1 and 10.617 TFLOPS M1 Max (applegpuinfo), 13.6 TFLOPS M2 Max
@@ -29,7 +30,7 @@ Figures per GPU (largest configuration of each chip), with their sources:
   i.e. M1 and M2) times the clock. For M3 and M4 (Apple 9 and later, not measured there) the same
   64 B/cycle is assumed, following the metal-benchmarks author's statement that per-core-cycle
   bandwidth ratios are the same across Apple GPU generations
-  (github.com/philipturner/metal-flash-attention issue #12).
+  (github.com/philipturner/metal-flash-attention/issues/12).
 """
 
 from __future__ import annotations

@@ -9,73 +9,17 @@ from __future__ import annotations
 
 import numbers
 import os
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .contract import IMPLEMENTATIONS, UNBOUNDED, Operands, StaticParams
+
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-IMPLEMENTATIONS = ("xla", "emulator", "metal")
 ALIGNMENTS = ("top_left", "bottom_right")
 ENV_IMPLEMENTATION = "JAX_FLASH_METAL_IMPLEMENTATION"
 INT32_MAX = 2**31 - 1
-UNBOUNDED = -1  # window bound sentinel, same value as JFM_UNBOUNDED in shaders/attention_params.h
-
-
-class StaticParams(NamedTuple):
-    """The static parameters of both primitives, with their exact types (primitives.py)."""
-
-    scale: float
-    is_causal: bool
-    window_left: int
-    window_right: int
-    bottom_right: bool
-    has_q_lengths: bool
-    has_kv_lengths: bool
-    implementation: str | None
-    has_segment_ids: bool = False
-    has_bias: bool = False
-    has_mask: bool = False
-    has_sinks: bool = False
-    logits_soft_cap: float | None = None
-
-
-class Operands(NamedTuple):
-    """The optional array operands of both primitives, in their operand order (after the main
-    ones); each is None when absent, and present exactly when its ``has_*`` flag is True.
-
-    q_lengths, kv_lengths: int32 [B]. q_segment_ids: int32 [B, Tq]; kv_segment_ids: int32
-    [B, Tkv] (both or neither: ``has_segment_ids``). bias: float [b, h, tq, tkv] and mask: bool
-    [b, h, tq, tkv], rank 4, each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv].
-    sinks: float32 [H].
-    """
-
-    # Each a JAX array (validation) or an abstract value (primitive rules), hence Any.
-    q_lengths: Any = None
-    kv_lengths: Any = None
-    q_segment_ids: Any = None
-    kv_segment_ids: Any = None
-    bias: Any = None
-    mask: Any = None
-    sinks: Any = None
-
-    @staticmethod
-    def flags(has_q_lengths, has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks):
-        """Which fields are present, in field order, from the primitives' has_* params."""
-        return (has_q_lengths, has_kv_lengths, has_segment_ids, has_segment_ids, has_bias,
-                has_mask, has_sinks)
-
-    def present(self):
-        return [x for x in self if x is not None]
-
-    @classmethod
-    def from_list(cls, xs, flags):
-        """Inverse of ``present`` for the given ``flags``; checks the count."""
-        xs = list(xs)
-        if len(xs) != sum(flags):
-            raise ValueError(f"expected {sum(flags)} optional operands, got {len(xs)}")
-        return cls(*(xs.pop(0) if f else None for f in flags))
 
 
 def _is_jax(x):

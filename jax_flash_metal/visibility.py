@@ -1,4 +1,5 @@
-"""Which keys each query row may see (DESIGN.md section 3), for whole score matrices and tiles.
+"""Which keys each query row may see (docs/design.md#visibility), for whole score matrices and
+tiles.
 
 Key j is visible to query row i of batch b when i < q_len_b, j < kv_len_b, and (with the diagonal
 ``diag = i + off_b``, ``off_b = kv_len_b - q_len_b`` for bottom-right alignment, else 0) the causal

@@ -19,19 +19,19 @@ scan over key blocks with an inner loop over the query blocks that can see them 
 which adds each tile's dQ into its query block, in a fixed order: deterministic). Temporary memory
 is then O(B * H * BLOCK_Q * BLOCK_K) plus the float32 copies of the inputs: linear in length.
 
-Non-finite inputs (DESIGN.md section 3): rows past the lengths are zeroed first (padding is never
-read). The tiles get each operand in the form that keeps NaN from reaching invisible pairs
-(``xla_tiles``: non-finite entries NaN, weighted values with non-finite entries zeroed).
-Without causal, window, lengths, mask, segment ids and bias, no pair of real positions is hidden
-(only zero padding is), so the weighted values keep their non-finite entries (as NaN) and the
-matmuls place NaN exactly by themselves: nothing more is computed or compiled for it. Otherwise,
-only when some input is non-finite (the forward sums v; the backward checks lse and delta), the
-loops of the tiled path run a second, counting pass over the same blocks (``xla_tiles``), whose
-outputs count per entry the visible pairs that read a non-finite input there, and the outputs
-get NaN where a count is positive. The counting pass is the same loop body with other operand
-blocks (picked per block inside the loop: nothing is stored for it), so XLA compiles one loop
-nest per primitive and no branch: compile time goes with the number of distinct kernels. The
-dense tile instead counts with one matmul per output inside a ``lax.cond``.
+Non-finite inputs (docs/design.md#empty-rows-and-non-finite-inputs): rows past the lengths are
+zeroed first (padding is never read). The tiles get each operand in the form that keeps NaN from
+reaching invisible pairs (``xla_tiles``: non-finite entries NaN, weighted values with non-finite
+entries zeroed). Without causal, window, lengths, mask, segment ids and bias, no pair of real
+positions is hidden (only zero padding is), so the weighted values keep their non-finite entries (as
+NaN) and the matmuls place NaN exactly by themselves: nothing more is computed or compiled for it.
+Otherwise, only when some input is non-finite (the forward sums v; the backward checks lse and
+delta), the loops of the tiled path run a second, counting pass over the same blocks
+(``xla_tiles``), whose outputs count per entry the visible pairs that read a non-finite input there,
+and the outputs get NaN where a count is positive. The counting pass is the same loop body with
+other operand blocks (picked per block inside the loop: nothing is stored for it), so XLA compiles
+one loop nest per primitive and no branch: compile time goes with the number of distinct kernels.
+The dense tile instead counts with one matmul per output inside a ``lax.cond``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import numpy as np
 
 from . import features, nonfinite, visibility
 from . import xla_tiles as tiles
-from .validation import Operands
+from .contract import Operands
 
 F32 = tiles.F32
 DENSE_MAX_LEN = 256
@@ -494,7 +494,7 @@ def _counted(x):
 def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left=-1,
             window_right=-1, bottom_right=False, logits_soft_cap=None, **unused_static):
     """(o [B, Tq, H, D] in q.dtype, lse float32 [B, H, Tq]); see the module docstring.
-    ``operands``: validation.Operands (lengths, segment ids, bias, mask, sinks or None)."""
+    ``operands``: contract.Operands (lengths, segment ids, bias, mask, sinks or None)."""
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]

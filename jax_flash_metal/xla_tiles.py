@@ -7,12 +7,12 @@ grouped-query attention never repeats K/V), k, v ``[B, HKV, Bc, D]``, row statis
 pair of the tile is visible, ``bias`` float32 broadcastable the same way or None. q arrives
 multiplied by the softmax scale. Scores are ``cap(q . k) + bias`` (``features.soft_cap``).
 
-Non-finite inputs (DESIGN.md section 3) cost nothing here: the caller passes each operand in the
-form that makes plain matmuls place NaN exactly. Every operand arrives with its non-finite
-entries NaN, so a query or key with one scores NaN (a key with an Inf entry scores NaN, not a
--inf that would quietly weigh it 0), and so does dP; scores, P and dS are selected with
-``visible`` before any sum, so a NaN there reaches only the outputs of visible pairs. Where some
-pair is hidden, the operands that are weighted by P or dS (v in the forward; dO, k, q in the
+Non-finite inputs (docs/design.md#empty-rows-and-non-finite-inputs) cost nothing here: the caller
+passes each operand in the form that makes plain matmuls place NaN exactly. Every operand arrives
+with its non-finite entries NaN, so a query or key with one scores NaN (a key with an Inf entry
+scores NaN, not a -inf that would quietly weigh it 0), and so does dP; scores, P and dS are selected
+with ``visible`` before any sum, so a NaN there reaches only the outputs of visible pairs. Where
+some pair is hidden, the operands that are weighted by P or dS (v in the forward; dO, k, q in the
 backward) arrive with non-finite entries zeroed instead, since a weight of exactly 0 times NaN
 would be NaN.
 

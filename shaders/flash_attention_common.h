@@ -1,6 +1,6 @@
 // Shared helpers of the attention kernels: element conversion (f32/f16/bf16), per-batch lengths,
-// the visibility interval of DESIGN.md section 3, addressing and the base-2 softmax probability.
-// MSL 3.0 (C++14 base).
+// the visibility interval of docs/design.md#visibility, addressing and the base-2 softmax
+// probability. MSL 3.0 (C++14 base).
 #ifndef JAX_FLASH_METAL_FLASH_ATTENTION_COMMON_H_
 #define JAX_FLASH_METAL_FLASH_ATTENTION_COMMON_H_
 

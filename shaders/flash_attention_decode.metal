@@ -1,9 +1,9 @@
-// Split-KV decode (KERNELS.md section 5): the forward for short queries against a long KV cache.
-// Pass 1 (decode_partial), grid (splits, num_kv_heads, batch): the R = G * q_len query rows that
-// share one KV head (G = num_heads / num_kv_heads; row r = g * q_len + i is query position i of
-// head hk * G + g) form one tile of 8-row fragments, and one split's contiguous chunk of their
-// visible keys runs through the forward's key-block loop, so each K/V element is read once per
-// KV head. It writes the chunk's normalised partial O and its base-2 max m and sum l per row to
+// Split-KV decode (docs/kernels.md#decode-split-kv): the forward for short queries against a long
+// KV cache. Pass 1 (decode_partial), grid (splits, num_kv_heads, batch): the R = G * q_len query
+// rows that share one KV head (G = num_heads / num_kv_heads; row r = g * q_len + i is query
+// position i of head hk * G + g) form one tile of 8-row fragments, and one split's contiguous chunk
+// of their visible keys runs through the forward's key-block loop, so each K/V element is read once
+// per KV head. It writes the chunk's normalised partial O and its base-2 max m and sum l per row to
 // the float32 workspace. Pass 2 (decode_combine), grid (R, num_kv_heads, batch): combines the
 // splits in split order into O, LSE and L2 with the forward's conventions. Tile shapes:
 // tile_shapes.h (decode rows); memory and the split rule: shaders/README.md.

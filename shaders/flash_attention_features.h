@@ -1,4 +1,4 @@
-// The optional score features of DESIGN.md section 3 (soft cap, bias, mask, segment ids, sinks)
+// The optional score features of docs/design.md#scores (soft cap, bias, mask, segment ids, sinks)
 // per element and per tile, shared by the forward (and decode) and the backward kernels so that
 // both directions form bit-identical scores and visibility. A kernel without any feature never
 // calls these: its loop keeps the plain score S2 = (q.k) * scale * log2(e) and the band tests.

@@ -1,7 +1,7 @@
-// The pieces every tiled kernel is built from (KERNELS.md section 3): cooperative tile loads
-// device -> threadgroup, 8x8 simdgroup_matrix fragments in float, row reductions across a
-// fragment's lanes, and block classification from the per-row visibility interval.
-// MSL 3.0 (C++14 base).
+// The pieces every tiled kernel is built from (docs/kernels.md#conventions-of-every-tiled-kernel):
+// cooperative tile loads device -> threadgroup, 8x8 simdgroup_matrix fragments in float, row
+// reductions across a fragment's lanes, and block classification from the per-row visibility
+// interval. MSL 3.0 (C++14 base).
 #ifndef JAX_FLASH_METAL_FLASH_ATTENTION_TILES_H_
 #define JAX_FLASH_METAL_FLASH_ATTENTION_TILES_H_
 

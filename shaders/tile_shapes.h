@@ -28,8 +28,8 @@ namespace jfm {
 
 #define JFM_SIMD_WIDTH 32
 
-// Forward, KERNELS.md section 4: 8 query rows per simdgroup; BK halves as D and the element size
-// grow so the Q, K and V tiles stay within ~26 KiB.
+// Forward, docs/kernels.md#forward-tiles: 8 query rows per simdgroup; BK halves as D and the
+// element size grow so the Q, K and V tiles stay within ~26 KiB.
 constexpr int jfm_fwd_block_q(int element_bytes, int head_dim) {
   return element_bytes == 4 && head_dim > 128 ? 16 : 32;
 }
@@ -48,8 +48,8 @@ constexpr bool jfm_fwd_kv_one_buffer(int element_bytes, int head_dim) {
   return element_bytes == 4 ? head_dim > 64 : head_dim > 128;
 }
 
-// Backward, KERNELS.md section 4. Every backward kernel holds two owner tiles (Q and dO for dQ;
-// K and V for dK/dV) of 8 * simdgroups rows and two streamed tiles (K and V; Q and dO) of
+// Backward, docs/kernels.md#backward-tiles. Every backward kernel holds two owner tiles (Q and dO
+// for dQ; K and V for dK/dV) of 8 * simdgroups rows and two streamed tiles (K and V; Q and dO) of
 // `block` rows, each row head_dim * element_bytes + 16 bytes, so threadgroup memory depends on
 // the bytes per row only: the families are chosen by row bytes (<= 26112 B, shaders/README.md).
 constexpr int jfm_bwd_simdgroups(int element_bytes, int head_dim) {
@@ -67,8 +67,8 @@ constexpr bool jfm_bwd_shared_stream(int element_bytes, int head_dim) {
 // would not fit the register budget.
 constexpr bool jfm_bwd_split_dkdv(int head_dim) { return head_dim >= 160; }
 
-// Decode, KERNELS.md section 5. Pass 1 runs the forward's tiles (its key-block loop, BQ rows:
-// every query row of one KV head, G * q_len <= BQ, in one tile; BK keys per block); pass 2 is
+// Decode, docs/kernels.md#decode-split-kv. Pass 1 runs the forward's tiles (its key-block loop, BQ
+// rows: every query row of one KV head, G * q_len <= BQ, in one tile; BK keys per block); pass 2 is
 // one simdgroup per query row. A call takes the decode path when q_len <= JFM_DECODE_MAX_Q_LEN
 // and G * q_len <= the pass-1 rows; it cuts each (batch, kv head)'s keys into
 // jfm_decode_splits(...) splits.

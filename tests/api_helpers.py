@@ -67,7 +67,7 @@ def oracle_all(q, k, v, do, g_lse=None, **kwargs):
 
 def check_against_oracle(q, k, v, do, g_lse=None, *, implementation=None, jit=True,
                          names=tolerance.OUTPUTS, **kwargs):
-    """Run flash_attention (forward + VJP) and assert every output is within DESIGN.md tolerance
+    """Run flash_attention (forward + VJP) and assert every output is within the tolerances
     of the float64 oracle. Returns (actual, expected) dicts."""
     actual = run_flash(q, k, v, do, g_lse, jit=jit, implementation=implementation, **kwargs)
     for name in names:

@@ -1,9 +1,9 @@
 """Comparisons of a framework's own attention with the same module using flash_attention.
 
 The framework's module is the reference here (the adapters must reproduce it). Tolerances follow
-DESIGN.md section 8 scaled to whole modules: float32 max error <= 1e-5 x max|reference| on outputs
-and 1e-4 x max|reference| on gradients, per leaf, with a floor of 1e-6 x the largest entry of
-the whole tree (a leaf whose exact value is 0, e.g. the key bias's gradient, holds float32 noise
+docs/testing.md#tolerances scaled to whole modules: float32 max error <= 1e-5 x max|reference| on
+outputs and 1e-4 x max|reference| on gradients, per leaf, with a floor of 1e-6 x the largest entry
+of the whole tree (a leaf whose exact value is 0, e.g. the key bias's gradient, holds float32 noise
 of the other leaves' size); bfloat16: error against the float32 reference <= 2 x the framework's
 own bfloat16 error (relative to each leaf's max|reference|, worst leaf) + 1e-5.
 """

@@ -240,8 +240,8 @@ def yardstick_inputs(q, k, v, do, g_lse, mask):
 def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0, **mask):
     """Runs forward and backward kernels and asserts O, LSE, dQ, dK, dV against the oracle.
 
-    Tolerances are DESIGN.md's (tests/tolerance.py); for f16/bf16 the yardstick is plain
-    same-dtype jnp attention on the same inputs with padding and non-finite values zeroed.
+    Tolerances are docs/testing.md#tolerances (tests/tolerance.py); for f16/bf16 the yardstick is
+    plain same-dtype jnp attention on the same inputs with padding and non-finite values zeroed.
     Zero-size problems are checked for their exact values instead. Returns the kernel outputs as
     a dict (o, lse, l2, dq, dk, dv, delta).
     """
@@ -271,8 +271,9 @@ def _assert_against_oracle(got, q, k, v, do, g_lse, names, mask, **extra):
     import tolerance
 
     if q.size == 0 or k.size == 0:
-        # No (query, key) pair exists, so DESIGN.md section 3 fixes every value exactly (and the
-        # oracle's max-reduction needs a key axis): O = 0, LSE = -inf, zero gradients.
+        # No (query, key) pair exists, so docs/design.md#empty-rows-and-non-finite-inputs fixes
+        # every value exactly (and the oracle's max-reduction needs a key axis): O = 0, LSE = -inf,
+        # zero gradients.
         for name, x in got.items():
             expected = -np.inf if name == "lse" else 0.0
             assert (np.asarray(x, np.float64) == expected).all(), name

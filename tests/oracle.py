@@ -1,4 +1,4 @@
-"""Float64 NumPy oracle for attention, written from DESIGN.md section 3 alone.
+"""Float64 NumPy oracle for attention, written from docs/design.md#api-semantics alone.
 
 It shares no code with the package: visibility is spelled out per batch, the softmax is taken
 directly, and the backward uses the softmax Jacobian (dS = P * (dP - rowsum(P * dP) + g_lse)),

@@ -1,5 +1,6 @@
-"""flash_attention against the float64 oracle: the DESIGN.md section 8 matrix, forward, LSE and
-gradients (jit of the VJP), plus the semantic rules of section 3 one by one."""
+"""flash_attention against the float64 oracle: a matrix of dtypes, head dims, shapes and masks
+(forward, LSE and gradients, jit of the VJP), plus the rules of docs/design.md#api-semantics one by
+one."""
 
 import itertools
 

@@ -1,4 +1,4 @@
-"""The shared failing cases C-01 .. C-09 (/work/shared/cases/README.md), each with its whole kind.
+"""The regression cases C-01 .. C-09 (docs/testing.md#regression-cases), each with its whole kind.
 
 Every case runs on every available implementation; right values come from the float64 oracle
 (tests/oracle.py) or are exact by construction.

@@ -1,5 +1,5 @@
-"""The split-KV decode path (KERNELS.md section 5; shaders/flash_attention_decode.metal) through
-the emulated device's FFI handler: when it is chosen, its results against the float64 oracle
+"""The split-KV decode path (docs/kernels.md#decode-split-kv; shaders/flash_attention_decode.metal)
+through the emulated device's FFI handler: when it is chosen, its results against the float64 oracle
 (forward and, through the residuals it writes, the regular backward) and against the tiled
 forward kernel for the same call, bit-identical results under every emulator schedule, and the
 structural memory properties of its profile (device bytes read within 1.15x the visible K/V).

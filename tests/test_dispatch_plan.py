@@ -1,5 +1,5 @@
 """The dispatch plan (ffi/dispatch_plan.h): submissions cut by batch, head and row block under a
-time budget so no command buffer trips the GPU watchdog (issue 11).
+time budget so no command buffer trips the GPU watchdog.
 
 The plan is read through ``_ext.dispatch_plan``, which runs the handlers' own planning code; the
 split runs compare the emulated device's results under a tiny budget bit for bit with the

@@ -1,4 +1,4 @@
-"""bias, mask, segment ids, logits soft cap and sinks (DESIGN.md section 3) against the float64
+"""bias, mask, segment ids, logits soft cap and sinks (docs/design.md#scores) against the float64
 oracle, and against jax.nn.dot_product_attention wherever jax.nn defines the same thing.
 
 Run on the xla implementation (dense and, with shrunken blocks, blockwise); the fused kernels'
@@ -52,7 +52,7 @@ def run(q, k, v, do, g, *, implementation="xla", **kw):
 
 
 def check(q, k, v, do, g, names=None, **kw):
-    """run() matches the oracle on every output (DESIGN.md section 8 tolerances)."""
+    """run() matches the oracle on every output (docs/testing.md#tolerances)."""
     got = run(q, k, v, do, g, **dict(kw))
     names = names or tuple(got)
     return got, tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=names, **kw)
@@ -152,8 +152,8 @@ def test_soft_cap_with_large_logits(blocks, dtype):
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan], ids=str)
 def test_soft_cap_keeps_non_finite_queries_nan(implementation, blocks, bad):
-    """A query with an Inf entry propagates NaN (DESIGN.md section 3) even though the cap
-    would squash its infinite scores to finite ones."""
+    """A query with an Inf entry propagates NaN (docs/design.md#empty-rows-and-non-finite-inputs)
+    even though the cap would squash its infinite scores to finite ones."""
     q, k, v, do, g = inputs(12)
     q = q.at[1, 3, 2, 0].set(bad)
     got, _ = check(q, k, v, do, g, names=tolerance.OUTPUTS, logits_soft_cap=5.0,

@@ -1,8 +1,9 @@
-"""The native extension's FFI path: handlers, devices, lowering (issue 5).
+"""The native extension's FFI path: handlers, devices, lowering.
 
 Runs wherever the extension is built: the emulated device everywhere, the Metal device only on a
 Mac with a Metal GPU (those tests are skipped elsewhere). Numbers are checked against the float64
-oracle (tests/oracle.py) with DESIGN.md tolerances, or against exact expected values.
+oracle (tests/oracle.py) with the tolerances of docs/testing.md#tolerances, or against exact
+expected values.
 """
 
 import contextlib

@@ -1,7 +1,8 @@
-"""Shared cases C-01 .. C-09 (../shared/cases/README.md) run directly on the attention kernels.
+"""The regression cases C-01 .. C-09 (docs/testing.md#regression-cases) run directly on the
+attention kernels.
 
 Each recipe follows the case table; values come from the float64 oracle (tests/oracle.py) with
-DESIGN.md tolerances, plus the exact properties each case names.
+the tolerances of docs/testing.md#tolerances, plus the exact properties each case names.
 """
 
 import ml_dtypes

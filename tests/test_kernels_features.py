@@ -1,4 +1,4 @@
-"""The forward kernels with the optional features of DESIGN.md section 3 (soft cap, bias, mask,
+"""The forward kernels with the optional features of docs/design.md#scores (soft cap, bias, mask,
 segment ids, sinks; shaders/flash_attention_features.h) through the whole chain: flash_attention
 -> forward primitive -> FFI lowering -> emulated device -> tiled forward or split-KV decode.
 O and LSE against the float64 oracle (tests/oracle.py, tolerances of tests/tolerance.py), the

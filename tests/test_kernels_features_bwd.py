@@ -1,10 +1,10 @@
 """The backward kernels with the optional features (bias and its gradient, mask, segment ids, soft
 cap; sinks through dsinks) on the emulator, end to end through flash_attention (the forward runs
 the features' forward kernels): dQ, dK, dV, dbias and dsinks against the float64 oracle with
-DESIGN.md tolerances, alone and combined with causal/window/lengths/GQA, across tile edges and
-head dims up to the split dK/dV kernels; the segment-id block skip in the profile, bit-identical
-gradients under every emulator schedule, vmap with a bias gradient, and no Tq x Tkv buffer
-without a bias gradient (check_grads through bias and sinks on the emulator:
+the tolerances of docs/testing.md#tolerances, alone and combined with causal/window/lengths/GQA,
+across tile edges and head dims up to the split dK/dV kernels; the segment-id block skip in the
+profile, bit-identical gradients under every emulator schedule, vmap with a bias gradient, and no Tq
+x Tkv buffer without a bias gradient (check_grads through bias and sinks on the emulator:
 tests/test_features.py).
 """
 

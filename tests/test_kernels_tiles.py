@@ -3,7 +3,8 @@
 Lengths just below, at and above each family's query block BQ and key block BK (and several
 blocks plus one), causal with q_len much larger and much smaller than kv_len, windows narrower
 than a key block, grouped-query groups of 1 to 8, bit-identical results under every emulator
-schedule, and a bounded random differential test over the feature space (fixed seeds). Forward only (O, LSE, L2) against the float64 oracle with DESIGN.md tolerances; the
+schedule, and a bounded random differential test over the feature space (fixed seeds). Forward only
+(O, LSE, L2) against the float64 oracle with the tolerances of docs/testing.md#tolerances; the
 backward has its own tests.
 """
 

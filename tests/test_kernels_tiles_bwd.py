@@ -1,11 +1,11 @@
 """The tiled backward kernels around their tile shapes (shaders/tile_shapes.h), on the emulator.
 
-Forward and backward (O, LSE, dQ, dK, dV) against the float64 oracle with DESIGN.md tolerances:
-lengths just below, at and above each backward family's owner block (query rows of dQ, key rows
-of dK/dV) and streamed block, several blocks plus one, causal with q_len much larger and much
-smaller than kv_len, windows narrower than a block, grouped-query groups of 1 to 8, the split
-dK/dV kernels and the one-streamed-tile kernels, exact one-hot rows, and bit-identical results
-under every emulator schedule.
+Forward and backward (O, LSE, dQ, dK, dV) against the float64 oracle with the tolerances of
+docs/testing.md#tolerances: lengths just below, at and above each backward family's owner block
+(query rows of dQ, key rows of dK/dV) and streamed block, several blocks plus one, causal with q_len
+much larger and much smaller than kv_len, windows narrower than a block, grouped-query groups of 1
+to 8, the split dK/dV kernels and the one-streamed-tile kernels, exact one-hot rows, and
+bit-identical results under every emulator schedule.
 """
 
 import numpy as np

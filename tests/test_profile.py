@@ -465,7 +465,7 @@ def test_split_submissions_share_counts_and_useful_flops():
 @pytest.mark.parametrize("dtype,head_dim", [("float16", 64), ("float32", 128)])
 def test_tiled_forward_causal_moves_at_most_six_tenths_of_the_bytes(dtype, head_dim):
     """Key blocks outside a query block's visible union are never staged, so causal attention at
-    length 512 moves at most 0.6x the device bytes of non-causal (issue 10's bound)."""
+    length 512 moves at most 0.6x the device bytes of non-causal."""
     moved = {}
     for causal in (False, True):
         problem = make_problem(["--dtype", dtype, "--head-dim", str(head_dim), "--q-len", "512",

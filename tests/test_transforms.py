@@ -11,7 +11,8 @@ import oracle
 import tolerance
 from api_helpers import f64, make_inputs, oracle_all
 from jax_flash_metal import flash_attention
-from jax_flash_metal.primitives import bwd_p, coerce_params, fwd_p
+from jax_flash_metal.contract import coerce_params
+from jax_flash_metal.primitives import bwd_p, fwd_p
 
 
 def test_vmap_extra_leading_axes(implementation):

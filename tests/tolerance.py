@@ -1,4 +1,4 @@
-"""DESIGN.md section 8 tolerances against the float64 oracle.
+"""The tolerances of docs/testing.md#tolerances against the float64 oracle.
 
 float32: max error <= 1e-5 x max|oracle| on outputs (O, LSE), 1e-4 x max|oracle| on gradients
 (plus a 1e-6 floor for all-zero references). float16/bfloat16: max error <= 2 x the error of plain
@@ -91,7 +91,7 @@ def _baseline_compiled(q, k, v, do, g, mask, key_used, bias, sinks, *, scale, ca
 
 def assert_matches_oracle(name, actual, expected, baseline_value=None, kind=None,
                           input_dtype=None):
-    """Asserts `actual` (any dtype) is within DESIGN.md tolerance of the float64 `expected`.
+    """Asserts `actual` (any dtype) is within the tolerances of the float64 `expected`.
 
     kind: one of o, lse, dq, dk, dv, dbias, dsinks (defaults to `name`), selecting the float32
     tolerance. input_dtype: the dtype of the attention inputs the value was computed from

@@ -1,0 +1,117 @@
+"""The contract of the two attention primitives: what the primitive layer (``primitives``), the
+argument checks (``validation``) and the FFI lowering (``ffi_lowering``) agree on. Operand
+layout, static parameters, their exact types and the feature names, once; the design is
+docs/design.md#the-contract.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any, Literal, NamedTuple
+
+Implementation = Literal["xla", "emulator", "metal"]
+IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
+UNBOUNDED = -1  # window bound sentinel, same value as JFM_UNBOUNDED in shaders/attention_params.h
+
+# The main operands of each direction's primitive, before the optional ones (Operands).
+MAIN_OPERANDS = {"fwd": ("q", "k", "v"),
+                 "bwd": ("q", "k", "v", "o", "lse", "l2", "do", "g_lse")}
+
+# The static flags that say which optional operands a call has (Operands.flags's arguments).
+FLAG_NAMES = ("has_q_lengths", "has_kv_lengths", "has_segment_ids", "has_bias", "has_mask",
+              "has_sinks")
+
+
+class StaticParams(NamedTuple):
+    """The static parameters of both primitives, with their exact types (``coerce_params``)."""
+
+    scale: float
+    is_causal: bool
+    window_left: int
+    window_right: int
+    bottom_right: bool
+    has_q_lengths: bool
+    has_kv_lengths: bool
+    implementation: str | None
+    has_segment_ids: bool = False
+    has_bias: bool = False
+    has_mask: bool = False
+    has_sinks: bool = False
+    logits_soft_cap: float | None = None
+
+
+class Operands(NamedTuple):
+    """The optional array operands of both primitives, in their operand order (after the main
+    ones); each is None when absent, and present exactly when its ``has_*`` flag is True.
+
+    q_lengths, kv_lengths: int32 [B]. q_segment_ids: int32 [B, Tq]; kv_segment_ids: int32
+    [B, Tkv] (both or neither: ``has_segment_ids``). bias: float [b, h, tq, tkv] and mask: bool
+    [b, h, tq, tkv], rank 4, each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv].
+    sinks: float32 [H].
+    """
+
+    # Each a JAX array (validation) or an abstract value (primitive rules), hence Any.
+    q_lengths: Any = None
+    kv_lengths: Any = None
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
+    bias: Any = None
+    mask: Any = None
+    sinks: Any = None
+
+    @staticmethod
+    def flags(has_q_lengths, has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks):
+        """Which fields are present, in field order, from the primitives' has_* params."""
+        return (has_q_lengths, has_kv_lengths, has_segment_ids, has_segment_ids, has_bias,
+                has_mask, has_sinks)
+
+    def present(self):
+        return [x for x in self if x is not None]
+
+    @classmethod
+    def from_list(cls, xs, flags):
+        """Inverse of ``present`` for the given ``flags``; checks the count."""
+        xs = list(xs)
+        if len(xs) != sum(flags):
+            raise ValueError(f"expected {sum(flags)} optional operands, got {len(xs)}")
+        return cls(*(xs.pop(0) if f else None for f in flags))
+
+
+def operand_flags(params) -> tuple[bool, ...]:
+    """``Operands.flags`` of a primitive's static ``params`` (absent flags are False)."""
+    return Operands.flags(*(bool(params.get(f, False)) for f in FLAG_NAMES))
+
+
+def operand_roles(direction: str, params) -> list[str]:
+    """The role of each operand of a ``direction`` ("fwd" or "bwd") call: the main operand's
+    name (``MAIN_OPERANDS``) or the ``Operands`` field name."""
+    return [*MAIN_OPERANDS[direction],
+            *(n for n, f in zip(Operands._fields, operand_flags(params)) if f)]
+
+
+def feature_names(params) -> tuple[str, ...]:
+    """Names of the optional score features a call uses, as the FFI lowering and its error
+    messages name them: "bias", "mask", "segment ids", "sinks", "logits_soft_cap"."""
+    names = [name for flag, name in (("has_bias", "bias"), ("has_mask", "mask"),
+                                     ("has_segment_ids", "segment ids"), ("has_sinks", "sinks"))
+             if params.get(flag)]
+    if params.get("logits_soft_cap") is not None:
+        names.append("logits_soft_cap")
+    return tuple(names)
+
+
+def coerce_params(*, scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
+                  has_kv_lengths, implementation, has_segment_ids=False, has_bias=False,
+                  has_mask=False, has_sinks=False, logits_soft_cap=None, bias_grad=None):
+    """The static params with their exact Python types (FFI attributes are typed).
+    ``bias_grad`` (backward only) is included when given."""
+    params = dict(scale=float(scale), is_causal=bool(is_causal), window_left=int(window_left),
+                  window_right=int(window_right), bottom_right=bool(bottom_right),
+                  has_q_lengths=bool(has_q_lengths), has_kv_lengths=bool(has_kv_lengths),
+                  implementation=None if implementation is None else str(implementation),
+                  has_segment_ids=bool(has_segment_ids), has_bias=bool(has_bias),
+                  has_mask=bool(has_mask), has_sinks=bool(has_sinks),
+                  logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap))
+    if bias_grad is not None:
+        params["bias_grad"] = bool(bias_grad)
+    return params
