@@ -1,4 +1,5 @@
-// See apple_gpu_gate and gpu_cores_by_name in device.h.
+// See apple_gpu_gate, gpu_cores_by_name, gpu_core_count and set_metal_debug in device.h.
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -36,5 +37,18 @@ int gpu_cores_by_name(const std::string& name) {
   }
   return 10;
 }
+
+int gpu_core_count(long registry_cores, const std::string& name) {
+  if (registry_cores >= 1 && registry_cores <= 1024) return static_cast<int>(registry_cores);
+  return gpu_cores_by_name(name);
+}
+
+namespace {
+std::atomic<bool> g_metal_debug{false};
+}  // namespace
+
+void set_metal_debug(bool on) { g_metal_debug.store(on); }
+
+bool metal_debug() { return g_metal_debug.load(); }
 
 }  // namespace jfm

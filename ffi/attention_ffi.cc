@@ -432,6 +432,7 @@ ffi::Error run_stages(Device& device, const Problem& p, const Options& o,
       d.multiply_adds = chunk.multiply_adds;
       submission.push_back(std::move(d));
     }
+    mark_barriers(&submission);
     submissions.push_back(std::move(submission));
   }
   return run(device, submissions);

@@ -29,14 +29,19 @@ struct Dispatch {
   std::array<uint32_t, 3> groups{1, 1, 1};
   std::array<uint32_t, 3> group_size{1, 1, 1};
   std::vector<Binding> buffers;
-  std::vector<uint8_t> constants;  // bytes bound as `constant T&` at constants_index
+  std::vector<uint8_t> constants;  // bytes bound as `constant T&` at constants_index (if any)
   int constants_index = 0;
   double multiply_adds = 0;  // the plan's estimate of its work (Metal calibrates from it)
+  // Whether this dispatch must wait for every earlier dispatch of its submission and see their
+  // writes (mark_barriers, dispatch_plan.h). Dispatches between two barriers may run in any
+  // order or at once: on Metal they share one concurrent compute encoder.
+  bool barrier_before = false;
 };
 
-// Dispatches that run in order, each seeing the writes of the ones before it. On Metal a
-// submission is one command buffer; a call is split into several submissions when it is large
-// enough to risk the GPU watchdog (dispatch_plan.h).
+// The dispatches of one command buffer on Metal (one concurrent compute encoder, a buffer
+// memory barrier before each dispatch with barrier_before). Submissions run in order, each
+// seeing the writes of the ones before it; a call is split into several when it is large enough
+// to risk the GPU watchdog (dispatch_plan.h).
 using Submission = std::vector<Dispatch>;
 
 // The throughput a plan assumes before anything was measured: multiply-adds per second of the
@@ -64,11 +69,13 @@ class Device {
   // time of earlier command buffers.
   virtual double multiply_adds_per_second() = 0;
   // GPU cores: sizes the decode's key splits (tile_shapes.h jfm_decode_splits). The emulated
-  // device reports a fixed kEmulatedGpuCores; Metal has no API for it, so the Metal device looks
-  // its GPU's name up in a table (gpu_cores_by_name).
+  // device reports a fixed kEmulatedGpuCores; Metal has no API for it, so the Metal device reads
+  // the IORegistry's "gpu-core-count" of the GPU (gpu_core_count).
   virtual int gpu_cores() = 0;
   // Runs the submissions in order and returns when all have finished. Returns "" on success,
-  // else the device's error message. Safe to call from several threads at once.
+  // else the device's error message. Safe to call from several threads at once. The emulated
+  // device runs the dispatches between two barriers in the order of its thread schedule
+  // (reversed or shuffled under "reverse" and "random"), so a missing barrier changes results.
   virtual std::string run(const std::vector<Submission>& submissions) = 0;
 };
 
@@ -80,6 +87,19 @@ constexpr int kEmulatedGpuCores = 32;
 // configuration of that chip (binned parts have fewer; only the decode's split count depends
 // on it), 10 for a name not in the table. Plain C++, tested on every platform.
 int gpu_cores_by_name(const std::string& name);
+
+// The GPU cores the Metal device uses: `registry_cores` (the IORegistry's "gpu-core-count" of
+// the GPU, 0 when it could not be read) when it is plausible (1 to 1024), else
+// gpu_cores_by_name(name). Plain C++, tested on every platform.
+int gpu_core_count(long registry_cores, const std::string& name);
+
+// $JAX_FLASH_METAL_DEBUG as the Python package parsed it on import (ffi_lowering.py): while
+// on, Metal command buffers are created with encoder execution status (Apple: it may add CPU
+// and GPU overhead) and each dispatch carries a debug signpost, so a failed command buffer names
+// the status of its encoder and the dispatches in it. Off: the error still names Metal's
+// error and the kernels of the failed command buffer.
+void set_metal_debug(bool on);
+bool metal_debug();
 
 // The process-wide emulated device.
 Device& emulated_device();

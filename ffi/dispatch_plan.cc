@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 
 #include "device.h"
 
@@ -48,7 +49,36 @@ void chunk_stage(size_t index, const StageShape& s, int64_t per_chunk, std::vect
   }
 }
 
+// One dispatch's use of a host range, for mark_barriers.
+struct Access {
+  const std::string* kernel;
+  uintptr_t begin, end;
+  bool written;
+};
+
+bool conflicts(const Access& a, const Access& b) {
+  return *a.kernel != *b.kernel && a.begin < b.end && b.begin < a.end && (a.written || b.written);
+}
+
 }  // namespace
+
+void mark_barriers(std::vector<Dispatch>* submission) {
+  std::vector<Access> since_barrier;
+  for (Dispatch& d : *submission) {
+    std::vector<Access> mine;
+    for (const Binding& b : d.buffers) {
+      if (b.copy || b.size == 0) continue;  // copied into the command when encoded
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(b.data);
+      mine.push_back(Access{&d.kernel, begin, begin + b.size, b.written});
+    }
+    d.barrier_before = std::any_of(mine.begin(), mine.end(), [&](const Access& a) {
+      return std::any_of(since_barrier.begin(), since_barrier.end(),
+                         [&](const Access& earlier) { return conflicts(a, earlier); });
+    });
+    if (d.barrier_before) since_barrier.clear();
+    since_barrier.insert(since_barrier.end(), mine.begin(), mine.end());
+  }
+}
 
 std::vector<ChunkedSubmission> plan_submissions(const std::vector<StageShape>& stages,
                                                 double budget_multiply_adds) {

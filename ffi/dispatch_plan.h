@@ -47,6 +47,15 @@ std::vector<ChunkedSubmission> plan_submissions(const std::vector<StageShape>& s
                                                 double budget_multiply_adds);
 
 class Device;
+struct Dispatch;
+
+// Sets barrier_before on each dispatch of a submission that must see the effects of, or must not
+// overwrite what is read by, an earlier dispatch since the last barrier: it reads or writes a
+// host range (Binding data and size) that such a dispatch wrote, or writes one that such a
+// dispatch read. Chunks of one stage write disjoint parts of the same results, so barriers are
+// only set between dispatches of different kernels (the backward's dK/dV kernels read the D
+// that dQ's wrote; the decode's combine reads the partial results).
+void mark_barriers(std::vector<Dispatch>* submission);
 
 // plan_submissions with the budget of `device`: submission_budget_seconds() times the device's
 // estimated throughput (Device::multiply_adds_per_second).

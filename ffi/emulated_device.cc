@@ -2,7 +2,10 @@
 // MSL-on-CPU emulator (ffi/emulator), so the whole FFI path is testable without an Apple GPU.
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -35,6 +38,25 @@ const char* schedule_name(emu::Schedule s) {
   return "?";
 }
 
+// The order in which the emulated device runs a submission's dispatches: within each run of
+// dispatches between two barriers (Dispatch::barrier_before), which Metal may execute in any
+// order or at once, the order of the thread schedule: as planned, reversed, or shuffled.
+std::vector<size_t> dispatch_order(const Submission& submission, emu::Schedule schedule,
+                                   std::mt19937_64* rng) {
+  std::vector<size_t> order(submission.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  size_t start = 0;  // the first dispatch after the last barrier
+  for (size_t i = 1; i <= submission.size(); ++i) {
+    if (i < submission.size() && !submission[i].barrier_before) continue;
+    const auto first = order.begin() + static_cast<ptrdiff_t>(start);
+    const auto last = order.begin() + static_cast<ptrdiff_t>(i);
+    if (schedule == emu::Schedule::kReverse) std::reverse(first, last);
+    if (schedule == emu::Schedule::kRandom) std::shuffle(first, last, *rng);
+    start = i;
+  }
+  return order;
+}
+
 class EmulatedDevice final : public Device {
  public:
   const char* kind() const override { return "emulator"; }
@@ -57,18 +79,22 @@ class EmulatedDevice final : public Device {
       std::lock_guard<std::mutex> lock(g_fault_mutex);
       fault = g_fault_kernel;
     }
+    std::mt19937_64 rng(launch.seed);
     for (const Submission& submission : submissions) {
-      for (const Dispatch& d : submission) {
+      for (size_t index : dispatch_order(submission, launch.schedule, &rng)) {
+        const Dispatch& d = submission[index];
         if (!fault.empty() && d.kernel == fault) {
           return "emulator: injected fault in kernel " + d.kernel;
         }
-        int max_index = d.constants_index;
+        int max_index = d.constants.empty() ? 0 : d.constants_index;
         for (const Binding& b : d.buffers) max_index = std::max(max_index, b.index);
         std::vector<emu::Arg> args(static_cast<size_t>(max_index) + 1);
         for (const Binding& b : d.buffers) args[b.index] = emu::Arg{b.data, b.size};
         // The emulator reads constants in place; the dispatch outlives the run.
-        args[d.constants_index] =
-            emu::Arg{const_cast<uint8_t*>(d.constants.data()), d.constants.size()};
+        if (!d.constants.empty()) {
+          args[d.constants_index] =
+              emu::Arg{const_cast<uint8_t*>(d.constants.data()), d.constants.size()};
+        }
         launch.groups = d.groups;
         launch.group_size = d.group_size;
         ProfileRecord record{d.kernel, d.groups, d.group_size, {}};

@@ -12,18 +12,26 @@
 // only for the kernels it uses. Compile warnings are kept (library_warnings) and printed once
 // to stderr.
 //
-// Each submission is one command buffer created with encoder execution status, one encoder per
-// dispatch labelled with its kernel, so a failed command buffer names the dispatch that faulted.
+// Each submission is one command buffer with one concurrent compute encoder: dispatches between
+// two buffer memory barriers (Dispatch::barrier_before, set by mark_barriers in
+// dispatch_plan.h) may overlap. A failed command buffer names the kernels it held; with
+// $JAX_FLASH_METAL_DEBUG (metal_debug() in device.h) it is created with encoder execution status
+// and a debug signpost per dispatch, and the error also gives the encoder's status (Apple says
+// that option may cost CPU and GPU time, so it is off by default).
+// The GPU core count comes from the IORegistry ("gpu-core-count" of the AGXAccelerator service,
+// as metal-flash-attention reads it), else from a table of chip names.
 // The GPU time of every completed command buffer (GPUEndTime - GPUStartTime) refines the
 // throughput estimate that sizes later submissions (dispatch_plan.h) and is added to a
 // process-wide total (metal_gpu_seconds_total, for the benchmark).
 //
 // Memory management: ARC (this file is compiled with -fobjc-arc; there is no manual
-// retain/release). Every method that touches Metal objects runs inside @autoreleasepool.
+// retain/release of Objective-C objects; the IOKit and CoreFoundation objects of
+// registry_gpu_cores, which ARC does not manage, are released there). Every method that touches Metal objects runs inside @autoreleasepool.
 // Thread safety: libraries and pipelines are built under one mutex; the staging pool has its
 // own; the throughput estimate and the GPU-time total are atomic; MTLCommandQueue is itself thread-safe, so handlers may
 // run concurrently.
 #import <Foundation/Foundation.h>
+#import <IOKit/IOKitLib.h>
 #import <Metal/Metal.h>
 
 #include <unistd.h>
@@ -47,18 +55,24 @@
 // Encoder status of an injected fault (set_metal_fault): stands in for what Metal reports in
 // MTLCommandBufferEncoderInfoErrorKey, so the injected error takes the real error's path.
 @interface JfmInjectedEncoderInfo : NSObject <MTLCommandBufferEncoderInfo>
-- (instancetype)initWithLabel:(NSString*)label state:(MTLCommandEncoderErrorState)state;
+- (instancetype)initWithLabel:(NSString*)label
+                    signposts:(NSArray<NSString*>*)signposts
+                        state:(MTLCommandEncoderErrorState)state;
 @end
 
 @implementation JfmInjectedEncoderInfo {
   NSString* _label;
+  NSArray<NSString*>* _signposts;
   MTLCommandEncoderErrorState _state;
 }
 
-- (instancetype)initWithLabel:(NSString*)label state:(MTLCommandEncoderErrorState)state {
+- (instancetype)initWithLabel:(NSString*)label
+                    signposts:(NSArray<NSString*>*)signposts
+                        state:(MTLCommandEncoderErrorState)state {
   self = [super init];
   if (self != nil) {
     _label = [label copy];
+    _signposts = [signposts copy];
     _state = state;
   }
   return self;
@@ -69,7 +83,7 @@
 }
 
 - (NSArray<NSString*>*)debugSignposts {
-  return @[];
+  return _signposts;
 }
 
 - (MTLCommandEncoderErrorState)errorState {
@@ -91,10 +105,38 @@ std::string fault_kernel() {
   return g_fault_kernel;
 }
 
-// The kernel an encoder label names (labels are "<kernel> groups [x, y, z]").
+// The kernel a dispatch label names (labels are "<kernel> groups [x, y, z]").
 std::string kernel_of(const std::string& label) { return label.substr(0, label.find(' ')); }
 
 std::string utf8(NSString* text) { return text != nil ? std::string(text.UTF8String) : ""; }
+
+NSString* ns(const std::string& text) { return [NSString stringWithUTF8String:text.c_str()]; }
+
+std::string joined(const std::vector<std::string>& items) {
+  std::string text;
+  for (const std::string& item : items) text += (text.empty() ? "" : ", ") + item;
+  return text;
+}
+
+// The "gpu-core-count" property of the GPU's AGXAccelerator service in the IORegistry (Apple
+// silicon has one GPU), 0 when there is none or it is not a number.
+long registry_gpu_cores() {
+  const io_service_t service =
+      IOServiceGetMatchingService(kIOMainPortDefault, IOServiceMatching("AGXAccelerator"));
+  if (service == IO_OBJECT_NULL) return 0;
+  long cores = 0;
+  CFTypeRef value = IORegistryEntryCreateCFProperty(service, CFSTR("gpu-core-count"),
+                                                    kCFAllocatorDefault, 0);
+  if (value != nullptr) {
+    if (CFGetTypeID(value) == CFNumberGetTypeID() &&
+        !CFNumberGetValue(static_cast<CFNumberRef>(value), kCFNumberLongType, &cores)) {
+      cores = 0;
+    }
+    CFRelease(value);
+  }
+  IOObjectRelease(service);
+  return cores;
+}
 
 std::string describe(NSError* error) {
   if (error == nil) return "unknown error";
@@ -118,8 +160,8 @@ const char* state_name(MTLCommandEncoderErrorState state) {
   return "unknown";
 }
 
-// A failed command buffer's error: Metal's description and code, then the status of each of its
-// encoders (labelled with their kernels), or the kernels it held when Metal gave no status.
+// A failed command buffer's error: Metal's description and code, then the status of its
+// encoder and the dispatches it recorded (debug mode), or else the dispatches it held.
 std::string failure_message(NSError* error, const std::vector<std::string>& labels) {
   std::string message = "command buffer failed: " + describe(error);
   if (error != nil) message += " (MTLCommandBufferError " + std::to_string(error.code) + ")";
@@ -129,34 +171,34 @@ std::string failure_message(NSError* error, const std::vector<std::string>& labe
     for (id<MTLCommandBufferEncoderInfo> info in (NSArray*)infos) {
       if (!encoders.empty()) encoders += ", ";
       encoders += utf8(info.label) + " [" + state_name(info.errorState) + "]";
+      std::vector<std::string> signposts;
+      for (NSString* signpost in info.debugSignposts) signposts.push_back(utf8(signpost));
+      if (!signposts.empty()) encoders += " (dispatches: " + joined(signposts) + ")";
     }
   }
   if (!encoders.empty()) return message + "; encoders: " + encoders;
-  std::string kernels;
-  for (const std::string& label : labels) kernels += (kernels.empty() ? "" : ", ") + label;
-  return message + "; kernels in it: " + kernels;
+  return message + "; kernels in it: " + joined(labels) +
+         " (set JAX_FLASH_METAL_DEBUG=1 for the encoder's execution status)";
 }
 
-// The error an injected fault reports: the first encoder of `kernel` faulted, the ones before it
-// completed, the ones after it were affected.
-NSError* injected_error(const std::vector<std::string>& labels, const std::string& kernel) {
-  NSMutableArray* infos = [NSMutableArray array];
-  MTLCommandEncoderErrorState state = MTLCommandEncoderErrorStateCompleted;
-  for (const std::string& label : labels) {
-    const bool faulted =
-        state == MTLCommandEncoderErrorStateCompleted && kernel_of(label) == kernel;
-    if (faulted) state = MTLCommandEncoderErrorStateFaulted;
-    [infos addObject:[[JfmInjectedEncoderInfo alloc]
-                         initWithLabel:[NSString stringWithUTF8String:label.c_str()]
-                                 state:state]];
-    if (faulted) state = MTLCommandEncoderErrorStateAffected;
+// The error an injected fault reports: with execution status (debug mode), the encoder faulted,
+// its signposts naming the dispatches; without, Metal would give no encoder status.
+NSError* injected_error(const std::string& encoder_label, const std::vector<std::string>& labels,
+                        bool execution_status) {
+  NSMutableDictionary* info = [NSMutableDictionary
+      dictionaryWithObject:@"injected fault (test hook)"
+                    forKey:NSLocalizedDescriptionKey];
+  if (execution_status) {
+    NSMutableArray<NSString*>* signposts = [NSMutableArray array];
+    for (const std::string& label : labels) [signposts addObject:ns(label)];
+    info[MTLCommandBufferEncoderInfoErrorKey] = @[ [[JfmInjectedEncoderInfo alloc]
+        initWithLabel:ns(encoder_label)
+            signposts:signposts
+                state:MTLCommandEncoderErrorStateFaulted] ];
   }
   return [NSError errorWithDomain:MTLCommandBufferErrorDomain
                              code:MTLCommandBufferErrorInternal
-                         userInfo:@{
-                           NSLocalizedDescriptionKey : @"injected fault (test hook)",
-                           MTLCommandBufferEncoderInfoErrorKey : infos
-                         }];
+                         userInfo:info];
 }
 
 // Shared-storage staging buffers, reused across calls, for host memory Metal cannot wrap.
@@ -195,32 +237,15 @@ class StagingPool {
   size_t cached_bytes_ = 0;
 };
 
-// The source whose text names `kernel` as a string literal (its host_name), or nullptr.
-const ShaderSource* source_of(const std::vector<ShaderSource>& sources, const std::string& kernel) {
-  const std::string quoted = "\"" + kernel + "\"";
-  for (const ShaderSource& s : sources) {
-    if (std::strstr(s.text, quoted.c_str()) != nullptr) return &s;
-  }
-  return nullptr;
-}
-
 // The kernels the embedded sources instantiate, known without compiling them: the same
 // shaders/*.metal files were translated for the emulator at build time, so its list holds them
 // (with the emulator's own test kernels, which no embedded source names).
 std::vector<std::string> catalogue(const std::vector<ShaderSource>& sources) {
   std::vector<std::string> names;
   for (const std::string& name : emu::kernel_names()) {
-    if (source_of(sources, name) != nullptr) names.push_back(name);
+    if (shader_library(sources, name).source != nullptr) names.push_back(name);
   }
   return names;
-}
-
-// The MSL element type of a kernel-name dtype suffix (the T of the instantiation lines).
-const char* element_type(const std::string& suffix) {
-  if (suffix == "f32") return "float";
-  if (suffix == "f16") return "half";
-  if (suffix == "bf16") return "ushort";
-  return nullptr;
 }
 
 class MetalDevice final : public Device {
@@ -232,11 +257,12 @@ class MetalDevice final : public Device {
         name_(utf8(device.name)),
         page_size_(static_cast<uintptr_t>(sysconf(_SC_PAGESIZE))),
         staging_(device),
-        catalogue_(catalogue(sources_)) {}
+        catalogue_(catalogue(sources_)),
+        gpu_cores_(gpu_core_count(registry_gpu_cores(), name_)) {}
 
   const char* kind() const override { return "metal"; }
   std::string name() const override { return name_; }
-  int gpu_cores() override { return gpu_cores_by_name(name_); }
+  int gpu_cores() override { return gpu_cores_; }
 
   // Compiles the kernel's family on first use.
   bool has_kernel(const std::string& kernel) override {
@@ -289,7 +315,9 @@ class MetalDevice final : public Device {
         if (c.command_buffer.status != MTLCommandBufferStatusCompleted) {
           error = failure_message(c.command_buffer.error, c.labels);
         } else if (!fault.empty() && c.holds(fault)) {
-          error = failure_message(injected_error(c.labels, fault), c.labels);
+          const bool status = (c.command_buffer.errorOptions &
+                               MTLCommandBufferErrorOptionEncoderExecutionStatus) != 0;
+          error = failure_message(injected_error(c.encoder_label, c.labels, status), c.labels);
         } else {
           const double seconds = c.command_buffer.GPUEndTime - c.command_buffer.GPUStartTime;
           calibrate(c.multiply_adds, seconds);
@@ -322,7 +350,8 @@ class MetalDevice final : public Device {
 
   struct Committed {
     id<MTLCommandBuffer> command_buffer;
-    std::vector<std::string> labels;  // its encoders' labels, in order
+    std::string encoder_label;
+    std::vector<std::string> labels;  // its dispatches' labels, in order
     double multiply_adds;
 
     bool holds(const std::string& kernel) const {
@@ -360,31 +389,26 @@ class MetalDevice final : public Device {
     }
   }
 
-  // The library holding `kernel`, compiling its (source, dtype, head dim) family on first use;
-  // nil with `error` set when the kernel does not exist or its family failed to compile.
-  // Caller holds mutex_.
+  // The library holding `kernel` (shader_library: its source, and its dtype and head-dim
+  // family or the whole source), compiled on first use; nil with `error` set when the kernel
+  // does not exist or its library failed to compile. Caller holds mutex_.
   id<MTLLibrary> library_for(const std::string& kernel, std::string* error) {
-    const size_t d = kernel.rfind("_d");
-    const size_t t = d == std::string::npos ? std::string::npos : kernel.rfind('_', d - 1);
-    const char* type = t == std::string::npos ? nullptr
-                                              : element_type(kernel.substr(t + 1, d - t - 1));
-    const ShaderSource* source = source_of(sources_, kernel);
-    if (type == nullptr || source == nullptr) {
+    const ShaderLibrary library = shader_library(sources_, kernel);
+    if (library.source == nullptr) {
       *error = "no kernel '" + kernel + "' in the shader sources";
       return nil;
     }
-    const std::string family = std::string(type) + "_" + kernel.substr(d + 2);
-    const std::string key = std::string(source->file) + ":" + family;
+    const std::string key = std::string(library.source->file) + ":" + library.family;
     auto cached = libraries_.find(key);
     if (cached == libraries_.end()) {
-      cached = libraries_.emplace(key, compile(*source, family)).first;
+      cached = libraries_.emplace(key, compile(library)).first;
     }
     if (cached->second == nil) *error = "the shader library failed to compile: " + library_error_;
     return cached->second;
   }
 
-  // Compiles one family of one source (JFM_IF_FAMILY); records errors and warnings.
-  id<MTLLibrary> compile(const ShaderSource& source, const std::string& family) {
+  // Compiles one library (one family of one source, or all of it); records errors and warnings.
+  id<MTLLibrary> compile(const ShaderLibrary& library) {
     @autoreleasepool {
       MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
       options.languageVersion = language_;
@@ -403,17 +427,20 @@ class MetalDevice final : public Device {
 #else
       options.fastMathEnabled = NO;
 #endif
-      options.preprocessorMacros = @{
-        @"JFM_ONE_FAMILY" : @"1",
-        [NSString stringWithUTF8String:("JFM_FAMILY_" + family).c_str()] : @"JFM_SELECTED"
-      };
+      if (!library.macros.empty()) {
+        NSMutableDictionary<NSString*, NSObject*>* macros = [NSMutableDictionary dictionary];
+        for (const auto& [name, value] : library.macros) macros[ns(name)] = ns(value);
+        options.preprocessorMacros = macros;
+      }
+      const ShaderSource& source = *library.source;
       NSString* text = [[NSString alloc] initWithBytes:source.text
                                                 length:source.size
                                               encoding:NSUTF8StringEncoding];
       NSError* error = nil;
-      id<MTLLibrary> library = [device_ newLibraryWithSource:text options:options error:&error];
-      const std::string what = std::string(source.file) + " (" + family + ")";
-      if (library == nil) {
+      id<MTLLibrary> compiled = [device_ newLibraryWithSource:text options:options error:&error];
+      const std::string what = std::string(source.file) +
+                               (library.family.empty() ? "" : " (" + library.family + ")");
+      if (compiled == nil) {
         if (!library_error_.empty()) library_error_ += "\n";
         library_error_ += what + ": " + describe(error);
       } else if (error != nil) {  // compiled, with warnings
@@ -422,7 +449,7 @@ class MetalDevice final : public Device {
         std::fprintf(stderr, "jax_flash_metal: Metal shader compile warnings in %s\n",
                      warning.c_str());
       }
-      return library;
+      return compiled;
     }
   }
 
@@ -433,8 +460,7 @@ class MetalDevice final : public Device {
     if (cached != pipelines_.end()) return cached->second;
     id<MTLLibrary> library = library_for(kernel, error);
     if (library == nil) return nil;
-    id<MTLFunction> function =
-        [library newFunctionWithName:[NSString stringWithUTF8String:kernel.c_str()]];
+    id<MTLFunction> function = [library newFunctionWithName:ns(kernel)];
     if (function == nil) {
       *error = "could not load kernel '" + kernel + "'";
       return nil;
@@ -459,8 +485,9 @@ class MetalDevice final : public Device {
   }
 
   // Binds a host range: wrapped in place when Metal accepts the page-aligned region around it
-  // (and `wrap` allows it), else through a staging buffer (copied in now unless the kernel only
-  // writes it).
+  // (and `wrap` allows it) with the whole length (some virtual machines' Metal returns
+  // zero-length buffers there), else through a staging buffer (copied in now unless the kernel
+  // only writes it).
   std::string bind(const Binding& binding, bool wrap, std::vector<Staged>* staged, Bound* bound) {
     const size_t size = std::max<size_t>(binding.size, 1);
     if (size > device_.maxBufferLength) {
@@ -475,7 +502,7 @@ class MetalDevice final : public Device {
                                                          length:end - start
                                                         options:MTLResourceStorageModeShared
                                                     deallocator:nil];
-      if (wrapped != nil) {
+      if (wrapped != nil && wrapped.length >= end - start) {
         *bound = Bound{wrapped, static_cast<NSUInteger>(address - start), -1};
         return "";
       }
@@ -511,51 +538,65 @@ class MetalDevice final : public Device {
     return "";
   }
 
-  // Encodes one submission into its own command buffer, one encoder per dispatch labelled with
-  // its kernel and grid, and commits it.
+  // Encodes one dispatch: a buffer memory barrier first when it depends on earlier ones, in
+  // debug mode a signpost with its label, then its pipeline, bindings and grid.
+  std::string encode(id<MTLComputeCommandEncoder> encoder, const Dispatch& d, bool debug,
+                     Committed* committed, Call* call) {
+    std::string error;
+    id<MTLComputePipelineState> state = pipeline(d.kernel, &error);
+    if (state == nil) return error;
+    const NSUInteger threads = NSUInteger{d.group_size[0]} * d.group_size[1] * d.group_size[2];
+    if (threads > state.maxTotalThreadsPerThreadgroup) {
+      return "kernel '" + d.kernel + "' allows " +
+             std::to_string(state.maxTotalThreadsPerThreadgroup) +
+             " threads per threadgroup, the dispatch needs " + std::to_string(threads);
+    }
+    const std::string label = d.kernel + " groups [" + std::to_string(d.groups[0]) + ", " +
+                              std::to_string(d.groups[1]) + ", " +
+                              std::to_string(d.groups[2]) + "]";
+    committed->labels.push_back(label);
+    committed->multiply_adds += d.multiply_adds;
+    if (d.barrier_before) [encoder memoryBarrierWithScope:MTLBarrierScopeBuffers];
+    if (debug) [encoder insertDebugSignpost:ns(label)];
+    [encoder setComputePipelineState:state];
+    for (const Binding& b : d.buffers) {
+      error = set_binding(encoder, b, call);
+      if (!error.empty()) return error;
+    }
+    if (!d.constants.empty()) {
+      [encoder setBytes:d.constants.data() length:d.constants.size() atIndex:d.constants_index];
+    }
+    [encoder dispatchThreadgroups:MTLSizeMake(d.groups[0], d.groups[1], d.groups[2])
+            threadsPerThreadgroup:MTLSizeMake(d.group_size[0], d.group_size[1], d.group_size[2])];
+    return "";
+  }
+
+  // Encodes one submission into its own command buffer, one concurrent compute encoder labelled
+  // with the submission's kernels, and commits it.
   std::string encode_and_commit(const Submission& submission, Call* call) {
+    const bool debug = metal_debug();
     MTLCommandBufferDescriptor* descriptor = [[MTLCommandBufferDescriptor alloc] init];
-    descriptor.errorOptions = MTLCommandBufferErrorOptionEncoderExecutionStatus;
+    descriptor.errorOptions = debug ? MTLCommandBufferErrorOptionEncoderExecutionStatus
+                                    : MTLCommandBufferErrorOptionNone;
     id<MTLCommandBuffer> command_buffer = [queue_ commandBufferWithDescriptor:descriptor];
     if (command_buffer == nil) return "could not create a command buffer";
-    Committed committed{command_buffer, {}, 0};
+    id<MTLComputeCommandEncoder> encoder =
+        [command_buffer computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
+    if (encoder == nil) return "could not create a compute command encoder";
+    std::vector<std::string> kernels;
+    for (const Dispatch& d : submission) {
+      if (std::find(kernels.begin(), kernels.end(), d.kernel) == kernels.end()) {
+        kernels.push_back(d.kernel);
+      }
+    }
+    Committed committed{command_buffer, "jax_flash_metal " + joined(kernels), {}, 0};
+    encoder.label = ns(committed.encoder_label);
     std::string error;
     for (const Dispatch& d : submission) {
-      id<MTLComputePipelineState> state = pipeline(d.kernel, &error);
-      if (state == nil) break;
-      const NSUInteger threads = NSUInteger{d.group_size[0]} * d.group_size[1] * d.group_size[2];
-      if (threads > state.maxTotalThreadsPerThreadgroup) {
-        error = "kernel '" + d.kernel + "' allows " +
-                std::to_string(state.maxTotalThreadsPerThreadgroup) +
-                " threads per threadgroup, the dispatch needs " + std::to_string(threads);
-        break;
-      }
-      // The default (serial) encoder; encoders of one command buffer run in order.
-      id<MTLComputeCommandEncoder> encoder = [command_buffer computeCommandEncoder];
-      if (encoder == nil) {
-        error = "could not create a compute command encoder";
-        break;
-      }
-      const std::string label = d.kernel + " groups [" + std::to_string(d.groups[0]) + ", " +
-                                std::to_string(d.groups[1]) + ", " + std::to_string(d.groups[2]) +
-                                "]";
-      encoder.label = [NSString stringWithUTF8String:label.c_str()];
-      committed.labels.push_back(label);
-      committed.multiply_adds += d.multiply_adds;
-      [encoder setComputePipelineState:state];
-      for (const Binding& b : d.buffers) {
-        error = set_binding(encoder, b, call);
-        if (!error.empty()) break;
-      }
-      if (error.empty()) {
-        [encoder setBytes:d.constants.data() length:d.constants.size() atIndex:d.constants_index];
-        [encoder dispatchThreadgroups:MTLSizeMake(d.groups[0], d.groups[1], d.groups[2])
-                threadsPerThreadgroup:MTLSizeMake(d.group_size[0], d.group_size[1],
-                                                  d.group_size[2])];
-      }
-      [encoder endEncoding];
+      error = encode(encoder, d, debug, &committed, call);
       if (!error.empty()) break;
     }
+    [encoder endEncoding];
     if (!error.empty()) return error;  // never commit a partly encoded submission
     [command_buffer commit];
     call->committed.push_back(std::move(committed));
@@ -570,6 +611,7 @@ class MetalDevice final : public Device {
   const std::vector<ShaderSource> sources_ = shader_sources();
   StagingPool staging_;
   const std::vector<std::string> catalogue_;  // sorted, as emu::kernel_names()
+  const int gpu_cores_;
   std::atomic<double> throughput_{kInitialMultiplyAddsPerSecond};
   std::atomic<bool> gate_failed_{false};
   std::atomic<double> gpu_seconds_{0.0};

@@ -1,12 +1,17 @@
 // jax_flash_metal._ext: one nanobind module for the whole native side.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/set.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention_ffi.h"
@@ -19,6 +24,7 @@ namespace nb = nanobind;
 namespace jfm {
 void bind_emulator(nb::module_& m);                // ffi/emulator/bindings.cc
 nb::dict profile_to_dict(const emu::Profile& p);  // ffi/emulator/bindings.cc
+emu::Arg bind_array(int index, nb::handle array); // ffi/emulator/bindings.cc
 
 namespace {
 
@@ -32,6 +38,43 @@ Device& device_named(const std::string& implementation) {
   }
 #endif
   throw nb::value_error(("this build has no device '" + implementation + "'").c_str());
+}
+
+using Dim3 = std::tuple<uint32_t, uint32_t, uint32_t>;
+
+// One dispatch of `kernel` on the device behind `implementation`, through Device::run (on Metal:
+// compiled from the embedded sources, buffers wrapped or staged as the FFI handlers' are).
+// buffers: {index: C-contiguous writeable NumPy array}; `outputs` the indices the kernel writes.
+void run_kernel(const std::string& implementation, const std::string& kernel, nb::dict buffers,
+                const std::set<int>& outputs, Dim3 groups, Dim3 group_size) {
+  Device& device = device_named(implementation);
+  Dispatch d;
+  d.kernel = kernel;
+  d.groups = {std::get<0>(groups), std::get<1>(groups), std::get<2>(groups)};
+  d.group_size = {std::get<0>(group_size), std::get<1>(group_size), std::get<2>(group_size)};
+  for (auto item : buffers) {
+    const int index = nb::cast<int>(item.first);
+    if (index < 0 || index > 30) {
+      throw nb::value_error(("buffer index " + std::to_string(index) + " out of range 0..30").c_str());
+    }
+    const emu::Arg a = bind_array(index, item.second);
+    d.buffers.push_back(Binding{index, a.data, a.size, outputs.count(index) > 0, false});
+  }
+  for (int index : outputs) {
+    if (!buffers.contains(nb::int_(index))) {
+      throw nb::value_error(("output " + std::to_string(index) + " is not a bound buffer").c_str());
+    }
+  }
+  std::string error;
+  {
+    nb::gil_scoped_release release;  // the arrays stay alive: `buffers` holds them
+    if (!device.has_kernel(kernel)) {
+      error = "no kernel '" + kernel + "' on " + device.kind() + ": " + device.library_error();
+    } else {
+      error = device.run({Submission{d}});
+    }
+  }
+  if (!error.empty()) throw std::runtime_error(error);
 }
 
 void bind_devices(nb::module_& m) {
@@ -249,6 +292,27 @@ void bind_devices(nb::module_& m) {
       "dict[str, str]: the embedded shaders/*.metal sources (quoted includes inlined) that the "
       "Metal device compiles at run time.");
   m.def(
+      "shader_library",
+      [](const std::string& kernel) {
+        const std::vector<ShaderSource> sources = shader_sources();
+        const ShaderLibrary library = shader_library(sources, kernel);
+        if (library.source == nullptr) {
+          throw nb::value_error(("no embedded shader source defines '" + kernel + "'").c_str());
+        }
+        nb::dict macros;
+        for (const auto& [name, value] : library.macros) macros[name.c_str()] = value;
+        nb::dict d;
+        d["file"] = library.source->file;
+        d["family"] = library.family;
+        d["macros"] = macros;
+        return d;
+      },
+      nb::arg("kernel"),
+      "dict(file, family, macros): what the Metal device compiles to get `kernel`: the embedded "
+      "source file (shader_sources()[file]), its (element type, head dim) family such as "
+      "'half_64' ('' for the whole source) and the preprocessor macros {name: value} it passes "
+      "(MTLCompileOptions.preprocessorMacros). ValueError when no embedded source defines it.");
+  m.def(
       "decode_splits",
       [](const std::string& dtype, int64_t batch, int64_t q_len, int64_t kv_len,
          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -278,6 +342,32 @@ void bind_devices(nb::module_& m) {
   m.def("gpu_cores_by_name", &gpu_cores_by_name, nb::arg("name"),
         "int: the core-count table of the Metal device (largest configuration per chip; 10 for "
         "an unknown name).");
+  m.def("_gpu_core_count", &gpu_core_count, nb::arg("registry_cores"), nb::arg("name"),
+        "int: the Metal device's rule: the IORegistry's gpu-core-count when plausible (1 to "
+        "1024; 0 = could not be read), else gpu_cores_by_name(name).");
+  m.def("set_metal_debug", &set_metal_debug, nb::arg("on"),
+        "Metal debug mode for every later command buffer: encoder execution status and a "
+        "debug signpost per dispatch, so a failed command buffer names its encoder's status "
+        "(set from $JAX_FLASH_METAL_DEBUG on import; no effect without a Metal device).");
+  m.def("metal_debug", &metal_debug, "bool: whether the Metal debug mode is on.");
+  m.def(
+      "has_kernel",
+      [](const std::string& implementation, const std::string& kernel) {
+        Device& device = device_named(implementation);
+        nb::gil_scoped_release release;
+        return device.has_kernel(kernel);
+      },
+      nb::arg("implementation"), nb::arg("kernel"),
+      "bool: the device behind 'emulator' or 'metal' has this kernel; on Metal this compiles "
+      "the kernel's (source, dtype, head dim) library on first use, and library_error() says "
+      "why it failed. ValueError if that device is unavailable.");
+  m.def("run_kernel", &run_kernel, nb::arg("implementation"), nb::arg("kernel"),
+        nb::arg("buffers"), nb::arg("outputs"), nb::arg("groups"), nb::arg("group_size"),
+        "Runs one dispatch of `kernel` (e.g. the self-check's probe) on the device behind "
+        "'emulator' or 'metal' and waits for it. buffers: {index: NumPy array} (C-contiguous, "
+        "writeable), bound at [[buffer(index)]]; outputs: the indices the kernel writes (results "
+        "land in those arrays); groups, group_size: (x, y, z). RuntimeError with the device's "
+        "message; ValueError for an unavailable device or bad indices.");
   m.def("bwd_stages", &bwd_stages, nb::arg("head_dim"),
         "list[str]: the backward kernel stages the host dispatches, in order: 'bwd_dq' (which "
         "also writes D), then 'bwd_dkdv', or 'bwd_dk' and 'bwd_dv' for the widest heads.");

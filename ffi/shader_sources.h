@@ -4,6 +4,8 @@
 #define JAX_FLASH_METAL_SHADER_SOURCES_H_
 
 #include <cstddef>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace jfm {
@@ -16,6 +18,21 @@ struct ShaderSource {
 
 // One entry per shaders/*.metal file, in file-name order.
 std::vector<ShaderSource> shader_sources();
+
+// What the Metal device compiles to get a kernel: the source that defines it and the
+// preprocessor macros (MTLCompileOptions.preprocessorMacros) that keep only its (element type,
+// head dim) family, JFM_IF_FAMILY in shaders/flash_attention_common.h. A kernel name without a
+// dtype and head-dim suffix ("_f16_d64"), e.g. the self-check's probe, takes the whole source.
+struct ShaderLibrary {
+  const ShaderSource* source = nullptr;  // nullptr: no source defines the kernel
+  std::string family;                    // e.g. "half_64"; "" for the whole source
+  std::vector<std::pair<std::string, std::string>> macros;  // (name, value)
+};
+
+// The library of `kernel` among `sources`: the source names it as a string literal (a template
+// instantiation's host_name) or defines it as a plain kernel function. Plain C++, so the offline
+// compile (python -m jax_flash_metal.shader_libraries) and the tests use the host's own rule.
+ShaderLibrary shader_library(const std::vector<ShaderSource>& sources, const std::string& kernel);
 
 }  // namespace jfm
 

@@ -17,7 +17,14 @@ handlers; ``implementations.py`` treats that as "no fused implementation availab
 $JAX_FLASH_METAL_EMULATOR_SCHEDULE ("forward", "reverse", "random" or "random:SEED"), read on
 import, sets the order in which the emulator resumes GPU threads after each barrier or simdgroup
 operation (``_ext.set_emulator_schedule``), so a whole test run can be repeated under another
-schedule: results that change expose a missing barrier.
+schedule: results that change expose a missing barrier. The same setting orders the dispatches
+that Metal may run concurrently (those between two buffer memory barriers of one command buffer):
+as planned, reversed, or shuffled, so a missing memory barrier changes results too.
+
+$JAX_FLASH_METAL_DEBUG ("1", "true", "yes", "on"; "0", "false", "no", "off" or unset: off), read
+on import, makes Metal command buffers report the execution status of their encoder and the
+dispatches in it when they fail (``_ext.set_metal_debug``); Apple says that costs CPU and GPU
+time, so it is off by default, when a failure names Metal's error and the kernels involved.
 """
 
 from __future__ import annotations
@@ -65,6 +72,20 @@ def _schedule_from_env(value: str) -> None:
 
 if os.environ.get(SCHEDULE_ENV, "").strip():
     _schedule_from_env(os.environ[SCHEDULE_ENV])
+
+DEBUG_ENV = "JAX_FLASH_METAL_DEBUG"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _debug_from_env(value: str) -> None:
+    word = value.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise ValueError(f"${DEBUG_ENV}={value!r}: expected one of {', '.join(_TRUE)} (on) or "
+                         f"{', '.join(_FALSE[1:])} (off)")
+    _ext.set_metal_debug(word in _TRUE)
+
+
+_debug_from_env(os.environ.get(DEBUG_ENV, ""))
 
 
 def _built(implementation: str) -> bool:

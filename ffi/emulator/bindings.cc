@@ -26,6 +26,8 @@ emu::Schedule parse_schedule(const std::string& s) {
   throw nb::value_error(("schedule must be 'forward', 'reverse' or 'random', not '" + s + "'").c_str());
 }
 
+}  // namespace
+
 // Binds a NumPy array's memory: it must be C-contiguous and writeable (results are written in
 // place; a silent copy would lose them).
 emu::Arg bind_array(int index, nb::handle array) {
@@ -42,8 +44,6 @@ emu::Arg bind_array(int index, nb::handle array) {
   a.size = nb::cast<size_t>(array.attr("nbytes"));
   return a;
 }
-
-}  // namespace
 
 nb::dict profile_to_dict(const emu::Profile& p) {
   nb::dict d;
