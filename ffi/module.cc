@@ -1,17 +1,18 @@
 // jax_flash_metal._ext: one nanobind module for the whole native side.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/set.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <array>
 #include <cstdint>
 #include <optional>
 #include <set>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attention_ffi.h"
@@ -41,6 +42,8 @@ Device& device_named(const std::string& implementation) {
 }
 
 using Dim3 = std::tuple<uint32_t, uint32_t, uint32_t>;
+// A dispatch for _mark_barriers: its kernel and its host ranges (address, bytes, written).
+using RangesOf = std::pair<std::string, std::vector<std::tuple<uint64_t, uint64_t, bool>>>;
 
 // One dispatch of `kernel` on the device behind `implementation`, through Device::run (on Metal:
 // compiled from the embedded sources, buffers wrapped or staged as the FFI handlers' are).
@@ -234,6 +237,27 @@ void bind_devices(nb::module_& m) {
       "list[dict]: one record per kernel launch since profiling was turned on, in launch "
       "order (kernel, groups, group_size and the counts of emulator.run(..., profile=True)); "
       "clears them.");
+  m.def(
+      "_mark_barriers",
+      [](const std::vector<RangesOf>& dispatches) {
+        Submission submission;
+        for (const auto& [kernel, ranges] : dispatches) {
+          Dispatch d;
+          d.kernel = kernel;
+          for (const auto& [address, size, written] : ranges) {
+            void* data = reinterpret_cast<void*>(static_cast<uintptr_t>(address));
+            d.buffers.push_back(Binding{0, data, static_cast<size_t>(size), written, false});
+          }
+          submission.push_back(std::move(d));
+        }
+        mark_barriers(&submission);
+        std::vector<bool> barriers;
+        for (const Dispatch& d : submission) barriers.push_back(d.barrier_before);
+        return barriers;
+      },
+      nb::arg("dispatches"),
+      "Test hook: mark_barriers (ffi/dispatch_plan.h) on dispatches given as (kernel, [(address, "
+      "bytes, written), ...]); returns each dispatch's barrier_before.");
   m.def("_set_submission_budget", &set_submission_budget_seconds, nb::arg("seconds"),
         "Test hook: estimated GPU time per submission (command buffer), in seconds, before a "
         "call is split by batch, head and row block; returns the previous value.");

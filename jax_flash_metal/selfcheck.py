@@ -64,11 +64,10 @@ FEATURES = ("plain", "causal_lengths", "window", "bias_mask", "softcap_sinks")
 
 def lane_layout(implementation: str) -> tuple[bool, str]:
     iota = np.arange(64, dtype=np.float32)
-    lanes = np.zeros(32 * 4, np.float32)
+    lanes = np.zeros((32, 4), np.float32)
     product = np.zeros(64, np.float32)
     _ext.run_kernel(implementation, PROBE, {0: iota, 1: lanes, 2: product}, {1, 2},
                     (1, 1, 1), (32, 1, 1))
-    lanes = lanes.reshape(32, 4)
     wrong = [lane for lane in range(32) if not np.array_equal(lanes[lane, :2], lanes[lane, 2:])]
     a = iota.reshape(8, 8)
     product_error = float(np.abs(product.reshape(8, 8) - a @ a.T).max())

@@ -146,3 +146,24 @@ def test_split_by_heads_and_batch_is_bit_identical():
         for name in whole:
             np.testing.assert_array_equal(np.asarray(split[name]), np.asarray(whole[name]),
                                           err_msg=f"{groups} groups: {name}")
+
+
+def test_barriers_only_between_dependent_kernels():
+    """mark_barriers: a barrier before a dispatch of another kernel that reads what an earlier
+    dispatch since the last barrier wrote, writes what one read, or writes what one wrote; none
+    between chunks of one kernel (disjoint parts of the same results) or between kernels that
+    only share inputs. Addresses are plain numbers: nothing is dereferenced."""
+    q, k, o, delta, dk, dv = (n * 1000 for n in range(1, 7))
+    dq = [("dq", [(q, 100, False), (k, 100, False), (o, 100, False), (delta, 50, True)])] * 2
+    dk_ = ("dk", [(q, 100, False), (delta, 50, False), (dk, 100, True)])
+    dv_ = ("dv", [(q, 100, False), (delta, 50, False), (dv, 100, True)])
+    assert ext._mark_barriers([*dq, dk_, dk_, dv_]) == [False, False, True, False, False]
+    # overlapping, not equal, ranges count; touching ones do not
+    assert ext._mark_barriers([("a", [(o, 100, True)]), ("b", [(o + 99, 1, False)])]) == [
+        False, True]
+    assert ext._mark_barriers([("a", [(o, 100, True)]), ("b", [(o + 100, 8, False)])]) == [
+        False, False]
+    # write after read, and write after write, need one too; a barrier clears the history
+    assert ext._mark_barriers([("a", [(q, 8, False)]), ("b", [(q, 8, True)]),
+                               ("c", [(q, 8, False)])]) == [False, True, True]
+    assert ext._mark_barriers([("a", [(dv, 8, True)]), ("b", [(dv, 8, True)])]) == [False, True]
