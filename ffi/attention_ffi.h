@@ -29,7 +29,7 @@
 //
 // Optional features (docs/design.md#scores; shaders/flash_attention_features.h). The contract below
 // is fixed; the kernels of both directions (forward tiled and decode, backward) implement all of
-// it (ffi_lowering.KERNEL_FEATURES).
+// it.
 //   Operands, after the lengths, in this order, each present only when its flag is set; both
 //   directions take the same ones (so a call's forward and backward lower to one
 //   implementation):

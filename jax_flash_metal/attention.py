@@ -12,7 +12,7 @@ from jax.typing import ArrayLike
 
 from . import validation
 from .primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
-from .contract import Operands
+from .contract import Implementation, Operands
 
 # local_window_size: None, w, or (left, right) with None for an unbounded side.
 Window = Optional[Union[int, Tuple[Optional[int], Optional[int]]]]
@@ -89,7 +89,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     scale: ArrayLike | None = None, is_causal: bool = False,
                     query_seq_lengths: ArrayLike | None = None,
                     key_value_seq_lengths: ArrayLike | None = None,
-                    local_window_size: Window = None, implementation: str | None = None,
+                    local_window_size: Window = None,
+                    implementation: Implementation | None = None,
                     query_segment_ids: ArrayLike | None = None,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
@@ -103,7 +104,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     scale: ArrayLike | None = None, is_causal: bool = False,
                     query_seq_lengths: ArrayLike | None = None,
                     key_value_seq_lengths: ArrayLike | None = None,
-                    local_window_size: Window = None, implementation: str | None = None,
+                    local_window_size: Window = None,
+                    implementation: Implementation | None = None,
                     query_segment_ids: ArrayLike | None = None,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
@@ -117,7 +119,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     scale: ArrayLike | None = None, is_causal: bool = False,
                     query_seq_lengths: ArrayLike | None = None,
                     key_value_seq_lengths: ArrayLike | None = None,
-                    local_window_size: Window = None, implementation: str | None = None,
+                    local_window_size: Window = None,
+                    implementation: Implementation | None = None,
                     query_segment_ids: ArrayLike | None = None,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
@@ -130,7 +133,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     scale: ArrayLike | None = None, is_causal: bool = False,
                     query_seq_lengths: ArrayLike | None = None,
                     key_value_seq_lengths: ArrayLike | None = None,
-                    local_window_size: Window = None, implementation: str | None = None,
+                    local_window_size: Window = None,
+                    implementation: Implementation | None = None,
                     query_segment_ids: ArrayLike | None = None,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,

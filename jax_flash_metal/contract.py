@@ -1,6 +1,6 @@
 """The contract of the two attention primitives: what the primitive layer (``primitives``), the
 argument checks (``validation``) and the FFI lowering (``ffi_lowering``) agree on. Operand
-layout, static parameters, their exact types and the feature names, once; the design is
+layout, static parameters and their exact types, once; the design is
 docs/design.md#the-contract.
 """
 
@@ -87,17 +87,6 @@ def operand_roles(direction: str, params) -> list[str]:
     name (``MAIN_OPERANDS``) or the ``Operands`` field name."""
     return [*MAIN_OPERANDS[direction],
             *(n for n, f in zip(Operands._fields, operand_flags(params)) if f)]
-
-
-def feature_names(params) -> tuple[str, ...]:
-    """Names of the optional score features a call uses, as the FFI lowering and its error
-    messages name them: "bias", "mask", "segment ids", "sinks", "logits_soft_cap"."""
-    names = [name for flag, name in (("has_bias", "bias"), ("has_mask", "mask"),
-                                     ("has_segment_ids", "segment ids"), ("has_sinks", "sinks"))
-             if params.get(flag)]
-    if params.get("logits_soft_cap") is not None:
-        names.append("logits_soft_cap")
-    return tuple(names)
 
 
 def coerce_params(*, scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .attention import flash_attention
+from .contract import Implementation
 
 
 class MultiheadAttention(eqx.nn.MultiheadAttention):
@@ -34,7 +35,7 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
                  mask: jax.Array | None = None, *, key: Any = None,
                  inference: bool | None = None, deterministic: bool | None = None,
                  process_heads: Callable[..., Any] | None = None,
-                 implementation: str | None = None) -> jax.Array:
+                 implementation: Implementation | None = None) -> jax.Array:
         """Multi-head attention of one (unbatched) sequence; ``jax.vmap`` it over a batch.
 
         Args:

@@ -1,30 +1,14 @@
-"""Lowering of the attention primitives to the XLA FFI targets of the native extension.
-
-On import this registers, for the ``cpu`` platform, every FFI handler the extension
-``jax_flash_metal._ext`` was built with (``_ext.ffi_targets()``): one target per direction and
-device, ``jax_flash_metal_attention_{fwd,bwd}_{emulator,metal}``. The device is chosen by the
-target, so a compiled computation runs where it was lowered for. The Metal targets exist only in
-macOS builds; their handlers run the ``shaders/`` kernels on the Apple GPU over host memory
-(unified memory), the emulator's run the same kernels in the MSL-on-CPU emulator.
-
-The FFI contract (operands, results, attribute names and exact types) is documented in
-``ffi/attention_ffi.h``. Optional length operands follow the main operands in the order
-q_lengths, kv_lengths, each present only when its ``has_*`` attribute is true.
-
-Importing this module raises ImportError when the extension is missing or this jaxlib refuses its
-handlers; ``implementations.py`` treats that as "no fused implementation available".
-
-$JAX_FLASH_METAL_EMULATOR_SCHEDULE ("forward", "reverse", "random" or "random:SEED"), read on
-import, sets the order in which the emulator resumes GPU threads after each barrier or simdgroup
-operation (``_ext.set_emulator_schedule``), so a whole test run can be repeated under another
-schedule: results that change expose a missing barrier. The same setting orders the dispatches
-that Metal may run concurrently (those between two buffer memory barriers of one command buffer):
-as planned, reversed, or shuffled, so a missing memory barrier changes results too.
-
-$JAX_FLASH_METAL_DEBUG ("1", "true", "yes", "on"; "0", "false", "no", "off" or unset: off), read
-on import, makes Metal command buffers report the execution status of their encoder and the
-dispatches in it when they fail (``_ext.set_metal_debug``); Apple says that costs CPU and GPU
-time, so it is off by default, when a failure names Metal's error and the kernels involved.
+"""The FFI side of the fused implementations: registers the native extension's FFI targets for
+the ``cpu`` platform on import and emits the primitives' custom calls (``lower_fwd``,
+``lower_bwd``, reached through ``implementations.lower_fused``). Importing it raises ImportError
+when the extension is missing or this jaxlib refuses its handlers, which ``implementations``
+reports as "no fused implementation available". Two variables are read on import:
+$JAX_FLASH_METAL_EMULATOR_SCHEDULE ("forward", "reverse", "random" or "random:SEED") sets the
+emulator's thread resume order and the order of dispatches that may run concurrently, and
+$JAX_FLASH_METAL_DEBUG turns on Metal's per-encoder execution status
+(docs/design.md#the-native-extension).
+The operands, results and attributes of the calls: docs/design.md#the-ffi-lowering and
+``ffi/attention_ffi.h``.
 """
 
 from __future__ import annotations
@@ -39,7 +23,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 import jax_flash_metal._ext as _ext  # a module import: mypy takes the unbuilt extension as Any
-from .contract import MAIN_OPERANDS, feature_names, operand_roles
+from .contract import MAIN_OPERANDS, operand_roles
 from ._jax_private import ShapedArray
 
 _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
@@ -131,26 +115,14 @@ def kernel_names(implementation: str) -> frozenset[str]:
     return frozenset(_ext.kernel_names(implementation))
 
 
-# Optional features (primitives.feature_names) the fused kernels implement, forward and backward
-# alike (the FFI contract is ffi/attention_ffi.h); calls using another one go to the xla
-# implementation, or raise when fused is explicit.
-KERNEL_FEATURES = frozenset({"bias", "mask", "segment ids", "sinks", "logits_soft_cap"})
-
-
-def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int,
-                       features=()) -> str | None:
+def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int) -> str | None:
     """Why the fused kernels of ``implementation`` cannot run a ``direction`` ("fwd" or "bwd")
-    call with this dtype, head dim and optional ``features`` (names such as "bias"), or None
-    when every kernel it needs exists.
+    call with this dtype and head dim, or None when every kernel it needs exists. The optional
+    features need no kernels of their own: every kernel implements all of them.
 
     The device's kernel list is asked (on Metal without compiling anything), so a build whose
     shaders lack a head dim is reported at trace time rather than when the computation runs.
     """
-    missing_features = [f for f in features if f not in KERNEL_FEATURES]
-    if missing_features:
-        return (f"flash_attention: {', '.join(missing_features)} "
-                f"{'is' if len(missing_features) == 1 else 'are'} not supported by the "
-                f"{implementation!r} kernels yet; use implementation=None or 'xla' for such calls")
     dtype = np.dtype(dtype)
     suffix = _DTYPE_SUFFIX.get(dtype)
     if suffix is None:
@@ -176,15 +148,12 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
     return message
 
 
-def check_supported(implementation: str, direction: str, dtype, head_dim: int,
-                    features=()) -> None:
-    """Raise ``unsupported_reason`` as NotImplementedError (a feature the kernels lack),
-    TypeError (a dtype without kernels) or ValueError (a head dim without kernels), if any."""
-    reason = unsupported_reason(implementation, direction, dtype, head_dim, features)
+def check_supported(implementation: str, direction: str, dtype, head_dim: int) -> None:
+    """Raise ``unsupported_reason`` as TypeError (a dtype without kernels) or ValueError (a head
+    dim without kernels), if any."""
+    reason = unsupported_reason(implementation, direction, dtype, head_dim)
     if reason is None:
         return
-    if any(f not in KERNEL_FEATURES for f in features):
-        raise NotImplementedError(reason)
     raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
 
 
@@ -231,13 +200,14 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     custom call, sized here by the extension's own rule (``_ext.decode_splits`` for this device,
     0 elements for the tiled forward) and dropped, like the backward's delta.
 
-    ``params`` are the primitive's static params (scale, is_causal, window_left, window_right,
-    bottom_right, has_q_lengths, has_kv_lengths). Raises ValueError for a head dim or dtype the
-    device has no kernel for, or when ``implementation`` is not in this build.
+    ``implementation`` is "metal" or "emulator"; ``params`` are the primitive's other static
+    params (``contract.StaticParams``, coerced by ``contract.coerce_params``), sent as the FFI
+    attributes. Raises ValueError for a head dim the device has no kernel for or when
+    ``implementation`` is not in this build, TypeError for a dtype without kernels.
     """
     q, k = (cast(ShapedArray, aval) for aval in ctx.avals_in[:2])
     _check_built(implementation)
-    check_supported(implementation, "fwd", q.dtype, q.shape[3], feature_names(params))
+    check_supported(implementation, "fwd", q.dtype, q.shape[3])
     batch, q_len, num_heads, head_dim = q.shape
     _, workspace_elements = _ext.decode_splits(
         _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, k.shape[1], num_heads, k.shape[2],
@@ -265,7 +235,7 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_gr
     """
     q, k = (cast(ShapedArray, aval) for aval in ctx.avals_in[:2])
     _check_built(implementation)
-    check_supported(implementation, "bwd", q.dtype, q.shape[3], feature_names(params))
+    check_supported(implementation, "bwd", q.dtype, q.shape[3])
     batch, q_len, num_heads, _ = q.shape
     full = (batch, num_heads, q_len, k.shape[1])
     dbias = ShapedArray(full if bias_grad else (0,), np.float32)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype
 
 from .attention import flash_attention
+from .contract import Implementation
 
 
 def _refuse(name: str, value: Any, why: str) -> None:
@@ -49,7 +50,7 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
                  qk_attn_weights_einsum: Callable[..., Any] | None = None,
                  attn_weights_value_einsum: Callable[..., Any] | None = None,
                  input_positions: jax.Array | None = None,
-                 implementation: str | None = None) -> jax.Array:
+                 implementation: Implementation | None = None) -> jax.Array:
     """Flax's ``dot_product_attention`` contract, computed by ``flash_attention``.
 
     Takes every argument ``flax.nnx.MultiHeadAttention`` and ``flax.linen.

@@ -1,19 +1,9 @@
-"""Which implementation runs a flash_attention call: "xla", "emulator" or "metal".
-
-- "xla": FlashAttention-2 in ``jax.numpy``/``lax`` (xla_attention.py). Runs on every platform.
-- "metal": the fused Metal kernels via an XLA FFI custom call on the ``cpu`` platform; needs the
-  native extension and an Apple GPU.
-- "emulator": the same FFI handler driving the MSL-on-CPU emulator (testing; slow).
-
-``implementation=None`` means: $JAX_FLASH_METAL_IMPLEMENTATION if set (then treated as an explicit
-choice), else the best available for this call: "metal" when lowering for ``cpu`` on a machine
-where Metal is available and its kernels cover the call (dtype and head dim, from the extension's
-kernel list), else "xla". An explicit "metal"/"emulator" that cannot run the call raises instead.
-The choice is made at lowering time, so a compiled function keeps the implementation it was
-compiled with.
-
-The fused implementations are provided by ``ffi_lowering`` (the FFI side of the package); it reports
-which of them can run here through ``ffi_lowering.available_implementations()``.
+"""Which implementation runs a flash_attention call: "xla" (FlashAttention-2 in ``jax.numpy``, any
+platform), "metal" (the Metal kernels through an XLA FFI call on the ``cpu`` platform) or
+"emulator" (the same FFI handler on the MSL-on-CPU emulator, for testing). ``resolve`` decides
+when a primitive is lowered; ``lower_fused`` hands a fused call to ``ffi_lowering``, which this
+module imports lazily and treats as absent when it cannot be imported. The rules:
+docs/design.md#implementation-choice.
 """
 
 from __future__ import annotations
@@ -23,8 +13,9 @@ import os
 import warnings
 
 from . import validation
+from .contract import Implementation
 
-FUSED = ("emulator", "metal")
+FUSED: tuple[Implementation, ...] = ("emulator", "metal")
 # Fused implementations ``implementation=None`` considers, best first. The emulator is a testing
 # tool, never picked by default (tests put it here to exercise the fallback on Linux).
 _PREFERENCE = ("metal",)
@@ -64,20 +55,16 @@ def _fused_available():
     module, reason = _ffi_lowering()
     if module is None:
         return [], reason
-    report = getattr(module, "available_implementations", None)
-    if report is None:
-        return [], "ffi_lowering does not report any available implementation"
-    names = [n for n in report() if n in FUSED]
-    return names, None
+    return [n for n in module.available_implementations() if n in FUSED], None
 
 
-def available(platform: str = "cpu") -> list[str]:
+def available(platform: str = "cpu") -> list[Implementation]:
     """Names of the implementations that can run for ``platform`` here, "xla" first.
 
     Tests parametrise over ``available()``; "emulator" and "metal" appear only when the native
     extension is importable (and, for "metal", a Metal device exists).
     """
-    names = ["xla"]
+    names: list[Implementation] = ["xla"]
     if platform == "cpu":
         names += [n for n in FUSED if n in _fused_available()[0]]
     return names

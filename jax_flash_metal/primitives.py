@@ -1,34 +1,13 @@
-"""The two flash-attention primitives and their JAX rules.
+"""The two flash-attention primitives and their JAX rules, one section per rule:
 
-fwd_p: bind(q, k, v, *optional, **params) -> (o, lse, l2)
-bwd_p: bind(q, k, v, o, lse, l2, do, g_lse, *optional, bias_grad=..., **params)
-       -> (dq, dk, dv[, dbias])
+    fwd_p: bind(q, k, v, *optional, **params) -> (o, lse, l2)
+    bwd_p: bind(q, k, v, o, lse, l2, do, g_lse, *optional, bias_grad=..., **params)
+           -> (dq, dk, dv[, dbias])
 
-lse is the user's natural-log statistic (-inf for a row with no visible key); l2 (float32
-[batch, num_heads, q_len]) is the base-2 statistic m + log2(l) of the log2-domain scores, a
-residual only: the fused backward recomputes P = exp2(S2 - l2) from it and ignores lse, the xla
-backward uses lse and ignores l2. Its value for an empty row is implementation-defined (the
-kernels store a large finite sentinel, the xla implementation lse * log2(e) = -inf).
-
-``optional`` are the present fields of ``contract.Operands`` in its order: q_lengths,
-kv_lengths (int32 [B]), q_segment_ids, kv_segment_ids (int32 [B, T]), bias (float, rank 4, each
-axis 1 or full over [B, H, Tq, Tkv]), mask (bool, same), sinks (float32 [H]); each is present
-exactly when its ``has_*`` flag is True. Both primitives take the same optional operands, so a
-call's forward and backward lower to the same implementation; the backward reads no sinks (its
-LSE already includes them; dsinks comes from O, LSE, dO and g_lse in attention.py). With
-``bias_grad`` the backward also returns dbias float32 in the bias operand's (broadcast) shape.
-
-Static params (exact types, ``coerce_params``): scale: float, is_causal: bool, window_left: int,
-window_right: int (-1 = unbounded), bottom_right: bool, has_q_lengths, has_kv_lengths,
-has_segment_ids, has_bias, has_mask, has_sinks: bool, logits_soft_cap: float | None,
-implementation: str | None, and for bwd_p bias_grad: bool.
-
-Rules per primitive: abstract eval, eager impl (a cached ``jax.jit`` of the bind, so eager calls use
-the same lowering as compiled ones), a batching rule that folds vmapped axes into the batch
-dimension, a default lowering (``mlir.lower_fun`` of the xla implementation, ``xla_attention``,
-every platform) and a ``cpu`` lowering that resolves ``implementation`` and, for
-"metal"/"emulator", hands over to ``ffi_lowering``. The organisation follows JAX's own cuDNN
-attention primitives.
+with the operands and static params of ``contract`` (``contract.Operands`` in field order,
+``contract.StaticParams``). Abstract eval, eager impl, batching, the forward-mode error, the
+default lowering (the xla implementation) and the ``cpu`` lowering (the fused implementations
+through ``implementations``): docs/design.md#the-primitive-layer.
 """
 
 from __future__ import annotations
@@ -278,8 +257,7 @@ def _make_cpu_lowering(prim):
         params = coerce_params(**params)
         q = ctx.avals_in[0]
         impl = implementations.resolve(params["implementation"], "cpu",
-                                       call=(direction, q.dtype, q.shape[3],
-                                             contract.feature_names(params)))
+                                       call=(direction, q.dtype, q.shape[3]))
         # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):
             return _XLA_LOWERING[prim](ctx, *args, **params)

@@ -1,37 +1,17 @@
 """The "xla" implementation, the primitives' default lowering: FlashAttention-2 in jax.numpy / lax.
 
-    forward(q, k, v, q_lengths, kv_lengths, **params) -> (o, lse)
-    backward(q, k, v, o, lse, do, g_lse, q_lengths, kv_lengths, **params) -> (dq, dk, dv)
+    forward(q, k, v, operands=Operands(), *, scale, is_causal, window_left, window_right,
+            bottom_right, logits_soft_cap, **unused_static) -> (o, lse)
+    backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, (the same), bias_grad,
+             **unused_static) -> (dq, dk, dv[, dbias])
 
-Shapes and dtypes as the primitives (primitives.py): q/o/dO [B, Tq, H, D], k/v [B, Tkv, HKV, D]
-in one float dtype, lse/g_lse float32 [B, H, Tq] (natural log), lengths int32 [B] or None. All math
-is float32; outputs are cast to the input dtype. Method: Dao, "FlashAttention-2" (2023): the
-forward walks key blocks with an online softmax, the backward recomputes each tile's scores from
-(q, k, v, lse) and accumulates dQ, dK, dV (tile math in ``xla_tiles``).
-
-Size rule: a problem with ``q_len <= DENSE_MAX_LEN`` and ``kv_len <= DENSE_MAX_LEN`` runs as one
-dense tile (no loops: fastest when the scores are small; a two-pass softmax whose P is the one
-the backward recomputes, so in one jit XLA computes scores and P once; its backward forms delta's
-rowsum(dO O) as rowsum(P dP), so it does not read O). Anything larger is tiled into blocks of
-``BLOCK_Q`` query rows by ``BLOCK_K`` keys: a scan over query blocks with an inner loop over only
-the key blocks that intersect the causal/window band and the valid lengths (the forward), and a
-scan over key blocks with an inner loop over the query blocks that can see them (the backward,
-which adds each tile's dQ into its query block, in a fixed order: deterministic). Temporary memory
-is then O(B * H * BLOCK_Q * BLOCK_K) plus the float32 copies of the inputs: linear in length.
-
-Non-finite inputs (docs/design.md#empty-rows-and-non-finite-inputs): rows past the lengths are
-zeroed first (padding is never read). The tiles get each operand in the form that keeps NaN from
-reaching invisible pairs (``xla_tiles``: non-finite entries NaN, weighted values with non-finite
-entries zeroed). Without causal, window, lengths, mask, segment ids and bias, no pair of real
-positions is hidden (only zero padding is), so the weighted values keep their non-finite entries (as
-NaN) and the matmuls place NaN exactly by themselves: nothing more is computed or compiled for it.
-Otherwise, only when some input is non-finite (the forward sums v; the backward checks lse and
-delta), the loops of the tiled path run a second, counting pass over the same blocks
-(``xla_tiles``), whose outputs count per entry the visible pairs that read a non-finite input there,
-and the outputs get NaN where a count is positive. The counting pass is the same loop body with
-other operand blocks (picked per block inside the loop: nothing is stored for it), so XLA compiles
-one loop nest per primitive and no branch: compile time goes with the number of distinct kernels.
-The dense tile instead counts with one matmul per output inside a ``lax.cond``.
+Shapes and dtypes as the primitives': q/o/dO [B, Tq, H, D], k/v [B, Tkv, HKV, D] in one float
+dtype, lse/g_lse float32 [B, H, Tq] (natural log), ``operands`` the optional ones of
+``contract.Operands``. All math is float32; outputs are cast to the input dtype. Method: Dao,
+"FlashAttention-2" (2023). Problems with both lengths <= ``DENSE_MAX_LEN`` run as one dense tile;
+larger ones as loops over ``BLOCK_Q`` x ``BLOCK_K`` tiles (tile math in ``xla_tiles``), with
+memory linear in length; NaN placement is exact (``nonfinite``). The size rule, the loops and the
+NaN placement: docs/design.md#the-xla-implementation-and-the-reference.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ PARAMS_DTYPE = np.dtype([
     ("block_offset", "<u4"), ("head_offset", "<u4"), ("batch_offset", "<u4"),
     ("splits", "<u4"),
     # The optional features of the FFI contract: left 0 here (their tests go through the FFI
-    # handler, tests/test_kernels_features.py).
+    # handler, tests/test_kernels_features_fwd.py).
     ("has_segment_ids", "<u4"), ("has_bias", "<u4"), ("has_mask", "<u4"), ("has_sinks", "<u4"),
     ("bias_grad", "<u4"), ("soft_cap", "<f4"),
     ("bias_strides", "<i8", (4,)), ("mask_strides", "<i8", (4,)),

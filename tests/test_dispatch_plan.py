@@ -6,7 +6,6 @@ split runs compare the emulated device's results under a tiny budget bit for bit
 unsplit run, and both with the float64 oracle.
 """
 
-import contextlib
 import math
 
 import jax.numpy as jnp
@@ -14,18 +13,10 @@ import numpy as np
 import pytest
 
 from api_helpers import check_against_oracle, make_inputs, run_flash
+from ffi_targets import submission_budget
 
 ext = pytest.importorskip("jax_flash_metal._ext")
 
-
-
-@contextlib.contextmanager
-def submission_budget(seconds):
-    previous = ext._set_submission_budget(seconds)
-    try:
-        yield
-    finally:
-        ext._set_submission_budget(previous)
 
 
 def _plan(direction, batch, q_len, kv_len, heads, kv_heads, head_dim=32, dtype="f32"):

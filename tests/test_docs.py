@@ -37,7 +37,9 @@ def tracked_files():
     if os.path.isdir(os.path.join(ROOT, ".git")) or os.path.isfile(os.path.join(ROOT, ".git")):
         out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
                              check=True)
-        return [p for p in out.stdout.decode().split("\0") if p]
+        # Files deleted in the work tree but not yet in the index are left out.
+        return [p for p in out.stdout.decode().split("\0")
+                if p and os.path.isfile(os.path.join(ROOT, p))]
     paths = []
     for folder, dirs, files in os.walk(ROOT):
         dirs[:] = [d for d in dirs if d not in _UNTRACKED_DIRS and not d.endswith(".egg-info")]

@@ -25,58 +25,14 @@ ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import ffi_lowering, flash_attention, implementations  # noqa: E402
 from jax_flash_metal import reference_attention  # noqa: E402
 from jax_flash_metal.validation import ENV_IMPLEMENTATION as ENV  # noqa: E402
-from test_dispatch_plan import submission_budget  # noqa: E402
+from ffi_targets import (BWD, FWD, attributes, bwd_call, forward_workspace,  # noqa: E402
+                         fwd_call, submission_budget)
 
-FWD = "jax_flash_metal_attention_fwd_emulator"
-BWD = "jax_flash_metal_attention_bwd_emulator"
 HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
 EMPTY_ROW_L2 = np.float32(1.70141173e38)  # JFM_EMPTY_ROW_L2 of shaders/attention_params.h
 
 requires_metal = pytest.mark.skipif(not ext.metal_available(),
                                     reason="needs a Metal GPU: " + ext.metal_unavailable_reason())
-
-
-def _attrs(**overrides):
-    attrs = dict(scale=np.float32(0.25), is_causal=False, window_left=np.int32(-1),
-                 window_right=np.int32(-1), bottom_right=False, has_q_lengths=False,
-                 has_kv_lengths=False, has_segment_ids=False, has_bias=False, has_mask=False,
-                 has_sinks=False, logits_soft_cap=np.float32(0.0))
-    attrs.update(overrides)
-    return attrs
-
-
-def _workspace(q, k):
-    """The forward's workspace result as the lowering sizes it (_ext.decode_splits)."""
-    if q.ndim != 4 or k.ndim != 4:
-        return jax.ShapeDtypeStruct((0,), jnp.float32)  # the handler rejects the ranks first
-    dtype = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}.get(q.dtype, "bf16")
-    _, elements = ext.decode_splits(dtype, q.shape[0], q.shape[1], k.shape[1], q.shape[2],
-                                    k.shape[2], q.shape[3])
-    return jax.ShapeDtypeStruct((elements,), jnp.float32)
-
-
-def _fwd_call(q, k, v, *lengths, lse_shape=None, l2_shape=None, workspace=None, **attrs):
-    """The forward target called directly (no primitive, no Python-side validation):
-    (o, lse, l2)."""
-    b, tq, h = q.shape[:3]
-    out = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-           jax.ShapeDtypeStruct(lse_shape or (b, h, tq), jnp.float32),
-           jax.ShapeDtypeStruct(l2_shape or (b, h, tq), jnp.float32),
-           workspace or _workspace(q, k))
-    return jax.block_until_ready(
-        jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **_attrs(**attrs)))[:3]
-
-
-def _bwd_call(q, k, v, o, l2, do, g_lse, *optional, bias_grad=False, **attrs):
-    """The backward target called directly: (dq, dk, dv, dbias, delta); dbias is float32
-    [B, H, Tq, Tkv] with bias_grad, else [0]."""
-    b, tq, h, _ = q.shape
-    dbias = (b, h, tq, k.shape[1]) if bias_grad else (0,)
-    out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-           jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dbias, jnp.float32),
-           jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
-    return jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
-        q, k, v, o, l2, do, g_lse, *optional, bias_grad=np.bool_(bias_grad), **_attrs(**attrs)))
 
 
 def _normal(rng, shape, dtype=jnp.float32):
@@ -229,14 +185,14 @@ _K = jnp.zeros((1, 5, 1, 16), jnp.float32)
 ])
 def test_handler_rejects_bad_operands_and_attributes(args, kwargs, message):
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
-        _fwd_call(*args, **kwargs)
+        fwd_call(*args, **kwargs)
 
 
 def test_handler_rejects_missing_and_mistyped_attributes():
-    attrs = _attrs()
+    attrs = attributes()
     del attrs["bottom_right"]
     out = (jax.ShapeDtypeStruct(_Q.shape, _Q.dtype), jax.ShapeDtypeStruct((1, 2, 4), jnp.float32),
-           jax.ShapeDtypeStruct((1, 2, 4), jnp.float32), _workspace(_Q, _K))
+           jax.ShapeDtypeStruct((1, 2, 4), jnp.float32), forward_workspace(_Q, _K))
     with pytest.raises(jax.errors.JaxRuntimeError, match="attributes"):
         jax.block_until_ready(jax.ffi.ffi_call(FWD, out)(_Q, _K, _K, **attrs))
     # Attributes are typed: a float64 scale (what a Python float becomes under x64) is refused,
@@ -244,7 +200,7 @@ def test_handler_rejects_missing_and_mistyped_attributes():
     jax.config.update("jax_enable_x64", True)
     try:
         with pytest.raises(jax.errors.JaxRuntimeError, match="expected F32 but got F64"):
-            _fwd_call(_Q, _K, _K, scale=np.float64(0.25))
+            fwd_call(_Q, _K, _K, scale=np.float64(0.25))
     finally:
         jax.config.update("jax_enable_x64", False)
 
@@ -370,10 +326,10 @@ def test_backward_handler_checks_the_dbias_result():
     it ([0] without it)."""
     rng = np.random.default_rng(3)
     q = _normal(rng, (1, 4, 2, 16))
-    o, lse, l2 = _fwd_call(q, q, q)
+    o, lse, l2 = fwd_call(q, q, q)
     g = jnp.zeros(lse.shape, jnp.float32)
     with pytest.raises(jax.errors.JaxRuntimeError, match="bias_grad needs has_bias"):
-        _bwd_call(q, q, q, o, l2, q, g, bias_grad=True)
+        bwd_call(q, q, q, o, l2, q, g, bias_grad=True)
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype),) * 3 + (
         jax.ShapeDtypeStruct((1, 2, 4, 3), f32), jax.ShapeDtypeStruct(lse.shape, f32))
@@ -381,7 +337,7 @@ def test_backward_handler_checks_the_dbias_result():
                        match=r"output dbias must be float32 \[1, 2, 4, 4\]"):
         jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
             q, q, q, o, l2, q, g, jnp.zeros((1, 1, 1, 4), jnp.float32), bias_grad=np.bool_(True),
-            **_attrs(has_bias=True)))
+            **attributes(has_bias=True)))
 
 
 def test_compiled_hlo_has_custom_calls_only_on_the_fused_path():
@@ -424,16 +380,16 @@ def test_fused_memory_is_linear_in_sequence_length():
 def test_zero_length_problems_write_exact_outputs_without_dispatch():
     rng = np.random.default_rng(1)
     q, k0 = _normal(rng, (2, 3, 4, 16)), jnp.zeros((2, 0, 2, 16), jnp.float32)
-    o, lse, l2 = _fwd_call(q, k0, k0)
+    o, lse, l2 = fwd_call(q, k0, k0)
     assert np.array_equal(np.asarray(o), np.zeros(q.shape))
     assert np.array_equal(np.asarray(lse), np.full((2, 4, 3), -np.inf))
     assert np.array_equal(np.asarray(l2), np.full((2, 4, 3), EMPTY_ROW_L2, np.float32))
     g = jnp.ones((2, 4, 3), jnp.float32)
-    dq, dk, dv, _, _ = _bwd_call(q, k0, k0, q, g, q, g)
+    dq, dk, dv, _, _ = bwd_call(q, k0, k0, q, g, q, g)
     assert np.array_equal(np.asarray(dq), np.zeros(q.shape)) and dk.shape == dv.shape == k0.shape
     q0, k = jnp.zeros((2, 0, 4, 16), jnp.float32), _normal(rng, (2, 5, 2, 16))
     g0 = jnp.zeros((2, 4, 0), jnp.float32)
-    dq, dk, dv, _, _ = _bwd_call(q0, k, k, q0, g0, q0, g0)
+    dq, dk, dv, _, _ = bwd_call(q0, k, k, q0, g0, q0, g0)
     assert dq.shape == q0.shape
     assert np.array_equal(np.asarray(dk), np.zeros(k.shape))
     assert np.array_equal(np.asarray(dv), np.zeros(k.shape))
@@ -443,9 +399,9 @@ def test_out_of_range_lengths_are_clamped():
     rng = np.random.default_rng(2)
     q, k, v = _normal(rng, (2, 5, 2, 16)), _normal(rng, (2, 7, 2, 16)), _normal(rng, (2, 7, 2, 16))
     flags = dict(has_q_lengths=True, has_kv_lengths=True, bottom_right=True, is_causal=True)
-    wild = _fwd_call(q, k, v, jnp.array([99, -4], jnp.int32), jnp.array([-1, 1000], jnp.int32),
+    wild = fwd_call(q, k, v, jnp.array([99, -4], jnp.int32), jnp.array([-1, 1000], jnp.int32),
                      **flags)
-    clamped = _fwd_call(q, k, v, jnp.array([5, 0], jnp.int32), jnp.array([0, 7], jnp.int32),
+    clamped = fwd_call(q, k, v, jnp.array([5, 0], jnp.int32), jnp.array([0, 7], jnp.int32),
                         **flags)
     for a, b in zip(wild, clamped):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,6 +1,7 @@
 """The package's import graph follows the layers of docs/design.md#package-layers: every module
 of ``jax_flash_metal/`` is in the table, and imports (at module level or inside functions) go
-only to strictly lower layers, so there is no import circle.
+only to strictly lower layers, so there is no import circle. Test files import helper modules,
+never each other.
 
 The table is read from the documentation and the imports from the source (``ast``), so the page
 and the code cannot drift apart.
@@ -129,6 +130,22 @@ def test_no_import_circle():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+def test_test_files_import_no_test_file():
+    tests = os.path.join(ROOT, "tests")
+    test_files = {n[:-3] for n in os.listdir(tests) if n.startswith("test_") and n.endswith(".py")}
+    found = []
+    for name in sorted(os.listdir(tests)):
+        if name.endswith(".py"):
+            with open(os.path.join(tests, name), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                modules = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                           [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                found += [f"tests/{name}: line {node.lineno} imports {m}" for m in modules
+                          if m in test_files]
+    assert not found, "\n".join(found)
 
 
 def test_the_walker_sees_imports_inside_functions():

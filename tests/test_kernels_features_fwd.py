@@ -18,7 +18,7 @@ from api_helpers import normal
 
 ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import flash_attention, profile  # noqa: E402
-from test_ffi import _fwd_call  # noqa: E402  (the forward target called directly)
+from ffi_targets import fwd_call  # noqa: E402  (the forward target called directly)
 
 LN2 = np.log(2.0)
 
@@ -249,7 +249,7 @@ def test_l2_includes_the_sinks(q_len):
     sinks = jnp.asarray([0.5, 30.0], jnp.float32)  # a sink far above every score, too
     mask = np.ones((1, 1, q_len, 300), bool)
     mask[..., 0, :] = False
-    o, lse, l2 = _fwd_call(q, k, v, jnp.asarray(mask), sinks, has_mask=True, has_sinks=True)
+    o, lse, l2 = fwd_call(q, k, v, jnp.asarray(mask), sinks, has_mask=True, has_sinks=True)
     np.testing.assert_allclose(np.asarray(l2) * LN2, lse, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(lse)[0, :, 0], sinks, rtol=1e-6)
     assert (np.asarray(o)[0, 0] == 0).all()
@@ -260,7 +260,7 @@ def test_no_keys_with_sinks():
     q = jnp.ones((1, 3, 2, 16), jnp.float32)
     k = jnp.ones((1, 0, 1, 16), jnp.float32)
     sinks = jnp.asarray([1.5, -2.0], jnp.float32)
-    o, lse, l2 = _fwd_call(q, k, k, sinks, has_sinks=True)
+    o, lse, l2 = fwd_call(q, k, k, sinks, has_sinks=True)
     assert (np.asarray(o) == 0).all()
     np.testing.assert_allclose(lse, np.broadcast_to(np.asarray(sinks)[None, :, None], lse.shape),
                                rtol=1e-6)
@@ -296,7 +296,7 @@ _IDS = (jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 5), jnp.int32))
 ])
 def test_handler_rejects_bad_feature_operands(operands, attrs, message):
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
-        _fwd_call(_Q, _K, _K, *operands, **attrs)
+        fwd_call(_Q, _K, _K, *operands, **attrs)
 
 
 # ---- profile: the segment-id tile skip -----------------------------------------------------
