@@ -26,9 +26,10 @@ implementation: str | None, and for bwd_p bias_grad: bool.
 Rules per primitive: abstract eval, eager impl (a cached ``jax.jit`` of the bind, so eager calls use
 the same lowering as compiled ones), a batching rule that folds vmapped axes into the batch
 dimension, a default lowering (``mlir.lower_fun`` of the xla implementation, ``xla_attention``,
-every platform) and a ``cpu`` lowering that resolves ``implementation`` and, for
-"metal"/"emulator", hands over to ``ffi_lowering``. The organisation follows JAX's own cuDNN
-attention primitives.
+with the accelerators' large-block schedule, ``xla_schedule``: every platform but ``cpu``) and a
+``cpu`` lowering that resolves ``implementation`` and, for "metal"/"emulator", hands over to
+``ffi_lowering``, else lowers the xla implementation with the cpu schedule. The organisation
+follows JAX's own cuDNN attention primitives.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import implementations, xla_attention
+from . import implementations, xla_attention, xla_schedule
 from .validation import Operands
 from ._jax_private import ShapedArray
 
@@ -264,21 +265,27 @@ ad.primitive_jvps[bwd_p] = _make_no_jvp(bwd_p)
 
 # ---------------------------------------------------------------- lowering
 
-def _xla_fwd(*args, **params):
+def _xla_fwd(*args, schedule, **params):
     (q, k, v), x = _split(fwd_p, args, params)
-    o, lse = xla_attention.forward(q, k, v, x, **params)
+    o, lse = xla_attention.forward(q, k, v, x, schedule=schedule, **params)
     return [o, lse, lse * jnp.float32(LOG2_E)]
 
 
-def _xla_bwd(*args, **params):
+def _xla_bwd(*args, schedule, **params):
     (q, k, v, o, lse, _, do, g_lse), x = _split(bwd_p, args, params)  # l2 unused
-    return list(xla_attention.backward(q, k, v, o, lse, do, g_lse, x, **params))
+    return list(xla_attention.backward(q, k, v, o, lse, do, g_lse, x, schedule=schedule,
+                                       **params))
 
 
-_XLA_LOWERING = {
-    fwd_p: mlir.lower_fun(_xla_fwd, multiple_results=True),
-    bwd_p: mlir.lower_fun(_xla_bwd, multiple_results=True),
-}
+_XLA_IMPL = {fwd_p: _xla_fwd, bwd_p: _xla_bwd}
+
+
+def _xla_lowering(prim, ctx, args, params, platform):
+    """The xla implementation lowered with the block schedule of ``platform``, looked up now
+    (``xla_schedule``)."""
+    schedule = xla_schedule.for_platform(platform)
+    return mlir.lower_fun(functools.partial(_XLA_IMPL[prim], schedule=schedule),
+                          multiple_results=True)(ctx, *args, **params)
 
 
 def _platforms(ctx):
@@ -286,11 +293,12 @@ def _platforms(ctx):
 
 
 def _make_default_lowering(prim):
-    """Every platform without a specific rule: the xla implementation."""
+    """Every platform without a specific rule (the accelerators): the xla implementation with
+    the default (large-block) schedule."""
     def lowering(ctx, *args, **params):
         for platform in _platforms(ctx):
             implementations.resolve(params["implementation"], platform)  # raises if fused asked
-        return _XLA_LOWERING[prim](ctx, *args, **params)
+        return _xla_lowering(prim, ctx, args, params, "default")
     return lowering
 
 
@@ -321,7 +329,7 @@ def _make_cpu_lowering(prim, ffi_name):
                                              feature_names(params)))
         # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):
-            return _XLA_LOWERING[prim](ctx, *args, **params)
+            return _xla_lowering(prim, ctx, args, params, "cpu")
         from . import ffi_lowering
         params["implementation"] = impl
         return getattr(ffi_lowering, ffi_name)(ctx, *args, **params)

@@ -9,15 +9,16 @@ is float32; outputs are cast to the input dtype. Method: Dao, "FlashAttention-2"
 forward walks key blocks with an online softmax, the backward recomputes each tile's scores from
 (q, k, v, lse) and accumulates dQ, dK, dV (tile math in ``xla_tiles``).
 
-Size rule: a problem with ``q_len <= DENSE_MAX_LEN`` and ``kv_len <= DENSE_MAX_LEN`` runs as one
-dense tile (no loops: fastest when the scores are small; a two-pass softmax whose P is the one
-the backward recomputes, so in one jit XLA computes scores and P once; its backward forms delta's
-rowsum(dO O) as rowsum(P dP), so it does not read O). Anything larger is tiled into blocks of
-``BLOCK_Q`` query rows by ``BLOCK_K`` keys: a scan over query blocks with an inner loop over only
+Size rule (block sizes per lowering platform: ``xla_schedule``): a problem with both lengths at
+most the schedule's ``dense_max_len`` runs as one dense tile (no loops: fastest when the scores
+are small; a two-pass softmax whose P is the one the backward recomputes, so in one jit XLA
+computes scores and P once; its backward forms delta's rowsum(dO O) as rowsum(P dP), so it does
+not read O). Anything larger is tiled into blocks of ``block_q`` query rows by ``block_k`` keys:
+a scan over query blocks with an inner loop over only
 the key blocks that intersect the causal/window band and the valid lengths (the forward), and a
 scan over key blocks with an inner loop over the query blocks that can see them (the backward,
 which adds each tile's dQ into its query block, in a fixed order: deterministic). Temporary memory
-is then O(B * H * BLOCK_Q * BLOCK_K) plus the float32 copies of the inputs: linear in length.
+is then O(B * H * block_q * block_k) plus the float32 copies of the inputs: linear in length.
 
 Non-finite inputs (DESIGN.md section 3): rows past the lengths are zeroed first (padding is never
 read). The tiles get each operand in the form that keeps NaN from reaching invisible pairs
@@ -44,14 +45,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import features, nonfinite, visibility
+from . import features, nonfinite, visibility, xla_schedule
 from . import xla_tiles as tiles
 from .validation import Operands
 
 F32 = tiles.F32
-DENSE_MAX_LEN = 256
-BLOCK_Q = 128
-BLOCK_K = 128
+CPU = xla_schedule.SCHEDULES["cpu"]
 
 
 class _Tiling(NamedTuple):
@@ -67,11 +66,12 @@ class _Tiling(NamedTuple):
         return self.nq == 1 and self.nk == 1
 
 
-def tiling(q_len, kv_len):
-    """The _Tiling the size rule picks for these (static, non-zero) lengths."""
-    if q_len <= DENSE_MAX_LEN and kv_len <= DENSE_MAX_LEN:
+def tiling(q_len, kv_len, schedule=CPU):
+    """The _Tiling the size rule of ``schedule`` (``xla_schedule.Schedule``) picks for these
+    (static, non-zero) lengths."""
+    if q_len <= schedule.dense_max_len and kv_len <= schedule.dense_max_len:
         return _Tiling(q_len, kv_len, 1, 1)
-    br, bc = min(BLOCK_Q, q_len), min(BLOCK_K, kv_len)
+    br, bc = min(schedule.block_q, q_len), min(schedule.block_k, kv_len)
     return _Tiling(br, bc, -(-q_len // br), -(-kv_len // bc))
 
 
@@ -433,14 +433,14 @@ def _evaluated_now(static):
     return jax.ensure_compile_time_eval() if static else contextlib.nullcontext()
 
 
-def _setup(q, k, operands, is_causal, window_left, window_right, bottom_right):
+def _setup(q, k, operands, schedule, is_causal, window_left, window_right, bottom_right):
     batch, q_len, _, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     with _evaluated_now(operands.q_lengths is None and operands.kv_lengths is None):
         band = visibility.Band(batch, q_len, kv_len, operands.q_lengths, operands.kv_lengths,
                                is_causal=is_causal, window_left=window_left,
                                window_right=window_right, bottom_right=bottom_right)
-    t = tiling(q_len, kv_len)
+    t = tiling(q_len, kv_len, schedule)
     return _Blocks(band, t, q_len, kv_len, operands, kv_heads), t
 
 
@@ -491,17 +491,20 @@ def _counted(x):
 
 # ------------------------------------------------------------------------- forward
 
-def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left=-1,
-            window_right=-1, bottom_right=False, logits_soft_cap=None, **unused_static):
+def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=False,
+            window_left=-1, window_right=-1, bottom_right=False, logits_soft_cap=None,
+            **unused_static):
     """(o [B, Tq, H, D] in q.dtype, lse float32 [B, H, Tq]); see the module docstring.
-    ``operands``: validation.Operands (lengths, segment ids, bias, mask, sinks or None)."""
+    ``operands``: validation.Operands (lengths, segment ids, bias, mask, sinks or None);
+    ``schedule``: ``xla_schedule.Schedule`` (default: the cpu one)."""
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     if 0 in (batch, q_len, kv_len):
         return (jnp.zeros(q.shape, q.dtype),
                 _empty_lse(operands.sinks, batch, num_heads, q_len))
-    blocks, t = _setup(q, k, operands, is_causal, window_left, window_right, bottom_right)
+    blocks, t = _setup(q, k, operands, schedule, is_causal, window_left, window_right,
+                       bottom_right)
     kv_valid = _valid(operands.kv_lengths, kv_len)
     qb = _query_blocks(q, kv_heads, t, _valid(operands.q_lengths, q_len), scale)
     kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
@@ -560,9 +563,9 @@ def _tile_counts_forward(blocks, vb, num_heads):
 
 # ------------------------------------------------------------------------- backward
 
-def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causal=False,
-             window_left=-1, window_right=-1, bottom_right=False, logits_soft_cap=None,
-             bias_grad=False, **unused_static):
+def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, schedule=CPU,
+             is_causal=False, window_left=-1, window_right=-1, bottom_right=False,
+             logits_soft_cap=None, bias_grad=False, **unused_static):
     """(dq, dk, dv[, dbias]) in the input dtypes (dbias float32 in the bias operand's shape,
     with ``bias_grad``), from the forward's o and lse and the cotangents dO and g_lse:
     delta = rowsum(dO * O) - g_lse (0 for rows past q_len), then the FlashAttention-2
@@ -574,7 +577,8 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     if 0 in (batch, q_len, kv_len):
         zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, k, v)]
         return zeros + ([jnp.zeros(operands.bias.shape, F32)] if bias_grad else [])
-    blocks, t = _setup(q, k, operands, is_causal, window_left, window_right, bottom_right)
+    blocks, t = _setup(q, k, operands, schedule, is_causal, window_left, window_right,
+                       bottom_right)
     q_valid = _valid(operands.q_lengths, q_len)
     kv_valid = _valid(operands.kv_lengths, kv_len)
     delta = -g_lse.astype(F32)
