@@ -31,7 +31,7 @@ SCHEDULES = {
     # separately, so few, large iterations: a 1024 x 1024 tile is 2^26 scores at
     # batch x heads 64 (matmuls of a fraction of a millisecond on an H200, far above a launch)
     # and 256 MiB in float32, which keeps the temporaries flat in the length (under a quarter of
-    # jax.nn's at 4096; 1024 x 2048 and 2048 x 2048 were 5-10% faster on an H200 but over it).
+    # jax.nn's at 4096 on an H200; 1024 x 2048 and 2048 x 2048 tiles go over it).
     # Up to 1024, one dense tile is jax.nn's algorithm at about jax.nn's memory.
     "default": Schedule(dense_max_len=1024, block_q=1024, block_k=1024),
 }
