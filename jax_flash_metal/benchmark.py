@@ -69,8 +69,9 @@ def methods(impls: list[str] | None = None) -> dict:
         for impl in implementations.available()
     }
     table["reference"] = lambda q, k, v, causal: reference_attention(q, k, v, is_causal=causal)
-    table["jax.nn"] = lambda q, k, v, causal: jax.nn.dot_product_attention(q, k, v,
-                                                                          is_causal=causal)
+    # jax.nn's XLA path on every platform (None could pick cuDNN on a GPU).
+    table["jax.nn"] = lambda q, k, v, causal: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="xla")
     if impls is None:
         return table
     unknown = [m for m in impls if m not in table]

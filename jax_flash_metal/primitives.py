@@ -6,8 +6,9 @@
 
 with the operands and static params of ``contract`` (``contract.Operands`` in field order,
 ``contract.StaticParams``). Abstract eval, eager impl, batching, the forward-mode error, the
-default lowering (the xla implementation) and the ``cpu`` lowering (the fused implementations
-through ``implementations``): docs/design.md#the-primitive-layer.
+default lowering (the xla implementation with the accelerators' block schedule, ``xla_schedule``)
+and the ``cpu`` lowering (the fused implementations through ``implementations``, else the xla
+implementation with the cpu schedule): docs/design.md#the-primitive-layer.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import contract, implementations, xla_attention
+from . import contract, implementations, xla_attention, xla_schedule
 from .contract import Operands, coerce_params
 from ._jax_private import ShapedArray
 
@@ -216,21 +217,27 @@ ad.primitive_jvps[bwd_p] = _no_jvp
 
 # ---------------------------------------------------------------- lowering
 
-def _xla_fwd(*args, **params):
+def _xla_fwd(*args, schedule, **params):
     (q, k, v), x = _split(fwd_p, args, params)
-    o, lse = xla_attention.forward(q, k, v, x, **params)
+    o, lse = xla_attention.forward(q, k, v, x, schedule=schedule, **params)
     return [o, lse, lse * jnp.float32(LOG2_E)]
 
 
-def _xla_bwd(*args, **params):
+def _xla_bwd(*args, schedule, **params):
     (q, k, v, o, lse, _, do, g_lse), x = _split(bwd_p, args, params)  # l2 unused
-    return list(xla_attention.backward(q, k, v, o, lse, do, g_lse, x, **params))
+    return list(xla_attention.backward(q, k, v, o, lse, do, g_lse, x, schedule=schedule,
+                                       **params))
 
 
-_XLA_LOWERING = {
-    fwd_p: mlir.lower_fun(_xla_fwd, multiple_results=True),
-    bwd_p: mlir.lower_fun(_xla_bwd, multiple_results=True),
-}
+_XLA_IMPL = {fwd_p: _xla_fwd, bwd_p: _xla_bwd}
+
+
+def _xla_lowering(prim, ctx, args, params, platform):
+    """The xla implementation lowered with the block schedule of ``platform``, looked up now
+    (``xla_schedule``)."""
+    schedule = xla_schedule.for_platform(platform)
+    return mlir.lower_fun(functools.partial(_XLA_IMPL[prim], schedule=schedule),
+                          multiple_results=True)(ctx, *args, **params)
 
 
 def _platforms(ctx):
@@ -238,11 +245,12 @@ def _platforms(ctx):
 
 
 def _make_default_lowering(prim):
-    """Every platform without a specific rule: the xla implementation."""
+    """Every platform without a specific rule (the accelerators): the xla implementation with
+    the default (large-block) schedule."""
     def lowering(ctx, *args, **params):
         for platform in _platforms(ctx):
             implementations.resolve(params["implementation"], platform)  # raises if fused asked
-        return _XLA_LOWERING[prim](ctx, *args, **params)
+        return _xla_lowering(prim, ctx, args, params, "default")
     return lowering
 
 
@@ -260,7 +268,7 @@ def _make_cpu_lowering(prim):
                                        call=(direction, q.dtype, q.shape[3]))
         # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):
-            return _XLA_LOWERING[prim](ctx, *args, **params)
+            return _xla_lowering(prim, ctx, args, params, "cpu")
         params["implementation"] = impl
         return implementations.lower_fused(direction, ctx, *args, **params)
     return lowering

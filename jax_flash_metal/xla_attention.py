@@ -8,9 +8,10 @@
 Shapes and dtypes as the primitives': q/o/dO [B, Tq, H, D], k/v [B, Tkv, HKV, D] in one float
 dtype, lse/g_lse float32 [B, H, Tq] (natural log), ``operands`` the optional ones of
 ``contract.Operands``. All math is float32; outputs are cast to the input dtype. Method: Dao,
-"FlashAttention-2" (2023). Problems with both lengths <= ``DENSE_MAX_LEN`` run as one dense tile;
-larger ones as loops over ``BLOCK_Q`` x ``BLOCK_K`` tiles (tile math in ``xla_tiles``), with
-memory linear in length; NaN placement is exact (``nonfinite``). The size rule, the loops and the
+"FlashAttention-2" (2023). Problems with both lengths at most the schedule's ``dense_max_len``
+run as one dense tile; larger ones as loops over ``block_q`` x ``block_k`` tiles (block sizes per
+lowering platform: ``xla_schedule``; tile math in ``xla_tiles``), with memory linear in length;
+NaN placement is exact (``nonfinite``). The size rule, the loops and the
 NaN placement: docs/design.md#the-xla-implementation-and-the-reference.
 """
 
@@ -24,14 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import features, nonfinite, visibility
+from . import features, nonfinite, visibility, xla_schedule
 from . import xla_tiles as tiles
 from .contract import Operands
 
 F32 = tiles.F32
-DENSE_MAX_LEN = 256
-BLOCK_Q = 128
-BLOCK_K = 128
+CPU = xla_schedule.SCHEDULES["cpu"]
 
 
 class _Tiling(NamedTuple):
@@ -47,11 +46,12 @@ class _Tiling(NamedTuple):
         return self.nq == 1 and self.nk == 1
 
 
-def tiling(q_len, kv_len):
-    """The _Tiling the size rule picks for these (static, non-zero) lengths."""
-    if q_len <= DENSE_MAX_LEN and kv_len <= DENSE_MAX_LEN:
+def tiling(q_len, kv_len, schedule=CPU):
+    """The _Tiling the size rule of ``schedule`` (``xla_schedule.Schedule``) picks for these
+    (static, non-zero) lengths."""
+    if q_len <= schedule.dense_max_len and kv_len <= schedule.dense_max_len:
         return _Tiling(q_len, kv_len, 1, 1)
-    br, bc = min(BLOCK_Q, q_len), min(BLOCK_K, kv_len)
+    br, bc = min(schedule.block_q, q_len), min(schedule.block_k, kv_len)
     return _Tiling(br, bc, -(-q_len // br), -(-kv_len // bc))
 
 
@@ -413,14 +413,14 @@ def _evaluated_now(static):
     return jax.ensure_compile_time_eval() if static else contextlib.nullcontext()
 
 
-def _setup(q, k, operands, is_causal, window_left, window_right, bottom_right):
+def _setup(q, k, operands, schedule, is_causal, window_left, window_right, bottom_right):
     batch, q_len, _, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     with _evaluated_now(operands.q_lengths is None and operands.kv_lengths is None):
         band = visibility.Band(batch, q_len, kv_len, operands.q_lengths, operands.kv_lengths,
                                is_causal=is_causal, window_left=window_left,
                                window_right=window_right, bottom_right=bottom_right)
-    t = tiling(q_len, kv_len)
+    t = tiling(q_len, kv_len, schedule)
     return _Blocks(band, t, q_len, kv_len, operands, kv_heads), t
 
 
@@ -471,17 +471,20 @@ def _counted(x):
 
 # ------------------------------------------------------------------------- forward
 
-def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left=-1,
-            window_right=-1, bottom_right=False, logits_soft_cap=None, **unused_static):
+def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=False,
+            window_left=-1, window_right=-1, bottom_right=False, logits_soft_cap=None,
+            **unused_static):
     """(o [B, Tq, H, D] in q.dtype, lse float32 [B, H, Tq]); see the module docstring.
-    ``operands``: contract.Operands (lengths, segment ids, bias, mask, sinks or None)."""
+    ``operands``: contract.Operands (lengths, segment ids, bias, mask, sinks or None);
+    ``schedule``: ``xla_schedule.Schedule`` (default: the cpu one)."""
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     if 0 in (batch, q_len, kv_len):
         return (jnp.zeros(q.shape, q.dtype),
                 _empty_lse(operands.sinks, batch, num_heads, q_len))
-    blocks, t = _setup(q, k, operands, is_causal, window_left, window_right, bottom_right)
+    blocks, t = _setup(q, k, operands, schedule, is_causal, window_left, window_right,
+                       bottom_right)
     kv_valid = _valid(operands.kv_lengths, kv_len)
     qb = _query_blocks(q, kv_heads, t, _valid(operands.q_lengths, q_len), scale)
     kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
@@ -540,9 +543,9 @@ def _tile_counts_forward(blocks, vb, num_heads):
 
 # ------------------------------------------------------------------------- backward
 
-def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causal=False,
-             window_left=-1, window_right=-1, bottom_right=False, logits_soft_cap=None,
-             bias_grad=False, **unused_static):
+def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, schedule=CPU,
+             is_causal=False, window_left=-1, window_right=-1, bottom_right=False,
+             logits_soft_cap=None, bias_grad=False, **unused_static):
     """(dq, dk, dv[, dbias]) in the input dtypes (dbias float32 in the bias operand's shape,
     with ``bias_grad``), from the forward's o and lse and the cotangents dO and g_lse:
     delta = rowsum(dO * O) - g_lse (0 for rows past q_len), then the FlashAttention-2
@@ -554,7 +557,8 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     if 0 in (batch, q_len, kv_len):
         zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, k, v)]
         return zeros + ([jnp.zeros(operands.bias.shape, F32)] if bias_grad else [])
-    blocks, t = _setup(q, k, operands, is_causal, window_left, window_right, bottom_right)
+    blocks, t = _setup(q, k, operands, schedule, is_causal, window_left, window_right,
+                       bottom_right)
     q_valid = _valid(operands.q_lengths, q_len)
     kv_valid = _valid(operands.kv_lengths, kv_len)
     delta = -g_lse.astype(F32)

@@ -5,11 +5,20 @@ import jax.numpy as jnp
 import numpy as np
 
 import tolerance
-from jax_flash_metal import flash_attention
+from jax_flash_metal import flash_attention, xla_schedule
 
 DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
 MASK_KEYS = ("scale", "is_causal", "local_window_size", "query_seq_lengths",
              "key_value_seq_lengths", "causal_alignment")
+
+
+def use_xla_schedule(monkeypatch, schedule):
+    """Lower the xla implementation with ``schedule`` (an ``xla_schedule.Schedule``) on every
+    platform until ``monkeypatch`` is undone. Compiled functions keep the schedule they were
+    lowered with, so the compile caches are cleared (the caller clears them again after)."""
+    jax.clear_caches()
+    for platform in xla_schedule.SCHEDULES:
+        monkeypatch.setitem(xla_schedule.SCHEDULES, platform, schedule)
 
 
 def normal(rng, shape, dtype, scale=1.0):

@@ -104,12 +104,17 @@ def test_scale_is_literal(implementation, scale):
 
 
 def test_eager_matches_jit(implementation):
+    """Eager calls run the lowering jit uses: bit-identical results on XLA:CPU, which compiles
+    the code around the primitives alike both ways; elsewhere (GPU fusion reorders float32 sums)
+    equal to float32 rounding. Both match the oracle."""
     q, k, v, do, g = make_inputs(2, 2, 10, 14, 4, 2, 16, jnp.float32)
     kw = dict(is_causal=True, local_window_size=(3, 1), implementation=implementation)
     eager = run_flash(q, k, v, do, g, jit=False, **kw)
     jitted = run_flash(q, k, v, do, g, jit=True, **kw)
+    rtol = 0.0 if jax.default_backend() == "cpu" else 1e-5
     for name in eager:
-        np.testing.assert_array_equal(np.asarray(eager[name]), np.asarray(jitted[name]), name)
+        np.testing.assert_allclose(np.asarray(eager[name]), np.asarray(jitted[name]), rtol=rtol,
+                                   atol=rtol, err_msg=name)
     check_against_oracle(q, k, v, do, g, jit=False, **kw)
 
 

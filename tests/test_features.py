@@ -15,9 +15,9 @@ import pytest
 from jax.test_util import check_grads
 
 import tolerance
-from api_helpers import make_inputs, normal
+from api_helpers import make_inputs, normal, use_xla_schedule
 from jax_flash_metal import flash_attention, implementations, reference_attention
-from jax_flash_metal import xla_attention
+from jax_flash_metal import xla_schedule
 
 B, TQ, TK, H, HKV, D = 2, 9, 11, 4, 2, 16
 
@@ -26,10 +26,8 @@ B, TQ, TK, H, HKV, D = 2, 9, 11, 4, 2, 16
 def blocks(request, monkeypatch):
     """Both paths of the xla implementation: one dense tile, or blocks of 4 rows x 4 keys."""
     if request.param == "blocks":
-        jax.clear_caches()
-        monkeypatch.setattr(xla_attention, "DENSE_MAX_LEN", 4)
-        monkeypatch.setattr(xla_attention, "BLOCK_Q", 4)
-        monkeypatch.setattr(xla_attention, "BLOCK_K", 4)
+        use_xla_schedule(monkeypatch, xla_schedule.Schedule(dense_max_len=4, block_q=4,
+                                                            block_k=4))
         yield request.param
         jax.clear_caches()
     else:

@@ -3,9 +3,13 @@
 The rest of the suite uses small shapes, which take the dense path; here the size rule is covered
 from both sides with the real block sizes, and the blockwise path with shrunken blocks (many
 blocks from small shapes) against the float64 oracle: every mask kind, lengths around block
-edges, padding full of NaN, NaN placement across blocks, check_grads, determinism. Memory linear
-in the sequence length is asserted through the compiled temporary size (a structural property).
+edges, padding full of NaN, NaN placement across blocks, check_grads, determinism, each with
+square blocks and with Br != Bc (``xla_schedule``). Memory linear in the sequence
+length is asserted through the compiled temporary size, and the accelerators' large tiles through
+the StableHLO lowered for cuda (structural properties).
 """
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +17,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from api_helpers import check_against_oracle, make_inputs
-from jax_flash_metal import flash_attention, xla_attention
+from api_helpers import check_against_oracle, make_inputs, use_xla_schedule
+from jax_flash_metal import flash_attention, xla_attention, xla_schedule
 
 MASKS = [
     dict(),
@@ -31,26 +35,35 @@ SHAPES = [(2, 33, 47, 4, 2), (1, 16, 32, 2, 1), (2, 40, 9, 2, 2), (1, 1, 40, 2, 
           (2, 17, 31, 4, 1), (1, 24, 24, 2, 2), (2, 9, 65, 2, 1)]
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    """Blocks of 8 query rows x 16 keys, dense only up to 8."""
-    jax.clear_caches()  # compiled functions keep the tiling they were lowered with
-    monkeypatch.setattr(xla_attention, "DENSE_MAX_LEN", 8)
-    monkeypatch.setattr(xla_attention, "BLOCK_Q", 8)
-    monkeypatch.setattr(xla_attention, "BLOCK_K", 16)
+# Schedules scaled down (many blocks from small shapes, dense only up to 8): square blocks, as
+# every platform's in xla_schedule, and Br != Bc.
+SMALL = {"square": xla_schedule.Schedule(dense_max_len=8, block_q=8, block_k=8),
+         "wide": xla_schedule.Schedule(dense_max_len=8, block_q=8, block_k=16)}
+
+
+def _use_small(monkeypatch, name):
+    use_xla_schedule(monkeypatch, SMALL[name])
+
+
+@pytest.fixture(params=list(SMALL))
+def small_blocks(request, monkeypatch):
+    _use_small(monkeypatch, request.param)
     yield
     jax.clear_caches()
 
 
-def test_size_rule():
-    limit = xla_attention.DENSE_MAX_LEN
-    assert xla_attention.tiling(limit, limit).dense
-    assert xla_attention.tiling(1, limit).dense
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "METAL"])
+def test_size_rule(platform):
+    schedule = xla_schedule.for_platform(platform)
+    assert schedule == xla_schedule.SCHEDULES["cpu" if platform == "cpu" else "default"]
+    limit = schedule.dense_max_len
+    assert xla_attention.tiling(limit, limit, schedule).dense
+    assert xla_attention.tiling(1, limit, schedule).dense
     for q_len, kv_len in [(limit + 1, limit), (limit, limit + 1), (1, 4 * limit)]:
-        t = xla_attention.tiling(q_len, kv_len)
+        t = xla_attention.tiling(q_len, kv_len, schedule)
         assert not t.dense
         assert t.nq * t.br >= q_len and t.nk * t.bc >= kv_len
-        assert t.br <= xla_attention.BLOCK_Q and t.bc <= xla_attention.BLOCK_K
+        assert t.br <= schedule.block_q and t.bc <= schedule.block_k
 
 
 @pytest.mark.parametrize("q_len,kv_len", [(256, 256), (257, 255), (129, 300)])
@@ -103,13 +116,13 @@ def test_blockwise_nan_placement(small_blocks):
     assert np.isnan(o[0, 21:30, 0, 3]).all() and np.isfinite(o[0, 21:30, 0, :3]).all()
 
 
-@pytest.mark.parametrize("blocks", [False, True])
-def test_nan_placement_without_hidden_pairs(request, blocks):
+@pytest.mark.parametrize("blocks", [None, *SMALL])
+def test_nan_placement_without_hidden_pairs(monkeypatch, blocks):
     """With no mask of any kind every pair is visible but the zero padding of the last blocks
     (33 rows, 47 keys), and the matmuls place NaN themselves: Inf and NaN in each input reach
     exactly the outputs the oracle says (an Inf value must give NaN, not Inf)."""
-    if blocks:
-        request.getfixturevalue("small_blocks")
+    if blocks is not None:
+        _use_small(monkeypatch, blocks)
     q, k, v, do, g = make_inputs(55, 2, 33, 47, 4, 2, 16, jnp.float32)
     v = v.at[0, 21, 0, 3].set(jnp.inf)
     k = k.at[1, 40, 1, 0].set(-jnp.inf)
@@ -118,6 +131,7 @@ def test_nan_placement_without_hidden_pairs(request, blocks):
     actual, _ = check_against_oracle(q, k, v, do, g, implementation="xla")
     o = np.asarray(actual["o"])
     assert np.isnan(o[0, :, :2, 3]).all() and np.isfinite(o[0, :12, :2, :3]).all()
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("kw", [MASKS[0], MASKS[5]])
@@ -141,21 +155,47 @@ def test_blockwise_backward_is_deterministic(small_blocks):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _fwd_bwd_temp_bytes(seq_len, is_causal):
-    shape = (1, seq_len, 2, 16)
-    x = jax.ShapeDtypeStruct(shape, jnp.float32)
-
+def _fwd_bwd(is_causal):
     def f(q, k, v, ct):
         return jax.vjp(lambda q, k, v: flash_attention(q, k, v, is_causal=is_causal,
                                                        implementation="xla"), q, k, v)[1](ct)
+    return f
 
-    return jax.jit(f).lower(x, x, x, x).compile().memory_analysis().temp_size_in_bytes
+
+def _fwd_bwd_temp_bytes(seq_len, is_causal):
+    x = jax.ShapeDtypeStruct((1, seq_len, 2, 16), jnp.float32)
+    compiled = jax.jit(_fwd_bwd(is_causal)).lower(x, x, x, x).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_memory_linear_in_length(is_causal):
     """Compiled forward+backward temporaries grow about 4x for 4x the length (quadratic would be
-    16x) and stay far below one materialised score matrix."""
-    short, long = _fwd_bwd_temp_bytes(1024, is_causal), _fwd_bwd_temp_bytes(4096, is_causal)
+    16x) and stay far below one materialised score matrix, at 8 and 32 blocks of the schedule of
+    the platform the suite runs on."""
+    schedule = xla_schedule.for_platform(jax.default_backend())
+    length = 8 * max(schedule.block_q, schedule.block_k)
+    short, long = _fwd_bwd_temp_bytes(length, is_causal), _fwd_bwd_temp_bytes(4 * length,
+                                                                              is_causal)
     assert long <= 5 * short
-    assert long < 2 * 4096 * 4096 * 4 / 8  # an eighth of one [heads, T, T] float32 score tensor
+    assert long < 2 * (4 * length) ** 2 * 4 / 8  # an eighth of a [heads, T, T] float32 tensor
+
+
+def _elements(tensor_type):
+    """The element count of a StableHLO tensor type's dims ("4x16x1024" -> 65536)."""
+    return int(np.prod([int(n) for n in tensor_type.split("x")]))
+
+
+def test_accelerator_lowering_has_large_tiles():
+    """Lowered for cuda (no GPU needed), a causal bfloat16 forward+backward at length 16384
+    (batch 4, 16 heads, head dim 128) multiplies score tiles of at least 2^24 elements (a few
+    large loop iterations, not many tiny kernels) and holds no tensor of more than 1/8 of the
+    batch x heads x q_len x kv_len score elements (memory stays linear)."""
+    b, t, h, d = 4, 16384, 16, 128
+    x = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+    text = jax.jit(_fwd_bwd(True)).trace(x, x, x, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    dots = re.findall(r"stablehlo\.dot_general.*->\s*tensor<([0-9x]+)x[a-z]", text)
+    assert dots and max(_elements(s) for s in dots) >= 2 ** 24
+    largest = max(_elements(s) for s in re.findall(r"tensor<([0-9x]+)x[a-z]", text))
+    assert largest <= b * h * t * t // 8
