@@ -10,6 +10,7 @@ from . import implementations
 from .implementations import devices, metal_available
 from .attention import flash_attention
 from .reference import reference_attention
+from . import sharding  # noqa: F401  (registers the fused lowering's partitioning needs)
 
 __version__ = "0.1.0"
 

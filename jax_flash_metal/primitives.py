@@ -275,10 +275,17 @@ def _xla_bwd(*args, **params):
     return list(xla_attention.backward(q, k, v, o, lse, do, g_lse, x, **params))
 
 
-_XLA_LOWERING = {
-    fwd_p: mlir.lower_fun(_xla_fwd, multiple_results=True),
-    bwd_p: mlir.lower_fun(_xla_bwd, multiple_results=True),
-}
+def _partitioned_lowering(prim, body):
+    """The lowering of ``body`` (the xla implementation; None: the FFI call) with the sharding
+    rules of sharding.py, so it partitions under jit with sharded operands."""
+    def lowering(ctx, *args, **params):
+        from . import sharding
+        return sharding.lower(prim, ctx, args, params, body)
+    return lowering
+
+
+_XLA_LOWERING = {fwd_p: _partitioned_lowering(fwd_p, _xla_fwd),
+                 bwd_p: _partitioned_lowering(bwd_p, _xla_bwd)}
 
 
 def _platforms(ctx):
@@ -312,7 +319,7 @@ def feature_names(params):
     return tuple(names)
 
 
-def _make_cpu_lowering(prim, ffi_name):
+def _make_cpu_lowering(prim):
     def lowering(ctx, *args, **params):
         params = coerce_params(**params)
         q = ctx.avals_in[0]
@@ -322,13 +329,12 @@ def _make_cpu_lowering(prim, ffi_name):
         # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):
             return _XLA_LOWERING[prim](ctx, *args, **params)
-        from . import ffi_lowering
         params["implementation"] = impl
-        return getattr(ffi_lowering, ffi_name)(ctx, *args, **params)
+        return _partitioned_lowering(prim, None)(ctx, *args, **params)
     return lowering
 
 
 mlir.register_lowering(fwd_p, _make_default_lowering(fwd_p))
 mlir.register_lowering(bwd_p, _make_default_lowering(bwd_p))
-mlir.register_lowering(fwd_p, _make_cpu_lowering(fwd_p, "lower_fwd"), platform="cpu")
-mlir.register_lowering(bwd_p, _make_cpu_lowering(bwd_p, "lower_bwd"), platform="cpu")
+mlir.register_lowering(fwd_p, _make_cpu_lowering(fwd_p), platform="cpu")
+mlir.register_lowering(bwd_p, _make_cpu_lowering(bwd_p), platform="cpu")
