@@ -1,0 +1,80 @@
+"""Worker of tests/test_ring_attention.py, run with 8 host devices (tests/host_devices.py):
+flash_attention(..., sequence_axis_name="sp") inside shard_map over a ("data" 2, "sp" 4) mesh
+(batch over "data", each sequence in 4 contiguous slices over "sp") against the float64 oracle
+on the whole arrays: O, LSE, dQ, dK, dV (and dsinks), for each case.
+
+    python ring_checks.py IMPLEMENTATION CASE...
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+import tolerance
+from api_helpers import make_inputs
+from jax_flash_metal import flash_attention
+
+B, T, H, D = 2, 64, 4, 16
+RNG = np.random.default_rng(3)
+LENGTHS = jnp.asarray([50, 23], jnp.int32)
+SEGMENTS = jnp.asarray(np.sort(RNG.integers(0, 4, (B, T)), axis=1), jnp.int32)
+CASES = {
+    "full": dict(),
+    "causal": dict(is_causal=True),
+    "window": dict(local_window_size=(9, 3)),
+    "causal_window": dict(is_causal=True, local_window_size=(20, None)),
+    "lengths": dict(is_causal=True, query_seq_lengths=LENGTHS,
+                    key_value_seq_lengths=LENGTHS[::-1]),
+    "bottom_right": dict(is_causal=True, causal_alignment="bottom_right",
+                         query_seq_lengths=LENGTHS[::-1], key_value_seq_lengths=LENGTHS),
+    "segments": dict(is_causal=True, query_segment_ids=SEGMENTS,
+                     key_value_segment_ids=SEGMENTS),
+    "sinks_cap": dict(is_causal=True, logits_soft_cap=5.0,
+                      sinks=jnp.asarray(RNG.normal(size=(H,)), jnp.float32)),
+    "mqa": dict(is_causal=True),
+}
+SEQUENCE = ("query_segment_ids", "key_value_segment_ids")  # split like the sequence
+
+
+def shard_map(f, mesh, in_specs, out_specs):
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+    from jax.experimental.shard_map import shard_map as legacy
+    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def check(implementation, name):
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "sp"))
+    kw = dict(CASES[name])
+    q, k, v, do, g = make_inputs(0, B, T, T, H, 1 if name == "mqa" else 2, D, jnp.float32)
+    arrays = {n: kw.pop(n) for n in list(kw) if isinstance(kw[n], jax.Array)}
+    sinks = arrays.pop("sinks", None)
+    seq, row = P("data", "sp"), P("data", None, "sp")
+
+    def local(q, k, v, sinks, arrays):
+        return flash_attention(q, k, v, sinks=sinks, sequence_axis_name="sp", return_lse=True,
+                               implementation=implementation, **arrays, **kw)
+
+    specs = {n: seq if n in SEQUENCE else P("data") for n in arrays}
+    ring = shard_map(local, mesh, (seq, seq, seq, P(), specs), (seq, row))
+
+    def forward_and_vjp(q, k, v, sinks, arrays, do, g):
+        (o, lse), vjp = jax.vjp(lambda *a: ring(*a, arrays), q, k, v, sinks)
+        return (o, lse) + vjp((do, g))
+
+    o, lse, dq, dk, dv, dsinks = jax.jit(forward_and_vjp)(q, k, v, sinks, arrays, do, g)
+    got = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+    if sinks is not None:
+        got["dsinks"], arrays["sinks"] = dsinks, sinks
+    tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got),
+                                      **{n: np.asarray(x) for n, x in arrays.items()}, **kw)
+    print(name, implementation, "ok")
+
+
+if __name__ == "__main__":
+    for case in sys.argv[2:]:
+        check(sys.argv[1], case)
