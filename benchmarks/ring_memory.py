@@ -31,7 +31,7 @@ def main():
     from jax.sharding import Mesh, PartitionSpec as P
 
     from jax_flash_metal import flash_attention
-    from jax_flash_metal.ring_attention import block_schedule
+    from jax_flash_metal.ring_attention import block_schedule, shard_map
 
     n, t = args.devices, args.seq_len
     x = jax.ShapeDtypeStruct((1, t, 4, 64), jnp.float32)
@@ -50,12 +50,6 @@ def main():
         temp = m.temp_size_in_bytes
         return temp / 2**20, (temp + m.argument_size_in_bytes + m.output_size_in_bytes) / 2**20
 
-    if hasattr(jax, "shard_map"):
-        shard_map = lambda f, **kw: jax.shard_map(f, check_vma=False, **kw)  # noqa: E731
-    else:
-        from jax.experimental.shard_map import shard_map as legacy
-        shard_map = lambda f, **kw: legacy(f, check_rep=False, **kw)  # noqa: E731
-
     print(f"T={t}, batch 1, 4 heads, head dim 64, float32, {args.implementation}, "
           f"{n} devices")
     print(f"{'causal':>7} {'temp: 1 device':>15} {'ring/dev':>9} {'ratio':>6} "
@@ -67,8 +61,7 @@ def main():
                                    implementation=args.implementation, **kw)
 
         ring = shard_map(grads(lambda q, k, v: attention(q, k, v, sequence_axis_name="sp")),
-                         mesh=mesh, in_specs=(seq,) * 4,
-                         out_specs=((seq, P(None, None, "sp")), (seq,) * 3))
+                         mesh, (seq,) * 4, ((seq, P(None, None, "sp")), (seq,) * 3))
         (single, single_total), (sharded, sharded_total) = mib(grads(attention)), mib(ring)
         steps[causal] = np.count_nonzero(block_schedule(n, t, is_causal=causal))
         print(f"{causal!s:>7} {single:15.1f} {sharded:9.1f} {sharded / single:6.3f} "

@@ -109,6 +109,17 @@ def _axis_size(axis_name):
     return int(size)
 
 
+def shard_map(f, mesh, in_specs, out_specs):
+    """``jax.shard_map`` (JAX 0.7 and newer) or ``jax.experimental.shard_map.shard_map``
+    (older), fully manual over ``mesh``, with the replication check off (JAX's check does not
+    see through the ring's ``custom_vjp``)."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+    from jax.experimental.shard_map import shard_map as legacy
+    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
 # ------------------------------------------------------------------------- one block
 
 class _Pair(NamedTuple):

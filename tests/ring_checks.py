@@ -16,6 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import tolerance
 from api_helpers import make_inputs
 from jax_flash_metal import flash_attention
+from jax_flash_metal.ring_attention import shard_map
 
 B, T, H, D = 2, 64, 4, 16
 RNG = np.random.default_rng(3)
@@ -37,14 +38,6 @@ CASES = {
     "mqa": dict(is_causal=True),
 }
 SEQUENCE = ("query_segment_ids", "key_value_segment_ids")  # split like the sequence
-
-
-def shard_map(f, mesh, in_specs, out_specs):
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
-    from jax.experimental.shard_map import shard_map as legacy
-    return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
 def check(implementation, name):
