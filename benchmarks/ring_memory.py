@@ -6,9 +6,10 @@ Runs on N host devices (sets XLA_FLAGS itself, before importing JAX). Compiles
 forward+backward (jax.vjp: O, LSE, then dQ, dK, dV; batch 1, 4 heads, head dim 64, float32) of
 flash_attention over the whole sequence on one device, and of the same call split over N
 devices with sequence_axis_name inside shard_map (ring_attention.py), and prints XLA's
-temporary memory per device (memory_analysis(); the ring's program is the per-device one) and
-the same with the arguments and outputs added, and the block steps of the ring's schedule (ring_attention.block_schedule: the pairs of query and
-key slices that run a kernel), causal and not.
+temporary memory per device (memory_analysis(); the ring's program is the per-device one), the
+same with the arguments and outputs added, and the block steps of the ring's schedule
+(ring_attention.block_schedule: the pairs of query and key slices that run a kernel), causal
+and not.
 """
 
 import argparse

@@ -27,7 +27,8 @@ Rules per primitive: abstract eval, eager impl (a cached ``jax.jit`` of the bind
 the same lowering as compiled ones), a batching rule that folds vmapped axes into the batch
 dimension, a default lowering (``mlir.lower_fun`` of the xla implementation, ``xla_attention``,
 every platform) and a ``cpu`` lowering that resolves ``implementation`` and, for
-"metal"/"emulator", hands over to ``ffi_lowering``. The organisation follows JAX's own cuDNN
+"metal"/"emulator", hands over to ``ffi_lowering``; both go through ``sharding``'s custom
+partitioning, so they partition under jit with sharded operands. The organisation follows JAX's own cuDNN
 attention primitives.
 """
 

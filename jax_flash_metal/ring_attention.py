@@ -28,6 +28,7 @@ matrix; express them with lengths, windows or segment ids).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from functools import partial
 from typing import NamedTuple
 
@@ -99,6 +100,9 @@ def block_schedule(num_devices, q_len, kv_len=None, *, is_causal=False, local_wi
 
 
 def _axis_size(axis_name):
+    if isinstance(axis_name, (tuple, list)) or not isinstance(axis_name, Hashable):
+        raise TypeError(f"sequence_axis_name must be one mesh axis name (a str), got "
+                        f"{axis_name!r}")
     try:
         size = jax.lax.psum(1, axis_name)
     except NameError:
@@ -182,7 +186,11 @@ def _rotate(ring, xs):
 
 
 def _switch(pair, branch, *operands):
-    """branch(kind, *operands) for the pair's kind; HIDDEN runs no kernel."""
+    """branch(kind, *operands) for the pair's kind; HIDDEN runs no kernel. Without any
+    positional rule every pair is FULL: no switch then."""
+    ring = pair.ring
+    if not (ring.is_causal or ring.window_left >= 0 or ring.window_right >= 0 or pair.lengths):
+        return branch(FULL, *operands)
     return jax.lax.switch(pair.kind(), [partial(branch, kind) for kind in (HIDDEN, FULL,
                                                                             PARTIAL)],
                           *operands)
@@ -233,9 +241,9 @@ def _ring_bwd(ring, residuals, cotangents):
         pair = pair_at(s)
         traveling = _rotate(ring, kv)
 
-        def branch(kind, kv):
+        def branch(kind, grads, kv):  # the gradients so far, with this pair's added
             if kind == HIDDEN:
-                return zeros(q), zeros(k), zeros(v)
+                return grads
             k_j, v_j, kv_seg_j = kv
             (o_j, lse_j), vjp = jax.vjp(
                 lambda q, k, v: pair.attend(kind, q, k, v, q_seg, kv_seg_j), q, k_j, v_j)
@@ -243,11 +251,10 @@ def _ring_bwd(ring, residuals, cotangents):
             g_j = jnp.swapaxes(w[..., 0], 1, 2) * (
                 jnp.einsum("bqhd,bqhd->bhq", do, o_j - o, precision=jax.lax.Precision.HIGHEST)
                 + g)
-            return tuple(x.astype(F32) for x in vjp((w * do, g_j)))
+            return tuple(acc + x.astype(F32) for acc, x in zip(grads, vjp((w * do, g_j))))
 
-        dq_j, dk_j, dv_j = _switch(pair, branch, kv)
-        dkv = _rotate(ring, (dkv[0] + dk_j, dkv[1] + dv_j))  # home after n steps
-        return dq + dq_j, traveling, dkv
+        dq, dk, dv = _switch(pair, branch, (dq, *dkv), kv)
+        return dq, traveling, _rotate(ring, (dk, dv))  # dK, dV home after n steps
 
     dq, _, (dk, dv) = jax.lax.fori_loop(0, ring.size, step,
                                         (zeros(q), (k, v, kv_seg), (zeros(k), zeros(v))))

@@ -30,7 +30,6 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
                                                   custom_partitioning)
 from jax.extend.core import Primitive
@@ -67,7 +66,7 @@ def _shard_primitive(prim, body):
     return shard
 
 
-# The cpu lowering may emit a custom_partitioning call, which needs the devices.
+# Their lowerings emit a custom_partitioning call, which needs the devices.
 prim_requires_devices_during_lowering.update((fwd_p, bwd_p))
 
 
@@ -169,12 +168,12 @@ def _make_partitioned(prim, params, in_avals, body):
     def partition(mesh, arg_shapes, result_shape):
         layout = _layout(mesh, arg_shapes)
         arg_shardings = tuple(layout.sharding(r, s.shape) for r, s in zip(roles, arg_shapes))
-        reduce = ([()] * len(out_roles) if prim is fwd_p else
+        summed = ([()] * len(out_roles) if prim is fwd_p else
                   [layout.reduced_axes(r, s.shape) for r, s in zip(out_roles, result_shape)])
 
         def lower(*args):
             outs = bind(*args, **params)
-            return tuple(jax.lax.psum(x, axes) if axes else x for x, axes in zip(outs, reduce))
+            return tuple(jax.lax.psum(x, axes) if axes else x for x, axes in zip(outs, summed))
 
         return mesh, lower, out_shardings(layout, result_shape), arg_shardings
 
@@ -185,8 +184,9 @@ def _make_partitioned(prim, params, in_avals, body):
 
 def _sharding_rule(roles, out_roles, in_avals):
     """The Shardy rule: factors b (batch), k and g (KV heads and query heads per KV head; a
-    query head axis is the compound (k, g), or one of them where the other is 1), t (query rows), s (keys), d (head_dim); a size-1
-    (broadcast) axis of a bias or mask gets a factor of its own."""
+    query head axis is the compound (k, g), or one of them where the other is 1), t (query
+    rows), s (keys), d (head_dim); a size-1 (broadcast) axis of a bias or mask gets a factor
+    of its own."""
     q, k = in_avals[0], in_avals[1]
     group = q.shape[2] // k.shape[2]
     # Shardy allows no size-1 factor inside a compound one.

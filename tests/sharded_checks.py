@@ -48,6 +48,9 @@ def case(name):
                      key_value_seq_lengths=P("data"), query_segment_ids=P("data"),
                      key_value_segment_ids=P("data"), sinks=P("model"))
         return 2, heads, feats, specs, False
+    if name == "bias_heads":  # a bias broadcast over the heads: dbias summed over "model"
+        feats = dict(bias=jnp.asarray(rng.normal(size=(B, 1, T, T)), jnp.float32))
+        return H, heads, feats, dict(bias=P("data")), False
     if name == "sequence":  # the sequence axis split: gathered, still exact
         return H, P("data", "model", None, None), {}, {}, True
     raise ValueError(name)

@@ -43,6 +43,8 @@ def test_errors():
     q = jnp.zeros((1, 8, 2, 16))
     with pytest.raises(ValueError, match="sequence_axis_name='sp' is not a bound axis"):
         flash_attention(q, q, q, sequence_axis_name="sp")
+    with pytest.raises(TypeError, match="sequence_axis_name must be one mesh axis name"):
+        flash_attention(q, q, q, sequence_axis_name=["sp"])
     for name in ("bias", "mask"):
         x = jnp.zeros((8, 8), jnp.bool_ if name == "mask" else jnp.float32)
         with pytest.raises(ValueError, match=f"{name} is not supported with sequence_axis_name"):

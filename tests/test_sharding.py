@@ -8,7 +8,7 @@ import pytest
 
 from host_devices import run_script
 
-CASES = ("causal", "gqa", "mqa", "features", "sequence")
+CASES = ("causal", "gqa", "mqa", "features", "bias_heads", "sequence")
 
 
 @pytest.mark.parametrize("partitioner", ["--shardy", "--gspmd"])

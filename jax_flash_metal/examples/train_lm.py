@@ -16,6 +16,11 @@ layer and new byte, ``causal_alignment="bottom_right"`` with ``key_value_seq_len
 fused implementations run with the split-KV decode kernels) with its tokens/s, and the largest
 difference between this implementation's attention gradients and those of
 ``jax_flash_metal.reference_attention`` on one batch.
+
+``--mesh data=N,sp=M`` trains data- and sequence-parallel over every device of every process
+(batch split over "data", ring attention with ``sequence_axis_name="sp"``; with
+``--coordinator``, ``--num-processes`` and ``--process-id``, ``jax.distributed`` on gloo CPU
+collectives) and prints each step's loss, the same as on one device.
 """
 
 from __future__ import annotations
