@@ -95,6 +95,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                     causal_alignment: str = "top_left",
                     sequence_axis_name: Hashable | None = None,
+                    sequence_layout: str = "contiguous",
                     return_lse: Literal[False] = False) -> jax.Array: ...
 
 
@@ -110,6 +111,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                     causal_alignment: str = "top_left",
                     sequence_axis_name: Hashable | None = None,
+                    sequence_layout: str = "contiguous",
                     return_lse: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
 
 
@@ -125,6 +127,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                     causal_alignment: str = "top_left",
                     sequence_axis_name: Hashable | None = None,
+                    sequence_layout: str = "contiguous",
                     return_lse: bool) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
@@ -139,6 +142,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                     causal_alignment: str = "top_left",
                     sequence_axis_name: Hashable | None = None,
+                    sequence_layout: str = "contiguous",
                     return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-2 forward and recompute backward).
 
@@ -187,6 +191,11 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         Attention with Blockwise Transformers", 2023; ``ring_attention.py``). Causal, windows,
         lengths, alignment, segment ids, soft cap, sinks and grouped-query attention use global
         positions; bias and mask raise ValueError, as does a name not bound there.
+      sequence_layout: with ``sequence_axis_name``, "contiguous" (above) or "striped": device
+        i holds positions i, i + n, i + 2n, ... (Brandon et al., "Striped Attention", 2023;
+        causal work is then even across devices); ``ring_attention.stripe`` / ``unstripe``
+        reorder whole arrays into / out of that layout. Without a sequence axis, only
+        "contiguous" (ValueError otherwise).
       return_lse: also return the log-sum-exp; gradients flow through it.
     Returns:
       out shaped like query, in its dtype; with return_lse=True, (out, lse) where lse is float32
@@ -204,10 +213,14 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    if sequence_axis_name is None and sequence_layout != "contiguous":
+        raise ValueError(f"sequence_layout={sequence_layout!r} needs sequence_axis_name (the "
+                         "layout of a sequence split over devices)")
     if sequence_axis_name is not None:
         from . import ring_attention
         return ring_attention.ring_flash_attention(
             query, key, value, bias, mask, axis_name=sequence_axis_name,
+            sequence_layout=sequence_layout,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
             return_lse=return_lse, scale=scale, is_causal=is_causal,
             local_window_size=local_window_size, causal_alignment=causal_alignment,

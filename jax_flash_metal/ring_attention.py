@@ -22,6 +22,12 @@ FlashAttention-2 backward use the global P and D (the VJP recomputes the block's
 Memory per device: the local slices, one traveling K/V slice (two in flight) and the O/LSE
 state; nothing of size T x T or of the whole sequence.
 
+``sequence_layout="striped"`` (Brandon et al., "Striped Attention", 2023): device i holds
+positions i, i + n, i + 2n, ... instead (``stripe`` / ``unstripe`` reorder whole arrays), so no
+pair is hidden under causal attention but each is about half visible and every device does the
+same work: a pair j <= i is a top-left causal call, j > i a bottom-right one whose last key is
+padding.
+
 Not supported with a sequence axis (ValueError): bias and mask (arrays over the whole score
 matrix; express them with lengths, windows or segment ids).
 """
@@ -55,6 +61,19 @@ class _Ring(NamedTuple):
     bottom_right: bool
     logits_soft_cap: float | None
     implementation: str | None
+    striped: bool = False  # sequence_layout="striped"
+
+    def positions(self, index, chunk):
+        """(first, stride): slice ``index``'s positions are first + stride * arange(chunk)."""
+        return (index, self.size) if self.striped else (index * chunk, 1)
+
+    def rows(self, i):
+        first, stride = self.positions(i, self.q_chunk)
+        return first + stride * jnp.arange(self.q_chunk, dtype=jnp.int32)
+
+    def keys(self, j):
+        first, stride = self.positions(j, self.kv_chunk)
+        return first + stride * jnp.arange(self.kv_chunk, dtype=jnp.int32)
 
     def band(self, batch, q_lengths, kv_lengths):
         return visibility.Band(batch, self.size * self.q_chunk, self.size * self.kv_chunk,
@@ -62,9 +81,10 @@ class _Ring(NamedTuple):
                                window_left=self.window_left, window_right=self.window_right,
                                bottom_right=self.bottom_right)
 
-    def diagonal_is_causal(self, has_lengths):
-        """Whether every "partial" pair is a diagonal one that a top-left causal call covers:
-        causal attention with no window and no lengths, equal slices."""
+    def only_causal(self, has_lengths):
+        """Whether causal attention is the only rule (no window, no lengths, equal slices):
+        every "partial" pair is then the contiguous layout's diagonal one (a top-left causal
+        call), or in the striped layout one of two causal shapes (``_Pair.attend``)."""
         return (self.is_causal and self.window_left < 0 and self.window_right < 0
                 and not has_lengths and self.q_chunk == self.kv_chunk)
 
@@ -74,25 +94,29 @@ HIDDEN, FULL, PARTIAL = 0, 1, 2
 
 def block_kind(ring: _Ring, band, i, j):
     """HIDDEN, FULL or PARTIAL (int32) for query slice i against key slice j: whether no row,
-    every row or some rows of slice i see keys of slice j (whole or in part)."""
-    rows = i * ring.q_chunk + jnp.arange(ring.q_chunk, dtype=jnp.int32)
-    lo, hi = band.key_intervals(rows)
-    first, last = j * ring.kv_chunk, (j + 1) * ring.kv_chunk
-    sees = jnp.minimum(hi, last) > jnp.maximum(lo, first)
-    whole = (lo <= first) & (hi >= last)
+    every row or some rows of slice i see keys of slice j (whole or in part). Row r sees the
+    keys [lo, hi) (``Band.key_intervals``): of slice j's keys first + stride * b, those with
+    ceil((lo - first) / stride) <= b < ceil((hi - first) / stride)."""
+    lo, hi = band.key_intervals(ring.rows(i))
+    first, stride = ring.positions(j, ring.kv_chunk)
+    b_lo, b_hi = -((first - lo) // stride), -((first - hi) // stride)
+    sees = jnp.minimum(b_hi, ring.kv_chunk) > jnp.maximum(b_lo, 0)
+    whole = (b_lo <= 0) & (b_hi >= ring.kv_chunk)
     return jnp.where(~jnp.any(sees), HIDDEN, jnp.where(jnp.all(whole), FULL, PARTIAL))
 
 
 def block_schedule(num_devices, q_len, kv_len=None, *, is_causal=False, local_window_size=None,
-                   causal_alignment="top_left"):
+                   causal_alignment="top_left", sequence_layout="contiguous"):
     """The ring's schedule for whole sequences of ``q_len`` / ``kv_len`` (default q_len)
     positions over ``num_devices`` devices, no lengths: int [num_devices, num_devices], entry
     [i, j] HIDDEN (0, skipped), FULL (1) or PARTIAL (2) for device i's query slice against key
-    slice j. ``np.count_nonzero`` of it is the number of block steps that run a kernel."""
+    slice j (slices as ``sequence_layout`` lays them out). ``np.count_nonzero`` of it is the
+    number of block steps that run a kernel."""
     kv_len = q_len if kv_len is None else kv_len
     left, right = validation.check_window(local_window_size)
     ring = _Ring(None, num_devices, q_len // num_devices, kv_len // num_devices, 1.0,
-                 is_causal, left, right, causal_alignment == "bottom_right", None, None)
+                 is_causal, left, right, causal_alignment == "bottom_right", None, None,
+                 _check_layout(sequence_layout))
     with jax.ensure_compile_time_eval():
         band = ring.band(1, None, None)
         return np.array([[int(block_kind(ring, band, i, j)) for j in range(num_devices)]
@@ -142,19 +166,26 @@ class _Pair(NamedTuple):
         """(O_j float32, LSE_j) of a FULL or PARTIAL pair: one flash_attention call."""
         from .attention import flash_attention
 
-        ring, mask, causal = self.ring, None, False
-        if kind == PARTIAL:
-            if ring.diagonal_is_causal(self.lengths):
-                causal = True
-            else:
-                rows = self.i * ring.q_chunk + jnp.arange(ring.q_chunk, dtype=jnp.int32)
-                keys = self.j * ring.kv_chunk + jnp.arange(ring.kv_chunk, dtype=jnp.int32)
-                mask = self.band.mask(rows, keys)[:, None]
-        o, lse = flash_attention(q, k, v, mask=mask, scale=ring.scale, is_causal=causal,
-                                 query_segment_ids=q_seg, key_value_segment_ids=kv_seg,
-                                 logits_soft_cap=ring.logits_soft_cap,
-                                 implementation=ring.implementation, return_lse=True)
-        return o.astype(F32), lse
+        ring = self.ring
+
+        def call(**kw):
+            o, lse = flash_attention(q, k, v, scale=ring.scale, query_segment_ids=q_seg,
+                                     key_value_segment_ids=kv_seg,
+                                     logits_soft_cap=ring.logits_soft_cap,
+                                     implementation=ring.implementation, return_lse=True, **kw)
+            return o.astype(F32), lse
+
+        if kind == FULL:
+            return call()
+        if not ring.only_causal(self.lengths):
+            return call(mask=self.band.mask(ring.rows(self.i), ring.keys(self.j))[:, None])
+        if not ring.striped:
+            return call(is_causal=True)
+        # Striped: query a * n + i sees key b * n + j iff b <= a (j <= i), else iff b <= a - 1:
+        # bottom-right causal with the slice's last key (never visible then) as padding.
+        below = jnp.full((q.shape[0],), ring.kv_chunk - 1, jnp.int32)
+        return jax.lax.cond(self.j <= self.i, lambda: call(is_causal=True), lambda: call(
+            is_causal=True, causal_alignment="bottom_right", key_value_seq_lengths=below))
 
 
 def _weights(lse_j, lse):
@@ -270,10 +301,42 @@ def _with_sinks(o, lse, sinks):
     return (_weights(lse, new) * o.astype(F32)).astype(o.dtype), new
 
 
+LAYOUTS = ("contiguous", "striped")
+
+
+def _check_layout(sequence_layout):
+    if not isinstance(sequence_layout, str) or sequence_layout not in LAYOUTS:
+        raise ValueError(f"sequence_layout must be one of {LAYOUTS}, got {sequence_layout!r}")
+    return sequence_layout == "striped"
+
+
+def stripe(x, num_devices, axis=1):
+    """``x`` with its sequence ``axis`` (length T, a multiple of ``num_devices`` n) reordered
+    for ``sequence_layout="striped"``: split into n contiguous slices afterwards, device i holds
+    positions i, i + n, i + 2n, ... (Brandon et al., "Striped Attention", 2023: every device
+    then does about the same causal work). Position p moves to (p % n) * (T / n) + p // n.
+    Apply it to query, key, value and segment ids (axis 1) before splitting them over the
+    axis; ``unstripe`` restores the order of the output (axis 1) and LSE (axis 2)."""
+    x = jnp.moveaxis(jnp.asarray(x), axis, 0)
+    t = x.shape[0]
+    x = x.reshape(t // num_devices, num_devices, *x.shape[1:]).swapaxes(0, 1)
+    return jnp.moveaxis(x.reshape(t, *x.shape[2:]), 0, axis)
+
+
+def unstripe(x, num_devices, axis=1):
+    """The inverse of ``stripe``."""
+    x = jnp.moveaxis(jnp.asarray(x), axis, 0)
+    t = x.shape[0]
+    x = x.reshape(num_devices, t // num_devices, *x.shape[1:]).swapaxes(0, 1)
+    return jnp.moveaxis(x.reshape(t, *x.shape[2:]), 0, axis)
+
+
 def ring_flash_attention(query, key, value, bias, mask, *, axis_name, query_seq_lengths,
-                         key_value_seq_lengths, return_lse, **kwargs):
+                         key_value_seq_lengths, return_lse, sequence_layout="contiguous",
+                         **kwargs):
     """``flash_attention`` with ``sequence_axis_name=axis_name`` (attention.py documents the
     arguments; ``kwargs`` are its other keywords). Lengths count global positions."""
+    striped = _check_layout(sequence_layout)
     for name, x in (("bias", bias), ("mask", mask)):
         if x is not None:
             raise ValueError(
@@ -290,7 +353,7 @@ def ring_flash_attention(query, key, value, bias, mask, *, axis_name, query_seq_
                                           size * k.shape[1])
     ring = _Ring(axis_name, size, q.shape[1], k.shape[1], params.scale, params.is_causal,
                  params.window_left, params.window_right, params.bottom_right,
-                 params.logits_soft_cap, params.implementation)
+                 params.logits_soft_cap, params.implementation, striped)
     out, lse = _ring_attention(ring, q, k, v, operands.q_segment_ids, operands.kv_segment_ids,
                                q_lengths, kv_lengths)
     if operands.sinks is not None:

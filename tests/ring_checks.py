@@ -16,7 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import tolerance
 from api_helpers import make_inputs
 from jax_flash_metal import flash_attention
-from jax_flash_metal.ring_attention import shard_map
+from jax_flash_metal.ring_attention import shard_map, stripe, unstripe
 
 B, T, H, D = 2, 64, 4, 16
 RNG = np.random.default_rng(3)
@@ -36,6 +36,11 @@ CASES = {
     "sinks_cap": dict(is_causal=True, logits_soft_cap=5.0,
                       sinks=jnp.asarray(RNG.normal(size=(H,)), jnp.float32)),
     "mqa": dict(is_causal=True),
+    "striped_causal": dict(is_causal=True, sequence_layout="striped"),
+    "striped_full": dict(sequence_layout="striped"),
+    "striped_window_segments": dict(is_causal=True, local_window_size=(12, 0),
+                                    query_segment_ids=SEGMENTS, key_value_segment_ids=SEGMENTS,
+                                    query_seq_lengths=LENGTHS, sequence_layout="striped"),
 }
 SEQUENCE = ("query_segment_ids", "key_value_segment_ids")  # split like the sequence
 
@@ -55,14 +60,22 @@ def check(implementation, name):
     specs = {n: seq if n in SEQUENCE else P("data") for n in arrays}
     ring = shard_map(local, mesh, (seq, seq, seq, P(), specs), (seq, row))
 
+    def attention(q, k, v, sinks, arrays):
+        if kw.get("sequence_layout") != "striped":
+            return ring(q, k, v, sinks, arrays)
+        arrays = {n: stripe(x, 4) if n in SEQUENCE else x for n, x in arrays.items()}
+        o, lse = ring(stripe(q, 4), stripe(k, 4), stripe(v, 4), sinks, arrays)
+        return unstripe(o, 4), unstripe(lse, 4, axis=2)
+
     def forward_and_vjp(q, k, v, sinks, arrays, do, g):
-        (o, lse), vjp = jax.vjp(lambda *a: ring(*a, arrays), q, k, v, sinks)
+        (o, lse), vjp = jax.vjp(lambda *a: attention(*a, arrays), q, k, v, sinks)
         return (o, lse) + vjp((do, g))
 
     o, lse, dq, dk, dv, dsinks = jax.jit(forward_and_vjp)(q, k, v, sinks, arrays, do, g)
     got = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
     if sinks is not None:
         got["dsinks"], arrays["sinks"] = dsinks, sinks
+    kw.pop("sequence_layout", None)
     tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got),
                                       **{n: np.asarray(x) for n, x in arrays.items()}, **kw)
     print(name, implementation, "ok")

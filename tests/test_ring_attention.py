@@ -10,10 +10,11 @@ import pytest
 
 from host_devices import run_script
 from jax_flash_metal import flash_attention
-from jax_flash_metal.ring_attention import FULL, HIDDEN, PARTIAL, block_schedule
+from jax_flash_metal.ring_attention import (FULL, HIDDEN, PARTIAL, block_schedule, stripe,
+                                            unstripe)
 
 CASES = ("full", "causal", "window", "causal_window", "lengths", "bottom_right", "segments",
-         "sinks_cap", "mqa")
+         "sinks_cap", "mqa", "striped_causal", "striped_full", "striped_window_segments")
 
 
 def test_ring_matches_oracle(implementation):
@@ -31,6 +32,20 @@ def test_causal_schedule_skips_the_hidden_half():
     assert np.count_nonzero(causal) <= 0.6 * np.count_nonzero(full)
 
 
+def test_striped_schedule_balances_causal_work():
+    # Every pair of striped slices is half visible: no device idles, none does more.
+    causal = block_schedule(8, 16384, is_causal=True, sequence_layout="striped")
+    assert np.all(causal == PARTIAL)
+
+
+def test_stripe_round_trip():
+    x = jnp.arange(2 * 12 * 3).reshape(2, 12, 3)
+    striped = stripe(x, 4)
+    # Device 1 of 4 (positions 3..5 after the reorder) holds positions 1, 5, 9.
+    np.testing.assert_array_equal(striped[:, 3:6], x[:, 1::4])
+    np.testing.assert_array_equal(unstripe(striped, 4), x)
+
+
 def test_window_schedule():
     # 8 slices of 8 positions, keys within 3 before and 0 after each query: slice i sees
     # part of slice i - 1 and its own diagonal.
@@ -45,6 +60,10 @@ def test_errors():
         flash_attention(q, q, q, sequence_axis_name="sp")
     with pytest.raises(TypeError, match="sequence_axis_name must be one mesh axis name"):
         flash_attention(q, q, q, sequence_axis_name=["sp"])
+    with pytest.raises(ValueError, match="sequence_layout='striped' needs sequence_axis_name"):
+        flash_attention(q, q, q, sequence_layout="striped")
+    with pytest.raises(ValueError, match="sequence_layout must be one of"):
+        block_schedule(4, 16, sequence_layout="zigzag")
     for name in ("bias", "mask"):
         x = jnp.zeros((8, 8), jnp.bool_ if name == "mask" else jnp.float32)
         with pytest.raises(ValueError, match=f"{name} is not supported with sequence_axis_name"):
