@@ -1,8 +1,10 @@
 """The one place where jax_flash_metal touches JAX internals.
 
 Everything the package needs is public in every supported JAX (0.5.0 through the newest release)
-except the abstract value class, which newer releases may move out of ``jax.core``; the fallback to
-its private home is kept here so the rest of the package only imports public modules.
+except the abstract value class, which newer releases may move out of ``jax.core``, and the set of
+primitives whose lowering needs the device assignment (a ``custom_partitioning`` call inside a
+primitive's lowering does: sharding.py, registered in primitives.py); both are kept here so the rest of the package only imports
+public modules.
 """
 
 try:  # Public in jax 0.5.0 .. 0.12.
@@ -10,4 +12,7 @@ try:  # Public in jax 0.5.0 .. 0.12.
 except ImportError:  # pragma: no cover - future JAX without the public alias
     from jax._src.core import ShapedArray
 
-__all__ = ["ShapedArray"]
+# Private in jax 0.5.0 .. 0.12 (JAX's own cuDNN attention registers its primitives the same way).
+from jax._src.dispatch import prim_requires_devices_during_lowering
+
+__all__ = ["ShapedArray", "prim_requires_devices_during_lowering"]

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal, Optional, Tuple, Union, overload
+from typing import Hashable, Literal, Optional, Tuple, Union, overload
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike
 
-from . import validation
+from . import ring_attention, validation
 from .primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
 from .contract import Implementation, Operands
 
@@ -95,6 +95,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                     causal_alignment: str = "top_left",
+                    sequence_axis_name: Hashable | None = None,
+                    sequence_layout: str = "contiguous",
                     return_lse: Literal[False] = False) -> jax.Array: ...
 
 
@@ -110,6 +112,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                     causal_alignment: str = "top_left",
+                    sequence_axis_name: Hashable | None = None,
+                    sequence_layout: str = "contiguous",
                     return_lse: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
 
 
@@ -125,6 +129,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                     causal_alignment: str = "top_left",
+                    sequence_axis_name: Hashable | None = None,
+                    sequence_layout: str = "contiguous",
                     return_lse: bool) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
@@ -139,6 +145,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                     causal_alignment: str = "top_left",
+                    sequence_axis_name: Hashable | None = None,
+                    sequence_layout: str = "contiguous",
                     return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-2 forward and recompute backward).
 
@@ -184,6 +192,19 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         denominator, carrying no value (gpt-oss); differentiable.
       causal_alignment: "top_left" (off = 0, jax.nn / PyTorch) or "bottom_right"
         (off = kv_len_b - q_len_b, FlashAttention-2 / KV-cache decoding).
+      sequence_axis_name: None, or the name of a ``shard_map`` mesh axis over which the
+        sequence is split (context parallelism): device i of that axis passes its contiguous
+        slice [i * T / n, (i + 1) * T / n) of query, key, value and segment ids (lengths count
+        global positions, and stay whole), and gets exact attention over the whole sequence by
+        ring attention (K/V passed around the axis with ``lax.ppermute``; Liu et al., "Ring
+        Attention with Blockwise Transformers", 2023; ``ring_attention.py``). Causal, windows,
+        lengths, alignment, segment ids, soft cap, sinks and grouped-query attention use global
+        positions; bias and mask raise ValueError, as does a name not bound there.
+      sequence_layout: with ``sequence_axis_name``, "contiguous" (above) or "striped": device
+        i holds positions i, i + n, i + 2n, ... (Brandon et al., "Striped Attention", 2023;
+        causal work is then even across devices); ``ring_attention.stripe`` / ``unstripe``
+        reorder whole arrays into / out of that layout. Without a sequence axis, only
+        "contiguous" (ValueError otherwise).
       return_lse: also return the log-sum-exp; gradients flow through it.
     Returns:
       out shaped like query, in its dtype; with return_lse=True, (out, lse) where lse is float32
@@ -199,6 +220,21 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     (jax.custom_vjp); softmax math is float32. Method: Dao, "FlashAttention-2" (2023), recompute
     backward from (q, k, v, o, lse, dO) with D = rowsum(dO * O) - g_lse.
     """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    if sequence_axis_name is None and sequence_layout != "contiguous":
+        raise ValueError(f"sequence_layout={sequence_layout!r} needs sequence_axis_name (the "
+                         "layout of a sequence split over devices)")
+    if sequence_axis_name is not None:
+        return ring_attention.ring_flash_attention(
+            query, key, value, bias, mask, axis_name=sequence_axis_name,
+            sequence_layout=sequence_layout, block_attention=flash_attention,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            return_lse=return_lse, scale=scale, is_causal=is_causal,
+            local_window_size=local_window_size, causal_alignment=causal_alignment,
+            implementation=implementation, query_segment_ids=query_segment_ids,
+            key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
+            sinks=sinks)
     q, k, v, operands, params = validation.check_inputs(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
@@ -206,8 +242,6 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         implementation=implementation, query_segment_ids=query_segment_ids,
         key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
         sinks=sinks)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     try:
         out, lse = _attention(params, q, k, v, operands)
     except TypeError as e:

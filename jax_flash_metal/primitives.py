@@ -8,7 +8,8 @@ with the operands and static params of ``contract`` (``contract.Operands`` in fi
 ``contract.StaticParams``). Abstract eval, eager impl, batching, the forward-mode error, the
 default lowering (the xla implementation with the accelerators' block schedule, ``xla_schedule``)
 and the ``cpu`` lowering (the fused implementations through ``implementations``, else the xla
-implementation with the cpu schedule): docs/design.md#the-primitive-layer.
+implementation with the cpu schedule), both through ``sharding``'s custom partitioning, so a
+call partitions under jit with sharded operands: docs/design.md#the-primitive-layer.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import contract, implementations, xla_attention, xla_schedule
+from . import contract, implementations, sharding, xla_attention, xla_schedule
 from .contract import Operands, coerce_params
-from ._jax_private import ShapedArray
+from ._jax_private import ShapedArray, prim_requires_devices_during_lowering
 
 fwd_p = Primitive("flash_attention_fwd")
 fwd_p.multiple_results = True
@@ -232,12 +233,16 @@ def _xla_bwd(*args, schedule, **params):
 _XLA_IMPL = {fwd_p: _xla_fwd, bwd_p: _xla_bwd}
 
 
+@functools.lru_cache(maxsize=None)
+def _xla_body(prim, schedule):
+    return functools.partial(_XLA_IMPL[prim], schedule=schedule)
+
+
 def _xla_lowering(prim, ctx, args, params, platform):
-    """The xla implementation lowered with the block schedule of ``platform``, looked up now
-    (``xla_schedule``)."""
-    schedule = xla_schedule.for_platform(platform)
-    return mlir.lower_fun(functools.partial(_XLA_IMPL[prim], schedule=schedule),
-                          multiple_results=True)(ctx, *args, **params)
+    """The xla implementation with the block schedule of ``platform``, looked up now
+    (``xla_schedule``), partitioned by ``sharding``."""
+    body = _xla_body(prim, xla_schedule.for_platform(platform))
+    return sharding.lower(prim, _DIRECTION[prim], ctx, args, params, body)
 
 
 def _platforms(ctx):
@@ -270,7 +275,7 @@ def _make_cpu_lowering(prim):
         if impl == "xla" or _has_zero_size(ctx):
             return _xla_lowering(prim, ctx, args, params, "cpu")
         params["implementation"] = impl
-        return implementations.lower_fused(direction, ctx, *args, **params)
+        return sharding.lower(prim, direction, ctx, args, params, None)
     return lowering
 
 
@@ -278,3 +283,5 @@ mlir.register_lowering(fwd_p, _make_default_lowering(fwd_p))
 mlir.register_lowering(bwd_p, _make_default_lowering(bwd_p))
 mlir.register_lowering(fwd_p, _make_cpu_lowering(fwd_p), platform="cpu")
 mlir.register_lowering(bwd_p, _make_cpu_lowering(bwd_p), platform="cpu")
+# Both lowerings emit a custom_partitioning call (sharding), which needs the devices.
+prim_requires_devices_during_lowering.update((fwd_p, bwd_p))

@@ -16,6 +16,11 @@ layer and new byte, ``causal_alignment="bottom_right"`` with ``key_value_seq_len
 fused implementations run with the split-KV decode kernels) with its tokens/s, and the largest
 difference between this implementation's attention gradients and those of
 ``jax_flash_metal.reference_attention`` on one batch.
+
+``--mesh data=N,sp=M`` trains data- and sequence-parallel over every device of every process
+(batch split over "data", ring attention with ``sequence_axis_name="sp"``; with
+``--coordinator``, ``--num-processes`` and ``--process-id``, ``jax.distributed`` on gloo CPU
+collectives) and prints each step's loss, the same as on one device.
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import jax_flash_metal
 from jax_flash_metal import flash_attention, implementations, reference_attention
+from jax_flash_metal.ring_attention import shard_map
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,19 +183,26 @@ def qkv(layer: dict, x, cfg: Config, offset=0):
     return rope(q, cfg.rope_base, offset), rope(k, cfg.rope_base, offset), v
 
 
-def make_attention(implementation: str | None, dtype: str = "float32", *, reference=False):
+def make_attention(implementation: str | None, dtype: str = "float32", *, reference=False,
+                   mesh=None):
     """Causal attention (q, k, v) -> out [B, T, heads, head_dim] float32, computed in ``dtype``
-    by flash_attention with ``implementation``, or by reference_attention if ``reference``."""
+    by flash_attention with ``implementation``, or by reference_attention if ``reference``.
+    With a ``mesh`` (axes "data" and "sp"): batch split over "data" and each sequence over "sp",
+    ring attention in ``shard_map`` (``sequence_axis_name="sp"``)."""
 
     def attend(q, k, v):
         q, k, v = (a.astype(dtype) for a in (q, k, v))
         if reference:
             out = reference_attention(q, k, v, is_causal=True)
         else:
-            out = flash_attention(q, k, v, is_causal=True, implementation=implementation)
+            out = flash_attention(q, k, v, is_causal=True, implementation=implementation,
+                                  sequence_axis_name=None if mesh is None else "sp")
         return out.astype(jnp.float32)
 
-    return attend
+    if mesh is None:
+        return attend
+    spec = P("data", "sp")
+    return shard_map(attend, mesh, (spec,) * 3, spec)
 
 
 def make_cached_attention(implementation: str | None, dtype: str = "float32"):
@@ -253,11 +267,47 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
                        optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=decay_mask))
 
 
+def parse_mesh(text: str | None) -> dict[str, int]:
+    """"data=2,sp=2" -> {"data": 2, "sp": 2} (an axis left out has size 1)."""
+    sizes = {"data": 1, "sp": 1}
+    for part in filter(None, (text or "").split(",")):
+        name, _, size = part.partition("=")
+        if name not in sizes or not size.isdigit() or int(size) < 1:
+            raise SystemExit(f"--mesh takes data=N,sp=M (positive sizes), got {text!r}")
+        sizes[name] = int(size)
+    return sizes
+
+
+def make_mesh(sizes: dict[str, int]) -> Mesh:
+    """The ("data", "sp") mesh over every device of every process."""
+    devices = jax.devices()
+    if len(devices) != sizes["data"] * sizes["sp"]:
+        raise SystemExit(f"--mesh data={sizes['data']},sp={sizes['sp']} needs "
+                         f"{sizes['data'] * sizes['sp']} devices, JAX has {len(devices)}")
+    return Mesh(np.array(devices).reshape(sizes["data"], sizes["sp"]), ("data", "sp"))
+
+
+def _placer(mesh):
+    """x -> jax.Array: the same global NumPy array on every process, laid out over ``mesh``
+    (tokens [B, T] split as "data", "sp"; everything else replicated); identity without one."""
+    if mesh is None:
+        return lambda x, spec=None: x
+
+    def place(x, spec=P()):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec),
+                                            lambda index: x[index])
+    return place
+
+
 def train(cfg: Config, data: np.ndarray, implementation: str | None, *, seed: int = 0,
-          progress: bool = True):
-    """Train from scratch on the uint8 byte array ``data``; returns (params, per-step losses)."""
-    attend = make_attention(implementation, cfg.attn_dtype)
+          progress: bool = True, mesh=None):
+    """Train from scratch on the uint8 byte array ``data``; returns (params, per-step losses).
+    With a ``mesh`` ("data", "sp"; ``make_mesh``, any number of processes) the step is data-
+    and sequence-parallel: the same global batches, parameters replicated."""
+    attend = make_attention(implementation, cfg.attn_dtype, mesh=mesh)
     optimizer = make_optimizer(cfg)
+    place = _placer(mesh)
 
     @jax.jit
     def step(params, opt_state, inputs, targets):
@@ -265,16 +315,17 @@ def train(cfg: Config, data: np.ndarray, implementation: str | None, *, seed: in
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    params = init_params(cfg, jax.random.PRNGKey(seed))
-    opt_state = optimizer.init(params)
+    params = jax.tree_util.tree_map(place, init_params(cfg, jax.random.PRNGKey(seed)))
+    opt_state = jax.jit(optimizer.init)(params)
     rng = np.random.default_rng(seed)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     losses = []
     bar = tqdm(range(cfg.steps), desc="train", unit="step", disable=not progress)
     start = None  # timing starts after step 1, which includes compilation
     for i in bar:
-        params, opt_state, loss = step(params, opt_state, *windows(data, rng, cfg.batch_size,
-                                                                   cfg.seq_len))
+        batch = windows(data, rng, cfg.batch_size, cfg.seq_len)
+        params, opt_state, loss = step(params, opt_state,
+                                       *(place(x, P("data", "sp")) for x in batch))
         losses.append(float(loss))  # also waits for the step, so tokens/s is honest
         if start is None:
             start = time.perf_counter()
@@ -440,6 +491,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.8,
                    help="sampling temperature, 0 = greedy")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--mesh", default=None,
+                   help="data- and sequence-parallel training over every device of every "
+                        "process, e.g. data=2,sp=2 (batch over data, ring attention over sp); "
+                        "prints the losses and stops after training")
+    p.add_argument("--coordinator", default=None,
+                   help="host:port of process 0: jax.distributed.initialize with "
+                        "--num-processes and --process-id (CPU collectives: gloo)")
+    p.add_argument("--num-processes", type=int, default=1)
+    p.add_argument("--process-id", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -457,6 +517,9 @@ def config_from_args(args: argparse.Namespace, tiny: bool) -> Config:
 def main(argv=None) -> dict:
     """Command-line entry point; returns the numbers it printed (for tests)."""
     args = parse_args(argv)
+    if args.coordinator is not None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     try:
         resolved = implementations.resolve(args.implementation, jax.default_backend())
     except (ValueError, NotImplementedError) as e:
@@ -482,6 +545,8 @@ def main(argv=None) -> dict:
     print(f"training: {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes, AdamW lr "
           f"{cfg.lr:g} (warmup {cfg.warmup}, cosine)")
 
+    if args.mesh is not None:
+        return train_parallel(cfg, train_data, resolved, args)
     evaluate = make_evaluator(cfg, resolved)
     initial_eval = evaluate(init_params(cfg, jax.random.PRNGKey(args.seed)), held_out)
     t0 = time.perf_counter()
@@ -509,6 +574,19 @@ def main(argv=None) -> dict:
     return {"losses": losses, "initial_eval": initial_eval, "final_eval": final_eval,
             "sample": sample, "sample_tokens_per_second": rate, "check": check,
             "implementation": resolved}
+
+
+def train_parallel(cfg: Config, data: np.ndarray, implementation: str, args) -> dict:
+    """``main``'s --mesh run: train over the mesh and print every step's loss."""
+    sizes = parse_mesh(args.mesh)
+    mesh = make_mesh(sizes)
+    print(f"mesh: data={sizes['data']}, sp={sizes['sp']} over {jax.device_count()} devices in "
+          f"{jax.process_count()} processes (this is process {jax.process_index()})")
+    t0 = time.perf_counter()
+    _, losses = train(cfg, data, implementation, seed=args.seed, progress=False, mesh=mesh)
+    print(f"losses: {' '.join(repr(x) for x in losses)}")
+    print(f"{time.perf_counter() - t0:.1f} s")
+    return {"losses": losses, "implementation": implementation}
 
 
 if __name__ == "__main__":
