@@ -399,8 +399,9 @@ def test_help_shows_defaults(capsys):
     for default in ("(default: ['float16'])", "(default: [64, 128])",
                     "--batch BATCH batch size (default: 1)",
                     "(default: 1024)", "--heads HEADS query heads (default: 4)",
-                    "(default: ['forward', 'backward'])"):
+                    "(default: ['forward', 'backward'])", "length (default: --q-len)"):
         assert default in text
+    assert "(default: None)" not in text
 
 
 # ---- roofline model -------------------------------------------------------------------------
