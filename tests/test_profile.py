@@ -9,13 +9,11 @@ import math
 import numpy as np
 import pytest
 
+from kernel_harness import needs_counting
 from jax_flash_metal import profile, roofline
 from jax_flash_metal import _ext as ext
 from jax_flash_metal._ext import emulator
 
-# The counting variants are built only with JFM_EMULATOR_COUNTING=ON (.ci/run sets it).
-needs_counting = pytest.mark.skipif(not emulator.has_counting_variant(),
-                                    reason=profile.NO_COUNTING_MESSAGE)
 ZERO = dict(threadgroup_bytes_read=0, threadgroup_bytes_written=0, mma_ops=0, simd_ops=0,
             barriers=0, fma_ops=0, threadgroup_memory_bytes=0)
 
