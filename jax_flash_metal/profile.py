@@ -326,7 +326,7 @@ def format_tables(records: list[dict], gpus) -> str:
             f"{r['useful_flops'] / 1e9:>9.3f} "
             f"{r['mma_flops'] / 1e9:>7.3f} {_ratio(r['useful_flops'], device, '{:.2f}'):>10} "
             f"{_ratio(r['mma_flops'], r['executed_flops'], '{:.0%}'):>9}")
-    cell = 21
+    cell = 23  # "comp 12345.678ms 100.0%"
     head = f"{'kernel':<40} " + " ".join(f"{g:>{cell}}" for g in gpus)
     lines += ["", "roofline MODEL (not measured; per GPU: bound (comp = compute, dev = device "
               "memory, tg = threadgroup memory), modelled time, modelled % of peak FLOP/s; see "
@@ -336,7 +336,7 @@ def format_tables(records: list[dict], gpus) -> str:
         for g in gpus:
             m = r["model"][g]
             cells.append(f"{BOUND_ABBREVIATIONS[m['bound']]:>4} {m['seconds'] * 1e3:>9.3f}ms "
-                         f"{m['percent_of_peak']:>4.1f}%")
+                         f"{m['percent_of_peak']:>5.1f}%")
         lines.append(f"{r['kernel']:<40} " + " ".join(f"{c:>{cell}}" for c in cells))
     return "\n".join(lines)
 
