@@ -292,3 +292,20 @@ def test_benchmark_progress_bar_counts_every_step(capsys):
                     "--compile-rounds", "1", "--impls", "jax.nn", "--decode-kv-lens", "",
                     "--no-progress"])
     assert capsys.readouterr().err == ""
+
+
+def test_progress_without_tqdm_prints_plain_lines(monkeypatch, capsys):
+    """Without tqdm the CLIs still report progress (done/total lines) and say how to get a bar."""
+    import sys
+
+    from jax_flash_metal._cli import progress_bar
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    bar = progress_bar(2, "benchmark")
+    bar.update(1)
+    bar.update(1)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "pip install tqdm" in err and "benchmark: 1/2" in err and "benchmark: 2/2" in err
+    quiet = progress_bar(2, "benchmark", enabled=False)
+    quiet.update(2)
+    assert capsys.readouterr().err == ""
