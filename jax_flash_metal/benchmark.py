@@ -22,15 +22,17 @@ causal setting it reports:
   process-wide total before and after the call); the median is shown with the TFLOP/s from it.
   The percentage of peak is taken from the GPU time where it was measured, else the wall time.
 
-After the table it prints, for ``--ratio-method`` (default flash:xla) against jax.nn, the ratios
-of forward+backward time, compile time and temporary memory per configuration, and how each
-method's forward+backward temporary memory grows between consecutive lengths. ``--json PATH``
-writes all of it (and the environment) as JSON.
+The table shows only the columns with a value in some row (the GPU columns exist only where
+flash:metal runs). After it come, for ``--ratio-method`` (default flash:xla) against jax.nn, the
+ratios of forward+backward time, compile time and temporary memory per configuration, and how
+each method's forward+backward temporary memory grows from one length to the next (one row per
+method, head dim and causal setting). ``--json PATH`` writes all of it (and the environment, and
+every column) as JSON. A progress bar (tqdm, on stderr) counts the compiles and timed rounds.
 
 Lengths above ``--run-up-to`` are only compiled (memory column filled, times shown as "-"), so the
 memory of long sequences is reported without running them. The "emulator" implementation
-interprets the Metal kernels on the CPU: it is slow by design and timed only up to
-``--emulator-max-len`` (longer lengths: memory only).
+interprets the Metal kernels on the CPU: it is slow by design and timed only up to the
+query-key pairs of ``--emulator-max-len`` (more: memory only).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import numpy as np
 
 import jax_flash_metal
 from jax_flash_metal import flash_attention, implementations, reference_attention, roofline
+from jax_flash_metal._cli import HelpFormatter, progress_bar
 
 EMULATOR_NOTE = ("flash:emulator runs the Metal kernels in the MSL-on-CPU emulator: slow by design "
                  "(it exists to test the kernels without a Mac), so it is timed only at small "
@@ -217,17 +220,20 @@ def metal_gpu_seconds() -> float:
 
 
 def time_interleaved(compiled: dict, args: dict, repeats: int,
-                     gpu_timers: dict | None = None) -> tuple[dict, dict]:
+                     gpu_timers: dict | None = None, on_round=None) -> tuple[dict, dict]:
     """(wall ms, GPU ms): median milliseconds per name of ``compiled[name](*args[name])``: one
     warm-up call each, then ``repeats`` rounds that call every function once in turn.
 
     ``gpu_timers`` maps some names to a function returning cumulative GPU seconds (e.g.
     ``metal_gpu_seconds``); for those, the GPU ms are the median of its increase over each timed
-    call. Names without a timer are not in the GPU ms dict.
+    call. Names without a timer are not in the GPU ms dict. ``on_round``, if given, is called
+    after the warm-up and after each round.
     """
     gpu_timers = gpu_timers or {}
+    on_round = on_round or (lambda: None)
     for name, fn in compiled.items():
         jax.block_until_ready(fn(*args[name]))
+    on_round()
     times: dict[str, list[float]] = {name: [] for name in compiled}
     gpu: dict[str, list[float]] = {name: [] for name in compiled if name in gpu_timers}
     for _ in range(repeats):
@@ -237,78 +243,105 @@ def time_interleaved(compiled: dict, args: dict, repeats: int,
             times[name].append(_call_s(fn, args[name]))
             if timer:
                 gpu[name].append(timer() - before)
+        on_round()
 
     def median_ms(series):
         return {name: 1e3 * statistics.median(t) for name, t in series.items()}
     return median_ms(times), median_ms(gpu)
 
 
+def is_timed(method: str, seq_len: int, q_len: int | None, run_up_to: int,
+             emulator_max_len: int) -> bool:
+    """Whether a (method, point) is run and timed, not only compiled: kv length <= ``run_up_to``;
+    for flash:emulator also at most the query-key pairs of length ``emulator_max_len`` (a decode
+    row of 1 x 2048 is 2048 pairs, less than 256 x 256)."""
+    if seq_len > run_up_to:
+        return False
+    return method != "flash:emulator" or (q_len or seq_len) * seq_len <= emulator_max_len ** 2
+
+
 def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch=1, heads=8,
                   kv_heads=None, dtype="float32", repeats=5, run_up_to=2048,
-                  emulator_max_len=256, progress=None, decode_kv_lens=(),
+                  emulator_max_len=256, bar=None, decode_kv_lens=(),
                   decode_q_len=1, gpu_timers=None, compile_rounds=1) -> list[Row]:
     """Measure every (method, head_dim, causal, seq_len), then every (method, head_dim, kv_len
     of ``decode_kv_lens``) with ``decode_q_len`` queries; returns the rows in that order.
 
     The methods of one (head_dim, causal, seq_len) are timed interleaved (``time_interleaved``).
-    Lengths above ``run_up_to`` (for flash:emulator, above ``emulator_max_len`` too) are only
-    compiled: their rows have memory and compile time but no times.
+    Points ``is_timed`` rejects are only compiled: their rows have memory and compile time but
+    no times.
 
-    ``progress``, if given, is called with each finished row (for printing as we go).
-    ``gpu_timers`` maps method names to cumulative GPU-seconds functions (``time_interleaved``);
-    default: ``metal_gpu_seconds`` for flash:metal when it is benchmarked. The compile time is
-    the median of ``compile_rounds`` rounds that compile every method's forward+backward once.
+    ``bar``, if given, is a progress bar (``tqdm``-like: ``total``, ``update``,
+    ``set_postfix_str``); its total is set here to the number of steps (each compile and each
+    timed round). ``gpu_timers`` maps method names to cumulative GPU-seconds functions
+    (``time_interleaved``); default: ``metal_gpu_seconds`` for flash:metal when it is
+    benchmarked. The compile time is the median of ``compile_rounds`` rounds that compile every
+    method's forward+backward once.
     """
     kv_heads = heads if kv_heads is None else kv_heads
     table = methods(method_names)
     if gpu_timers is None:
         gpu_timers = {"flash:metal": metal_gpu_seconds} if "flash:metal" in table else {}
     rows = {}
+    # Square points, then decode points: decode_q_len new queries against a cache of kv_len
+    # keys, all visible (what causal bottom-right alignment gives the newest rows); the fused
+    # kernels take the split-KV path.
+    points = [(d, c, t, None) for d in head_dims for c in causal_modes for t in seq_lens]
+    points += [(d, False, t, decode_q_len) for d in head_dims for t in decode_kv_lens]
+
+    def timed_here(name, seq_len, q_len):
+        return is_timed(name, seq_len, q_len, run_up_to, emulator_max_len)
+
+    def steps(seq_len, q_len):
+        timed = any(timed_here(name, seq_len, q_len) for name in table)
+        return len(table) * compile_rounds + (repeats + 1) * timed
+
+    if bar is not None:
+        bar.total = sum(steps(t, q) for _, _, t, q in points)
+        if hasattr(bar, "refresh"):
+            bar.refresh()
+    step = (lambda: None) if bar is None else (lambda: bar.update(1))
 
     def measure_point(head_dim, causal, seq_len, q_len):
         """Every method at one point, timed interleaved; q_len None = seq_len (square)."""
         q, k, v, ct = inputs(batch=batch, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
                              head_dim=head_dim, dtype=jnp.dtype(dtype), q_len=q_len)
+        if bar is not None:
+            shape = f"seq {seq_len}" if q_len is None else f"decode {q_len}x{seq_len}"
+            bar.set_postfix_str(f"{shape} hdim {head_dim}{' causal' if causal else ''}")
         compiled, timed, timers = {}, {}, {}
         for name, fn in table.items():
             compiled[name] = compile_pair(fn, causal, q, k, v, ct)
+            step()
         # More compile rounds, every method once per round; the median drops the one-time cost
         # of a process's first compilations, which would fall on whichever method comes first.
         compile_s = {name: [compiled[name][2]] for name in table}
         for _ in range(compile_rounds - 1):
             for name, fn in table.items():
                 compile_s[name].append(compile_seconds(fn, causal, q, k, v, ct)[1])
+                step()
         for name, fn in table.items():
             compiled[name] = (*compiled[name][:2], statistics.median(compile_s[name]))
-            longest = min(run_up_to, emulator_max_len) if name == "flash:emulator" \
-                else run_up_to
-            if seq_len <= longest:
+            if timed_here(name, seq_len, q_len):
                 for part, call in ((" fwd", compiled[name][0]), (" fwd+bwd", compiled[name][1])):
                     timed[name + part] = call
                     if name in gpu_timers:
                         timers[name + part] = gpu_timers[name]
-        ms, gpu_ms = time_interleaved(
-            timed, {n: (q, k, v) if n.endswith(" fwd") else (q, k, v, ct) for n in timed},
-            repeats, timers)
+        ms, gpu_ms = {}, {}
+        if timed:
+            ms, gpu_ms = time_interleaved(
+                timed, {n: (q, k, v) if n.endswith(" fwd") else (q, k, v, ct) for n in timed},
+                repeats, timers, on_round=step)
         flops = attention_flops(batch, heads, q_len or seq_len, seq_len, head_dim, causal)
         for name, (fwd, fwdbwd, compile_s) in compiled.items():
-            row = Row(name, seq_len, head_dim, causal, ms.get(name + " fwd"),
-                      ms.get(name + " fwd+bwd"), _temp_bytes(fwd), _temp_bytes(fwdbwd), *flops,
-                      compile_s, q_len=q_len, fwd_gpu_ms=gpu_ms.get(name + " fwd"),
-                      fwdbwd_gpu_ms=gpu_ms.get(name + " fwd+bwd"))
-            rows[name, head_dim, causal, seq_len, q_len] = row
-            if progress is not None:
-                progress(row)
+            rows[name, head_dim, causal, seq_len, q_len] = Row(
+                name, seq_len, head_dim, causal, ms.get(name + " fwd"),
+                ms.get(name + " fwd+bwd"), _temp_bytes(fwd), _temp_bytes(fwdbwd), *flops,
+                compile_s, q_len=q_len, fwd_gpu_ms=gpu_ms.get(name + " fwd"),
+                fwdbwd_gpu_ms=gpu_ms.get(name + " fwd+bwd"))
 
-    for head_dim in head_dims:
-        for causal in causal_modes:
-            for seq_len in seq_lens:
-                measure_point(head_dim, causal, seq_len, None)
-    # Decode: decode_q_len new queries against a cache of kv_len keys, all visible (what causal
-    # bottom-right alignment gives the newest rows); the fused kernels take the split-KV path.
-    for head_dim in head_dims:
-        for kv_len in decode_kv_lens:
-            measure_point(head_dim, False, kv_len, decode_q_len)
+    for point in points:
+        measure_point(*point)
     square = [rows[m, d, c, t, None] for m in table for d in head_dims for c in causal_modes
               for t in seq_lens]
     return square + [rows[m, d, False, t, decode_q_len] for m in table for d in head_dims
@@ -353,23 +386,40 @@ def memory_growth(rows: list[Row]) -> list[dict]:
     return out
 
 
+def aligned(header: list[str], body: list[list[str]], left: int = 1) -> str:
+    """A plain-text table: the first ``left`` columns left-aligned, the others right-aligned,
+    every column as wide as its widest cell ("-" cells included), a dashed rule under the
+    header."""
+    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(c) for c in body])
+
+
 def format_ratios(entries: list[dict], method: str, baseline: str) -> str:
-    """Text lines of ``ratios`` output."""
-    lines = [f"{method} / {baseline} (forward+backward; < 1 means {method} is faster/smaller):",
-             "  seq  hdim  causal   time  compile   temp"]
-    for e in entries:
-        lines.append(f"{e['seq_len']:5d}  {e['head_dim']:4d}  {'yes' if e['causal'] else 'no':>6}"
-                     f"  {_fmt(e['fwdbwd_time'], '5.2f')}  {_fmt(e['compile_time'], '7.2f')}"
-                     f"  {_fmt(e['fwdbwd_temp'], '5.3f')}")
-    return "\n".join(lines)
+    """``ratios`` output as a table."""
+    body = [[str(e["seq_len"]), str(e["head_dim"]), "yes" if e["causal"] else "no",
+             _fmt(e["fwdbwd_time"], ".2f"), _fmt(e["compile_time"], ".2f"),
+             _fmt(e["fwdbwd_temp"], ".3f")] for e in entries]
+    return (f"{method} / {baseline} (forward+backward; < 1 means {method} is faster/smaller):\n"
+            + aligned(["seq", "hdim", "causal", "time", "compile", "temp"], body, left=0))
 
 
 def format_growth(entries: list[dict]) -> str:
-    lines = ["forward+backward temporary memory growth between lengths:"]
+    """``memory_growth`` output: one row per (method, head dim, causal), one column per step
+    between consecutive lengths."""
+    steps = sorted({(e["from_len"], e["to_len"]) for e in entries})
+    series: dict[tuple, dict] = {}
     for e in entries:
-        lines.append(f"  {e['method']:<15} d={e['head_dim']} causal={'yes' if e['causal'] else 'no'}"
-                     f"  {e['from_len']} -> {e['to_len']}: x{e['growth']:.2f}")
-    return "\n".join(lines)
+        key = (e["method"], e["head_dim"], e["causal"])
+        series.setdefault(key, {})[e["from_len"], e["to_len"]] = e["growth"]
+    body = [[m, str(d), "yes" if c else "no"] + [_fmt(g.get(st), ".2f") for st in steps]
+            for (m, d, c), g in series.items()]
+    return ("forward+backward temporary memory growth (x) from one length to the next:\n"
+            + aligned(["method", "hdim", "causal"] + [f"{a}->{b}" for a, b in steps], body))
 
 
 COLUMNS = ("method", "seq", "hdim", "causal", "fwd ms", "fwd+bwd ms", "fwd temp MiB",
@@ -408,17 +458,14 @@ def table_cells(row: Row, peak_tflops: float | None = None) -> list[str]:
 
 
 def format_table(rows: list[Row], peak_tflops: float | None = None) -> str:
-    """Aligned plain-text table of ``rows`` (text columns left-aligned, numbers right-aligned)."""
+    """Aligned plain-text table of ``rows`` (``aligned``). Columns without a value in any row
+    are left out (e.g. the GPU-time columns off a Mac: they are measured for flash:metal
+    only); ``--json`` keeps every field."""
     header = list(COLUMNS) + (["fwd % peak", "fwd+bwd % peak"] if peak_tflops else [])
     body = [table_cells(r, peak_tflops) for r in rows]
-    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
-
-    def line(cells):
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    sep = "  ".join("-" * w for w in widths)
-    return "\n".join([line(header), sep] + [line(c) for c in body])
+    keep = [i for i in range(len(header)) if any(line[i] != "-" for line in body)] \
+        if body else list(range(len(header)))
+    return aligned([header[i] for i in keep], [[line[i] for i in keep] for line in body])
 
 
 def _pyplot():
@@ -475,36 +522,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jax_flash_metal.benchmark",
         description="Benchmark flash_attention, reference_attention and "
-                    "jax.nn.dot_product_attention.")
-    p.add_argument("--seq-lens", type=_int_list, default=[256, 1024, 4096, 16384],
+                    "jax.nn.dot_product_attention. The defaults take a few minutes on 2 CPU "
+                    "cores.",
+        formatter_class=HelpFormatter)
+    p.add_argument("--seq-lens", type=_int_list, default="256,1024,4096,16384",
                    help="comma-separated sequence lengths (query = key length)")
-    p.add_argument("--head-dims", type=_int_list, default=[64, 128])
-    p.add_argument("--decode-kv-lens", type=_int_list, default=[8192],
+    p.add_argument("--head-dims", type=_int_list, default="64", help="comma-separated head dims")
+    p.add_argument("--decode-kv-lens", type=_int_list, default="2048",
                    help="KV-cache lengths of the decode rows (1 query against each; shown as "
                         "seq 1xN); empty for none")
-    p.add_argument("--causal", choices=["both", "on", "off"], default="both")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
+    p.add_argument("--causal", choices=["both", "on", "off"], default="both",
+                   help="causal masking: both settings, on or off")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                   help="input dtype")
+    p.add_argument("--batch", type=int, default=1, help="batch size")
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads (grouped-query attention) (default: --heads)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls after one warm-up; median")
     p.add_argument("--compile-rounds", type=int, default=3,
                    help="forward+backward compiles per method, interleaved; median")
     p.add_argument("--impls", type=lambda s: [x for x in s.split(",") if x], default=None,
-                   help="comma-separated methods (default all available here: "
+                   help="comma-separated methods (default: all available here: "
                         + ", ".join(methods()) + ")")
     p.add_argument("--run-up-to", type=int, default=16384 if metal else 2048,
                    help="longest sequence that is run; longer ones are only compiled for memory "
-                        "(default 16384 with metal, else 2048)")
+                        "(16384 where metal runs, else 2048)")
     p.add_argument("--emulator-max-len", type=int, default=256,
-                   help="longest sequence timed for flash:emulator (longer: memory only)")
+                   help="flash:emulator is timed up to this length's query-key pairs (N x N; a "
+                        "decode row 1 x N*N); larger: memory only")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s to report percentages against (default: estimated on "
-                        "Apple silicon with metal)")
+                        "Apple silicon with metal, none elsewhere)")
     p.add_argument("--ratio-method", default="flash:xla",
-                   help="method whose ratios to jax.nn are printed (default flash:xla)")
+                   help="method whose ratios to jax.nn are printed")
     p.add_argument("--json", metavar="PATH", help="also write rows, ratios and environment as JSON")
     p.add_argument("--plot", metavar="PNG", help="also save a plot (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
 
@@ -533,18 +587,21 @@ def main(argv=None) -> list[Row]:
         print("GPU ms: flash:metal's Metal command buffers (GPUEndTime - GPUStartTime), median per "
               "call; % peak from GPU time where measured, else wall time")
     if "flash:emulator" in names:
-        print(f"{EMULATOR_NOTE} (lengths <= {args.emulator_max_len}; longer: memory only)")
+        print(f"{EMULATOR_NOTE} (up to {args.emulator_max_len} x {args.emulator_max_len} "
+              "query-key pairs; larger: memory only)")
     print("FLOPs: forward 4*B*H*P*D, forward+backward 14*B*H*P*D, P = visible (query, key) pairs "
           "(T*T, or T*(T+1)/2 causal)")
     print(flush=True)
-    rows = run_benchmark(
-        seq_lens=args.seq_lens, head_dims=args.head_dims, causal_modes=causal_modes,
-        method_names=names, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
-        dtype=args.dtype, repeats=args.repeats, run_up_to=args.run_up_to,
-        emulator_max_len=args.emulator_max_len, decode_kv_lens=args.decode_kv_lens,
-        compile_rounds=args.compile_rounds,
-        progress=lambda r: print(f"  measured {r.method} T={r.seq_len} D={r.head_dim} "
-                                 f"causal={r.causal}", file=sys.stderr, flush=True))
+    bar = progress_bar(0, "benchmark", enabled=not args.no_progress)
+    try:
+        rows = run_benchmark(
+            seq_lens=args.seq_lens, head_dims=args.head_dims, causal_modes=causal_modes,
+            method_names=names, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
+            dtype=args.dtype, repeats=args.repeats, run_up_to=args.run_up_to,
+            emulator_max_len=args.emulator_max_len, decode_kv_lens=args.decode_kv_lens,
+            compile_rounds=args.compile_rounds, bar=bar)
+    finally:
+        bar.close()
     print(format_table(rows, peak))
     entries = ratios(rows, args.ratio_method)
     growth = memory_growth(rows)

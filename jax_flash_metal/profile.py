@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import contract, reference, validation
+from ._cli import HelpFormatter, progress_bar
 from .attention import flash_attention
 from .roofline import GPUS, model_launch
 
@@ -118,7 +119,7 @@ def make_parser() -> argparse.ArgumentParser:
         prog="python -m jax_flash_metal.profile",
         description="Exact per-launch counts of the attention kernels (MSL-on-CPU emulator, "
                     "through the real dispatch plan) and a roofline MODEL of them per Apple GPU.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["float16"],
                    help="input dtype(s)")
     p.add_argument("--head-dim", nargs="+", type=_positive, default=[64, 128],
@@ -134,11 +135,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--causal-alignment", choices=("top_left", "bottom_right"), default="top_left",
                    help="alignment of the causal diagonal and the window")
     p.add_argument("--window", type=_window, default=None, metavar="W|LEFT,RIGHT",
-                   help="local window (inclusive); an empty side is unbounded")
+                   help="local window (inclusive); an empty side is unbounded (default: none)")
     p.add_argument("--q-lengths", type=_lengths, default=None, metavar="N,N,...",
-                   help="valid query length per batch entry")
+                   help="valid query length per batch entry (default: all of --q-len)")
     p.add_argument("--kv-lengths", type=_lengths, default=None, metavar="N,N,...",
-                   help="valid key/value length per batch entry")
+                   help="valid key/value length per batch entry (default: all of --kv-len)")
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES),
                    help="which kernels to run: the forward's and/or the backward's")
     p.add_argument("--gpu", nargs="+", choices=list(GPUS), default=list(GPUS),
@@ -146,6 +147,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write one JSON record per launch to PATH")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -324,7 +326,7 @@ def format_tables(records: list[dict], gpus) -> str:
             f"{r['useful_flops'] / 1e9:>9.3f} "
             f"{r['mma_flops'] / 1e9:>7.3f} {_ratio(r['useful_flops'], device, '{:.2f}'):>10} "
             f"{_ratio(r['mma_flops'], r['executed_flops'], '{:.0%}'):>9}")
-    cell = 21
+    cell = 23  # "comp 12345.678ms 100.0%"
     head = f"{'kernel':<40} " + " ".join(f"{g:>{cell}}" for g in gpus)
     lines += ["", "roofline MODEL (not measured; per GPU: bound (comp = compute, dev = device "
               "memory, tg = threadgroup memory), modelled time, modelled % of peak FLOP/s; see "
@@ -334,7 +336,7 @@ def format_tables(records: list[dict], gpus) -> str:
         for g in gpus:
             m = r["model"][g]
             cells.append(f"{BOUND_ABBREVIATIONS[m['bound']]:>4} {m['seconds'] * 1e3:>9.3f}ms "
-                         f"{m['percent_of_peak']:>4.1f}%")
+                         f"{m['percent_of_peak']:>5.1f}%")
         lines.append(f"{r['kernel']:<40} " + " ".join(f"{c:>{cell}}" for c in cells))
     return "\n".join(lines)
 
@@ -358,14 +360,22 @@ def main(argv=None) -> int:
     if not _ext().emulator.has_counting_variant():
         parser.error(NO_COUNTING_MESSAGE)
     records = []
-    for problem in problems:
-        start = time.perf_counter()
-        new = profile_records(problem, args.passes, args.gpu)
-        records += new
-        print(f"# {problem.dtype} D={problem.head_dim} batch={problem.batch} q_len={problem.q_len} "
-              f"kv_len={problem.kv_len} heads={problem.heads} kv_heads={problem.kv_heads} "
-              f"causal={problem.causal} window={problem.window}: {len(new)} launches, "
-              f"{time.perf_counter() - start:.0f} s on the emulator", file=sys.stderr)
+    bar = progress_bar(len(problems) * len(args.passes), "profile", enabled=not args.no_progress)
+    try:
+        for problem in problems:
+            start, new = time.perf_counter(), []
+            for pass_name in (p for p in PASSES if p in args.passes):
+                bar.set_postfix_str(f"{problem.dtype} D={problem.head_dim} {pass_name}")
+                new += profile_records(problem, (pass_name,), args.gpu)
+                bar.update(1)
+            records += new
+            bar.write(f"# {problem.dtype} D={problem.head_dim} batch={problem.batch} "
+                      f"q_len={problem.q_len} kv_len={problem.kv_len} heads={problem.heads} "
+                      f"kv_heads={problem.kv_heads} causal={problem.causal} "
+                      f"window={problem.window}: {len(new)} launches, "
+                      f"{time.perf_counter() - start:.0f} s on the emulator", file=sys.stderr)
+    finally:
+        bar.close()
     print(format_tables(records, args.gpu))
     if args.json:
         with open(args.json, "w") as f:

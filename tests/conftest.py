@@ -3,10 +3,13 @@
 "xla" runs everywhere; "emulator"/"metal" join automatically when jax_flash_metal reports them.
 Tests marked ``large`` (big shapes, long matrices) run only on "xla" unless
 JFM_TEST_LARGE_ON_ALL=1, because the emulator is slow; ``slow`` tests are left out of the short
-jax 0.5.0 CI run.
+jax 0.5.0 CI run. ``quick`` marks the tests of QUICK_FILES (not ``slow``): ``pytest -n 2 -m
+quick``, about a minute, checks that an install works (README).
 """
 
 import os
+
+import pytest
 
 # The suite compiles hundreds of small XLA programs and LLVM's optimisation passes dominate that
 # time; they do not change float semantics (XLA:CPU does not use fast-math), so turn them down.
@@ -17,11 +20,18 @@ os.environ["XLA_FLAGS"] = " ".join(filter(None, [
 
 import jax_flash_metal  # noqa: E402
 
+# The package and its extension, argument checking, and both implementations (xla, emulator)
+# against the oracle on small shapes: forward, backward, decode.
+QUICK_FILES = {"test_packaging.py", "test_typing_and_imports.py", "test_errors.py",
+               "test_array_likes.py", "test_emulator.py", "test_decode.py"}
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "large: big case; run on the fused implementations only "
                                        "when JFM_TEST_LARGE_ON_ALL=1")
     config.addinivalue_line("markers", "slow: left out of the short CI run (-m 'not slow')")
+    config.addinivalue_line("markers", "quick: the minute's install check (-m quick; "
+                                       "QUICK_FILES in conftest.py)")
 
 
 def pytest_generate_tests(metafunc):
@@ -29,9 +39,14 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("implementation", jax_flash_metal.implementations.available())
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(config, items):
-    """Deselect ``large`` cases (marked on the test or on one parameter) for the fused
-    implementations, unless JFM_TEST_LARGE_ON_ALL=1."""
+    """Mark the tests of QUICK_FILES ``quick`` (unless ``slow``); deselect ``large`` cases
+    (marked on the test or on one parameter) for the fused implementations, unless
+    JFM_TEST_LARGE_ON_ALL=1."""
+    for item in items:
+        if item.path.name in QUICK_FILES and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.quick)
     if os.environ.get("JFM_TEST_LARGE_ON_ALL") == "1":
         return
     keep, drop = [], []

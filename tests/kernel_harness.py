@@ -13,8 +13,15 @@ import math
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from jax_flash_metal._ext import bwd_stages, emulator, tile_shape
+from jax_flash_metal.profile import NO_COUNTING_MESSAGE
+
+# The kernel profile's counting variants are built only with JFM_EMULATOR_COUNTING=ON (.ci/run
+# sets it); tests of exact counts skip without them.
+needs_counting = pytest.mark.skipif(not emulator.has_counting_variant(),
+                                    reason=NO_COUNTING_MESSAGE)
 
 UNBOUNDED = -1  # JFM_UNBOUNDED
 EMPTY_ROW_L2 = np.float32(1.70141173e38)  # JFM_EMPTY_ROW_L2

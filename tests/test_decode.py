@@ -146,6 +146,7 @@ class _Args:
                                   q_lengths=None, kv_lengths=None, seed=0), **kw)
 
 
+@kh.needs_counting
 @pytest.mark.parametrize("kv_lengths", [None, [2048, 100, 0, 1500]])
 def test_decode_profile_reads_each_visible_key_and_value_about_once(kv_lengths):
     """Device bytes read by both passes <= 1.15x the visible K and V bytes (each K/V element of

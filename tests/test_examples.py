@@ -3,6 +3,7 @@
 import dataclasses
 import importlib.util
 import json
+import re
 
 import numpy as np
 import pytest
@@ -74,6 +75,25 @@ def test_train_lm_rejects_short_text(tmp_path):
         train_lm.main(["--text", str(text), "--tiny", "--no-progress", "--implementation", "xla"])
 
 
+def split_cells(line):
+    """The cells of a table line (cells are separated by two or more spaces)."""
+    return re.split(r" {2,}", line.strip())
+
+
+def assert_aligned(table, left=1):
+    """Every row of a benchmark table (header, dashed rule, rows) puts each cell within its
+    column of the rule: the first ``left`` columns left-aligned, the others right-aligned."""
+    lines = table.strip("\n").splitlines()
+    spans = [m.span() for m in re.finditer(r"-+", lines[1])]
+    assert len(spans) == len(split_cells(lines[0])), lines[:2]
+    for line in [lines[0]] + lines[2:]:
+        cells = split_cells(line)
+        assert len(cells) == len(spans), line
+        for n, (cell, (start, end)) in enumerate(zip(cells, spans)):
+            where = (start, start + len(cell)) if n < left else (end - len(cell), end)
+            assert line[where[0]:where[1]] == cell, (line, cell, (start, end))
+
+
 def test_attention_flops():
     # B=2, H=3, D=5; T=4: 16 pairs, causal 4*5/2 = 10 pairs.
     assert benchmark.attention_flops(2, 3, 4, 4, 5, False) == (4 * 30 * 16, 14 * 30 * 16)
@@ -107,19 +127,19 @@ def test_benchmark_table():
         assert r.fwd_ms is None or r.fwd_ms > 0
     text = benchmark.format_table(rows)
     lines = text.splitlines()
-    header = lines[0]
-    for col in benchmark.COLUMNS:
-        assert col in header
+    assert_aligned(text)
+    # Columns with no value in any row are left out: off a Mac, the GPU-time ones.
+    shown = [c for c in benchmark.COLUMNS if "flash:metal" in names or "GPU" not in c]
+    assert split_cells(lines[0]) == shown
     assert len(lines) == 2 + len(rows)
     for line, r in zip(lines[2:], rows):
         cells = line.split()
         assert cells[:4] == [r.method, str(r.seq_len), "16", "yes"]
-        assert len(cells) == len(benchmark.COLUMNS)
+        assert len(cells) == len(shown)
         if r.seq_len > 16:
             assert cells[4:6] == ["-", "-"]  # compile-only: memory but no time
         if r.method != "flash:metal":  # GPU time is measured for Metal only
             assert r.fwd_gpu_ms is None and r.fwdbwd_gpu_ms is None
-            assert cells[11:15] == ["-"] * 4
     # XLA:CPU reports memory on every supported JAX, also for compile-only rows.
     assert all(r.fwd_temp is not None and r.fwdbwd_temp is not None for r in rows)
     # The plain-jnp reference materialises the scores: temp memory grows with the sequence length.
@@ -136,7 +156,7 @@ def test_benchmark_main_prints_table(capsys, tmp_path):
     assert [(r.method, r.q_len) for r in rows] == [("flash:xla", None), ("jax.nn", None),
                                                    ("flash:xla", 1), ("jax.nn", 1)]
     assert "1x48" in out
-    assert "fwd+bwd TFLOP/s" in out and "fwd+bwd GPU ms" in out
+    assert "fwd+bwd TFLOP/s" in out and "GPU" not in out  # no GPU timer off Metal
     assert "flash:xla" in out and "jax.nn" in out
     records = json.loads(path.read_text())["rows"]
     assert [(r["method"], r["fwd_gpu_ms"], r["fwdbwd_gpu_ms"]) for r in records] == \
@@ -196,6 +216,13 @@ def test_benchmark_ratios_and_json(tmp_path, capsys):
                            "--json", str(path)])
     out = capsys.readouterr().out
     assert "flash:xla / jax.nn" in out and "memory growth" in out
+    tables = out.split("\n\n")[1:]  # after the header lines: the table, ratios, growth
+    assert len(tables) == 3
+    for table, left in zip(tables, (1, 0, 1)):  # the ratios: every column a number
+        assert_aligned(table.split(":\n", 1)[-1].split("\nJSON")[0], left)
+    growth = tables[2].split("\nJSON")[0].splitlines()
+    assert split_cells(growth[1]) == ["method", "hdim", "causal", "16->32"]
+    assert len(growth) == 3 + 2  # title, header, rule, one row per method
     data = json.loads(path.read_text())
     assert [r["method"] for r in data["rows"]] == [r.method for r in rows]
     assert [(e["seq_len"], e["causal"]) for e in data["ratios"]] == [(16, False), (32, False)]
@@ -227,3 +254,58 @@ def test_compile_floor_fixtures_are_attention():
         o, vjp = jax.vjp(lambda q, k, v: floor.METHODS[name](q, k, v, False), q, k, v)
         got = dict(zip(("o", "dq", "dk", "dv"), (o, *vjp(do))))
         tolerance.assert_all_match_oracle(got, q, k, v, do, names=tuple(got))
+
+
+def test_benchmark_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 256,1024,4096,16384)", "(default: 64)", "(default: 2048)",
+                    "(default: both)", "(default: 5)", "(default: 3)", "(default: --heads)",
+                    "(default: flash:xla)", "(default: False)"):
+        assert default in text
+    assert "(default: None)" not in text
+
+
+def test_benchmark_defaults_time_every_row_here():
+    """The default run is short (one head dim) and its decode rows are timed here: their KV
+    length is within --run-up-to, and small enough for the emulator."""
+    args = benchmark.parse_args([])
+    assert args.head_dims == [64] and args.seq_lens == [256, 1024, 4096, 16384]
+    for kv_len in args.decode_kv_lens:
+        for method in benchmark.methods():
+            assert benchmark.is_timed(method, kv_len, 1, args.run_up_to, args.emulator_max_len)
+    assert not benchmark.is_timed("flash:emulator", 512, None, 2048, 256)
+    assert not benchmark.is_timed("jax.nn", 4096, None, 2048, 256)
+
+
+def test_benchmark_progress_bar_counts_every_step(capsys):
+    """One step per compile and per timed round (warm-up included): 2 points x (2 methods x 2
+    compile rounds + 1 + 2 rounds), then a compile-only point (64 > --run-up-to): 2 x 2."""
+    benchmark.main(["--seq-lens", "16,64", "--head-dims", "8", "--causal", "off", "--heads", "1",
+                    "--repeats", "2", "--compile-rounds", "2", "--impls", "flash:xla,jax.nn",
+                    "--decode-kv-lens", "16", "--run-up-to", "16"])
+    err = capsys.readouterr().err
+    total = 2 * (2 * 2 + 1 + 2) + 2 * 2
+    assert f"{total}/{total}" in err and "benchmark" in err
+    benchmark.main(["--seq-lens", "16", "--head-dims", "8", "--heads", "1", "--repeats", "1",
+                    "--compile-rounds", "1", "--impls", "jax.nn", "--decode-kv-lens", "",
+                    "--no-progress"])
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_without_tqdm_prints_plain_lines(monkeypatch, capsys):
+    """Without tqdm the CLIs still report progress (done/total lines) and say how to get a bar."""
+    import sys
+
+    from jax_flash_metal._cli import progress_bar
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
+    bar = progress_bar(2, "benchmark")
+    bar.update(1)
+    bar.update(1)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "pip install tqdm" in err and "benchmark: 1/2" in err and "benchmark: 2/2" in err
+    quiet = progress_bar(2, "benchmark", enabled=False)
+    quiet.update(2)
+    assert capsys.readouterr().err == ""

@@ -14,6 +14,7 @@ pytest.importorskip("flax")
 import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from jax_flash_metal import implementations  # noqa: E402
 from jax_flash_metal.flax import attention_fn  # noqa: E402
 
 FEATURES, HEADS, LEN = 32, 2, 8  # head_dim 16, the smallest the kernels have
@@ -237,6 +238,9 @@ def test_train_flax_example(tmp_path, capsys):
     assert "median ms per step" in out and "causal" in out
     (flax_name, want), (ours_name, got) = result["losses"].items()
     assert flax_name in out and ours_name in out
+    # Labelled with the implementation that ran (implementation=None picks it), not "default".
+    ran = ours_name.removeprefix("jax_flash_metal[").removesuffix("]")
+    assert ran in implementations.available() and f"attention implementation: {ran}" in out
     assert len(got) == len(want) == 6
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
     assert set(result["step_seconds"]) == {flax_name, ours_name}

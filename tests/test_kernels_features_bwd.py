@@ -18,6 +18,7 @@ from api_helpers import make_inputs, normal
 
 ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import flash_attention, profile  # noqa: E402
+from kernel_harness import needs_counting  # noqa: E402
 
 B, TQ, TK, H, HKV, D = 2, 9, 11, 4, 2, 16
 # Names of the differentiable feature arguments, whose gradients the VJP also returns.
@@ -234,6 +235,7 @@ def _streamed_bytes(length, segment_len):
     return dq[1]["read"] + dq[2]["read"], dkdv[0]["read"] + dkdv[5]["read"]
 
 
+@needs_counting
 def test_segments_that_never_meet_are_never_staged():
     """Packed segments of 128: each owner block meets the 4 streamed blocks of its own segment,
     the others are skipped before they are staged, so the streamed bytes of both backward

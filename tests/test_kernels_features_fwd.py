@@ -19,6 +19,7 @@ from api_helpers import normal
 ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import flash_attention, profile  # noqa: E402
 from ffi_targets import fwd_call  # noqa: E402  (the forward target called directly)
+from kernel_harness import needs_counting  # noqa: E402
 
 LN2 = np.log(2.0)
 
@@ -313,6 +314,7 @@ def _kv_bytes(q_len, segment_len):
     return record["buffers"][1]["read"] + record["buffers"][2]["read"]
 
 
+@needs_counting
 def test_segments_that_never_meet_are_never_staged():
     """Packed segments of 128 keys: a 32-row block's ids meet the two key blocks of its own
     segment only; the others are skipped before K and V are staged (their ids are read, 4 bytes

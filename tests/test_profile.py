@@ -9,13 +9,11 @@ import math
 import numpy as np
 import pytest
 
+from kernel_harness import needs_counting
 from jax_flash_metal import profile, roofline
 from jax_flash_metal import _ext as ext
 from jax_flash_metal._ext import emulator
 
-# The counting variants are built only with JFM_EMULATOR_COUNTING=ON (.ci/run sets it).
-needs_counting = pytest.mark.skipif(not emulator.has_counting_variant(),
-                                    reason=profile.NO_COUNTING_MESSAGE)
 ZERO = dict(threadgroup_bytes_read=0, threadgroup_bytes_written=0, mma_ops=0, simd_ops=0,
             barriers=0, fma_ops=0, threadgroup_memory_bytes=0)
 
@@ -339,6 +337,9 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
     assert profile.main([*TINY, "--dtype", "float32", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert "roofline MODEL" in out
+    for table in out.split("\n\n"):  # aligned: every line after the title as wide as the rule
+        lines = table.splitlines()[1:]
+        assert {len(line) for line in lines} == {len(lines[1])}, table
     records = json.loads(path.read_text())
     assert [r["kernel"] for r in records] == [
         f"flash_attention_{s}_f32_d16" for s in ("fwd", "bwd_dq", "bwd_dkdv")]
@@ -399,8 +400,9 @@ def test_help_shows_defaults(capsys):
     for default in ("(default: ['float16'])", "(default: [64, 128])",
                     "--batch BATCH batch size (default: 1)",
                     "(default: 1024)", "--heads HEADS query heads (default: 4)",
-                    "(default: ['forward', 'backward'])"):
+                    "(default: ['forward', 'backward'])", "length (default: --q-len)"):
         assert default in text
+    assert "(default: None)" not in text
 
 
 # ---- roofline model -------------------------------------------------------------------------

@@ -27,9 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tqdm import tqdm
 
 import jax_flash_metal
 from jax_flash_metal import implementations
+from jax_flash_metal._cli import HelpFormatter
 from jax_flash_metal.examples.train_lm import add_common_args, load_text, split, windows
 from jax_flash_metal.flax import attention_fn as flash_attention_fn
 
@@ -88,8 +90,10 @@ class Model(nnx.Module):
         return self.embed.attend(self.norm(self.blocks(x)))
 
 
-def train(cfg: Config, data: np.ndarray, attention_fn: Callable[..., Any], *, seed: int = 0):
-    """Train a fresh Model (weights from ``seed``) on random windows of the uint8 array ``data``.
+def train(cfg: Config, data: np.ndarray, attention_fn: Callable[..., Any], *, seed: int = 0,
+          progress: bool = True, desc: str = "train"):
+    """Train a fresh Model (weights from ``seed``) on random windows of the uint8 array ``data``,
+    with a progress bar named ``desc`` (stderr) when ``progress``.
 
     Returns (per-step losses, per-step seconds); step 0's time includes compilation.
     """
@@ -109,7 +113,7 @@ def train(cfg: Config, data: np.ndarray, attention_fn: Callable[..., Any], *, se
     opt_state = optimizer.init(params)
     rng = np.random.default_rng(seed)
     losses, seconds = [], []
-    for _ in range(cfg.steps):
+    for _ in tqdm(range(cfg.steps), desc=desc, unit="step", disable=not progress):
         batch = windows(data, rng, cfg.batch_size, cfg.seq_len)
         t0 = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, *batch)
@@ -121,36 +125,43 @@ def train(cfg: Config, data: np.ndarray, attention_fn: Callable[..., Any], *, se
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jax_flash_metal.examples.train_flax",
-        description="Train a Flax NNX transformer with Flax's attention and with flash_attention.")
+        description="Train a Flax NNX transformer with Flax's attention and with flash_attention.",
+        formatter_class=HelpFormatter)
     add_common_args(p, "flash_attention implementation (default: the package's choice per "
                        "call); the emulator is slow by design and uses the tiny configuration")
     p.add_argument("--tiny", action="store_true", help="use the tiny configuration")
-    p.add_argument("--steps", type=int, default=None, help="override the number of steps")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None,
+                   help="override the number of steps (default: the configuration's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
     """Command-line entry point; returns the numbers it printed (for tests)."""
     args = parse_args(argv)
-    fused = args.implementation in ("emulator", "metal")
-    if fused and args.implementation not in implementations.available(jax.default_backend()):
-        raise SystemExit(f"error: the {args.implementation} implementation is not available here "
-                         f"(available: {', '.join(implementations.available())})")
     cfg = TINY if args.tiny or args.implementation == "emulator" else DEFAULT
     cfg = dataclasses.replace(cfg, steps=cfg.steps if args.steps is None else args.steps)
+    # What implementation=None picks for this model's calls (float32, causal mask from Flax).
+    call = ("fwd", jnp.dtype(jnp.float32), cfg.d_model // cfg.heads, ("mask",))
+    try:
+        resolved = implementations.resolve(args.implementation, jax.default_backend(), call=call)
+    except (ValueError, NotImplementedError) as e:
+        raise SystemExit(f"error: {e}") from None
     data, source = load_text(args.text, args.max_bytes)
     train_data, _ = split(data, cfg.seq_len)
-    print(f"jax_flash_metal {jax_flash_metal.__version__}, jax {jax.__version__}; corpus: "
+    print(f"jax_flash_metal {jax_flash_metal.__version__}, jax {jax.__version__}; attention "
+          f"implementation: {resolved} ({jax_flash_metal.devices().get(resolved, '?')}); corpus: "
           f"{len(data):,} bytes from {source}")
     print(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, causal; "
           f"{cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes, AdamW lr {cfg.lr:g}")
 
     runs: dict[str, Callable[..., Any]] = {
         "flax": nnx.dot_product_attention,
-        f"jax_flash_metal[{args.implementation or 'default'}]": functools.partial(
+        f"jax_flash_metal[{resolved}]": functools.partial(
             flash_attention_fn, implementation=args.implementation)}
-    results = {name: train(cfg, train_data, fn, seed=args.seed) for name, fn in runs.items()}
+    results = {name: train(cfg, train_data, fn, seed=args.seed, progress=not args.no_progress,
+                           desc=name) for name, fn in runs.items()}
     (ref_name, (ref_losses, ref_s)), (our_name, (our_losses, our_s)) = results.items()
     print(f"{'step':>5} {ref_name:>12} {our_name:>24} {'difference':>11}")
     every = max(1, cfg.steps // 10)

@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 import jax_flash_metal
 from jax_flash_metal import flash_attention, implementations, reference_attention
+from jax_flash_metal._cli import HelpFormatter
 from jax_flash_metal.ring_attention import shard_map
 
 
@@ -464,7 +465,7 @@ def gradient_check(params, cfg: Config, data: np.ndarray, implementation: str | 
 def add_common_args(p: argparse.ArgumentParser, implementation_help: str) -> None:
     """--text and --max-bytes (the arguments of ``load_text``) and --implementation."""
     p.add_argument("--text", help="train on this file (default: the standard library's .py files)")
-    p.add_argument("--max-bytes", type=int, default=1 << 20, help="corpus size cap (default 1 MiB)")
+    p.add_argument("--max-bytes", type=int, default=1 << 20, help="corpus size cap in bytes")
     p.add_argument("--implementation", choices=["xla", "emulator", "metal"], default=None,
                    help=implementation_help)
 
@@ -472,7 +473,8 @@ def add_common_args(p: argparse.ArgumentParser, implementation_help: str) -> Non
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m jax_flash_metal.examples.train_lm",
-        description="Train a byte-level transformer LM whose attention is flash_attention.")
+        description="Train a byte-level transformer LM whose attention is flash_attention.",
+        formatter_class=HelpFormatter)
     add_common_args(p, "flash_attention implementation (default: the package's default, i.e. "
                        "metal when available, else xla; the emulator is slow by design and "
                        "switches to the tiny configuration)")
@@ -481,13 +483,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                       ("d-model", int), ("heads", int), ("kv-heads", int), ("head-dim", int),
                       ("lr", float), ("warmup", int)):
         p.add_argument(f"--{name}", type=typ, default=None,
-                       help=f"override the configuration's {name.replace('-', '_')}")
+                       help=f"override the configuration's {name.replace('-', '_')} (default: "
+                            "the configuration's)")
     p.add_argument("--attn-dtype", choices=["float32", "float16", "bfloat16"], default=None,
-                   help="dtype of q/k/v given to flash_attention (default float32)")
-    p.add_argument("--seed", type=int, default=0)
+                   help="dtype of q/k/v given to flash_attention (default: float32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
     p.add_argument("--prompt", default="def ", help="start of the generated sample")
     p.add_argument("--sample-bytes", type=int, default=None,
-                   help="length of the generated sample (default 300, 60 for the tiny config)")
+                   help="length of the generated sample (default: 300, 60 for the tiny config)")
     p.add_argument("--temperature", type=float, default=0.8,
                    help="sampling temperature, 0 = greedy")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
