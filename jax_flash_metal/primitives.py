@@ -1,14 +1,16 @@
 """The two flash-attention primitives and their JAX rules.
 
-fwd_p: bind(q, k, v, *optional, **params) -> (o, lse, l2)
-bwd_p: bind(q, k, v, o, lse, l2, do, g_lse, *optional, bias_grad=..., **params)
+fwd_p: bind(q, k, v, *optional, **params) -> (o, lse, row_max, log_sum)
+bwd_p: bind(q, k, v, o, lse, row_max, log_sum, do, g_lse, *optional, bias_grad=..., **params)
        -> (dq, dk, dv[, dbias])
 
-lse is the user's natural-log statistic (-inf for a row with no visible key); l2 (float32
-[batch, num_heads, q_len]) is the base-2 statistic m + log2(l) of the log2-domain scores, a
-residual only: the fused backward recomputes P = exp2(S2 - l2) from it and ignores lse, the xla
-backward uses lse and ignores l2. Its value for an empty row is implementation-defined (the
-kernels store a large finite sentinel, the xla implementation lse * log2(e) = -inf).
+lse is the user's natural-log statistic (-inf for a row with no visible key). row_max and
+log_sum (float32 [batch, num_heads, q_len] each) are residuals only: the row's maximum score m
+(sinks included) and log(l), l the softmax sum relative to m, natural log, so lse = m + log(l).
+Both backwards recompute P = exp((S - m) - log(l)) from them: S - m is exact for nearby float32
+scores, whereas S - lse loses log(l) when |m| is huge (lse rounds to m, e.g. a row hidden by an
+additive -1e9 mask). Their values for an empty row are implementation-defined (the kernels store
+a large finite m, the xla implementation the lowest float; both log(l) = 0).
 
 ``optional`` are the present fields of ``validation.Operands`` in its order: q_lengths,
 kv_lengths (int32 [B]), q_segment_ids, kv_segment_ids (int32 [B, T]), bias (float, rank 4, each
@@ -49,9 +51,7 @@ fwd_p.multiple_results = True
 bwd_p = Primitive("flash_attention_bwd")
 bwd_p.multiple_results = True
 
-LOG2_E = 1.4426950408889634
-
-_NUM_MAIN = {fwd_p: 3, bwd_p: 8}  # operands before the optional ones
+_NUM_MAIN = {fwd_p: 3, bwd_p: 9}  # operands before the optional ones
 
 
 def _split(prim, args, params):
@@ -117,16 +117,17 @@ def _fwd_abstract(*args, **params):
                          f"v {v.shape}")
     _check_operand_avals(fwd_p, x, batch, num_heads, q_len, k.shape[1])
     row = ShapedArray((batch, num_heads, q_len), jnp.float32)
-    return ShapedArray(q.shape, q.dtype), row, row
+    return ShapedArray(q.shape, q.dtype), row, row, row
 
 
 def _bwd_abstract(*args, bias_grad=False, **params):
-    (q, k, v, o, lse, l2, do, g_lse), x = _split(bwd_p, args, params)
+    (q, k, v, o, lse, row_max, log_sum, do, g_lse), x = _split(bwd_p, args, params)
     batch, q_len, num_heads, _ = q.shape
     if o.shape != q.shape or do.shape != q.shape or k.shape != v.shape:
         raise ValueError(f"flash_attention_bwd: incompatible shapes q {q.shape}, o {o.shape}, "
                          f"do {do.shape}, k {k.shape}, v {v.shape}")
-    for name, y in (("lse", lse), ("l2", l2), ("g_lse", g_lse)):
+    for name, y in (("lse", lse), ("row_max", row_max), ("log_sum", log_sum),
+                    ("g_lse", g_lse)):
         if y.shape != (batch, num_heads, q_len):
             raise ValueError(f"flash_attention_bwd: {name} must be [{batch}, {num_heads}, "
                              f"{q_len}], got {list(y.shape)}")
@@ -266,13 +267,13 @@ ad.primitive_jvps[bwd_p] = _make_no_jvp(bwd_p)
 
 def _xla_fwd(*args, **params):
     (q, k, v), x = _split(fwd_p, args, params)
-    o, lse = xla_attention.forward(q, k, v, x, **params)
-    return [o, lse, lse * jnp.float32(LOG2_E)]
+    return list(xla_attention.forward(q, k, v, x, **params))
 
 
 def _xla_bwd(*args, **params):
-    (q, k, v, o, lse, _, do, g_lse), x = _split(bwd_p, args, params)  # l2 unused
-    return list(xla_attention.backward(q, k, v, o, lse, do, g_lse, x, **params))
+    (q, k, v, o, lse, row_max, log_sum, do, g_lse), x = _split(bwd_p, args, params)
+    return list(xla_attention.backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, x,
+                                       **params))
 
 
 _XLA_LOWERING = {

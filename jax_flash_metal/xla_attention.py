@@ -1,13 +1,14 @@
 """The "xla" implementation, the primitives' default lowering: FlashAttention-2 in jax.numpy / lax.
 
-    forward(q, k, v, q_lengths, kv_lengths, **params) -> (o, lse)
-    backward(q, k, v, o, lse, do, g_lse, q_lengths, kv_lengths, **params) -> (dq, dk, dv)
+    forward(q, k, v, operands, **params) -> (o, lse, row_max, log_sum)
+    backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands, **params) -> (dq, dk, dv)
 
 Shapes and dtypes as the primitives (primitives.py): q/o/dO [B, Tq, H, D], k/v [B, Tkv, HKV, D]
-in one float dtype, lse/g_lse float32 [B, H, Tq] (natural log), lengths int32 [B] or None. All math
-is float32; outputs are cast to the input dtype. Method: Dao, "FlashAttention-2" (2023): the
-forward walks key blocks with an online softmax, the backward recomputes each tile's scores from
-(q, k, v, lse) and accumulates dQ, dK, dV (tile math in ``xla_tiles``).
+in one float dtype, lse/g_lse and the residuals row_max/log_sum (the row max m and log l, kept
+apart: ``xla_tiles.probabilities``) float32 [B, H, Tq] (natural log). All math is float32;
+outputs are cast to the input dtype. Method: Dao, "FlashAttention-2" (2023): the forward walks
+key blocks with an online softmax, the backward recomputes each tile's scores and P from
+(q, k, v, m, log l) and accumulates dQ, dK, dV (tile math in ``xla_tiles``).
 
 Size rule: a problem with ``q_len <= DENSE_MAX_LEN`` and ``kv_len <= DENSE_MAX_LEN`` runs as one
 dense tile (no loops: fastest when the scores are small; a two-pass softmax whose P is the one
@@ -493,14 +494,15 @@ def _counted(x):
 
 def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left=-1,
             window_right=-1, bottom_right=False, logits_soft_cap=None, **unused_static):
-    """(o [B, Tq, H, D] in q.dtype, lse float32 [B, H, Tq]); see the module docstring.
-    ``operands``: validation.Operands (lengths, segment ids, bias, mask, sinks or None)."""
+    """(o [B, Tq, H, D] in q.dtype, lse, row_max, log_sum float32 [B, H, Tq]); see the module
+    docstring. ``operands``: validation.Operands (lengths, segment ids, bias, mask, sinks or
+    None)."""
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
-    if 0 in (batch, q_len, kv_len):
-        return (jnp.zeros(q.shape, q.dtype),
-                _empty_lse(operands.sinks, batch, num_heads, q_len))
+    if 0 in (batch, q_len, kv_len):  # every row is empty: m = lse (the sink or -inf), l = 1
+        lse = _empty_lse(operands.sinks, batch, num_heads, q_len)
+        return jnp.zeros(q.shape, q.dtype), lse, lse, jnp.zeros_like(lse)
     blocks, t = _setup(q, k, operands, is_causal, window_left, window_right, bottom_right)
     kv_valid = _valid(operands.kv_lengths, kv_len)
     qb = _query_blocks(q, kv_heads, t, _valid(operands.q_lengths, q_len), scale)
@@ -511,9 +513,10 @@ def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left
     counting = ~_all_finite(v) if blocks.hides_pairs else None
 
     if t.dense:
-        o, lse = tiles.forward_whole_rows(qb[0], kb[0], _weighted(0, vb, blocks.hides_pairs)[0],
-                                          *blocks.visible(0, 0), logits_soft_cap, sinks)
-        o, lse = o[None], lse[None]
+        o, *stats = tiles.forward_whole_rows(qb[0], kb[0],
+                                             _weighted(0, vb, blocks.hides_pairs)[0],
+                                             *blocks.visible(0, 0), logits_soft_cap, sinks)
+        o, stats = o[None], [x[None] for x in stats]
         if counting is not None:
             (o,) = _poison_if(counting, [o], lambda: [_tile_counts_forward(blocks, vb, num_heads)])
     else:
@@ -526,12 +529,12 @@ def forward(q, k, v, operands=Operands(), *, scale, is_causal=False, window_left
         def finish(state, p):  # the counting pass has no sinks
             return tiles.forward_finish(state, _of_pass(p, sinks, -jnp.inf))
 
-        o, lse = blocks.over_query_blocks(tiles.running_init, step, finish,
-                                          lambda p, r: _of_pass(p, _block(qb, r)),
-                                          counting)
-        o, lse = _counted(o), lse[0]
+        o, *stats = blocks.over_query_blocks(tiles.running_init, step, finish,
+                                             lambda p, r: _of_pass(p, _block(qb, r)),
+                                             counting)
+        o, stats = _counted(o), [x[0] for x in stats]
     o = _from_query_blocks(o, q_len, q.dtype)
-    return o, _from_row_blocks(lse, q_len)
+    return (o, *(_from_row_blocks(x, q_len) for x in stats))
 
 
 def _visible_f32(tile, shape):
@@ -560,11 +563,11 @@ def _tile_counts_forward(blocks, vb, num_heads):
 
 # ------------------------------------------------------------------------- backward
 
-def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causal=False,
-             window_left=-1, window_right=-1, bottom_right=False, logits_soft_cap=None,
-             bias_grad=False, **unused_static):
+def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), *, scale,
+             is_causal=False, window_left=-1, window_right=-1, bottom_right=False,
+             logits_soft_cap=None, bias_grad=False, **unused_static):
     """(dq, dk, dv[, dbias]) in the input dtypes (dbias float32 in the bias operand's shape,
-    with ``bias_grad``), from the forward's o and lse and the cotangents dO and g_lse:
+    with ``bias_grad``), from the forward's o, lse and residuals and the cotangents dO and g_lse:
     delta = rowsum(dO * O) - g_lse (0 for rows past q_len), then the FlashAttention-2
     recompute backward. Rows with no visible key and padding contribute nothing. Sinks are not
     read: lse already includes them."""
@@ -598,15 +601,16 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, is_causa
     dbias_init = jnp.zeros(blocks.features.bias.shape, F32) if bias_grad else None
     counting = None if t.dense else nonfinite_read
     hides = blocks.hides_pairs
-    lse_b, delta_b = _row_blocks(lse, kv_heads, t), _row_blocks(delta, kv_heads, t)
+    max_b, log_sum_b, delta_b = (_row_blocks(x, kv_heads, t) for x in (row_max, log_sum, delta))
 
     def tile(p, r, c, xs, visible_bias):
         visible, bias = visible_bias
         q_r, do_r = _block(qb, r), _block(dob, r)
         dq, dk, dv, ds = tiles.backward_tile(tiles.BackwardOperands(
             _of_pass(p, q_r), _weighted(p, q_r, hides), *xs, _of_pass(p, do_r),
-            _weighted(p, do_r, hides), _of_pass(p, _block(lse_b, r)),
-            _of_pass(p, _block(delta_b, r), -1.0)), visible, _of_pass(p, bias), logits_soft_cap,
+            _weighted(p, do_r, hides), _of_pass(p, _block(max_b, r)),
+            _of_pass(p, _block(log_sum_b, r)), _of_pass(p, _block(delta_b, r), -1.0)), visible,
+            _of_pass(p, bias), logits_soft_cap,
             t.dense)
         return dq, (dk, dv), _of_pass(p, ds)
 

@@ -29,7 +29,7 @@ from test_dispatch_plan import submission_budget  # noqa: E402
 FWD = "jax_flash_metal_attention_fwd_emulator"
 BWD = "jax_flash_metal_attention_bwd_emulator"
 HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
-EMPTY_ROW_L2 = np.float32(1.70141173e38)  # JFM_EMPTY_ROW_L2 of shaders/attention_params.h
+EMPTY_ROW_MAX = np.float32(8.50705917e37)  # JFM_EMPTY_ROW_MAX of shaders/attention_params.h
 
 requires_metal = pytest.mark.skipif(not ext.metal_available(),
                                     reason="needs a Metal GPU: " + ext.metal_unavailable_reason())
@@ -54,28 +54,30 @@ def _workspace(q, k):
     return jax.ShapeDtypeStruct((elements,), jnp.float32)
 
 
-def _fwd_call(q, k, v, *lengths, lse_shape=None, l2_shape=None, workspace=None, **attrs):
+def _fwd_call(q, k, v, *lengths, lse_shape=None, residual_shape=None, workspace=None, **attrs):
     """The forward target called directly (no primitive, no Python-side validation):
-    (o, lse, l2)."""
+    (o, lse, residuals), residuals the pair (row_max, log_sum)."""
     b, tq, h = q.shape[:3]
+    residual = jax.ShapeDtypeStruct(residual_shape or (b, h, tq), jnp.float32)
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-           jax.ShapeDtypeStruct(lse_shape or (b, h, tq), jnp.float32),
-           jax.ShapeDtypeStruct(l2_shape or (b, h, tq), jnp.float32),
+           jax.ShapeDtypeStruct(lse_shape or (b, h, tq), jnp.float32), residual, residual,
            workspace or _workspace(q, k))
-    return jax.block_until_ready(
-        jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **_attrs(**attrs)))[:3]
+    o, lse, row_max, log_sum, _ = jax.block_until_ready(
+        jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **_attrs(**attrs)))
+    return o, lse, (row_max, log_sum)
 
 
-def _bwd_call(q, k, v, o, l2, do, g_lse, *optional, bias_grad=False, **attrs):
-    """The backward target called directly: (dq, dk, dv, dbias, delta); dbias is float32
-    [B, H, Tq, Tkv] with bias_grad, else [0]."""
+def _bwd_call(q, k, v, o, residuals, do, g_lse, *optional, bias_grad=False, **attrs):
+    """The backward target called directly: (dq, dk, dv, dbias, delta); residuals the forward's
+    (row_max, log_sum); dbias is float32 [B, H, Tq, Tkv] with bias_grad, else [0]."""
     b, tq, h, _ = q.shape
     dbias = (b, h, tq, k.shape[1]) if bias_grad else (0,)
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
            jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dbias, jnp.float32),
            jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
     return jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
-        q, k, v, o, l2, do, g_lse, *optional, bias_grad=np.bool_(bias_grad), **_attrs(**attrs)))
+        q, k, v, o, *residuals, do, g_lse, *optional, bias_grad=np.bool_(bias_grad),
+        **_attrs(**attrs)))
 
 
 def _normal(rng, shape, dtype=jnp.float32):
@@ -214,7 +216,7 @@ _K = jnp.zeros((1, 5, 1, 16), jnp.float32)
     ((_Q, _K, _K, jnp.zeros((1,), jnp.float32)), dict(has_q_lengths=True),
      r"q_lengths must be int32 \[1\]"),
     ((_Q, _K, _K), dict(lse_shape=(1, 2, 5)), r"output lse must be float32 \[1, 2, 4\]"),
-    ((_Q, _K, _K), dict(l2_shape=(1, 4)), r"output l2 must be float32 \[1, 2, 4\]"),
+    ((_Q, _K, _K), dict(residual_shape=(1, 4)), r"output row_max must be float32 \[1, 2, 4\]"),
     ((_Q, _K, _K), dict(workspace=jax.ShapeDtypeStruct((3,), jnp.float32)),
      r"workspace must be float32 \[144\]"),
     ((_Q[0], _K[0], _K[0]), dict(), "query must have rank 4"),
@@ -234,8 +236,8 @@ def test_handler_rejects_bad_operands_and_attributes(args, kwargs, message):
 def test_handler_rejects_missing_and_mistyped_attributes():
     attrs = _attrs()
     del attrs["bottom_right"]
-    out = (jax.ShapeDtypeStruct(_Q.shape, _Q.dtype), jax.ShapeDtypeStruct((1, 2, 4), jnp.float32),
-           jax.ShapeDtypeStruct((1, 2, 4), jnp.float32), _workspace(_Q, _K))
+    row = jax.ShapeDtypeStruct((1, 2, 4), jnp.float32)
+    out = (jax.ShapeDtypeStruct(_Q.shape, _Q.dtype), row, row, row, _workspace(_Q, _K))
     with pytest.raises(jax.errors.JaxRuntimeError, match="attributes"):
         jax.block_until_ready(jax.ffi.ffi_call(FWD, out)(_Q, _K, _K, **attrs))
     # Attributes are typed: a float64 scale (what a Python float becomes under x64) is refused,
@@ -367,18 +369,18 @@ def test_backward_handler_checks_the_dbias_result():
     it ([0] without it)."""
     rng = np.random.default_rng(3)
     q = _normal(rng, (1, 4, 2, 16))
-    o, lse, l2 = _fwd_call(q, q, q)
+    o, lse, residuals = _fwd_call(q, q, q)
     g = jnp.zeros(lse.shape, jnp.float32)
     with pytest.raises(jax.errors.JaxRuntimeError, match="bias_grad needs has_bias"):
-        _bwd_call(q, q, q, o, l2, q, g, bias_grad=True)
+        _bwd_call(q, q, q, o, residuals, q, g, bias_grad=True)
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype),) * 3 + (
         jax.ShapeDtypeStruct((1, 2, 4, 3), f32), jax.ShapeDtypeStruct(lse.shape, f32))
     with pytest.raises(jax.errors.JaxRuntimeError,
                        match=r"output dbias must be float32 \[1, 2, 4, 4\]"):
         jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
-            q, q, q, o, l2, q, g, jnp.zeros((1, 1, 1, 4), jnp.float32), bias_grad=np.bool_(True),
-            **_attrs(has_bias=True)))
+            q, q, q, o, *residuals, q, g, jnp.zeros((1, 1, 1, 4), jnp.float32),
+            bias_grad=np.bool_(True), **_attrs(has_bias=True)))
 
 
 def test_compiled_hlo_has_custom_calls_only_on_the_fused_path():
@@ -421,16 +423,17 @@ def test_fused_memory_is_linear_in_sequence_length():
 def test_zero_length_problems_write_exact_outputs_without_dispatch():
     rng = np.random.default_rng(1)
     q, k0 = _normal(rng, (2, 3, 4, 16)), jnp.zeros((2, 0, 2, 16), jnp.float32)
-    o, lse, l2 = _fwd_call(q, k0, k0)
+    o, lse, (row_max, log_sum) = _fwd_call(q, k0, k0)
     assert np.array_equal(np.asarray(o), np.zeros(q.shape))
     assert np.array_equal(np.asarray(lse), np.full((2, 4, 3), -np.inf))
-    assert np.array_equal(np.asarray(l2), np.full((2, 4, 3), EMPTY_ROW_L2, np.float32))
+    assert np.array_equal(np.asarray(row_max), np.full((2, 4, 3), EMPTY_ROW_MAX, np.float32))
+    assert np.array_equal(np.asarray(log_sum), np.zeros((2, 4, 3)))
     g = jnp.ones((2, 4, 3), jnp.float32)
-    dq, dk, dv, _, _ = _bwd_call(q, k0, k0, q, g, q, g)
+    dq, dk, dv, _, _ = _bwd_call(q, k0, k0, q, (g, g), q, g)
     assert np.array_equal(np.asarray(dq), np.zeros(q.shape)) and dk.shape == dv.shape == k0.shape
     q0, k = jnp.zeros((2, 0, 4, 16), jnp.float32), _normal(rng, (2, 5, 2, 16))
     g0 = jnp.zeros((2, 4, 0), jnp.float32)
-    dq, dk, dv, _, _ = _bwd_call(q0, k, k, q0, g0, q0, g0)
+    dq, dk, dv, _, _ = _bwd_call(q0, k, k, q0, (g0, g0), q0, g0)
     assert dq.shape == q0.shape
     assert np.array_equal(np.asarray(dk), np.zeros(k.shape))
     assert np.array_equal(np.asarray(dv), np.zeros(k.shape))
