@@ -66,7 +66,8 @@ def attention_rows(repeat):
         rows.append((f"attention fwd {tname} {shape}",
                      best(lambda: kh.forward(q, k, v, is_causal=True), repeat), None, ""))
         rows.append((f"attention bwd {tname} {shape}",
-                     best(lambda: kh.backward(q, k, v, o, residuals, do, g_lse, is_causal=True), repeat),
+                     best(lambda: kh.backward(q, k, v, o, residuals, do, g_lse, is_causal=True),
+                          repeat),
                      None, ""))
     return rows
 

@@ -154,8 +154,8 @@ def _key_major(small, big):
 
 def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, whole_rows=False):
     """(dq unscaled, dk, dv, dS) contributions of one tile: P = ``probabilities`` from the
-    forward's residuals, dV = P^T dO, dP = dO V^T, dS = P (dP - delta) (the bias gradient), then through
-    the soft cap's slope dS_raw = dS (1 - tanh^2), dQ = dS_raw K, dK = dS_raw^T (scale q).
+    forward's residuals, dV = P^T dO, dP = dO V^T, dS = P (dP - delta) (the bias gradient), then
+    through the soft cap's slope dS_raw = dS (1 - tanh^2), dQ = dS_raw K, dK = dS_raw^T (scale q).
 
     ``whole_rows`` (a tile holding every key of its rows): delta's rowsum(dO O) is taken as
     rowsum(P dP), its equal (O = P V), so the backward does not read O and, when the caller

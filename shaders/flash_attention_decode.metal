@@ -5,8 +5,8 @@
 // visible keys runs through the forward's key-block loop, so each K/V element is read once per
 // KV head. It writes the chunk's normalised partial O and its max m and sum l per row to the
 // float32 workspace. Pass 2 (decode_combine), grid (R, num_kv_heads, batch): combines the
-// splits in split order into O, LSE and the residuals m, log(l) with the forward's conventions. Tile shapes:
-// tile_shapes.h (decode rows); memory and the split rule: shaders/README.md.
+// splits in split order into O, LSE and the residuals m, log(l) with the forward's conventions.
+// Tile shapes: tile_shapes.h (decode rows); memory and the split rule: shaders/README.md.
 #include "flash_attention_key_blocks.h"
 
 // Workspace row (b, hk, split, r): D partial-O floats, then m and l.
