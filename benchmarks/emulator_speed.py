@@ -61,12 +61,13 @@ def attention_rows(repeat):
     batch, seq, heads, kv_heads, d = 1, 256, 4, 2, 64
     for tname, dtype in kh.DTYPES.items():
         q, k, v, do, g_lse = kh.random_inputs(dtype, batch, seq, seq, heads, kv_heads, d, seed=1)
-        o, _, l2 = kh.forward(q, k, v, is_causal=True)
+        o, _, residuals = kh.forward(q, k, v, is_causal=True)
         shape = f"[{batch},{seq},{heads}/{kv_heads},{d}] causal"
         rows.append((f"attention fwd {tname} {shape}",
                      best(lambda: kh.forward(q, k, v, is_causal=True), repeat), None, ""))
         rows.append((f"attention bwd {tname} {shape}",
-                     best(lambda: kh.backward(q, k, v, o, l2, do, g_lse, is_causal=True), repeat),
+                     best(lambda: kh.backward(q, k, v, o, residuals, do, g_lse, is_causal=True),
+                          repeat),
                      None, ""))
     return rows
 

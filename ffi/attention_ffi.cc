@@ -350,7 +350,6 @@ AttentionParams make_params(const Problem& p, const Options& o, const OptionalOp
   params.num_kv_heads = static_cast<uint32_t>(p.kv_heads);
   params.head_dim = static_cast<uint32_t>(p.head_dim);
   params.scale = o.scale;
-  params.scale_log2 = o.scale * JFM_LOG2E;
   params.window_left = o.window_left;
   params.window_right = o.window_right;
   params.causal = o.is_causal ? 1u : 0u;
@@ -447,30 +446,34 @@ void zero(ffi::AnyBuffer buffer) {
 }
 
 // The forward's results when no key exists (kv_len 0), as the kernels write an empty row: O = 0,
-// LSE = -inf, L2 = JFM_EMPTY_ROW_L2; with sinks a row that saw only its sink (jfm_fold_sink):
-// L2 = sink * log2(e), LSE = L2 * ln 2, in the kernels' float arithmetic.
+// LSE = -inf, residuals m = JFM_EMPTY_ROW_MAX and log(l) = 0; with sinks a row that saw only its
+// sink (jfm_fold_sink): m = LSE = the sink, log(l) = 0.
 void write_empty_rows(const Problem& p, const float* sinks, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                      ffi::AnyBuffer l2) {
+                      ffi::AnyBuffer row_max, ffi::AnyBuffer log_sum) {
   zero(o);
+  zero(log_sum);
   float* lse_row = static_cast<float*>(lse.untyped_data());
-  float* l2_row = static_cast<float*>(l2.untyped_data());
+  float* max_row = static_cast<float*>(row_max.untyped_data());
   for (int64_t bh = 0; bh < p.batch * p.heads; ++bh) {
-    const float row_l2 = sinks ? sinks[bh % p.heads] * JFM_LOG2E : JFM_EMPTY_ROW_L2;
-    const float row_lse = sinks ? row_l2 * JFM_LN2 : -std::numeric_limits<float>::infinity();
-    std::fill(l2_row + bh * p.q_len, l2_row + (bh + 1) * p.q_len, row_l2);
-    std::fill(lse_row + bh * p.q_len, lse_row + (bh + 1) * p.q_len, row_lse);
+    const float sink = sinks ? sinks[bh % p.heads] : 0.0f;
+    std::fill(max_row + bh * p.q_len, max_row + (bh + 1) * p.q_len,
+              sinks ? sink : JFM_EMPTY_ROW_MAX);
+    std::fill(lse_row + bh * p.q_len, lse_row + (bh + 1) * p.q_len,
+              sinks ? sink : -std::numeric_limits<float>::infinity());
   }
 }
 
 ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::RemainingArgs rest, ffi::AnyBuffer o, ffi::AnyBuffer lse,
-                   ffi::AnyBuffer l2, ffi::AnyBuffer workspace, const Options& opt) {
+                   ffi::AnyBuffer row_max, ffi::AnyBuffer log_sum, ffi::AnyBuffer workspace,
+                   const Options& opt) {
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
   if (ffi::Error e = check_options(opt); e.failure()) return e;
   if (ffi::Error e = expect("output o", o, p.dtype, p.q_shape()); e.failure()) return e;
   for (auto [what, buffer] :
-       {std::make_pair("output lse", lse), std::make_pair("output l2", l2)}) {
+       {std::make_pair("output lse", lse), std::make_pair("output row_max", row_max),
+        std::make_pair("output log_sum", log_sum)}) {
     if (ffi::Error e = expect(what, buffer, ffi::DataType::F32, p.row_shape()); e.failure()) {
       return e;
     }
@@ -487,28 +490,32 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
 
   if (p.batch == 0 || p.q_len == 0 || p.heads == 0) return ffi::Error::Success();  // empty
   if (p.kv_len == 0) {  // no key is visible anywhere
-    write_empty_rows(p, x.sinks, o, lse, l2);
+    write_empty_rows(p, x.sinks, o, lse, row_max, log_sum);
     return ffi::Error::Success();
   }
   const std::vector<StageShape> stages = stages_of(false, p, device->gpu_cores());
   if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
                 bv = whole(JFM_BUFFER_V, v, false), bo = whole(JFM_BUFFER_O, o, true),
-                blse = whole(JFM_BUFFER_LSE, lse, true), bl2 = whole(JFM_BUFFER_L2, l2, true);
+                blse = whole(JFM_BUFFER_LSE, lse, true),
+                bmax = whole(JFM_BUFFER_ROW_MAX, row_max, true),
+                bsum = whole(JFM_BUFFER_LOG_SUM, log_sum, true);
   if (splits == 0) {
-    return run_stages(*device, p, opt, x, stages, {with_optional({bq, bk, bv, bo, blse, bl2}, x)});
+    return run_stages(*device, p, opt, x, stages,
+                      {with_optional({bq, bk, bv, bo, blse, bmax, bsum}, x)});
   }
   // Decode: pass 1 writes the workspace that pass 2 combines (with the sinks).
   return run_stages(
       *device, p, opt, x, stages,
       {with_optional({bq, bk, bv, whole(JFM_BUFFER_WORKSPACE, workspace, true)}, x),
-       with_optional({whole(JFM_BUFFER_WORKSPACE, workspace, false), bo, blse, bl2}, x)},
+       with_optional({whole(JFM_BUFFER_WORKSPACE, workspace, false), bo, blse, bmax, bsum}, x)},
       splits);
 }
 
 ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                    ffi::AnyBuffer o, ffi::AnyBuffer l2, ffi::AnyBuffer d_o,
-                    ffi::AnyBuffer g_lse, ffi::RemainingArgs rest, ffi::AnyBuffer dq,
+                    ffi::AnyBuffer o, ffi::AnyBuffer row_max, ffi::AnyBuffer log_sum,
+                    ffi::AnyBuffer d_o, ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
+                    ffi::AnyBuffer dq,
                     ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer dbias,
                     ffi::AnyBuffer delta, const Options& opt) {
   Problem p;
@@ -517,7 +524,8 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   const ffi::DataType f32 = ffi::DataType::F32;
   for (auto [what, buffer, dtype, shape] :
        {std::make_tuple("o", o, p.dtype, p.q_shape()),
-        std::make_tuple("l2", l2, f32, p.row_shape()),
+        std::make_tuple("row_max", row_max, f32, p.row_shape()),
+        std::make_tuple("log_sum", log_sum, f32, p.row_shape()),
         std::make_tuple("do", d_o, p.dtype, p.q_shape()),
         std::make_tuple("g_lse", g_lse, f32, p.row_shape()),
         std::make_tuple("output dq", dq, p.dtype, p.q_shape()),
@@ -541,19 +549,21 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   const std::vector<StageShape> stages = stages_of(true, p, device->gpu_cores());
   if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
-                bv = whole(JFM_BUFFER_V, v, false), bl2 = whole(JFM_BUFFER_L2, l2, false),
-                bdo = whole(JFM_BUFFER_DO, d_o, false);
+                bv = whole(JFM_BUFFER_V, v, false), bdo = whole(JFM_BUFFER_DO, d_o, false),
+                bmax = whole(JFM_BUFFER_ROW_MAX, row_max, false),
+                bsum = whole(JFM_BUFFER_LOG_SUM, log_sum, false);
   // dQ first: it also writes delta, which the dK/dV kernels (one, or the split pair) read,
   // and with bias_grad every element of dbias (else a placeholder it never touches is bound).
   const Binding bdbias =
       opt.bias_grad ? whole(JFM_BUFFER_DBIAS, dbias, true) : x.unused(JFM_BUFFER_DBIAS);
   std::vector<std::vector<Binding>> buffers = {
-      with_optional({bq, bk, bv, bl2, bdo, whole(JFM_BUFFER_O, o, false),
+      with_optional({bq, bk, bv, bmax, bsum, bdo, whole(JFM_BUFFER_O, o, false),
                      whole(JFM_BUFFER_G_LSE, g_lse, false), whole(JFM_BUFFER_DELTA, delta, true),
                      whole(JFM_BUFFER_DQ, dq, true), bdbias},
                     x)};
   buffers.resize(stages.size(),
-                 with_optional({bq, bk, bv, bl2, bdo, whole(JFM_BUFFER_DELTA, delta, false),
+                 with_optional({bq, bk, bv, bmax, bsum, bdo,
+                                whole(JFM_BUFFER_DELTA, delta, false),
                                 whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)},
                                x));
   return run_stages(*device, p, opt, x, stages, buffers);
@@ -564,7 +574,8 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
 template <Device* (*GetDevice)(std::string*)>
 ffi::Error forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
-                           ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> l2,
+                           ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> row_max,
+                           ffi::Result<ffi::AnyBuffer> log_sum,
                            ffi::Result<ffi::AnyBuffer> workspace, float scale, bool is_causal,
                            int32_t window_left, int32_t window_right, bool bottom_right,
                            bool has_q_lengths, bool has_kv_lengths, bool has_segment_ids,
@@ -575,13 +586,13 @@ ffi::Error forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
-  return forward(device, q, k, v, rest, *o, *lse, *l2, *workspace, options);
+  return forward(device, q, k, v, rest, *o, *lse, *row_max, *log_sum, *workspace, options);
 }
 
 template <Device* (*GetDevice)(std::string*)>
 ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::AnyBuffer o, ffi::AnyBuffer l2, ffi::AnyBuffer d_o,
-                            ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
+                            ffi::AnyBuffer o, ffi::AnyBuffer row_max, ffi::AnyBuffer log_sum,
+                            ffi::AnyBuffer d_o, ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
                             ffi::Result<ffi::AnyBuffer> delta, float scale, bool is_causal,
@@ -597,7 +608,8 @@ ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
-  return backward(device, q, k, v, o, l2, d_o, g_lse, rest, *dq, *dk, *dv, *dbias, *delta,
+  return backward(device, q, k, v, o, row_max, log_sum, d_o, g_lse, rest, *dq, *dk, *dv, *dbias,
+                  *delta,
                   options);
 }
 
@@ -627,7 +639,8 @@ auto forward_binding() {
                              .RemainingArgs()        // the optional operands (attention_ffi.h)
                              .Ret<ffi::AnyBuffer>()  // o
                              .Ret<ffi::AnyBuffer>()  // lse
-                             .Ret<ffi::AnyBuffer>()  // l2
+                             .Ret<ffi::AnyBuffer>()  // row_max
+                             .Ret<ffi::AnyBuffer>()  // log_sum
                              .Ret<ffi::AnyBuffer>());  // workspace (decode)
 }
 
@@ -637,7 +650,8 @@ auto backward_binding() {
                              .Arg<ffi::AnyBuffer>()  // k
                              .Arg<ffi::AnyBuffer>()  // v
                              .Arg<ffi::AnyBuffer>()  // o
-                             .Arg<ffi::AnyBuffer>()  // l2
+                             .Arg<ffi::AnyBuffer>()  // row_max
+                             .Arg<ffi::AnyBuffer>()  // log_sum
                              .Arg<ffi::AnyBuffer>()  // do
                              .Arg<ffi::AnyBuffer>()  // g_lse
                              .RemainingArgs()        // the optional operands (attention_ffi.h)

@@ -8,13 +8,15 @@
 //                   only when its has_* attribute is true; bound as the handler's remaining args),
 //                   then the optional feature operands below
 //          results: o [B,Tq,H,D] (dtype of q), lse float32 [B,H,Tq] (natural log, -inf for a
-//                   row with no visible key), l2 float32 [B,H,Tq] (the base-2 statistic
-//                   L2 = m + log2(l) of the log2-domain scores; JFM_EMPTY_ROW_L2 for an empty
-//                   row; the residual the backward needs), workspace float32
-//                   [decode_workspace_elements(...)] (the decode's split partials; [0] when
-//                   the tiled forward runs; planned by XLA like the backward's delta)
-// Backward args:    q, k, v, o, l2 (the forward's), do [B,Tq,H,D], g_lse float32 [B,H,Tq]
-//                   (the LSE cotangent), then the optional
+//                   row with no visible key), row_max and log_sum float32 [B,H,Tq] each (the
+//                   residuals the backward needs: the row's maximum score m and log(l) of its
+//                   softmax sum relative to m, kept apart so that P = exp((S - m) - log l) is
+//                   exact at any score offset; JFM_EMPTY_ROW_MAX and 0 for an empty row),
+//                   workspace float32 [decode_workspace_elements(...)] (the decode's split
+//                   partials; [0] when the tiled forward runs; planned by XLA like the
+//                   backward's delta)
+// Backward args:    q, k, v, o, row_max, log_sum (the forward's), do [B,Tq,H,D], g_lse float32
+//                   [B,H,Tq] (the LSE cotangent), then the optional
 //                   lengths as above
 //          results: dq, dk, dv (shapes/dtypes of q, k, v), dbias float32 [B,H,Tq,Tkv] with
 //                   bias_grad, else float32 [0] (see the optional features below), delta

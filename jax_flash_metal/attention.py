@@ -30,7 +30,7 @@ jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda v, _
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(params, q, k, v, operands):
-    o, lse, _ = fwd_p.bind(q, k, v, *operands.present(), **params._asdict())
+    o, lse, _, _ = fwd_p.bind(q, k, v, *operands.present(), **params._asdict())
     return o, lse
 
 
@@ -44,8 +44,8 @@ def _attention_fwd(params, q, k, v, operands):
     unwrapped = [_unwrap(x) for x in operands]
     operands = Operands(*(x for x, _ in unwrapped))
     bias_grad = unwrapped[Operands._fields.index("bias")][1]
-    o, lse, l2 = fwd_p.bind(q, k, v, *operands.present(), **params._asdict())
-    return (o, lse), (q, k, v, o, lse, l2, operands, _Static(bias_grad))
+    o, lse, row_max, log_sum = fwd_p.bind(q, k, v, *operands.present(), **params._asdict())
+    return (o, lse), (q, k, v, o, lse, row_max, log_sum, operands, _Static(bias_grad))
 
 
 def _dense(ct, like, dtype):
@@ -56,26 +56,28 @@ def _dense(ct, like, dtype):
 
 
 def _attention_bwd(params, residuals, cotangents):
-    q, k, v, o, lse, l2, operands, bias_grad = residuals
+    q, k, v, o, lse, row_max, log_sum, operands, bias_grad = residuals
     bias_grad = bias_grad.value
     do, g_lse = _dense(cotangents[0], o, q.dtype), _dense(cotangents[1], lse, jnp.float32)
-    grads = bwd_p.bind(q, k, v, o, lse, l2, do, g_lse, *operands.present(), bias_grad=bias_grad,
-                       **params._asdict())
+    grads = bwd_p.bind(q, k, v, o, lse, row_max, log_sum, do, g_lse, *operands.present(),
+                       bias_grad=bias_grad, **params._asdict())
     dq, dk, dv = grads[:3]
     dbias = grads[3].astype(operands.bias.dtype) if bias_grad else None
-    dsinks = None if operands.sinks is None else _sinks_grad(operands.sinks, o, lse, do, g_lse)
+    dsinks = None if operands.sinks is None else _sinks_grad(operands.sinks, o, row_max,
+                                                             log_sum, do, g_lse)
     return dq, dk, dv, operands._replace(q_lengths=None, kv_lengths=None, q_segment_ids=None,
                                          kv_segment_ids=None, bias=dbias, mask=None,
                                          sinks=dsinks)
 
 
-def _sinks_grad(sinks, o, lse, do, g_lse):
+def _sinks_grad(sinks, o, row_max, log_sum, do, g_lse):
     """dsinks_n = sum over (batch, row) of P_sink (g_lse - rowsum(dO * O)), P_sink =
-    exp(sink_n - LSE): the sink is a logit whose value is 0, so it enters only through the
+    exp((sink_n - m) - log(l)) from the forward's residuals (exact at any offset, as the
+    backward's P): the sink is a logit whose value is 0, so it enters only through the
     denominator. Computed from the forward's outputs (no kernel needed), in a fixed order."""
     rowsum = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
-    p_sink = jnp.exp(sinks[None, :, None] - lse)
+    p_sink = jnp.exp((sinks[None, :, None] - row_max) - log_sum)
     return jnp.sum(p_sink * (g_lse - rowsum), axis=(0, 2))
 
 

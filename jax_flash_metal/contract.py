@@ -15,7 +15,7 @@ UNBOUNDED = -1  # window bound sentinel, same value as JFM_UNBOUNDED in shaders/
 
 # The main operands of each direction's primitive, before the optional ones (Operands).
 MAIN_OPERANDS = {"fwd": ("q", "k", "v"),
-                 "bwd": ("q", "k", "v", "o", "lse", "l2", "do", "g_lse")}
+                 "bwd": ("q", "k", "v", "o", "lse", "row_max", "log_sum", "do", "g_lse")}
 
 # The static flags that say which optional operands a call has (Operands.flags's arguments).
 FLAG_NAMES = ("has_q_lengths", "has_kv_lengths", "has_segment_ids", "has_bias", "has_mask",

@@ -193,7 +193,8 @@ def _contract_operands(ctx: mlir.LoweringRuleContext, args, direction, params):
 
 def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **params):
     """Emit the forward FFI call: args (q, k, v, then the optional operands of
-    contract.Operands in the contract's order, ffi/attention_ffi.h) -> (o, lse, l2).
+    contract.Operands in the contract's order, ffi/attention_ffi.h) -> (o, lse, row_max,
+    log_sum).
 
     Short queries against a long KV cache take the split-KV decode kernels (the handler decides,
     ``ffi/attention_ffi.h`` decode_splits); their float32 workspace is a fourth result of the
@@ -216,16 +217,16 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     avals, args = _contract_operands(ctx, args, "fwd", params)
     call_ctx = ctx.replace(avals_in=avals, avals_out=(*ctx.avals_out, workspace))
     rule = jax.ffi.ffi_lowering(_target("fwd", implementation))
-    return list(rule(call_ctx, *args, **_attributes(**params)))[:3]
+    return list(rule(call_ctx, *args, **_attributes(**params)))[:4]
 
 
 def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_grad=False,
               **params):
-    """Emit the backward FFI call for the primitive's args (q, k, v, o, lse, l2, do, g_lse,
-    then the optional operands as for ``lower_fwd``) -> (dq, dk, dv[, dbias]).
+    """Emit the backward FFI call for the primitive's args (q, k, v, o, lse, row_max, log_sum,
+    do, g_lse, then the optional operands as for ``lower_fwd``) -> (dq, dk, dv[, dbias]).
 
-    The kernels recompute P = exp2(S2 - l2) from the base-2 statistic, so the call takes
-    (q, k, v, o, l2, do, g_lse, *optional) and the natural-log lse operand is dropped. The custom
+    The kernels recompute P from the residuals row_max and log_sum, so the call takes
+    (q, k, v, o, row_max, log_sum, do, g_lse, *optional) and the lse operand is dropped. The custom
     call has two more results: dbias float32 [batch, num_heads, q_len, kv_len] with
     ``bias_grad`` (else [0]), summed here over the bias operand's broadcast axes to the
     primitive's dbias, and the float32 [batch, num_heads, q_len] workspace for

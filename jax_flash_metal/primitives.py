@@ -1,15 +1,18 @@
 """The two flash-attention primitives and their JAX rules, one section per rule:
 
-    fwd_p: bind(q, k, v, *optional, **params) -> (o, lse, l2)
-    bwd_p: bind(q, k, v, o, lse, l2, do, g_lse, *optional, bias_grad=..., **params)
-           -> (dq, dk, dv[, dbias])
+    fwd_p: bind(q, k, v, *optional, **params) -> (o, lse, row_max, log_sum)
+    bwd_p: bind(q, k, v, o, lse, row_max, log_sum, do, g_lse, *optional, bias_grad=...,
+                **params) -> (dq, dk, dv[, dbias])
 
 with the operands and static params of ``contract`` (``contract.Operands`` in field order,
-``contract.StaticParams``). Abstract eval, eager impl, batching, the forward-mode error, the
-default lowering (the xla implementation with the accelerators' block schedule, ``xla_schedule``)
-and the ``cpu`` lowering (the fused implementations through ``implementations``, else the xla
-implementation with the cpu schedule), both through ``sharding``'s custom partitioning, so a
-call partitions under jit with sharded operands: docs/design.md#the-primitive-layer.
+``contract.StaticParams``). row_max and log_sum (float32 [B, H, Tq]) are residuals only: the
+row's maximum score m and log(l), kept apart so that the backwards' P = exp((S - m) - log(l))
+stays exact for rows at a huge offset (docs/design.md#outputs-and-residuals). Abstract eval,
+eager impl, batching, the forward-mode error, the default lowering (the xla implementation with
+the accelerators' block schedule, ``xla_schedule``) and the ``cpu`` lowering (the fused
+implementations through ``implementations``, else the xla implementation with the cpu
+schedule), both through ``sharding``'s custom partitioning, so a call partitions under jit with
+sharded operands: docs/design.md#the-primitive-layer.
 """
 
 from __future__ import annotations
@@ -29,8 +32,6 @@ fwd_p = Primitive("flash_attention_fwd")
 fwd_p.multiple_results = True
 bwd_p = Primitive("flash_attention_bwd")
 bwd_p.multiple_results = True
-
-LOG2_E = 1.4426950408889634
 
 _DIRECTION = {fwd_p: "fwd", bwd_p: "bwd"}
 
@@ -78,16 +79,17 @@ def _fwd_abstract(*args, **params):
                          f"v {v.shape}")
     _check_operand_avals(fwd_p, x, batch, num_heads, q_len, k.shape[1])
     row = ShapedArray((batch, num_heads, q_len), jnp.float32)
-    return ShapedArray(q.shape, q.dtype), row, row
+    return ShapedArray(q.shape, q.dtype), row, row, row
 
 
 def _bwd_abstract(*args, bias_grad=False, **params):
-    (q, k, v, o, lse, l2, do, g_lse), x = _split(bwd_p, args, params)
+    (q, k, v, o, lse, row_max, log_sum, do, g_lse), x = _split(bwd_p, args, params)
     batch, q_len, num_heads, _ = q.shape
     if o.shape != q.shape or do.shape != q.shape or k.shape != v.shape:
         raise ValueError(f"flash_attention_bwd: incompatible shapes q {q.shape}, o {o.shape}, "
                          f"do {do.shape}, k {k.shape}, v {v.shape}")
-    for name, y in (("lse", lse), ("l2", l2), ("g_lse", g_lse)):
+    for name, y in (("lse", lse), ("row_max", row_max), ("log_sum", log_sum),
+                    ("g_lse", g_lse)):
         if y.shape != (batch, num_heads, q_len):
             raise ValueError(f"flash_attention_bwd: {name} must be [{batch}, {num_heads}, "
                              f"{q_len}], got {list(y.shape)}")
@@ -220,14 +222,13 @@ ad.primitive_jvps[bwd_p] = _no_jvp
 
 def _xla_fwd(*args, schedule, **params):
     (q, k, v), x = _split(fwd_p, args, params)
-    o, lse = xla_attention.forward(q, k, v, x, schedule=schedule, **params)
-    return [o, lse, lse * jnp.float32(LOG2_E)]
+    return list(xla_attention.forward(q, k, v, x, schedule=schedule, **params))
 
 
 def _xla_bwd(*args, schedule, **params):
-    (q, k, v, o, lse, _, do, g_lse), x = _split(bwd_p, args, params)  # l2 unused
-    return list(xla_attention.backward(q, k, v, o, lse, do, g_lse, x, schedule=schedule,
-                                       **params))
+    (q, k, v, o, lse, row_max, log_sum, do, g_lse), x = _split(bwd_p, args, params)
+    return list(xla_attention.backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, x,
+                                       schedule=schedule, **params))
 
 
 _XLA_IMPL = {fwd_p: _xla_fwd, bwd_p: _xla_bwd}

@@ -41,8 +41,8 @@ from .contract import MAIN_OPERANDS, operand_roles
 
 # The layout of each main operand (contract.MAIN_OPERANDS): "q" [B, Tq, H, D],
 # "kv" [B, Tkv, HKV, D], "row" [B, H, Tq].
-_MAIN_LAYOUT = {"q": "q", "k": "kv", "v": "kv", "o": "q", "lse": "row", "l2": "row", "do": "q",
-                "g_lse": "row"}
+_MAIN_LAYOUT = {"q": "q", "k": "kv", "v": "kv", "o": "q", "lse": "row", "row_max": "row",
+                "log_sum": "row", "do": "q", "g_lse": "row"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,7 +136,7 @@ class _Layout:
 
 def _result_roles(direction, params):
     if direction == "fwd":
-        return ["q", "row", "row"]
+        return ["q", "row", "row", "row"]
     return ["q", "kv", "kv"] + (["bias"] if params.get("bias_grad") else [])
 
 

@@ -1,12 +1,13 @@
 """The "xla" implementation, the primitives' default lowering: FlashAttention-2 in jax.numpy / lax.
 
     forward(q, k, v, operands=Operands(), *, scale, is_causal, window_left, window_right,
-            bottom_right, logits_soft_cap, **unused_static) -> (o, lse)
-    backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, (the same), bias_grad,
-             **unused_static) -> (dq, dk, dv[, dbias])
+            bottom_right, logits_soft_cap, **unused_static) -> (o, lse, row_max, log_sum)
+    backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), *, (the same),
+             bias_grad, **unused_static) -> (dq, dk, dv[, dbias])
 
 Shapes and dtypes as the primitives': q/o/dO [B, Tq, H, D], k/v [B, Tkv, HKV, D] in one float
-dtype, lse/g_lse float32 [B, H, Tq] (natural log), ``operands`` the optional ones of
+dtype, lse/g_lse and the residuals row_max/log_sum (the row max m and log l, kept apart:
+``xla_tiles.probabilities``) float32 [B, H, Tq] (natural log), ``operands`` the optional ones of
 ``contract.Operands``. All math is float32; outputs are cast to the input dtype. Method: Dao,
 "FlashAttention-2" (2023). Problems with both lengths at most the schedule's ``dense_max_len``
 run as one dense tile; larger ones as loops over ``block_q`` x ``block_k`` tiles (block sizes per
@@ -474,15 +475,15 @@ def _counted(x):
 def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=False,
             window_left=-1, window_right=-1, bottom_right=False, logits_soft_cap=None,
             **unused_static):
-    """(o [B, Tq, H, D] in q.dtype, lse float32 [B, H, Tq]); see the module docstring.
-    ``operands``: contract.Operands (lengths, segment ids, bias, mask, sinks or None);
-    ``schedule``: ``xla_schedule.Schedule`` (default: the cpu one)."""
+    """(o [B, Tq, H, D] in q.dtype, lse, row_max, log_sum float32 [B, H, Tq]); see the module
+    docstring. ``operands``: contract.Operands (lengths, segment ids, bias, mask, sinks or
+    None); ``schedule``: ``xla_schedule.Schedule`` (default: the cpu one)."""
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
-    if 0 in (batch, q_len, kv_len):
-        return (jnp.zeros(q.shape, q.dtype),
-                _empty_lse(operands.sinks, batch, num_heads, q_len))
+    if 0 in (batch, q_len, kv_len):  # every row is empty: m = lse (the sink or -inf), l = 1
+        lse = _empty_lse(operands.sinks, batch, num_heads, q_len)
+        return jnp.zeros(q.shape, q.dtype), lse, lse, jnp.zeros_like(lse)
     blocks, t = _setup(q, k, operands, schedule, is_causal, window_left, window_right,
                        bottom_right)
     kv_valid = _valid(operands.kv_lengths, kv_len)
@@ -494,9 +495,10 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
     counting = ~_all_finite(v) if blocks.hides_pairs else None
 
     if t.dense:
-        o, lse = tiles.forward_whole_rows(qb[0], kb[0], _weighted(0, vb, blocks.hides_pairs)[0],
-                                          *blocks.visible(0, 0), logits_soft_cap, sinks)
-        o, lse = o[None], lse[None]
+        o, *stats = tiles.forward_whole_rows(qb[0], kb[0],
+                                             _weighted(0, vb, blocks.hides_pairs)[0],
+                                             *blocks.visible(0, 0), logits_soft_cap, sinks)
+        o, stats = o[None], [x[None] for x in stats]
         if counting is not None:
             (o,) = _poison_if(counting, [o], lambda: [_tile_counts_forward(blocks, vb, num_heads)])
     else:
@@ -509,12 +511,12 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
         def finish(state, p):  # the counting pass has no sinks
             return tiles.forward_finish(state, _of_pass(p, sinks, -jnp.inf))
 
-        o, lse = blocks.over_query_blocks(tiles.running_init, step, finish,
-                                          lambda p, r: _of_pass(p, _block(qb, r)),
-                                          counting)
-        o, lse = _counted(o), lse[0]
+        o, *stats = blocks.over_query_blocks(tiles.running_init, step, finish,
+                                             lambda p, r: _of_pass(p, _block(qb, r)),
+                                             counting)
+        o, stats = _counted(o), [x[0] for x in stats]
     o = _from_query_blocks(o, q_len, q.dtype)
-    return o, _from_row_blocks(lse, q_len)
+    return (o, *(_from_row_blocks(x, q_len) for x in stats))
 
 
 def _visible_f32(tile, shape):
@@ -543,11 +545,11 @@ def _tile_counts_forward(blocks, vb, num_heads):
 
 # ------------------------------------------------------------------------- backward
 
-def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, schedule=CPU,
-             is_causal=False, window_left=-1, window_right=-1, bottom_right=False,
+def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), *, scale,
+             schedule=CPU, is_causal=False, window_left=-1, window_right=-1, bottom_right=False,
              logits_soft_cap=None, bias_grad=False, **unused_static):
     """(dq, dk, dv[, dbias]) in the input dtypes (dbias float32 in the bias operand's shape,
-    with ``bias_grad``), from the forward's o and lse and the cotangents dO and g_lse:
+    with ``bias_grad``), from the forward's o, lse and residuals and the cotangents dO and g_lse:
     delta = rowsum(dO * O) - g_lse (0 for rows past q_len), then the FlashAttention-2
     recompute backward. Rows with no visible key and padding contribute nothing. Sinks are not
     read: lse already includes them."""
@@ -582,15 +584,16 @@ def backward(q, k, v, o, lse, do, g_lse, operands=Operands(), *, scale, schedule
     dbias_init = jnp.zeros(blocks.features.bias.shape, F32) if bias_grad else None
     counting = None if t.dense else nonfinite_read
     hides = blocks.hides_pairs
-    lse_b, delta_b = _row_blocks(lse, kv_heads, t), _row_blocks(delta, kv_heads, t)
+    max_b, log_sum_b, delta_b = (_row_blocks(x, kv_heads, t) for x in (row_max, log_sum, delta))
 
     def tile(p, r, c, xs, visible_bias):
         visible, bias = visible_bias
         q_r, do_r = _block(qb, r), _block(dob, r)
         dq, dk, dv, ds = tiles.backward_tile(tiles.BackwardOperands(
             _of_pass(p, q_r), _weighted(p, q_r, hides), *xs, _of_pass(p, do_r),
-            _weighted(p, do_r, hides), _of_pass(p, _block(lse_b, r)),
-            _of_pass(p, _block(delta_b, r), -1.0)), visible, _of_pass(p, bias), logits_soft_cap,
+            _weighted(p, do_r, hides), _of_pass(p, _block(max_b, r)),
+            _of_pass(p, _block(log_sum_b, r)), _of_pass(p, _block(delta_b, r), -1.0)), visible,
+            _of_pass(p, bias), logits_soft_cap,
             t.dense)
         return dq, (dk, dv), _of_pass(p, ds)
 

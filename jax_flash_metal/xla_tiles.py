@@ -17,9 +17,9 @@ backward) arrive with non-finite entries zeroed instead, since a weight of exact
 would be NaN.
 
 The NaN goes back where a visible pair read one through a counting pass of the same tile code
-with other operands: q, k, v for dP and dO for dP all 0, lse 0, delta -1 and no bias make
-every visible score 0, so P and dS are the visibility indicator (1 at visible pairs, 0
-elsewhere), and the weighted operands arrive as ``nonfinite.indicator`` arrays: the outputs
+with other operands: q, k, v for dP and dO for dP all 0, the residuals m and log l 0, delta -1
+and no bias make every visible score 0, so P and dS are the visibility indicator (1 at visible
+pairs, 0 elsewhere), and the weighted operands arrive as ``nonfinite.indicator`` arrays: the outputs
 then count, per entry, the visible pairs that read a non-finite input there (the forward's o:
 that count over the number of visible keys).
 """
@@ -83,8 +83,9 @@ def forward_step(state, q, k_nan, v_zeroed, visible, bias=None, cap=None):
 
 
 def forward_finish(state, sinks=None):
-    """(o, lse) of finished rows: o = acc / l and lse = m + log l, or exactly 0 and -inf for a
-    row that saw no key (l == 0). A NaN l (a NaN score) keeps o and lse NaN. ``sinks``
+    """(o, lse, m, log l) of finished rows: o = acc / l and lse = m + log l, or exactly 0 and
+    -inf for a row that saw no key (l == 0); m and log l are the residuals ``probabilities``
+    takes (LOWEST and 0 for such a row). A NaN l (a NaN score) keeps o, lse and log l NaN. ``sinks``
     (float32 broadcastable to the rows, e.g. [1, HKV, G, 1]) join the denominator as one more
     logit each with no value, so an empty row gets o = 0 and lse = its sink."""
     if sinks is not None:
@@ -93,7 +94,8 @@ def forward_finish(state, sinks=None):
         state = Running(m, alpha * state.l + jnp.exp(sinks - m), alpha[..., None] * state.acc)
     empty = state.l == 0.0
     o = jnp.where(empty[..., None], 0.0, state.acc / state.l[..., None])
-    return o, jnp.where(empty, -jnp.inf, state.m + jnp.log(state.l))
+    log_l = jnp.where(empty, 0.0, jnp.log(state.l))
+    return o, jnp.where(empty, -jnp.inf, state.m + log_l), state.m, log_l
 
 
 class BackwardOperands(NamedTuple):
@@ -106,23 +108,26 @@ class BackwardOperands(NamedTuple):
     v: jax.Array         # non-finite entries NaN (for dP)
     do: jax.Array        # (for dP)
     do_zeroed: jax.Array  # (for dV)
-    lse: jax.Array
+    row_max: jax.Array   # the forward's residuals m and log l (``probabilities``)
+    log_sum: jax.Array
     delta: jax.Array     # rowsum(dO O) - g_lse, or only -g_lse with ``whole_rows``
 
 
-def probabilities(s, lse, visible):
-    """P = exp(S - lse), 0 at invisible pairs; lse = -inf (an empty row, only invisible pairs)
-    is clamped to LOWEST. ``forward_whole_rows`` and ``backward_tile`` both take P from here,
-    so inside one jit XLA finds the backward's P equal to the forward's and computes it once."""
-    return jnp.exp(_masked(visible, s - jnp.maximum(lse, LOWEST)[..., None], -jnp.inf))
+def probabilities(s, m, log_l, visible):
+    """P = exp((S - m) - log l), 0 at invisible pairs, from the row max m and the log of the
+    row's sum l relative to it: S - m is exact for nearby float32 scores, so this holds at any
+    offset (S - lse would lose log l where |m| is huge and lse = m + log l rounds to m). An
+    empty row (only invisible pairs) has m = LOWEST and log l = 0. ``forward_whole_rows``
+    and ``backward_tile`` both take P from here, so inside one jit XLA finds the backward's P
+    equal to the forward's and computes it once."""
+    return jnp.exp(_masked(visible, (s - m[..., None]) - log_l[..., None], -jnp.inf))
 
 
 def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=None):
-    """(o, lse) of a tile that holds every key of its rows (the dense path), in two passes over
-    the scores instead of the online softmax: m = max S, l = sum exp(S - m) (plus the sinks as
-    in ``forward_finish``), lse = m + log l (-inf for a row that sees no key), then
-    o = P V / (l exp(m - lse)) with P = ``probabilities(S, lse)``, the same P the backward
-    recomputes (the divisor is 1 but for rows whose lse rounds to m)."""
+    """(o, lse, m, log l) of a tile that holds every key of its rows (the dense path), in two
+    passes over the scores instead of the online softmax: m = max S, l = sum exp(S - m) (plus
+    the sinks as in ``forward_finish``), lse = m + log l (-inf for a row that sees no key), then
+    o = P V with P = ``probabilities(S, m, log l)``, the same P the backward recomputes."""
     s = _scores(q, k_nan, bias, cap)[0]
     m = jnp.maximum(jnp.max(_masked(visible, s, -jnp.inf), axis=-1), LOWEST)
     if sinks is not None:
@@ -130,12 +135,10 @@ def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=N
     l = jnp.sum(jnp.exp(_masked(visible, s - m[..., None], -jnp.inf)), axis=-1)
     if sinks is not None:
         l = l + jnp.exp(sinks - m)
-    lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l))
-    # The divisor is 1 in exact arithmetic; where lse rounds to m (every score of the row near a
-    # huge offset, e.g. an additive -1e9 mask) it restores the normalisation.
-    norm = jnp.where(l == 0.0, 1.0, 1.0 / (l * jnp.exp(m - jnp.maximum(lse, LOWEST))))
-    o = _dot("bhgqk,bhkd->bhgqd", probabilities(s, lse, visible), v_zeroed)
-    return o * norm[..., None], lse
+    log_l = jnp.where(l == 0.0, 0.0, jnp.log(l))
+    lse = jnp.where(l == 0.0, -jnp.inf, m + log_l)
+    o = _dot("bhgqk,bhkd->bhgqd", probabilities(s, m, log_l, visible), v_zeroed)
+    return o, lse, m, log_l
 
 
 def _key_major(small, big):
@@ -150,15 +153,15 @@ def _key_major(small, big):
 
 
 def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, whole_rows=False):
-    """(dq unscaled, dk, dv, dS) contributions of one tile: P = exp(S - lse) (lse = -inf for
-    empty rows), dV = P^T dO, dP = dO V^T, dS = P (dP - delta) (the bias gradient), then through
-    the soft cap's slope dS_raw = dS (1 - tanh^2), dQ = dS_raw K, dK = dS_raw^T (scale q).
+    """(dq unscaled, dk, dv, dS) contributions of one tile: P = ``probabilities`` from the
+    forward's residuals, dV = P^T dO, dP = dO V^T, dS = P (dP - delta) (the bias gradient), then
+    through the soft cap's slope dS_raw = dS (1 - tanh^2), dQ = dS_raw K, dK = dS_raw^T (scale q).
 
     ``whole_rows`` (a tile holding every key of its rows): delta's rowsum(dO O) is taken as
     rowsum(P dP), its equal (O = P V), so the backward does not read O and, when the caller
     uses only the gradients, XLA drops the forward's P V (as autodiff of softmax does)."""
     s, slope = _scores(x.q, x.k_nan, bias, cap)
-    p = probabilities(s, x.lse, visible)
+    p = probabilities(s, x.row_max, x.log_sum, visible)
     dp = _dot("bhgqd,bhkd->bhgqk", x.do, x.v)
     delta = x.delta[..., None]
     if whole_rows:

@@ -34,7 +34,7 @@ typedef long jfm_long;  // 64-bit in MSL
 #define JFM_BUFFER_DK 11
 #define JFM_BUFFER_DV 12
 #define JFM_BUFFER_PARAMS 13
-#define JFM_BUFFER_L2 14
+#define JFM_BUFFER_ROW_MAX 14   // the forward's residuals: the row maximum m ...
 #define JFM_BUFFER_WORKSPACE 15  // the decode's float32 split partials (jfm_decode_workspace_row)
 // Optional features (ffi/attention_ffi.h, shaders/flash_attention_features.h).
 #define JFM_BUFFER_Q_SEGMENT_IDS 16
@@ -43,22 +43,25 @@ typedef long jfm_long;  // 64-bit in MSL
 #define JFM_BUFFER_MASK 19
 #define JFM_BUFFER_SINKS 20
 #define JFM_BUFFER_DBIAS 21
+#define JFM_BUFFER_LOG_SUM 22   // ... and log(l) of its softmax sum (JFM_EMPTY_ROW_MAX)
 
 // AttentionParams::has_bias: no bias, a bias in the dtype of q, or a float32 bias.
 #define JFM_BIAS_NONE 0
 #define JFM_BIAS_OF_Q 1
 #define JFM_BIAS_FLOAT32 2
 
-// The forward's base-2 softmax statistic L2 = m + log2(l) (float32 [B, H, Tq], the residual the
-// backward recomputes P = exp2(S2 - L2) from) for a row with no visible key: finite, so no
-// infinity enters any arithmetic (fast-math safe), and so large that exp2(s2 - L2) is exactly 0
-// for every score |s2| < 1.7e38. The user's natural-log LSE of such a row is -inf.
-#define JFM_EMPTY_ROW_L2 1.70141173e38f
+// The forward's residuals (float32 [B, H, Tq] each, what the backward recomputes P from) are
+// the row's maximum score m and log(l), l its softmax sum relative to m, in natural log:
+// P = exp2((S - m) log2(e) - log(l) log2(e)). Kept apart, not as m + log(l), because S - m is
+// exact for nearby float32 scores while m + log(l) rounds to m when |m| is huge (a row hidden
+// by an additive -1e9 mask). A row with no visible key stores m = JFM_EMPTY_ROW_MAX, log(l) = 0:
+// finite, so no infinity enters any arithmetic (fast-math safe), and so large that P is exactly
+// 0 for every score |s| <= JFM_SCORE_LIMIT. The user's natural-log LSE of such a row is -inf.
+#define JFM_EMPTY_ROW_MAX 8.50705917e37f
 
-// The kernels work with base-2 scores and statistics, the API with natural logs: x * JFM_LOG2E
-// converts a natural-log value to base 2, x * JFM_LN2 back (one definition for host and kernels).
+// Scores and statistics are natural-log float32 values; the kernels take exp2 of a difference
+// times JFM_LOG2E (one definition for host and kernels).
 #define JFM_LOG2E 1.44269504088896341f
-#define JFM_LN2 0.693147180559945309f
 
 // Dispatch shapes (threads and rows per threadgroup, per kernel, dtype and head dim) are in
 // tile_shapes.h. Kernels declare all threadgroup memory statically (no [[threadgroup(n)]]
@@ -74,7 +77,7 @@ struct AttentionParams {
   uint num_kv_heads;  // HKV, divides H (grouped-query attention)
   uint head_dim;      // D, equal to the kernel's template head dim
   float scale;        // softmax scale, used literally
-  float scale_log2;   // scale * log2(e): scores feed exp2 directly
+  uint padding;       // keeps the 8-byte fields at offset 96
   int window_left;    // local window, inclusive; JFM_UNBOUNDED = none
   int window_right;
   uint causal;        // 1: key j visible only if j <= i + off

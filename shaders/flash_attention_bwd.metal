@@ -5,9 +5,10 @@
 //          (dO is staged there anyway), which the dK/dV kernels read.
 //   dK/dV: one threadgroup per key block, looping over its kv head's query-head group and the
 //          visible query blocks; for head_dim >= 160 a dK and a dV kernel (tile_shapes.h).
-// Scores S2 = (Q K^T) * scale * log2(e), by MMA over head-dim chunks in ascending order from 0,
-// exactly as the forward forms them (K Q^T multiplies the same pairs in the same order), so
-// P = exp2(S2 - L2) reproduces the forward's probabilities bit for bit: a one-hot row gives P = 1.
+// Scores S = (Q K^T) * scale, by MMA over head-dim chunks in ascending order from 0, exactly as
+// the forward forms them (K Q^T multiplies the same pairs in the same order), so P from the
+// forward's residuals, exp((S - m) - log(l)) (jfm_probability), reproduces the forward's
+// probabilities: a one-hot row gives P = 1, and S - m is exact at any offset.
 // The optional features (soft cap, bias, mask, segment ids) form scores and visibility through
 // flash_attention_features.h, as the forward does; a call without them runs the plain code.
 // Loops, tiles and memory: shaders/README.md.
@@ -18,7 +19,8 @@
       device const T* k [[buffer(JFM_BUFFER_K)]],                         \
       device const T* v [[buffer(JFM_BUFFER_V)]],                         \
       device const T* d_o [[buffer(JFM_BUFFER_DO)]],                      \
-      device const float* l2 [[buffer(JFM_BUFFER_L2)]],                   \
+      device const float* row_max [[buffer(JFM_BUFFER_ROW_MAX)]],         \
+      device const float* log_sum [[buffer(JFM_BUFFER_LOG_SUM)]],         \
       device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],       \
       device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],     \
       JFM_FEATURE_BUFFER_ARGS,                                            \
@@ -106,7 +108,7 @@ inline void jfm_zero_dbias_block(device float* dbias_row, int j0, int kv_len, Jf
 //   stage Q_i, dO_i;  D_i = rowsum(dO_i * O_i) - g_lse_i  (written for the dK/dV kernels)
 //   for each key block j of the block's visible union (skip blocks never visited):
 //     stage K_j, V_j (rows outside the union zero-filled)
-//     dP = dO_i V_j^T;  S2 = Q_i K_j^T * scale log2(e);  P = exp2(S2 - L2_i)
+//     dP = dO_i V_j^T;  S = Q_i K_j^T * scale;  P = exp((S - m_i) - log(l_i))
 //     dS = P (dP - D_i)                       (edge blocks: 0 where not visible)
 //     dbias_ij = dS (with bias_grad; 0 in every block or element not visited)
 //     dQ_i += dS (1 - tanh^2) K_j              (the soft cap's derivative, 1 without a cap)
@@ -199,7 +201,9 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   if (at.col == 0 && i < int(params.q_len)) {  // one lane per row
     delta[stat + band + at.row] = row_delta;
   }
-  const float row_l2 = i < q_valid ? l2[stat + band + at.row] : JFM_EMPTY_ROW_L2;
+  // The row's residuals (an empty row's for rows past q_len_b).
+  const float row_m = i < q_valid ? row_max[stat + band + at.row] : JFM_EMPTY_ROW_MAX;
+  const float row_log2_l = i < q_valid ? jfm_log2_sum(log_sum[stat + band + at.row]) : 0.0f;
 
   JfmFrag acc[DF];  // the band's dQ / scale
   for (int d = 0; d < DF; ++d) {
@@ -263,12 +267,13 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
       for (int e = 0; e < 2; ++e) {
         const int c = n * 8 + int(at.col) + e;
         const float qk = s[n].thread_elements()[e];
-        float s2;
+        float score;
         const bool visible = jfm_element<T>(
             params, features, in, jfm_feature_at(params, feature_row, j0 + c), q_segment,
             segments ? jfm_segment_of<T, D>(k_tile, c) : 0,
-            kind == JFM_TILE_FULL || jfm_visible(keys, j0 + c), qk, s2);
-        const float ds = jfm_probability(s2, row_l2) * (dp[n].thread_elements()[e] - row_delta);
+            kind == JFM_TILE_FULL || jfm_visible(keys, j0 + c), qk, score);
+        const float ds = jfm_probability(score, row_m, row_log2_l) *
+                         (dp[n].thread_elements()[e] - row_delta);
         s[n].thread_elements()[e] = visible ? ds : 0.0f;
         if (dbias_row && j0 + c < int(params.kv_len)) {
           dbias_out[j0 + c] = s[n].thread_elements()[e];
@@ -300,8 +305,8 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
 // Owner: key rows [j0, j0 + BKV) of kv head hk, 8 per simdgroup (the lane's key: its row).
 //   stage K_j (and V_j for dK)
 //   for each query head h of hk's group, for each query block i of the visible union:
-//     stage Q_i, dO_i, L2_i, D_i (rows outside the union zero-filled)
-//     S2^T = K_j Q_i^T * scale log2(e);  P^T = exp2(S2^T - L2_i)  (edge blocks: 0 where not
+//     stage Q_i, dO_i, m_i, log(l_i), D_i (rows outside the union zero-filled)
+//     S^T = K_j Q_i^T * scale;  P^T = exp((S^T - m_i) - log(l_i))  (edge blocks: 0 where not
 //     visible)
 //     dV_j += P^T dO_i
 //     dP^T = V_j dO_i^T;  dS^T = P^T (dP^T - D_i) (1 - tanh^2);  dK_j += dS^T Q_i
@@ -331,7 +336,8 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   threadgroup uint4 k_words[BKV * ROW_WORDS];
   threadgroup uint4 v_words[WANT_DK ? BKV * ROW_WORDS : 1];
   threadgroup uint4 qdo_words[(ONE_QDO_BUFFER ? 1 : 2) * BQ * ROW_WORDS];
-  threadgroup float2 stats_tile[BQ];  // (L2, D) of the block's query rows, read as one pair
+  // (m, log(l) log2(e), D, unused) of the block's query rows, read as one vector.
+  threadgroup float4 stats_tile[BQ];
   threadgroup T* k_tile = (threadgroup T*)k_words;
   threadgroup T* v_tile = (threadgroup T*)v_words;
   threadgroup T* qdo_tile = (threadgroup T*)qdo_words;
@@ -443,7 +449,8 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
         const bool loaded = int(thread_index) >= load_begin && int(thread_index) < load_end;
         const ulong row = stat_head + ulong(i0) + thread_index;
         stats_tile[thread_index] =
-            loaded ? float2(l2[row], delta[row]) : float2(JFM_EMPTY_ROW_L2, 0.0f);
+            loaded ? float4(row_max[row], jfm_log2_sum(log_sum[row]), delta[row], 0.0f)
+                   : float4(JFM_EMPTY_ROW_MAX, 0.0f, 0.0f, 0.0f);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -466,16 +473,16 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
         for (int e = 0; e < 2; ++e) {
           const int c = n * 8 + int(at.col) + e;
           const float qk = st[n].thread_elements()[e];
-          const float2 stats = stats_tile[c];
-          float s2;
+          const float4 stats = stats_tile[c];
+          float score;
           const bool visible = jfm_element<T>(
               params, features, in, jfm_feature_below(params, block_row, c, j),
               segments ? jfm_segment_of<T, D>(q_tile, c) : 0, kv_segment,
-              kind == JFM_TILE_FULL || jfm_visible(queries, i0 + c), qk, s2);
-          const float p = jfm_probability(s2, stats.x);
+              kind == JFM_TILE_FULL || jfm_visible(queries, i0 + c), qk, score);
+          const float p = jfm_probability(score, stats.x, stats.y);
           st[n].thread_elements()[e] = visible ? p : 0.0f;
           if (WANT_DK) {
-            const float ds = p * (dp[n].thread_elements()[e] - stats.y);
+            const float ds = p * (dp[n].thread_elements()[e] - stats.z);
             dp[n].thread_elements()[e] = visible ? ds : 0.0f;
             if (params.soft_cap > 0.0f && visible) {  // a hidden pair's q.k may be NaN
               dp[n].thread_elements()[e] *= jfm_soft_cap_slope(params, qk);

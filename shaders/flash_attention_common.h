@@ -1,6 +1,7 @@
 // Shared helpers of the attention kernels: element conversion (f32/f16/bf16), per-batch lengths,
-// the visibility interval of docs/design.md#visibility, addressing and the base-2 softmax
-// probability. MSL 3.0 (C++14 base).
+// Shared helpers of the attention kernels: element conversion (f32/f16/bf16), per-batch lengths,
+// the visibility interval of docs/design.md#visibility, addressing, the softmax probability and
+// the row statistics. MSL 3.0 (C++14 base).
 #ifndef JAX_FLASH_METAL_FLASH_ATTENTION_COMMON_H_
 #define JAX_FLASH_METAL_FLASH_ATTENTION_COMMON_H_
 
@@ -13,8 +14,12 @@ using namespace metal;
 // Scores of masked lanes; simd_max ignores them next to any real score. Finite on purpose: the
 // kernels never rely on infinities, so they behave the same under fast math.
 #define JFM_MASKED_SCORE (-3.40282347e38f)
-// Initial running max: finite, and far enough below any real score that exp2(m - m_new) is 0.
-#define JFM_MAX_SENTINEL (-1.70141173e38f)
+// The largest score magnitude (FLT_MAX / 4, natural units): finite scores beyond it saturate
+// (jfm_saturate_score), so the difference of any two scores times log2(e) stays finite.
+#define JFM_SCORE_LIMIT 8.50705917e37f
+// Initial running max: the lowest saturated score, so a row whose every score saturates there (a
+// bias of finfo.min, an additive mask) gets a uniform softmax, as jax.nn gives it.
+#define JFM_MAX_SENTINEL (-JFM_SCORE_LIMIT)
 
 // ---- instantiation families (lazy compiles) ----
 
@@ -65,19 +70,17 @@ inline float jfm_finite_or_nan(float x) {
   return (as_type<uint>(x) & 0x7f800000u) != 0x7f800000u ? x : as_type<float>(0x7fc00000u);
 }
 
-// The largest base-2 score magnitude (FLT_MAX / 2): finite inputs whose score leaves this range
-// (a bias of finfo.min turns into -inf in the log2 domain) saturate at it, so the difference of
-// any two scores stays finite and the masked score stays below every real one. An overflow to
-// +-inf saturates, a NaN stays NaN. Bit tests, valid under fast math.
-#define JFM_SCORE2_LIMIT 1.70141173e38f
-inline float jfm_saturate_score2(float x) {
+// A score with its magnitude clamped to JFM_SCORE_LIMIT (a finite input whose score is beyond
+// it, e.g. a bias of finfo.min, saturates); an overflow to +-inf saturates, a NaN stays NaN. Bit
+// tests, valid under fast math.
+inline float jfm_saturate_score(float x) {
   const uint magnitude = as_type<uint>(x) & 0x7fffffffu;
   if (magnitude > 0x7f800000u) {
     return x;  // NaN
   }
   const float limit = as_type<float>((as_type<uint>(x) & 0x80000000u) |
-                                     as_type<uint>(JFM_SCORE2_LIMIT));
-  return magnitude >= as_type<uint>(JFM_SCORE2_LIMIT) ? limit : x;
+                                     as_type<uint>(JFM_SCORE_LIMIT));
+  return magnitude >= as_type<uint>(JFM_SCORE_LIMIT) ? limit : x;
 }
 
 // ---- grid position ----
@@ -184,12 +187,36 @@ inline ulong jfm_stat_offset(uint b, uint h, long t, uint heads, uint len) {
 
 // ---- softmax ----
 
-// Softmax probability of a log2-domain score s2 given the row's base-2 statistic
-// L2 = m + log2(l) (m its max score). The backward recomputes s2 bit for bit and subtracts once,
-// so a row whose softmax is one-hot (l = 1) gets p = exp2(0) = 1 exactly; an empty row's
-// JFM_EMPTY_ROW_L2 gives p = 0 without any infinity.
-inline float jfm_probability(float s2, float l2) {
-  return fast::exp2(s2 - l2);
+// exp(s - m) as exp2((s - m) log2(e)). The difference comes first: it is exact for nearby float32
+// scores, so a row whose every score sits at a huge offset (an additive -1e9 mask) keeps its
+// softmax; folding log2(e) into the scores first would round them at that offset.
+inline float jfm_exp(float s, float m) {
+  return fast::exp2((s - m) * JFM_LOG2E);
+}
+
+// Softmax probability of a score s given the row's residuals m and log2_l = log(l) log2(e)
+// (jfm_log2_sum). The backward recomputes s bit for bit, so a row whose softmax is one-hot
+// (l = 1) gets p = exp2(0) = 1 exactly; an empty row's JFM_EMPTY_ROW_MAX gives p = 0 without
+// any infinity.
+inline float jfm_probability(float s, float m, float log2_l) {
+  return fast::exp2((s - m) * JFM_LOG2E - log2_l);
+}
+
+// The residual log(l) in the base jfm_probability takes, once per row.
+inline float jfm_log2_sum(float log_l) {
+  return log_l * JFM_LOG2E;
+}
+
+// Writes row `stat`'s LSE and residuals from its max m and softmax sum l (relative to m):
+// LSE = m + log(l), m and log(l) apart; a row with l = 0 saw no key and has no sink: LSE = -inf,
+// m = JFM_EMPTY_ROW_MAX, log(l) = 0.
+inline void jfm_store_statistics(device float* lse, device float* row_max, device float* log_sum,
+                                 ulong stat, float m, float l) {
+  const bool empty = l == 0.0f;
+  const float log_l = precise::log(l);
+  row_max[stat] = empty ? JFM_EMPTY_ROW_MAX : m;
+  log_sum[stat] = empty ? 0.0f : log_l;
+  lse[stat] = empty ? jfm_negative_infinity() : m + log_l;
 }
 
 #endif  // JAX_FLASH_METAL_FLASH_ATTENTION_COMMON_H_

@@ -3,10 +3,10 @@
 // rows that share one KV head (G = num_heads / num_kv_heads; row r = g * q_len + i is query
 // position i of head hk * G + g) form one tile of 8-row fragments, and one split's contiguous chunk
 // of their visible keys runs through the forward's key-block loop, so each K/V element is read once
-// per KV head. It writes the chunk's normalised partial O and its base-2 max m and sum l per row to
-// the float32 workspace. Pass 2 (decode_combine), grid (R, num_kv_heads, batch): combines the
-// splits in split order into O, LSE and L2 with the forward's conventions. Tile shapes:
-// tile_shapes.h (decode rows); memory and the split rule: shaders/README.md.
+// per KV head. It writes the chunk's normalised partial O and its max m and sum l per row to the
+// float32 workspace. Pass 2 (decode_combine), grid (R, num_kv_heads, batch): combines the splits
+// in split order into O, LSE and the residuals m, log(l) with the forward's conventions. Tile
+// shapes: tile_shapes.h (decode rows); memory and the split rule: shaders/README.md.
 #include "flash_attention_key_blocks.h"
 
 // Workspace row (b, hk, split, r): D partial-O floats, then m and l.
@@ -146,7 +146,8 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
   (device const float* workspace [[buffer(JFM_BUFFER_WORKSPACE)]],        \
    device T* o [[buffer(JFM_BUFFER_O)]],                                  \
    device float* lse [[buffer(JFM_BUFFER_LSE)]],                          \
-   device float* l2 [[buffer(JFM_BUFFER_L2)]],                            \
+   device float* row_max [[buffer(JFM_BUFFER_ROW_MAX)]],                  \
+   device float* log_sum [[buffer(JFM_BUFFER_LOG_SUM)]],                  \
    device const float* sinks [[buffer(JFM_BUFFER_SINKS)]],                \
    constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
    uint3 group [[threadgroup_position_in_grid]],                          \
@@ -154,9 +155,10 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
 
 // One simdgroup per row (r, kv head, batch); lane t reads the statistics of splits t, t + 32, ...
 // once, and the weights are broadcast split by split. M = max m_s, then in split order
-// w_s = l_s 2^(m_s - M), W = sum w_s, then the head's sink folded into (M, W) as the forward does
-// (jfm_fold_sink), O = sum w_s O_s / W, L2 = M + log2(W), LSE = L2 ln 2; a row with W = 0 saw
-// no key and has no sink: O = 0, LSE = -inf, L2 = JFM_EMPTY_ROW_L2 (as the forward).
+// w_s = l_s exp(m_s - M), W = sum w_s, then the head's sink folded into (M, W) as the forward
+// does (jfm_fold_sink), O = sum w_s O_s / W, and LSE = M + log(W) with the residuals M and
+// log(W) (jfm_store_statistics, as the forward: a row with W = 0 saw no key and has no sink,
+// O = 0 and LSE = -inf).
 template <typename T, int D>
 [[max_total_threads_per_threadgroup(JFM_SIMD_WIDTH)]] kernel void
 flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
@@ -189,7 +191,7 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
       if (mine < splits) {
         device const float* stats =
             workspace + jfm_decode_workspace_row(b, hk, mine, r, params) + D;
-        lane_w = stats[1] * fast::exp2(stats[0] - big_m);
+        lane_w = stats[1] * jfm_exp(stats[0], big_m);
       }
     }
     const float w = simd_shuffle(lane_w, ushort(s % JFM_SIMD_WIDTH));
@@ -217,10 +219,9 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
     }
   }
   if (lane == 0) {
-    const ulong stat = jfm_stat_offset(b, h, i, params.num_heads, params.q_len);
-    const float row_l2 = big_m + precise::log2(weights);
-    l2[stat] = empty ? JFM_EMPTY_ROW_L2 : row_l2;
-    lse[stat] = empty ? jfm_negative_infinity() : row_l2 * JFM_LN2;
+    jfm_store_statistics(lse, row_max, log_sum,
+                         jfm_stat_offset(b, h, i, params.num_heads, params.q_len), big_m,
+                         weights);
   }
 }
 

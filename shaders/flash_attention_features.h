@@ -1,7 +1,7 @@
 // The optional score features of docs/design.md#scores (soft cap, bias, mask, segment ids, sinks)
 // per element and per tile, shared by the forward (and decode) and the backward kernels so that
 // both directions form bit-identical scores and visibility. A kernel without any feature never
-// calls these: its loop keeps the plain score S2 = (q.k) * scale * log2(e) and the band tests.
+// calls these: its loop keeps the plain score S = (q.k) * scale and the band tests.
 // MSL 3.0 (C++14 base).
 #ifndef JAX_FLASH_METAL_FLASH_ATTENTION_FEATURES_H_
 #define JAX_FLASH_METAL_FLASH_ATTENTION_FEATURES_H_
@@ -109,19 +109,19 @@ inline float jfm_soft_cap_tanh(constant AttentionParams& p, float qk) {
   return precise::tanh(jfm_finite_or_nan(qk * p.scale) / p.soft_cap);
 }
 
-// The log2-domain score of an element from its q.k sum (the MMA result) and bias. Without cap
-// and bias it is the plain kernels' S2 bit for bit. A non-finite q.k becomes NaN before the cap,
-// and a +inf/NaN bias gives NaN: they propagate.
-inline float jfm_feature_score2(constant AttentionParams& p, float qk, float bias) {
-  if (p.soft_cap <= 0.0f && p.has_bias == 0) {
-    return jfm_finite_or_nan(qk * p.scale_log2);
-  }
+// The score of an element from its q.k sum (the MMA result) and bias, in float32 as the API
+// defines it: cap(scale q.k) + bias, rounded once. Without cap and bias it is the plain kernels'
+// S bit for bit. A non-finite q.k becomes NaN before the cap, and a +inf/NaN bias gives NaN:
+// they propagate.
+inline float jfm_feature_score(constant AttentionParams& p, float qk, float bias) {
   const float s =
       p.soft_cap > 0.0f ? p.soft_cap * jfm_soft_cap_tanh(p, qk) : jfm_finite_or_nan(qk * p.scale);
-  // A finite bias far below the band (finfo.min, an additive mask) leaves the log2 range:
-  // saturate, as the float32 score of jax.nn stays finite. A +inf bias poisons.
-  return jfm_is_finite(bias) ? jfm_saturate_score2((s + bias) * JFM_LOG2E)
-                             : jfm_finite_or_nan(bias);
+  if (p.has_bias == 0) {
+    return s;
+  }
+  // A finite bias at the float range (finfo.min, an additive mask) saturates, as the float32
+  // score of jax.nn stays finite. A +inf bias poisons.
+  return jfm_is_finite(bias) ? jfm_saturate_score(s + bias) : jfm_finite_or_nan(bias);
 }
 
 // d(score)/d(scale q.k) of the soft cap, 1 - tanh^2, the factor dS takes before dQ and dK
@@ -145,20 +145,20 @@ inline bool jfm_feature_keeps(constant AttentionParams& p, device const uchar* m
 }
 
 // Score and visibility of element (i, j), one definition for every kernel: returns whether it
-// is visible and sets s2, its log2-domain score. band_visible is the band rules' verdict; with
-// `features` the element at `at` (jfm_feature_at) must also pass jfm_feature_keeps and s2 is
-// jfm_feature_score2, else s2 is the plain S2 = q.k * scale * log2(e). The features' buffers
+// is visible and sets s, its score. band_visible is the band rules' verdict; with `features`
+// the element at `at` (jfm_feature_at) must also pass jfm_feature_keeps and s is
+// jfm_feature_score, else s is the plain S = q.k * scale. The features' buffers
 // are read for band-visible elements only (others' offsets need not be in bounds).
 template <typename T>
 inline bool jfm_element(constant AttentionParams& p, bool features, JfmFeatureBuffers in,
                         JfmFeatureRow at, int q_segment, int kv_segment, bool band_visible,
-                        float qk, thread float& s2) {
+                        float qk, thread float& s) {
   if (!features || !band_visible) {
-    s2 = jfm_finite_or_nan(qk * p.scale_log2);
+    s = jfm_finite_or_nan(qk * p.scale);
     return band_visible;
   }
   const float bias = jfm_bias_at<T>(p, in.bias, at.bias);
-  s2 = jfm_feature_score2(p, qk, bias);
+  s = jfm_feature_score(p, qk, bias);
   return jfm_feature_keeps(p, in.mask, at.mask, q_segment, kv_segment, bias);
 }
 
@@ -226,17 +226,16 @@ inline int jfm_classify_feature_tile(constant AttentionParams& p, int band_kind,
 
 // ---- sinks ----
 
-// Folds the sink of head h (a natural-log logit with no value) into a row's base-2 statistic:
-// m becomes max(m, sink2), l the sum over the keys and the sink in that frame. Returns the
-// factor the row's unnormalised O is rescaled by (0 for a row that saw no key: m was the
-// sentinel). Afterwards l >= 1, so no row is empty: O = 0 there, L2 = sink2.
+// Folds the sink of head h (a logit with no value) into a row's statistics: m becomes
+// max(m, sink), l the sum over the keys and the sink relative to it. Returns the factor the
+// row's unnormalised O is rescaled by (0 for a row that saw no key: m was the sentinel).
+// Afterwards l >= 1, so no row is empty: O = 0 there, m = the sink and log(l) = 0.
 inline float jfm_fold_sink(float sink, thread float& m, thread float& l) {
-  // A finite sink saturates like a score (jfm_saturate_score2); -inf stays "no sink".
-  const float sink2 =
-      jfm_is_finite(sink) ? jfm_saturate_score2(sink * JFM_LOG2E) : sink * JFM_LOG2E;
-  const float m_all = max(m, sink2);
-  const float alpha = fast::exp2(m - m_all);
-  l = l * alpha + fast::exp2(sink2 - m_all);
+  // A finite sink saturates like a score (jfm_saturate_score); -inf stays "no sink".
+  const float saturated = jfm_is_finite(sink) ? jfm_saturate_score(sink) : sink;
+  const float m_all = max(m, saturated);
+  const float alpha = jfm_exp(m, m_all);
+  l = l * alpha + jfm_exp(saturated, m_all);
   m = m_all;
   return alpha;
 }

@@ -1,7 +1,7 @@
 // Forward attention, FlashAttention-2 Algorithm 1 on simdgroup_matrix tiles: O = softmax(S) V with
-// S = scale * Q K^T over the visible keys, the natural-log LSE, and the base-2 statistic
-// L2 = m + log2(l) the backward recomputes P = exp2(S2 - L2) from. Tile shapes: tile_shapes.h;
-// the loop, tiles and memory: shaders/README.md.
+// S = scale * Q K^T over the visible keys, the natural-log LSE, and the residuals the backward
+// recomputes P from, the row max m and log(l) kept apart (jfm_store_statistics). Tile shapes:
+// tile_shapes.h; the loop, tiles and memory: shaders/README.md.
 #include "flash_attention_key_blocks.h"
 
 #define JFM_FWD_SIGNATURE(T)                                              \
@@ -12,7 +12,8 @@
    device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],        \
    device T* o [[buffer(JFM_BUFFER_O)]],                                  \
    device float* lse [[buffer(JFM_BUFFER_LSE)]],                          \
-   device float* l2 [[buffer(JFM_BUFFER_L2)]],                            \
+   device float* row_max [[buffer(JFM_BUFFER_ROW_MAX)]],                  \
+   device float* log_sum [[buffer(JFM_BUFFER_LOG_SUM)]],                  \
    JFM_FEATURE_BUFFER_ARGS,                                               \
    constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
    uint3 group [[threadgroup_position_in_grid]],                          \
@@ -81,8 +82,8 @@ template <typename T, int D>
   device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
   device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
 
-  float m = JFM_MAX_SENTINEL;  // running max of the row's base-2 scores
-  float l = 0.0f;              // this lane's share of the running sum of exp2(S2 - m)
+  float m = JFM_MAX_SENTINEL;  // running max of the row's scores
+  float l = 0.0f;              // this lane's share of the running sum of exp(S - m)
   JfmFrag acc[DF];             // the row band's unnormalised O
   for (int d = 0; d < DF; ++d) {
     acc[d] = jfm_frag_zero();
@@ -131,10 +132,8 @@ template <typename T, int D>
       jfm_frag_store_row(o_row + d * 8, acc[d], empty ? 0.0f : 1.0f / row_l, at);
     }
     if (at.col == 0) {  // one lane per row writes the statistics
-      const ulong stat = jfm_stat_offset(b, h, i, params.num_heads, params.q_len);
-      const float row_l2 = m + precise::log2(row_l);
-      l2[stat] = empty ? JFM_EMPTY_ROW_L2 : row_l2;
-      lse[stat] = empty ? jfm_negative_infinity() : row_l2 * JFM_LN2;
+      jfm_store_statistics(lse, row_max, log_sum,
+                           jfm_stat_offset(b, h, i, params.num_heads, params.q_len), m, row_l);
     }
   }
 }

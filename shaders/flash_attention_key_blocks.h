@@ -8,11 +8,11 @@
 
 #include "flash_attention_features.h"
 
-// Online softmax update of one block for this lane's row: s holds the block's base-2 scores S2
-// in KF fragments, JFM_MASKED_SCORE where hidden, and bit 2 n + e of `visible` says whether
-// element e of fragment n is visible. On return s holds P = exp2(S2 - m_new) (0 where hidden), m
-// the running max, l this lane's share of the running sum, and the result alpha =
-// exp2(m_old - m_new) rescales the accumulator.
+// Online softmax update of one block for this lane's row: s holds the block's scores S in KF
+// fragments, JFM_MASKED_SCORE where hidden, and bit 2 n + e of `visible` says whether element e
+// of fragment n is visible. On return s holds P = exp(S - m_new) (0 where hidden), m the running
+// max, l this lane's share of the running sum, and the result alpha = exp(m_old - m_new)
+// rescales the accumulator.
 template <int KF>
 inline float jfm_softmax_update(thread JfmFrag* s, uint visible, thread float& m,
                                 thread float& l) {
@@ -23,12 +23,12 @@ inline float jfm_softmax_update(thread JfmFrag* s, uint visible, thread float& m
     }
   }
   const float m_new = max(m, jfm_row_max(block_max));
-  const float alpha = fast::exp2(m - m_new);
+  const float alpha = jfm_exp(m, m_new);
   float block_sum = 0.0f;
   for (int n = 0; n < KF; ++n) {
     for (int e = 0; e < 2; ++e) {
       const bool seen = ((visible >> uint(2 * n + e)) & 1u) != 0u;
-      const float p = seen ? fast::exp2(s[n].thread_elements()[e] - m_new) : 0.0f;
+      const float p = seen ? jfm_exp(s[n].thread_elements()[e], m_new) : 0.0f;
       s[n].thread_elements()[e] = p;
       block_sum += p;
     }
@@ -42,14 +42,14 @@ inline float jfm_softmax_update(thread JfmFrag* s, uint visible, thread float& m
 // against the row's visible interval, others are all visible. A non-finite score becomes NaN
 // (jfm_finite_or_nan) so a NaN or Inf input poisons its row.
 template <int KF, bool EDGE>
-inline float jfm_online_softmax(thread JfmFrag* s, float scale_log2, JfmRange32 keys, int j0,
+inline float jfm_online_softmax(thread JfmFrag* s, float scale, JfmRange32 keys, int j0,
                                 JfmFragCoord at, thread float& m, thread float& l) {
   uint visible = 0u;
   for (int n = 0; n < KF; ++n) {
     for (int e = 0; e < 2; ++e) {
       const bool seen = !EDGE || jfm_visible(keys, j0 + n * 8 + int(at.col) + e);
-      const float s2 = jfm_finite_or_nan(s[n].thread_elements()[e] * scale_log2);
-      s[n].thread_elements()[e] = seen ? s2 : JFM_MASKED_SCORE;
+      const float score = jfm_finite_or_nan(s[n].thread_elements()[e] * scale);
+      s[n].thread_elements()[e] = seen ? score : JFM_MASKED_SCORE;
       visible |= uint(seen) << uint(2 * n + e);
     }
   }
@@ -114,12 +114,12 @@ inline float jfm_online_softmax_features(thread JfmFrag* s, constant AttentionPa
   for (int n = 0; n < KF; ++n) {
     for (int e = 0; e < 2; ++e) {
       const int c = n * 8 + int(at.col) + e;
-      float s2;
+      float score;
       const bool seen = jfm_element<T>(
           p, true, f.in, jfm_feature_at(p, f.row, j0 + c), f.segment,
           p.has_segment_ids != 0 ? jfm_segment_of<T, D>(k_tile, c) : 0,
-          !edge || jfm_visible(keys, j0 + c), s[n].thread_elements()[e], s2);
-      s[n].thread_elements()[e] = seen ? s2 : JFM_MASKED_SCORE;
+          !edge || jfm_visible(keys, j0 + c), s[n].thread_elements()[e], score);
+      s[n].thread_elements()[e] = seen ? score : JFM_MASKED_SCORE;
       visible |= uint(seen) << uint(2 * n + e);
     }
   }
@@ -209,8 +209,8 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
         FEATURES ? jfm_online_softmax_features<T, D, KF>(s, params, f, k_tile, keys,
                                                          kind == JFM_TILE_EDGE, j0, at, m, l)
         : kind == JFM_TILE_EDGE
-            ? jfm_online_softmax<KF, true>(s, params.scale_log2, keys, j0, at, m, l)
-            : jfm_online_softmax<KF, false>(s, params.scale_log2, keys, j0, at, m, l);
+            ? jfm_online_softmax<KF, true>(s, params.scale, keys, j0, at, m, l)
+            : jfm_online_softmax<KF, false>(s, params.scale, keys, j0, at, m, l);
     for (int d = 0; d < DF; ++d) {
       acc[d].thread_elements() *= alpha;
     }

@@ -37,28 +37,29 @@ def forward_workspace(q, k):
     return jax.ShapeDtypeStruct((elements,), jnp.float32)
 
 
-def fwd_call(q, k, v, *lengths, lse_shape=None, l2_shape=None, workspace=None, **attrs):
+def fwd_call(q, k, v, *lengths, lse_shape=None, residual_shape=None, workspace=None, **attrs):
     """The forward target called directly (no primitive, no Python-side validation):
-    (o, lse, l2)."""
+    (o, lse, residuals), residuals the pair (row_max, log_sum)."""
     b, tq, h = q.shape[:3]
+    residual = jax.ShapeDtypeStruct(residual_shape or (b, h, tq), jnp.float32)
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-           jax.ShapeDtypeStruct(lse_shape or (b, h, tq), jnp.float32),
-           jax.ShapeDtypeStruct(l2_shape or (b, h, tq), jnp.float32),
+           jax.ShapeDtypeStruct(lse_shape or (b, h, tq), jnp.float32), residual, residual,
            workspace or forward_workspace(q, k))
-    return jax.block_until_ready(
-        jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **attributes(**attrs)))[:3]
+    o, lse, row_max, log_sum, _ = jax.block_until_ready(
+        jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **attributes(**attrs)))
+    return o, lse, (row_max, log_sum)
 
 
-def bwd_call(q, k, v, o, l2, do, g_lse, *optional, bias_grad=False, **attrs):
-    """The backward target called directly: (dq, dk, dv, dbias, delta); dbias is float32
-    [B, H, Tq, Tkv] with bias_grad, else [0]."""
+def bwd_call(q, k, v, o, residuals, do, g_lse, *optional, bias_grad=False, **attrs):
+    """The backward target called directly: (dq, dk, dv, dbias, delta); residuals the forward's
+    (row_max, log_sum); dbias is float32 [B, H, Tq, Tkv] with bias_grad, else [0]."""
     b, tq, h, _ = q.shape
     dbias = (b, h, tq, k.shape[1]) if bias_grad else (0,)
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
            jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dbias, jnp.float32),
            jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
     return jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
-        q, k, v, o, l2, do, g_lse, *optional, bias_grad=np.bool_(bias_grad),
+        q, k, v, o, *residuals, do, g_lse, *optional, bias_grad=np.bool_(bias_grad),
         **attributes(**attrs)))
 
 

@@ -24,18 +24,18 @@ needs_counting = pytest.mark.skipif(not emulator.has_counting_variant(),
                                     reason=NO_COUNTING_MESSAGE)
 
 UNBOUNDED = -1  # JFM_UNBOUNDED
-EMPTY_ROW_L2 = np.float32(1.70141173e38)  # JFM_EMPTY_ROW_L2
+EMPTY_ROW_MAX = np.float32(8.50705917e37)  # JFM_EMPTY_ROW_MAX
 HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
 DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
           "bf16": np.dtype(ml_dtypes.bfloat16)}
 
 # JFM_BUFFER_* of attention_params.h.
-Q, K, V, O, LSE, DO, DELTA, G_LSE, Q_LENGTHS, KV_LENGTHS, DQ, DK, DV, PARAMS, L2 = range(15)
-Q_SEGMENT_IDS, KV_SEGMENT_IDS, BIAS, MASK, SINKS, DBIAS = range(16, 22)
+Q, K, V, O, LSE, DO, DELTA, G_LSE, Q_LENGTHS, KV_LENGTHS, DQ, DK, DV, PARAMS, ROW_MAX = range(15)
+Q_SEGMENT_IDS, KV_SEGMENT_IDS, BIAS, MASK, SINKS, DBIAS, LOG_SUM = range(16, 23)
 
 PARAMS_DTYPE = np.dtype([
     ("batch", "<u4"), ("q_len", "<u4"), ("kv_len", "<u4"), ("num_heads", "<u4"),
-    ("num_kv_heads", "<u4"), ("head_dim", "<u4"), ("scale", "<f4"), ("scale_log2", "<f4"),
+    ("num_kv_heads", "<u4"), ("head_dim", "<u4"), ("scale", "<f4"), ("padding", "<u4"),
     ("window_left", "<i4"), ("window_right", "<i4"), ("causal", "<u4"), ("bottom_right", "<u4"),
     ("has_q_lengths", "<u4"), ("has_kv_lengths", "<u4"),
     ("block_offset", "<u4"), ("head_offset", "<u4"), ("batch_offset", "<u4"),
@@ -90,7 +90,6 @@ def pack_params(q_shape, kv_shape, *, scale=None, is_causal=False, local_window_
     p["batch"], p["q_len"], p["kv_len"] = batch, q_len, kv_len
     p["num_heads"], p["num_kv_heads"], p["head_dim"] = heads, kv_heads, head_dim
     p["scale"] = np.float32(scale)
-    p["scale_log2"] = np.float32(scale * math.log2(math.e))
     p["window_left"], p["window_right"] = left, right
     p["causal"] = int(bool(is_causal))
     p["bottom_right"] = int(causal_alignment == "bottom_right")
@@ -140,7 +139,7 @@ def blocks(stage, dtype, head_dim):
 
 def forward(q, k, v, *, schedule="forward", seed=0, **mask):
     """Runs flash_attention_fwd. Returns (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32,
-    l2 [B, H, Tq] float32: the base-2 statistic the backward takes).
+    residuals: the pair (row_max, log_sum) of float32 [B, H, Tq] the backward takes).
 
     mask: scale, is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths,
     causal_alignment (the oracle's keywords).
@@ -149,21 +148,22 @@ def forward(q, k, v, *, schedule="forward", seed=0, **mask):
     params = pack_params(q.shape, k.shape, **mask)
     o = _output(q.shape, q.dtype)
     lse = _output((batch, heads, q_len), np.float32)
-    l2 = _output((batch, heads, q_len), np.float32)
+    row_max, log_sum = (_output((batch, heads, q_len), np.float32) for _ in range(2))
     _dispatch("fwd", q.dtype, head_dim,
               {Q: q, K: k, V: v, Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
-               KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths")), O: o, LSE: lse, L2: l2,
-               PARAMS: params}, q_len, heads, batch, schedule, seed)
-    return o, lse, l2
+               KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths")), O: o, LSE: lse,
+               ROW_MAX: row_max, LOG_SUM: log_sum, PARAMS: params},
+              q_len, heads, batch, schedule, seed)
+    return o, lse, (row_max, log_sum)
 
 
-def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, bias_grad=False,
-             **mask):
+def backward(q, k, v, o, residuals, do, g_lse=None, *, schedule="forward", seed=0,
+             bias_grad=False, **mask):
     """Runs the backward stages as the host does (bwd_stages): bwd_dq, which also writes delta
     (and with bias_grad dbias), then bwd_dkdv (or bwd_dk and bwd_dv). Returns (dq, dk, dv,
     delta), and dbias float32 [B, H, Tq, Tkv] after them with bias_grad.
 
-    o, l2: the forward's outputs; do like o; g_lse float32 [B, H, Tq] or None (zeros).
+    o, residuals: the forward's outputs; do like o; g_lse float32 [B, H, Tq] or None (zeros).
     dq has q's shape and dtype, dk/dv k's; delta is float32 [B, H, Tq].
     """
     batch, q_len, heads, head_dim = q.shape
@@ -177,7 +177,8 @@ def backward(q, k, v, o, l2, do, g_lse=None, *, schedule="forward", seed=0, bias
     dq = _output(q.shape, q.dtype)
     dk = _output(k.shape, k.dtype)
     dv = _output(v.shape, v.dtype)
-    inputs = {Q: q, K: k, V: v, DO: do, L2: l2, PARAMS: params,
+    inputs = {Q: q, K: k, V: v, DO: do, ROW_MAX: residuals[0], LOG_SUM: residuals[1],
+              PARAMS: params,
               Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
               KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths"))}
     dq_stage, *dkdv_stages = bwd_stages(head_dim)
@@ -250,28 +251,39 @@ def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0,
     Tolerances are docs/testing.md#tolerances (tests/tolerance.py); for f16/bf16 the yardstick is
     plain same-dtype jnp attention on the same inputs with padding and non-finite values zeroed.
     Zero-size problems are checked for their exact values instead. Returns the kernel outputs as
-    a dict (o, lse, l2, dq, dk, dv, delta).
+    a dict (o, lse, row_max, log_sum, dq, dk, dv, delta).
     """
     import tolerance
 
-    o, lse, l2 = forward(q, k, v, schedule=schedule, seed=seed, **mask)
-    dq, dk, dv, delta = backward(q, k, v, o, l2, do, g_lse, schedule=schedule, seed=seed, **mask)
+    o, lse, residuals = forward(q, k, v, schedule=schedule, seed=seed, **mask)
+    dq, dk, dv, delta = backward(q, k, v, o, residuals, do, g_lse, schedule=schedule, seed=seed,
+                                 **mask)
     got = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
     return _assert_against_oracle(got, q, k, v, do, g_lse, tolerance.OUTPUTS, mask,
-                                  l2=l2, delta=delta)
+                                  row_max=residuals[0], log_sum=residuals[1], delta=delta)
+
+
+def check_residuals(lse, row_max, log_sum):
+    """The forward's residuals against their definition: on rows with a visible key (or a sink)
+    LSE = m + log(l) in float32, bit for bit, with log(l) >= 0 (the max contributes 1 to l);
+    m = JFM_EMPTY_ROW_MAX and log(l) = 0 on the others (LSE -inf)."""
+    lse, row_max, log_sum = (np.asarray(x, np.float32) for x in (lse, row_max, log_sum))
+    empty = np.isneginf(lse)
+    assert (row_max[empty] == EMPTY_ROW_MAX).all(), "m of rows with no visible key"
+    assert (log_sum[empty] == 0).all(), "log(l) of rows with no visible key"
+    np.testing.assert_array_equal(row_max[~empty] + log_sum[~empty], lse[~empty])
+    assert (log_sum[~empty] >= 0).all()
 
 
 def check_forward_against_oracle(q, k, v, *, schedule="forward", seed=0, **mask):
     """Runs only the forward kernel and asserts O and LSE against the oracle (tolerances as in
-    check_against_oracle) and L2 against its definition: LSE / ln 2 on rows with a visible key,
-    JFM_EMPTY_ROW_L2 on the others. Returns dict(o, lse, l2)."""
-    o, lse, l2 = forward(q, k, v, schedule=schedule, seed=seed, **mask)
-    empty = np.isneginf(lse)
-    assert (l2[empty] == EMPTY_ROW_L2).all(), "L2 of rows with no visible key"
-    np.testing.assert_allclose(l2[~empty] * np.log(2.0), lse[~empty], rtol=1e-6, atol=1e-6)
+    check_against_oracle) and the residuals against their definition (check_residuals).
+    Returns dict(o, lse, row_max, log_sum)."""
+    o, lse, (row_max, log_sum) = forward(q, k, v, schedule=schedule, seed=seed, **mask)
+    check_residuals(lse, row_max, log_sum)
     do = np.zeros(q.shape, q.dtype)
     return _assert_against_oracle(dict(o=o, lse=lse), q, k, v, do, None, ("o", "lse"), mask,
-                                  l2=l2)
+                                  row_max=row_max, log_sum=log_sum)
 
 
 def _assert_against_oracle(got, q, k, v, do, g_lse, names, mask, **extra):

@@ -4,6 +4,12 @@ It shares no code with the package: visibility is spelled out per batch, the sof
 directly, and the backward uses the softmax Jacobian (dS = P * (dP - rowsum(P * dP) + g_lse)),
 not the FlashAttention-2 identity rowsum(P * dP) = rowsum(dO * O) the kernels rely on.
 
+Scores are formed as the API defines them, in float32: scale * q.k, the soft cap, then + bias,
+each step rounded to float32 (computed in float64 and rounded once, so each is the correctly
+rounded float32 value); the softmax and every gradient are then taken in float64 from exactly
+these scores. So rows at a huge offset (an additive -1e9 mask, where a float32 score keeps only
+a few bits of q.k) are judged by what float32 scores say, not by the exact real scores.
+
 Sums run over visible keys (or queries) only: a non-finite value at a visible position makes the
 affected output NaN, one at an invisible position has no effect.
 """
@@ -63,6 +69,11 @@ def full_visibility(batch, num_heads, q_len, kv_len, *, bias=None, mask=None,
     return vis
 
 
+def _float32(x):
+    """x rounded to float32 (Inf past the float32 range), as float64."""
+    return np.asarray(x, np.float64).astype(np.float32).astype(np.float64)
+
+
 def _bias4(bias):
     bias = np.asarray(bias, np.float64)
     return bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
@@ -89,7 +100,8 @@ def _heads(x, num_heads):
 def _probabilities(q, k, scale, mask, bias=None, logits_soft_cap=None, sinks=None):
     """Softmax probabilities P [B, H, Tq, Tkv] (0 where invisible and on empty rows), LSE
     [B, H, Tq], the scale, d(capped score)/d(raw score) [B, H, Tq, Tkv] and the sink
-    probabilities exp(sink - LSE) [B, H, Tq] (None without sinks)."""
+    probabilities exp(sink - LSE) [B, H, Tq] (None without sinks). The scores are the float32
+    ones of the module docstring."""
     d = q.shape[-1]
     scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
     qh, kh = _heads(q, q.shape[2]), _heads(k, q.shape[2])
@@ -101,14 +113,14 @@ def _probabilities(q, k, scale, mask, bias=None, logits_soft_cap=None, sinks=Non
                               np.where(finite_k, kh, 0.0))
         bad_q = (~finite_q).any(axis=-1)[:, :, :, None]
         bad_k = (~finite_k).any(axis=-1)[:, :, None, :]
-        s = np.where(bad_q | bad_k, np.nan, s)
+        s = _float32(np.where(bad_q | bad_k, np.nan, s))
         cap_slope = np.ones_like(s)
         if logits_soft_cap is not None:
             c = float(logits_soft_cap)
             t = np.tanh(s / c)
-            s, cap_slope = c * t, 1.0 - t * t
+            s, cap_slope = _float32(c * t), 1.0 - t * t
         if bias is not None:
-            s = s + np.where(mask, _bias4(bias), 0.0)
+            s = _float32(s + np.where(mask, _float32(_bias4(bias)), 0.0))
         s = np.where(mask, s, -np.inf)
         row_max = s.max(axis=-1, keepdims=True, initial=-np.inf)
         sink = None
@@ -124,7 +136,11 @@ def _probabilities(q, k, scale, mask, bias=None, logits_soft_cap=None, sinks=Non
             lse = (row_max + np.log(denom))[..., 0]
         # Empty rows have denom 0 and P 0; a NaN denom (NaN in a visible input) stays NaN.
         p = np.where(denom == 0, 0.0, p / np.where(denom == 0, 1.0, denom))
-        p_sink = None if sink is None else np.exp(sink[..., 0] - lse)
+        # exp(sink - row_max) / denom, not exp(sink - LSE): LSE rounds to row_max at an offset
+        # like -1e30 even in float64.
+        p_sink = None if sink is None else np.where(
+            denom[..., 0] == 0, 0.0, np.exp(sink - row_max)[..., 0] / np.where(denom == 0, 1.0,
+                                                                                denom)[..., 0])
     return p, lse, scale, cap_slope, p_sink
 
 

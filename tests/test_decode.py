@@ -88,7 +88,8 @@ def test_decode_matches_the_oracle_forward_and_backward(case):
 
 
 def _ffi_forward(q, k, v, mask):
-    """(o, lse, l2) of the forward target called directly (l2: the backward's residual)."""
+    """(o, lse, row_max, log_sum) of the forward target called directly (the last two: the
+    backward's residuals)."""
     _, elements = _decode_splits(q, k)
     b, tq, h, _ = q.shape
     left, right = kh.window_bounds(mask.get("local_window_size"))
@@ -97,6 +98,7 @@ def _ffi_forward(q, k, v, mask):
     scale = mask.get("scale", 1.0 / np.sqrt(q.shape[3]))
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32),
            jax.ShapeDtypeStruct((b, h, tq), jnp.float32),
+           jax.ShapeDtypeStruct((b, h, tq), jnp.float32),
            jax.ShapeDtypeStruct((elements,), jnp.float32))
     attrs = ffi_lowering._attributes(
         scale=scale, is_causal=mask.get("is_causal", False), window_left=left,
@@ -104,22 +106,25 @@ def _ffi_forward(q, k, v, mask):
         has_q_lengths="query_seq_lengths" in mask, has_kv_lengths="key_value_seq_lengths" in mask,
         has_segment_ids=False, has_bias=False, has_mask=False, has_sinks=False,
         logits_soft_cap=None)
-    return [np.asarray(x) for x in jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **attrs)[:3]]
+    return [np.asarray(x) for x in jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **attrs)[:4]]
 
 
 @pytest.mark.parametrize("case", CASES[2:6], ids=[f"case{n}" for n in range(2, 6)])
 def test_decode_agrees_with_the_tiled_forward(case):
-    """O, LSE and L2 of the decode path and of the tiled forward kernel (run directly) for the
-    same call: within tolerance (not bits; the splits sum in another order); empty rows alike."""
+    """O, LSE and the residuals of the decode path and of the tiled forward kernel (run
+    directly) for the same call: within tolerance (not bits; the splits sum in another order);
+    empty rows alike."""
     batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, mask = case
     q, k, v, _, _ = make_inputs(7, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype)
-    o, lse, l2 = _ffi_forward(q, k, v, mask)
-    fo, flse, fl2 = kh.forward(*(np.array(x) for x in (q, k, v)), **mask)
+    o, lse, *residuals = _ffi_forward(q, k, v, mask)
+    fo, flse, tiled_residuals = kh.forward(*(np.array(x) for x in (q, k, v)), **mask)
+    kh.check_residuals(lse, *residuals)
     empty = np.isneginf(flse)
     np.testing.assert_array_equal(np.isneginf(lse), empty)
-    np.testing.assert_array_equal(l2[empty], fl2[empty])
     np.testing.assert_allclose(lse[~empty], flse[~empty], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(l2[~empty], fl2[~empty], rtol=1e-5, atol=1e-5)
+    for x, tiled in zip(residuals, tiled_residuals):
+        np.testing.assert_array_equal(x[empty], tiled[empty])
+        np.testing.assert_allclose(x[~empty], tiled[~empty], rtol=1e-5, atol=1e-5)
     atol = 1e-5 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(fo, np.float32), atol=atol)
 

@@ -29,7 +29,7 @@ from ffi_targets import (BWD, FWD, attributes, bwd_call, forward_workspace,  # n
                          fwd_call, submission_budget)
 
 HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
-EMPTY_ROW_L2 = np.float32(1.70141173e38)  # JFM_EMPTY_ROW_L2 of shaders/attention_params.h
+EMPTY_ROW_MAX = np.float32(8.50705917e37)  # JFM_EMPTY_ROW_MAX of shaders/attention_params.h
 
 requires_metal = pytest.mark.skipif(not ext.metal_available(),
                                     reason="needs a Metal GPU: " + ext.metal_unavailable_reason())
@@ -171,7 +171,7 @@ _K = jnp.zeros((1, 5, 1, 16), jnp.float32)
     ((_Q, _K, _K, jnp.zeros((1,), jnp.float32)), dict(has_q_lengths=True),
      r"q_lengths must be int32 \[1\]"),
     ((_Q, _K, _K), dict(lse_shape=(1, 2, 5)), r"output lse must be float32 \[1, 2, 4\]"),
-    ((_Q, _K, _K), dict(l2_shape=(1, 4)), r"output l2 must be float32 \[1, 2, 4\]"),
+    ((_Q, _K, _K), dict(residual_shape=(1, 4)), r"output row_max must be float32 \[1, 2, 4\]"),
     ((_Q, _K, _K), dict(workspace=jax.ShapeDtypeStruct((3,), jnp.float32)),
      r"workspace must be float32 \[144\]"),
     ((_Q[0], _K[0], _K[0]), dict(), "query must have rank 4"),
@@ -191,8 +191,9 @@ def test_handler_rejects_bad_operands_and_attributes(args, kwargs, message):
 def test_handler_rejects_missing_and_mistyped_attributes():
     attrs = attributes()
     del attrs["bottom_right"]
-    out = (jax.ShapeDtypeStruct(_Q.shape, _Q.dtype), jax.ShapeDtypeStruct((1, 2, 4), jnp.float32),
-           jax.ShapeDtypeStruct((1, 2, 4), jnp.float32), forward_workspace(_Q, _K))
+    row = jax.ShapeDtypeStruct((1, 2, 4), jnp.float32)
+    out = (jax.ShapeDtypeStruct(_Q.shape, _Q.dtype), row, row, row,
+           forward_workspace(_Q, _K))
     with pytest.raises(jax.errors.JaxRuntimeError, match="attributes"):
         jax.block_until_ready(jax.ffi.ffi_call(FWD, out)(_Q, _K, _K, **attrs))
     # Attributes are typed: a float64 scale (what a Python float becomes under x64) is refused,
@@ -326,18 +327,18 @@ def test_backward_handler_checks_the_dbias_result():
     it ([0] without it)."""
     rng = np.random.default_rng(3)
     q = _normal(rng, (1, 4, 2, 16))
-    o, lse, l2 = fwd_call(q, q, q)
+    o, lse, residuals = fwd_call(q, q, q)
     g = jnp.zeros(lse.shape, jnp.float32)
     with pytest.raises(jax.errors.JaxRuntimeError, match="bias_grad needs has_bias"):
-        bwd_call(q, q, q, o, l2, q, g, bias_grad=True)
+        bwd_call(q, q, q, o, residuals, q, g, bias_grad=True)
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype),) * 3 + (
         jax.ShapeDtypeStruct((1, 2, 4, 3), f32), jax.ShapeDtypeStruct(lse.shape, f32))
     with pytest.raises(jax.errors.JaxRuntimeError,
                        match=r"output dbias must be float32 \[1, 2, 4, 4\]"):
         jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
-            q, q, q, o, l2, q, g, jnp.zeros((1, 1, 1, 4), jnp.float32), bias_grad=np.bool_(True),
-            **attributes(has_bias=True)))
+            q, q, q, o, *residuals, q, g, jnp.zeros((1, 1, 1, 4), jnp.float32),
+            bias_grad=np.bool_(True), **attributes(has_bias=True)))
 
 
 def test_compiled_hlo_has_custom_calls_only_on_the_fused_path():
@@ -380,16 +381,17 @@ def test_fused_memory_is_linear_in_sequence_length():
 def test_zero_length_problems_write_exact_outputs_without_dispatch():
     rng = np.random.default_rng(1)
     q, k0 = _normal(rng, (2, 3, 4, 16)), jnp.zeros((2, 0, 2, 16), jnp.float32)
-    o, lse, l2 = fwd_call(q, k0, k0)
+    o, lse, (row_max, log_sum) = fwd_call(q, k0, k0)
     assert np.array_equal(np.asarray(o), np.zeros(q.shape))
     assert np.array_equal(np.asarray(lse), np.full((2, 4, 3), -np.inf))
-    assert np.array_equal(np.asarray(l2), np.full((2, 4, 3), EMPTY_ROW_L2, np.float32))
+    assert np.array_equal(np.asarray(row_max), np.full((2, 4, 3), EMPTY_ROW_MAX, np.float32))
+    assert np.array_equal(np.asarray(log_sum), np.zeros((2, 4, 3)))
     g = jnp.ones((2, 4, 3), jnp.float32)
-    dq, dk, dv, _, _ = bwd_call(q, k0, k0, q, g, q, g)
+    dq, dk, dv, _, _ = bwd_call(q, k0, k0, q, (g, g), q, g)
     assert np.array_equal(np.asarray(dq), np.zeros(q.shape)) and dk.shape == dv.shape == k0.shape
     q0, k = jnp.zeros((2, 0, 4, 16), jnp.float32), _normal(rng, (2, 5, 2, 16))
     g0 = jnp.zeros((2, 4, 0), jnp.float32)
-    dq, dk, dv, _, _ = bwd_call(q0, k, k, q0, g0, q0, g0)
+    dq, dk, dv, _, _ = bwd_call(q0, k, k, q0, (g0, g0), q0, g0)
     assert dq.shape == q0.shape
     assert np.array_equal(np.asarray(dk), np.zeros(k.shape))
     assert np.array_equal(np.asarray(dv), np.zeros(k.shape))

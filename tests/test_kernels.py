@@ -67,10 +67,11 @@ def test_every_kernel_is_instantiated():
 
 
 def _run_all(q, k, v, do, g_lse, schedule="forward", seed=0, **mask):
-    o, lse, l2 = kh.forward(q, k, v, schedule=schedule, seed=seed, **mask)
-    dq, dk, dv, delta = kh.backward(q, k, v, o, l2, do, g_lse, schedule=schedule, seed=seed,
-                                    **mask)
-    return dict(o=o, lse=lse, l2=l2, dq=dq, dk=dk, dv=dv, delta=delta)
+    o, lse, residuals = kh.forward(q, k, v, schedule=schedule, seed=seed, **mask)
+    dq, dk, dv, delta = kh.backward(q, k, v, o, residuals, do, g_lse, schedule=schedule,
+                                    seed=seed, **mask)
+    return dict(o=o, lse=lse, row_max=residuals[0], log_sum=residuals[1], dq=dq, dk=dk, dv=dv,
+                delta=delta)
 
 
 def _assert_bit_identical(a, b):
@@ -119,8 +120,8 @@ def test_padding_past_lengths_is_never_read(dtype):
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_empty_rows_are_exact(dtype):
-    """Rows that see no key: O = 0, LSE = -inf and L2 = JFM_EMPTY_ROW_L2 exactly, zero dQ;
-    unseen keys: zero dK/dV."""
+    """Rows that see no key: O = 0, LSE = -inf, residuals m = JFM_EMPTY_ROW_MAX and
+    log(l) = 0 exactly, zero dQ; unseen keys: zero dK/dV."""
     # Window (2, -) with causal and bottom_right over q 12 / kv 5: early rows see nothing.
     mask = dict(is_causal=True, local_window_size=(2, None), causal_alignment="bottom_right",
                 query_seq_lengths=np.array([12, 3], np.int32),
@@ -138,7 +139,8 @@ def test_empty_rows_are_exact(dtype):
         assert (o[b, empty[b]] == 0).all() and (dq[b, empty[b]] == 0).all()
         assert np.isneginf(lse[b][:, empty[b]]).all()
         assert np.isfinite(lse[b][:, ~empty[b]]).all()
-        assert (got["l2"][b][:, empty[b]] == kh.EMPTY_ROW_L2).all()
+        assert (got["row_max"][b][:, empty[b]] == kh.EMPTY_ROW_MAX).all()
+        assert (got["log_sum"][b][:, empty[b]] == 0).all()
         for name in ("dk", "dv"):
             assert (np.asarray(got[name][b, unseen[b]], np.float64) == 0).all()
     assert (got["delta"][1][:, 3:] == 0).all()  # rows past q_len
@@ -188,12 +190,13 @@ def test_zero_width_window_copies_v(dtype):
     """Window (0, 0): each row sees only its own key, so O = V and dV = dO bit for bit.
 
     dV needs the backward to recompute P = 1 exactly: scores bit-identical to the forward's and
-    P = exp2(S2 - L2) = 1 exactly for a one-hot row (L2 = m + log2(1) = m).
+    P = exp2((S - m) log2(e) - log(l) log2(e)) = 1 exactly for a one-hot row (S = m, l = 1).
     """
     q, k, v, do, g_lse = kh.random_inputs(kh.DTYPES[dtype], 1, 33, 33, 2, 2, 48, seed=4)
-    o, _, l2 = kh.forward(q, k, v, local_window_size=(0, 0))
+    o, _, residuals = kh.forward(q, k, v, local_window_size=(0, 0))
     assert o.tobytes() == v.tobytes()
-    _, _, dv, _ = kh.backward(q, k, v, o, l2, do, g_lse, local_window_size=(0, 0))
+    assert (residuals[1] == 0).all()  # log(1)
+    _, _, dv, _ = kh.backward(q, k, v, o, residuals, do, g_lse, local_window_size=(0, 0))
     assert dv.tobytes() == do.tobytes()
 
 
@@ -207,11 +210,12 @@ def test_bf16_store_rounds_to_nearest_even():
     v = rng.standard_normal((1, 2, 1, 16)).astype(np.float32).astype(kh.DTYPES["bf16"])
     q = np.ones((1, 1, 1, 16), kh.DTYPES["bf16"])
     k = np.ones((1, 2, 1, 16), kh.DTYPES["bf16"])
-    o, lse, l2 = kh.forward(q, k, v, scale=0.0)
+    o, lse, (row_max, log_sum) = kh.forward(q, k, v, scale=0.0)
     mean = (v[0, 0].astype(np.float32) + v[0, 1].astype(np.float32)) * np.float32(0.5)
     assert o[0, 0].tobytes() == mean.astype(kh.DTYPES["bf16"]).tobytes()
     np.testing.assert_allclose(lse, np.log(2.0), rtol=1e-6)
-    np.testing.assert_allclose(l2, 1.0, rtol=1e-6)  # base 2: log2(2)
+    np.testing.assert_array_equal(row_max, 0.0)  # every score is 0
+    np.testing.assert_allclose(log_sum, np.log(2.0), rtol=1e-6)
 
 
 def test_huge_window_bounds_equal_unbounded():

@@ -143,8 +143,9 @@ def test_soft_cap_with_large_logits(dtype):
 
 
 def test_sinks_with_empty_rows():
-    """Sinks need no backward kernel work (L2 includes them): dQ, dK, dV and dsinks (computed
-    from O and LSE) with empty rows from a zero kv length and rows past q_len."""
+    """Sinks need no backward kernel work (the residuals include them): dQ, dK, dV and dsinks
+    (computed from O and the residuals) with empty rows from a zero kv length and rows past
+    q_len."""
     q, k, v, do, g = inputs(10)
     sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
     got, _ = check(q, k, v, do, g, sinks=sinks, query_seq_lengths=np.array([9, 5]),

@@ -2,7 +2,7 @@
 segment ids, sinks; shaders/flash_attention_features.h) through the whole chain: flash_attention
 -> forward primitive -> FFI lowering -> emulated device -> tiled forward or split-KV decode.
 O and LSE against the float64 oracle (tests/oracle.py, tolerances of tests/tolerance.py), the
-base-2 residual L2 against LSE, the segment-id tile skip in the kernel profile, and the
+residuals m and log(l) against LSE, the segment-id tile skip in the kernel profile, and the
 handler's errors for bad feature operands.
 
 The backward with the features: tests/test_kernels_features_bwd.py.
@@ -18,11 +18,9 @@ from api_helpers import normal
 
 ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import flash_attention, profile  # noqa: E402
+import kernel_harness as kh  # noqa: E402
 from ffi_targets import fwd_call  # noqa: E402  (the forward target called directly)
 from kernel_harness import needs_counting  # noqa: E402
-
-LN2 = np.log(2.0)
-
 
 def forward(q, k, v, bias=None, mask=None, **kw):
     """(o, lse) of the emulator's forward."""
@@ -240,32 +238,36 @@ def test_emulator_schedules_give_identical_results():
             np.testing.assert_array_equal(a, b)
 
 
-# ---- L2, the backward's residual, through the FFI target ----------------------------------
+# ---- the backward's residuals, through the FFI target -------------------------------------
 
 @pytest.mark.parametrize("q_len", [1, 20], ids=["decode", "tiled"])
-def test_l2_includes_the_sinks(q_len):
-    """L2 = LSE / ln 2 on every row, empty ones included (they hold the sink), so the backward's
-    P = exp2(S2 - L2) is normalised with the sink in the denominator."""
+def test_residuals_include_the_sinks(q_len):
+    """m + log(l) = LSE on every row, empty ones included (they hold the sink: m = the sink,
+    log(l) = 0), so the backward's P is normalised with the sink in the denominator."""
     q, k, v = qkv(23, 1, q_len, 300, 2, 2, 16)
     sinks = jnp.asarray([0.5, 30.0], jnp.float32)  # a sink far above every score, too
     mask = np.ones((1, 1, q_len, 300), bool)
     mask[..., 0, :] = False
-    o, lse, l2 = fwd_call(q, k, v, jnp.asarray(mask), sinks, has_mask=True, has_sinks=True)
-    np.testing.assert_allclose(np.asarray(l2) * LN2, lse, rtol=1e-6)
+    o, lse, (row_max, log_sum) = fwd_call(q, k, v, jnp.asarray(mask), sinks, has_mask=True,
+                                          has_sinks=True)
+    kh.check_residuals(lse, row_max, log_sum)
+    np.testing.assert_array_equal(np.asarray(row_max)[0, :, 0], sinks)
+    np.testing.assert_array_equal(np.asarray(log_sum)[0, :, 0], 0.0)
     np.testing.assert_allclose(np.asarray(lse)[0, :, 0], sinks, rtol=1e-6)
     assert (np.asarray(o)[0, 0] == 0).all()
 
 
 def test_no_keys_with_sinks():
-    """kv_len 0 (no dispatch): O = 0, LSE = the sink, L2 = LSE / ln 2."""
+    """kv_len 0 (no dispatch): O = 0, LSE = m = the sink, log(l) = 0."""
     q = jnp.ones((1, 3, 2, 16), jnp.float32)
     k = jnp.ones((1, 0, 1, 16), jnp.float32)
     sinks = jnp.asarray([1.5, -2.0], jnp.float32)
-    o, lse, l2 = fwd_call(q, k, k, sinks, has_sinks=True)
+    o, lse, (row_max, log_sum) = fwd_call(q, k, k, sinks, has_sinks=True)
     assert (np.asarray(o) == 0).all()
     np.testing.assert_allclose(lse, np.broadcast_to(np.asarray(sinks)[None, :, None], lse.shape),
                                rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(l2) * LN2, lse, rtol=1e-6)
+    np.testing.assert_array_equal(row_max, lse)
+    np.testing.assert_array_equal(log_sum, 0.0)
 
 
 # ---- handler errors for bad feature operands -------------------------------------------------

@@ -90,8 +90,8 @@ def test_one_hot_rows_are_exact(dtype, head_dim):
     (scores bit-identical to the forward's): dV = dO bit for bit, and dP - D = 0 exactly, so
     dQ = dK = 0."""
     q, k, v, do, g_lse = _inputs(dtype, 1, 19, 19, 2, 1, head_dim, seed=6)
-    o, _, l2 = kh.forward(q, k, v, local_window_size=(0, 0))
-    dq, dk, dv, _ = kh.backward(q, k, v, o, l2, do, None, local_window_size=(0, 0))
+    o, _, residuals = kh.forward(q, k, v, local_window_size=(0, 0))
+    dq, dk, dv, _ = kh.backward(q, k, v, o, residuals, do, None, local_window_size=(0, 0))
     dv_sum = do[:, :, 0].astype(np.float32) + do[:, :, 1].astype(np.float32)  # 2 query heads
     assert dv[:, :, 0].tobytes() == dv_sum.astype(dv.dtype).tobytes()
     assert (np.asarray(dq, np.float64) == 0).all() and (np.asarray(dk, np.float64) == 0).all()
@@ -110,7 +110,8 @@ def test_schedules_are_bit_identical(dtype, head_dim):
                                  key_value_seq_lengths=mask["key_value_seq_lengths"])
     reference = kh.check_against_oracle(q, k, v, do, g_lse, **mask)
     for schedule, seed in (("reverse", 0), ("random", 1), ("random", 2)):
-        got = kh.backward(q, k, v, reference["o"], reference["l2"], do, g_lse,
+        got = kh.backward(q, k, v, reference["o"],
+                          (reference["row_max"], reference["log_sum"]), do, g_lse,
                           schedule=schedule, seed=seed, **mask)
         for name, x in zip(("dq", "dk", "dv", "delta"), got):
             assert x.tobytes() == reference[name].tobytes(), (schedule, seed, name)
@@ -128,13 +129,13 @@ def test_dbias_is_written_everywhere(dtype, head_dim):
     mask = dict(is_causal=True, local_window_size=(cols // 2, 3), **lengths)
     q, k, v, do, g_lse = _inputs(dtype, 2, rows + 5, 3 * cols + 2, 4, 2, head_dim, seed=8,
                                  **lengths)
-    o, _, l2 = kh.forward(q, k, v, **mask)
-    *grads, dbias = kh.backward(q, k, v, o, l2, do, g_lse, bias_grad=True, **mask)
+    o, _, residuals = kh.forward(q, k, v, **mask)
+    *grads, dbias = kh.backward(q, k, v, o, residuals, do, g_lse, bias_grad=True, **mask)
     zero_bias = dict(bias=np.zeros(dbias.shape, np.float32), **mask)
     want = oracle.gradients(q, k, v, do, g_lse, **zero_bias)["dbias"]
     base = None if dtype == "f32" else tolerance.baseline(
         *kh.yardstick_inputs(q, k, v, do, g_lse, mask), **zero_bias)["dbias"]
     tolerance.assert_matches_oracle("dbias", dbias, want, base, input_dtype=q.dtype)
     assert (dbias[want == 0] == 0).all()
-    for got, plain in zip(grads, kh.backward(q, k, v, o, l2, do, g_lse, **mask)):
+    for got, plain in zip(grads, kh.backward(q, k, v, o, residuals, do, g_lse, **mask)):
         assert got.tobytes() == plain.tobytes()

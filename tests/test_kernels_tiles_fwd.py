@@ -3,9 +3,9 @@
 Lengths just below, at and above each family's query block BQ and key block BK (and several
 blocks plus one), causal with q_len much larger and much smaller than kv_len, windows narrower
 than a key block, grouped-query groups of 1 to 8, bit-identical results under every emulator
-schedule, and a bounded random differential test over the feature space (fixed seeds). Forward only
-(O, LSE, L2) against the float64 oracle with the tolerances of docs/testing.md#tolerances; the
-backward has its own tests.
+schedule, and a bounded random differential test over the feature space (fixed seeds). Forward
+only (O, LSE and the residuals) against the float64 oracle with the tolerances of
+docs/testing.md#tolerances; the backward has its own tests.
 """
 
 import numpy as np
@@ -78,8 +78,8 @@ def test_schedules_are_bit_identical(dtype, head_dim):
                       key_value_seq_lengths=mask["key_value_seq_lengths"])
     reference = kh.check_forward_against_oracle(q, k, v, **mask)
     for schedule, seed in (("reverse", 0), ("random", 1), ("random", 2)):
-        got = kh.forward(q, k, v, schedule=schedule, seed=seed, **mask)
-        for name, x in zip(("o", "lse", "l2"), got):
+        o, lse, residuals = kh.forward(q, k, v, schedule=schedule, seed=seed, **mask)
+        for name, x in zip(("o", "lse", "row_max", "log_sum"), (o, lse, *residuals)):
             assert x.tobytes() == reference[name].tobytes(), (schedule, seed, name)
 
 

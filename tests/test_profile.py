@@ -124,7 +124,8 @@ def tiled_forward_counts(problem, mask):
     """Counts of the tiled forward: per threadgroup (a block of BQ query rows), Q staged once,
     then for every key block meeting the block's visible union [lo, hi]: K and V staged (only
     their rows inside the union read from device memory), S = Q K^T and O += P V as 8x8 MMAs,
-    two row-max shuffles; at the end two row-sum shuffles and the stores of O, LSE and L2."""
+    two row-max shuffles; at the end two row-sum shuffles and the stores of O, LSE and the
+    residuals m and log(l)."""
     shape = ext.tile_shape("fwd", TYPE_NAME[problem.dtype], problem.head_dim)
     bq, bk, sg, threads = shape["rows"], shape["cols"], shape["simdgroups"], shape["threads"]
     s, d, h = ITEMSIZE[problem.dtype], problem.head_dim, problem.heads
@@ -142,7 +143,7 @@ def tiled_forward_counts(problem, mask):
             rows = min(bq, problem.q_len - i0)
             c["threadgroups"] += 1
             c["device_bytes_read"] += lengths_read
-            c["device_bytes_written"] += rows * (d * s + 8)
+            c["device_bytes_written"] += rows * (d * s + 12)
             c["simd_ops"] += 2 * sg
             keys = np.flatnonzero(mask[b, i0:i0 + bq].any(axis=0))
             if keys.size == 0:
@@ -172,7 +173,8 @@ def _union(visible):
 
 def tiled_dq_counts(problem, mask):
     """Counts of bwd_dq: per threadgroup (BQ query rows), Q and dO staged, D as the diagonal of
-    dO O^T (O read once, 2 row-sum shuffles), L2 and g_lse read by the 4 lanes of each valid row,
+    dO O^T (O read once, 2 row-sum shuffles), m, log(l) and g_lse read by the 4 lanes of each
+    valid row,
     D stored; then per key block meeting the block's visible union: V and K staged, dP, S and
     dS K as MMAs; dQ stored."""
     bq, bk, sg, threads, lengths_read = _launch(problem, "bwd_dq")
@@ -186,7 +188,7 @@ def tiled_dq_counts(problem, mask):
             rows = min(bq, problem.q_len - i0)
             valid = int(np.clip(q_valid[b] - i0, 0, bq))
             c["threadgroups"] += 1
-            c["device_bytes_read"] += lengths_read + 3 * valid * d * s + 2 * 4 * 4 * valid
+            c["device_bytes_read"] += lengths_read + 3 * valid * d * s + 3 * 4 * 4 * valid
             c["device_bytes_written"] += rows * (d * s + 4)
             c["threadgroup_bytes_written"] += 2 * bq * d * s
             c["threadgroup_bytes_read"] += threads * df * 2 * s
@@ -211,8 +213,8 @@ def tiled_dq_counts(problem, mask):
 def tiled_dkdv_counts(problem, mask, stage):
     """Counts of bwd_dkdv (bwd_dk, bwd_dv): per threadgroup (BKV keys), K (and V for dK) staged
     if some query sees a key of the block; per query head of the group and query block meeting
-    the visible union: dO and/or Q staged (the one-buffer kernels restage in between), L2 and D
-    staged, dP^T (dK), S^T, dK += dS^T Q, dV += P^T dO as MMAs; dK/dV stored."""
+    the visible union: dO and/or Q staged (the one-buffer kernels restage in between), m, log(l)
+    and D staged, dP^T (dK), S^T, dK += dS^T Q, dV += P^T dO as MMAs; dK/dV stored."""
     bkv, bq, sg, threads, lengths_read = _launch(problem, stage)
     want_dk, want_dv = stage != "bwd_dv", stage != "bwd_dk"
     one_buffer = profile_shared_stream(problem)
@@ -235,19 +237,20 @@ def tiled_dkdv_counts(problem, mask, stage):
             c["device_bytes_read"] += (1 + want_dk) * valid * d * s
             c["threadgroup_bytes_written"] += (1 + want_dk) * bkv * d * s
             blocks = g * (hi // bq - lo // bq + 1)
-            c["device_bytes_read"] += g * (2 * (hi - lo + 1) * d * s + 8 * (hi - lo + 1))
-            c["threadgroup_bytes_written"] += blocks * (2 * bq * d * s + 8 * bq)  # Q, dO, L2, D
+            c["device_bytes_read"] += g * (2 * (hi - lo + 1) * d * s + 12 * (hi - lo + 1))
+            # Q, dO, (m, log(l) log2(e), D, unused)
+            c["threadgroup_bytes_written"] += blocks * (2 * bq * d * s + 16 * bq)
             # S^T, and dP^T, dK += dS^T Q for dK, dV += P^T dO for dV
             c["mma_ops"] += blocks * sg * df * qf * (1 + 2 * want_dk + want_dv)
             abt = (1 + want_dk) * (df + df * qf)  # fragments of S^T (and dP^T)
             ab = (want_dk + want_dv) * df * qf
-            stats = 2 * qf * (8 if want_dk else 4)  # (L2, D) per element; L2 only for dV
+            stats = 2 * qf * (12 if want_dk else 8)  # (m, log l, D) per element; no D for dV
             c["threadgroup_bytes_read"] += blocks * threads * (2 * s * (abt + ab) + stats)
             c["barriers"] += blocks * (4 if one_buffer else 2)
     c = {k: int(v) * hk for k, v in c.items()}
     stride_bytes = d * s + 16
     c["threadgroup_memory_bytes"] = (bkv * stride_bytes + (bkv * stride_bytes if want_dk else 16)
-                                     + (1 if one_buffer else 2) * bq * stride_bytes + 8 * bq)
+                                     + (1 if one_buffer else 2) * bq * stride_bytes + 16 * bq)
     return c
 
 

@@ -169,8 +169,9 @@ def test_primitives_directly(implementation):
     params = coerce_params(scale=0.3, is_causal=True, window_left=-1, window_right=2,
                            bottom_right=True, has_q_lengths=True, has_kv_lengths=True,
                            implementation=implementation)
-    o, lse, l2 = jax.jit(lambda *a: fwd_p.bind(*a, **params))(q, k, v, ql, kl)
-    dq, dk, dv = jax.jit(lambda *a: bwd_p.bind(*a, **params))(q, k, v, o, lse, l2, do, g, ql, kl)
+    o, lse, row_max, log_sum = jax.jit(lambda *a: fwd_p.bind(*a, **params))(q, k, v, ql, kl)
+    dq, dk, dv = jax.jit(lambda *a: bwd_p.bind(*a, **params))(q, k, v, o, lse, row_max, log_sum,
+                                                              do, g, ql, kl)
     kw = dict(scale=0.3, is_causal=True, local_window_size=(None, 2),
               causal_alignment="bottom_right", query_seq_lengths=np.asarray(ql),
               key_value_seq_lengths=np.asarray(kl))
@@ -181,6 +182,7 @@ def test_primitives_directly(implementation):
     shapes = jax.eval_shape(lambda *a: fwd_p.bind(*a, **params), q.astype(jnp.bfloat16),
                             k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), ql, kl)
     assert [(s.shape, s.dtype) for s in shapes] == [(q.shape, jnp.bfloat16),
+                                                    ((2, 4, 6), jnp.float32),
                                                     ((2, 4, 6), jnp.float32),
                                                     ((2, 4, 6), jnp.float32)]
     # Eager binding takes the same path as jit.
