@@ -215,7 +215,8 @@ def _check_segment_ids(query_segment_ids, key_value_segment_ids, batch, q_len, k
     out = []
     for name, ids, length in (("query_segment_ids", query_segment_ids, q_len),
                               ("key_value_segment_ids", key_value_segment_ids, kv_len)):
-        ids = _as_array(ids, name)
+        # NumPy and lists stay NumPy here: jnp.asarray would wrap 64-bit ids to int32 first.
+        ids = _array_like(ids, name, jnp.asarray if _is_jax(ids) else np.asarray)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
         if rank3 and ids.ndim == 1:
@@ -223,8 +224,35 @@ def _check_segment_ids(query_segment_ids, key_value_segment_ids, batch, q_len, k
         if ids.shape != (batch, length):
             raise ValueError(f"{name} must have shape [batch, len] = ({batch}, {length}), got "
                              f"{ids.shape}")
-        out.append(ids.astype(jnp.int32))
-    return tuple(out)
+        out.append(ids)
+    return _segment_ids_int32(*out)
+
+
+def _segment_ids_int32(q_ids, kv_ids):
+    """Both id arrays as int32 with their equalities kept exactly (the implementations compare
+    ids only for equality). Ids of one dtype of at most 32 bits are cast, which is one-to-one;
+    otherwise (64-bit ids, or two dtypes whose casts could meet, e.g. int32 -1 and uint32
+    2**32 - 1) each id is replaced by its rank among the ids of both arrays, compared in their
+    common dtype. TypeError when there is none (uint64 with a signed dtype), or for JAX arrays
+    whose common dtype is 64-bit without jax_enable_x64."""
+    if q_ids.dtype == kv_ids.dtype and q_ids.dtype.itemsize <= 4:
+        return jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)
+    common = np.promote_types(q_ids.dtype, kv_ids.dtype)
+    if not np.issubdtype(common, np.integer):  # uint64 with a signed dtype
+        raise TypeError(f"query_segment_ids ({q_ids.dtype}) and key_value_segment_ids "
+                        f"({kv_ids.dtype}) have no common integer dtype")
+    xp = jnp if _is_jax(q_ids) or _is_jax(kv_ids) else np
+    if xp is jnp and common.itemsize > 4 and not jax.config.jax_enable_x64:
+        raise TypeError(f"query_segment_ids ({q_ids.dtype}) and key_value_segment_ids "
+                        f"({kv_ids.dtype}) as JAX arrays need one dtype (their common dtype "
+                        f"{common} needs jax_enable_x64): cast both to one integer dtype")
+    both = xp.concatenate([q_ids.ravel().astype(common), kv_ids.ravel().astype(common)])
+    if xp is np:
+        ranks = np.unique(both, return_inverse=True)[1]
+    else:
+        ranks = jnp.unique(both, return_inverse=True, size=both.size)[1]
+    ranks = jnp.asarray(ranks.reshape(-1), jnp.int32)
+    return ranks[:q_ids.size].reshape(q_ids.shape), ranks[q_ids.size:].reshape(kv_ids.shape)
 
 
 def _check_sinks(sinks, num_heads):

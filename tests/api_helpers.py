@@ -84,3 +84,18 @@ def check_against_oracle(q, k, v, do, g_lse=None, *, implementation=None, jit=Tr
     kw = {k_: kwargs[k_] for k_ in MASK_KEYS if k_ in kwargs}
     expected = tolerance.assert_all_match_oracle(actual, q, k, v, do, g_lse, names=names, **kw)
     return actual, expected
+
+
+def run(q, k, v, do, g, *, implementation="xla", **kw):
+    """o, lse, dq, dk, dv and, when given, dbias / dsinks (VJP at cotangents do, g)."""
+    diff = {n: kw.pop(n) for n in ("bias", "sinks") if kw.get(n) is not None}
+
+    def f(q, k, v, diff):
+        return flash_attention(q, k, v, diff.get("bias"), sinks=diff.get("sinks"),
+                               implementation=implementation, return_lse=True, **kw)
+
+    (o, lse), vjp = jax.vjp(jax.jit(f), q, k, v, diff)
+    dq, dk, dv, ddiff = vjp((do, g))
+    out = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
+    out.update({"d" + n: x for n, x in ddiff.items()})
+    return out

@@ -18,7 +18,11 @@ os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS"),
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"]))
 
+import jax  # noqa: E402
+
 import jax_flash_metal  # noqa: E402
+from api_helpers import use_xla_schedule  # noqa: E402
+from jax_flash_metal import xla_schedule  # noqa: E402
 
 # The package and its extension, argument checking, and both implementations (xla, emulator)
 # against the oracle on small shapes: forward, backward, decode.
@@ -58,3 +62,16 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.fixture(params=["dense", "blocks"])
+def blocks(request, monkeypatch):
+    """Both paths of the xla implementation, for the tests that take it: one dense tile, or
+    blocks of 4 rows x 4 keys."""
+    if request.param == "blocks":
+        use_xla_schedule(monkeypatch, xla_schedule.Schedule(dense_max_len=4, block_q=4,
+                                                            block_k=4))
+        yield request.param
+        jax.clear_caches()
+    else:
+        yield request.param

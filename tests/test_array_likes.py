@@ -79,6 +79,52 @@ def test_traced_narrow_lengths_clamp_in_their_dtype():
         "o", out, _oracle_o(q, k, v, key_value_seq_lengths=np.array([5, 100])))
 
 
+SEGMENTS = (FEATURES["query_segment_ids"], FEATURES["key_value_segment_ids"])
+WIDE_SEGMENTS = [
+    # Equal after a cast to int32 (2**32 + 1 wraps to 1), different as given.
+    (SEGMENTS[0].astype(np.int64), np.where(SEGMENTS[1] == 1, 2**32 + 1, 0)),
+    (SEGMENTS[0].astype(np.uint64), np.where(SEGMENTS[1] == 1, 2**33 + 1, 2**40).astype(np.uint64)),
+    # int32 -1 and uint32 2**32 - 1 meet in an int32 cast.
+    (np.where(SEGMENTS[0] == 1, -1, 0).astype(np.int32),
+     np.where(SEGMENTS[1] == 1, 2**32 - 1, 0).astype(np.uint32)),
+]
+
+
+def _ranks(query_ids, kv_ids):
+    """The ids as ranks among both arrays' values compared as Python ints (exact for every
+    dtype): the segment structure the oracle sees."""
+    both = [int(x) for x in np.concatenate([query_ids.ravel(), kv_ids.ravel()])]
+    rank = {x: i for i, x in enumerate(sorted(set(both)))}
+    ranks = np.array([rank[x] for x in both], np.int32)
+    return (ranks[:query_ids.size].reshape(query_ids.shape),
+            ranks[query_ids.size:].reshape(kv_ids.shape))
+
+
+@pytest.mark.parametrize("query_ids,kv_ids", WIDE_SEGMENTS, ids=["int64", "uint64", "int32-uint32"])
+@pytest.mark.parametrize("fn", FUNCTIONS, ids=["flash", "reference"])
+def test_segment_ids_compare_exactly(fn, implementation, query_ids, kv_ids):
+    """Segment ids keep exactly the equalities they have as given, whatever their dtypes: no
+    pair of different ids becomes equal in the int32 the kernels compare."""
+    expected_q, expected_kv = _ranks(query_ids, kv_ids)
+    _check(fn, implementation, Q, K, V,
+           dict(query_segment_ids=expected_q, key_value_segment_ids=expected_kv),
+           query_segment_ids=query_ids, key_value_segment_ids=kv_ids)
+
+
+def test_traced_mixed_segment_id_dtypes_are_exact_or_refused():
+    """JAX arrays of int32 and uint32 ids have no exact common dtype without x64: a TypeError
+    naming both, not an int32 cast in which -1 and 2**32 - 1 meet."""
+    query_ids, kv_ids = WIDE_SEGMENTS[2]
+    f = jax.jit(lambda a, b: flash_attention(Q, K, V, query_segment_ids=a,
+                                             key_value_segment_ids=b))
+    with pytest.raises(TypeError, match="query_segment_ids .int32. and key_value_segment_ids"):
+        f(jnp.asarray(query_ids), jnp.asarray(kv_ids))
+    expected_q, expected_kv = _ranks(query_ids, kv_ids)  # one dtype: a cast, exact
+    tolerance.assert_matches_oracle(
+        "o", f(jnp.asarray(expected_q, jnp.uint32), jnp.asarray(expected_kv, jnp.uint32)),
+        _oracle_o(Q, K, V, query_segment_ids=expected_q, key_value_segment_ids=expected_kv))
+
+
 @pytest.mark.parametrize("overrides,text", [
     (dict(key=[[1.0], [2.0, 3.0]]), "key must be an array-like"),
     (dict(mask="yes"), "mask must be an array-like"),

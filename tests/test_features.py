@@ -2,7 +2,7 @@
 oracle, and against jax.nn.dot_product_attention wherever jax.nn defines the same thing.
 
 Run on the xla implementation (dense and, with shrunken blocks, blockwise); the fused kernels'
-features: tests/test_kernels_features.py (forward) and tests/test_kernels_features_bwd.py
+features: tests/test_kernels_features_fwd.py (forward) and tests/test_kernels_features_bwd.py
 (gradients).
 """
 
@@ -15,38 +15,10 @@ import pytest
 from jax.test_util import check_grads
 
 import tolerance
-from api_helpers import make_inputs, normal, use_xla_schedule
+from api_helpers import make_inputs, normal, run
 from jax_flash_metal import flash_attention, implementations, reference_attention
-from jax_flash_metal import xla_schedule
 
 B, TQ, TK, H, HKV, D = 2, 9, 11, 4, 2, 16
-
-
-@pytest.fixture(params=["dense", "blocks"])
-def blocks(request, monkeypatch):
-    """Both paths of the xla implementation: one dense tile, or blocks of 4 rows x 4 keys."""
-    if request.param == "blocks":
-        use_xla_schedule(monkeypatch, xla_schedule.Schedule(dense_max_len=4, block_q=4,
-                                                            block_k=4))
-        yield request.param
-        jax.clear_caches()
-    else:
-        yield request.param
-
-
-def run(q, k, v, do, g, *, implementation="xla", **kw):
-    """o, lse, dq, dk, dv and, when given, dbias / dsinks (VJP at cotangents do, g)."""
-    diff = {n: kw.pop(n) for n in ("bias", "sinks") if kw.get(n) is not None}
-
-    def f(q, k, v, diff):
-        return flash_attention(q, k, v, diff.get("bias"), sinks=diff.get("sinks"),
-                               implementation=implementation, return_lse=True, **kw)
-
-    (o, lse), vjp = jax.vjp(jax.jit(f), q, k, v, diff)
-    dq, dk, dv, ddiff = vjp((do, g))
-    out = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
-    out.update({"d" + n: x for n, x in ddiff.items()})
-    return out
 
 
 def check(q, k, v, do, g, names=None, **kw):

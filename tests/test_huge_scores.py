@@ -19,9 +19,8 @@ import pytest
 from jax.test_util import check_grads
 
 import tolerance
-from api_helpers import DTYPES, normal
+from api_helpers import DTYPES, normal, run
 from jax_flash_metal import flash_attention
-from test_features import blocks, run  # noqa: F401  (blocks: the dense / blockwise fixture)
 
 OFFSETS = (0.0, -1e4, -1e6, -1e9, -1e30, float(np.finfo(np.float32).min), -np.inf)
 
