@@ -222,8 +222,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     (jax.custom_vjp); softmax math is float32. Method: Dao, "FlashAttention-2" (2023), recompute
     backward from (q, k, v, o, lse, dO) with D = rowsum(dO * O) - g_lse.
     """
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    return_lse = validation.check_bool(return_lse, "return_lse")
     if sequence_axis_name is None and sequence_layout != "contiguous":
         raise ValueError(f"sequence_layout={sequence_layout!r} needs sequence_axis_name (the "
                          "layout of a sequence split over devices)")

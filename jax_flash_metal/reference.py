@@ -139,7 +139,6 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
         key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
         query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids,
         logits_soft_cap=logits_soft_cap, sinks=sinks)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    return_lse = validation.check_bool(return_lse, "return_lse")
     o, lse = forward(q, k, v, operands, **params._asdict())
     return validation.restore_rank(query, o, lse, return_lse)

@@ -41,7 +41,8 @@ def _as_array(x, name):
     return x if isinstance(x, jax.Array) else _array_like(x, name, jnp.asarray)
 
 
-def _check_bool(value, name):
+def check_bool(value, name):
+    """``value`` as a bool: a Python or NumPy bool, else TypeError naming ``name``."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise TypeError(f"{name} must be a bool, got {value!r} of type {type(value).__name__}")
@@ -327,7 +328,7 @@ def check_inputs(
             f"({num_kv_heads})"
         )
     scale = check_scale(scale, head_dim)
-    is_causal = _check_bool(is_causal, "is_causal")
+    is_causal = check_bool(is_causal, "is_causal")
     window_left, window_right = check_window(local_window_size)
     if not isinstance(causal_alignment, str) or causal_alignment not in ALIGNMENTS:
         raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
