@@ -489,7 +489,6 @@ JFM_UNARY(abs, __builtin_fabsf(x))
 JFM_UNARY(fract, __builtin_fminf(x - __builtin_floorf(x), 0x1.fffffep-1f))
 JFM_UNARY(saturate, __builtin_fminf(__builtin_fmaxf(x, 0.0f), 1.0f))
 JFM_UNARY(sign, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x == x ? x : 0.0f)))
-#undef JFM_UNARY
 
 #define JFM_BINARY(NAME, EXPR)                                                   \
   inline float NAME(float x, float y) { return EXPR; }                           \
@@ -674,15 +673,8 @@ JFM_MATH_NAMES
 inline bool garbage_for(float x) {
   return !__builtin_isfinite(x) && ::jfm::rt::fast_math_garbage();
 }
-#define JFM_FAST_UNARY(NAME)                                                       \
-  inline float NAME(float x) { return garbage_for(x) ? JFM_FAST_MATH_GARBAGE : metal::NAME(x); } \
-  inline half NAME(half x) { return half(NAME(float(x))); }                        \
-  template <class T, int N>                                                        \
-  inline vec<T, N> NAME(const vec<T, N>& v) {                                      \
-    vec<T, N> r;                                                                   \
-    for (int i = 0; i < N; ++i) r[i] = NAME(v[i]);                                 \
-    return r;                                                                      \
-  }
+#define JFM_FAST_UNARY(NAME) \
+  JFM_UNARY(NAME, garbage_for(x) ? JFM_FAST_MATH_GARBAGE : metal::NAME(x))
 JFM_FAST_UNARY(exp)
 JFM_FAST_UNARY(exp2)
 JFM_FAST_UNARY(exp10)
@@ -696,6 +688,7 @@ JFM_FAST_UNARY(cos)
 JFM_FAST_UNARY(tan)
 JFM_FAST_UNARY(tanh)
 #undef JFM_FAST_UNARY
+#undef JFM_UNARY
 #define JFM_FAST_BINARY(NAME)                                                      \
   inline float NAME(float x, float y) {                                            \
     return garbage_for(x) || garbage_for(y) ? JFM_FAST_MATH_GARBAGE : metal::NAME(x, y); \
