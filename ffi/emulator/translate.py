@@ -25,7 +25,9 @@ the threadgroup's memory (``JFM_TGV``); ``float4(a, b)``-style vector constructo
 floating literals get ``f`` (Metal has no double) and
 ``1.5h`` becomes ``half(1.5f)``. Anything the emulator does not support (an unknown attribute, a
 kernel parameter without a binding, an unsupported builtin type, ``[[threadgroup(n)]]``
-arguments) is an error naming file:line; nothing is silently dropped.
+arguments) is an error naming file:line; nothing is silently dropped. So is a ``for`` loop that
+subscripts a fragment array with its variable but lacks ``#pragma clang loop unroll(full)``
+(``JFM_PRAGMA_UNROLL``; ``Translator.check_fragment_loops``).
 """
 
 import argparse
