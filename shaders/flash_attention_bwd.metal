@@ -62,11 +62,13 @@ inline JfmFrag jfm_frag_load_transposed_rows(device const T* rows, uint stride, 
 template <typename T, int D, int LD, int BF>
 inline void jfm_mma_abt(thread JfmFrag* acc, threadgroup const T* a, threadgroup const T* b,
                         JfmFragCoord at) {
+  JFM_PRAGMA_UNROLL
   for (int f = 0; f < BF; ++f) {
     acc[f] = jfm_frag_zero();
   }
   for (int d = 0; d < D / 8; ++d) {
     const JfmFrag ad = jfm_frag_load(a + d * 8, LD, at);
+    JFM_PRAGMA_UNROLL
     for (int f = 0; f < BF; ++f) {
       jfm_mma(acc[f], ad, jfm_frag_load_transposed(b + f * 8 * LD + d * 8, LD, at));
     }
@@ -78,7 +80,9 @@ inline void jfm_mma_abt(thread JfmFrag* acc, threadgroup const T* a, threadgroup
 template <typename T, int D, int LD, int BF, bool FINITE_ONLY>
 inline void jfm_mma_ab(thread JfmFrag* acc, thread const JfmFrag* p, threadgroup const T* b,
                        JfmFragCoord at) {
+  JFM_PRAGMA_UNROLL
   for (int d = 0; d < D / 8; ++d) {
+    JFM_PRAGMA_UNROLL
     for (int f = 0; f < BF; ++f) {
       threadgroup const T* tile = b + f * 8 * LD + d * 8;
       jfm_mma(acc[d], p[f],
@@ -206,6 +210,7 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   const float row_log2_l = i < q_valid ? jfm_log2_sum(log_sum[stat + band + at.row]) : 0.0f;
 
   JfmFrag acc[DF];  // the band's dQ / scale
+  JFM_PRAGMA_UNROLL
   for (int d = 0; d < DF; ++d) {
     acc[d] = jfm_frag_zero();
   }
@@ -263,7 +268,9 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
 
     // dS = P (dP - D) into s (dbias), times the cap's derivative; edge blocks select 0 where
     // not visible, so a masked pair adds nothing even when its score or dP is NaN.
+    JFM_PRAGMA_UNROLL
     for (int n = 0; n < KF; ++n) {
+      JFM_PRAGMA_UNROLL
       for (int e = 0; e < 2; ++e) {
         const int c = n * 8 + int(at.col) + e;
         const float qk = s[n].thread_elements()[e];
@@ -294,6 +301,7 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
 
   if (i < int(params.q_len)) {
     device T* dq_row = dq + q_block + uint(band + int(at.row)) * q_stride;
+    JFM_PRAGMA_UNROLL
     for (int d = 0; d < DF; ++d) {
       jfm_frag_store_row(dq_row + d * 8, acc[d], params.scale, at);
     }
@@ -399,6 +407,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
 
   JfmFrag dk_acc[WANT_DK ? DF : 1];  // the band's dK / scale
   JfmFrag dv_acc[WANT_DV ? DF : 1];
+  JFM_PRAGMA_UNROLL
   for (int d = 0; d < DF; ++d) {
     if (WANT_DK) {
       dk_acc[d] = jfm_frag_zero();
@@ -469,7 +478,9 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
 
       // P^T into st, dS^T = P^T (dP^T - D) (1 - tanh^2) into dp; edge blocks select 0 where
       // not visible.
+      JFM_PRAGMA_UNROLL
       for (int n = 0; n < QF; ++n) {
+        JFM_PRAGMA_UNROLL
         for (int e = 0; e < 2; ++e) {
           const int c = n * 8 + int(at.col) + e;
           const float qk = st[n].thread_elements()[e];
@@ -513,6 +524,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
 
   if (j < int(params.kv_len)) {
     const ulong row = kv_block + uint(band + int(at.row)) * kv_stride;
+    JFM_PRAGMA_UNROLL
     for (int d = 0; d < DF; ++d) {
       if (WANT_DK) {
         jfm_frag_store_row(dk + row + d * 8, dk_acc[d], params.scale, at);

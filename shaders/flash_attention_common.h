@@ -21,6 +21,12 @@ using namespace metal;
 // bias of finfo.min, an additive mask) gets a uniform softmax, as jax.nn gives it.
 #define JFM_MAX_SENTINEL (-JFM_SCORE_LIMIT)
 
+// Before every loop over a fragment array (a thread-local array of simdgroup_matrix fragments or
+// of per-lane values such as the decode's row sums, or a fragment's thread_elements()): a loop the
+// compiler keeps rolled indexes the array at run time, which puts it in stack memory instead of
+// registers. The emulator's strict pass rejects such a loop without it (shaders/README.md).
+#define JFM_PRAGMA_UNROLL _Pragma("clang loop unroll(full)")
+
 // ---- instantiation families (lazy compiles) ----
 
 // JFM_IF_FAMILY(T, D, code) is `code` when the (element type, head dim) family (T, D) is being
@@ -187,11 +193,21 @@ inline ulong jfm_stat_offset(uint b, uint h, long t, uint heads, uint len) {
 
 // ---- softmax ----
 
+// fast::exp2 promises nothing for a non-finite argument (fast math: fast::exp2(-inf) need not be
+// 0). Arguments here are finite, -inf (a -inf sink, i.e. no sink) or NaN (a poisoned score,
+// which must stay NaN): -inf is clamped to a finite floor, where exp2 underflows to 0 exactly,
+// and a NaN bypasses exp2 (a bit test). One max and one select per call.
+#define JFM_EXP2_FLOOR (-256.0f)
+inline float jfm_exp2(float x) {
+  const float p = fast::exp2(max(x, JFM_EXP2_FLOOR));
+  return (as_type<uint>(x) & 0x7fffffffu) > 0x7f800000u ? x : p;
+}
+
 // exp(s - m) as exp2((s - m) log2(e)). The difference comes first: it is exact for nearby float32
 // scores, so a row whose every score sits at a huge offset (an additive -1e9 mask) keeps its
 // softmax; folding log2(e) into the scores first would round them at that offset.
 inline float jfm_exp(float s, float m) {
-  return fast::exp2((s - m) * JFM_LOG2E);
+  return jfm_exp2((s - m) * JFM_LOG2E);
 }
 
 // Softmax probability of a score s given the row's residuals m and log2_l = log(l) log2(e)
@@ -199,7 +215,7 @@ inline float jfm_exp(float s, float m) {
 // (l = 1) gets p = exp2(0) = 1 exactly; an empty row's JFM_EMPTY_ROW_MAX gives p = 0 without
 // any infinity.
 inline float jfm_probability(float s, float m, float log2_l) {
-  return fast::exp2((s - m) * JFM_LOG2E - log2_l);
+  return jfm_exp2((s - m) * JFM_LOG2E - log2_l);
 }
 
 // The residual log(l) in the base jfm_probability takes, once per row.

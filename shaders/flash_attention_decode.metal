@@ -96,6 +96,7 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
   float m = JFM_MAX_SENTINEL;
   float l = 0.0f;
   JfmFrag acc[DF];
+  JFM_PRAGMA_UNROLL
   for (int d = 0; d < DF; ++d) {
     acc[d] = jfm_frag_zero();
   }
@@ -131,6 +132,7 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
   const float row_l = jfm_row_sum(l);
   if (r < rows) {
     device float* w_row = workspace + jfm_decode_workspace_row(b, hk, split, uint(r), params);
+    JFM_PRAGMA_UNROLL
     for (int d = 0; d < DF; ++d) {
       // A row with no key in the chunk accumulated only P = 0 times finite V: acc is 0.
       jfm_frag_store_row(w_row + d * 8, acc[d], row_l == 0.0f ? 0.0f : 1.0f / row_l, at);
@@ -180,6 +182,7 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
 
   float weights = 0.0f;
   float sum[DL];
+  JFM_PRAGMA_UNROLL
   for (int n = 0; n < DL; ++n) {
     sum[n] = 0.0f;
   }
@@ -197,6 +200,7 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
     const float w = simd_shuffle(lane_w, ushort(s % JFM_SIMD_WIDTH));
     weights += w;
     device const float* w_row = workspace + jfm_decode_workspace_row(b, hk, s, r, params);
+    JFM_PRAGMA_UNROLL
     for (int n = 0; n < DL; ++n) {
       const uint d = lane + uint(n) * JFM_SIMD_WIDTH;
       if (d < uint(D)) {
@@ -206,12 +210,14 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
   }
   if (params.has_sinks != 0) {
     const float alpha = jfm_fold_sink(sinks[h], big_m, weights);
+    JFM_PRAGMA_UNROLL
     for (int n = 0; n < DL; ++n) {
       sum[n] *= alpha;
     }
   }
   const bool empty = weights == 0.0f;
   device T* o_row = o + jfm_row_offset(b, i, h, params.q_len, params.num_heads, D);
+  JFM_PRAGMA_UNROLL
   for (int n = 0; n < DL; ++n) {
     const uint d = lane + uint(n) * JFM_SIMD_WIDTH;
     if (d < uint(D)) {

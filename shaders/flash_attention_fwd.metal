@@ -85,6 +85,7 @@ template <typename T, int D>
   float m = JFM_MAX_SENTINEL;  // running max of the row's scores
   float l = 0.0f;              // this lane's share of the running sum of exp(S - m)
   JfmFrag acc[DF];             // the row band's unnormalised O
+  JFM_PRAGMA_UNROLL
   for (int d = 0; d < DF; ++d) {
     acc[d] = jfm_frag_zero();
   }
@@ -120,6 +121,7 @@ template <typename T, int D>
   float row_l = jfm_row_sum(l);
   if (params.has_sinks != 0) {  // uniform
     const float alpha = jfm_fold_sink(f.in.sinks[h], m, row_l);
+    JFM_PRAGMA_UNROLL
     for (int d = 0; d < DF; ++d) {
       acc[d].thread_elements() *= alpha;
     }
@@ -127,6 +129,7 @@ template <typename T, int D>
   if (i < int(params.q_len)) {
     const bool empty = row_l == 0.0f;  // no visible key (and no sink): l is >= 1 otherwise
     device T* o_row = o + jfm_row_offset(b, i, h, params.q_len, params.num_heads, D);
+    JFM_PRAGMA_UNROLL
     for (int d = 0; d < DF; ++d) {
       // An empty row accumulated only P = 0 times finite (sanitized) V: acc is exactly 0.
       jfm_frag_store_row(o_row + d * 8, acc[d], empty ? 0.0f : 1.0f / row_l, at);

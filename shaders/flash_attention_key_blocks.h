@@ -17,7 +17,9 @@ template <int KF>
 inline float jfm_softmax_update(thread JfmFrag* s, uint visible, thread float& m,
                                 thread float& l) {
   float block_max = JFM_MASKED_SCORE;
+  JFM_PRAGMA_UNROLL
   for (int n = 0; n < KF; ++n) {
+    JFM_PRAGMA_UNROLL
     for (int e = 0; e < 2; ++e) {
       block_max = max(block_max, s[n].thread_elements()[e]);
     }
@@ -25,7 +27,9 @@ inline float jfm_softmax_update(thread JfmFrag* s, uint visible, thread float& m
   const float m_new = max(m, jfm_row_max(block_max));
   const float alpha = jfm_exp(m, m_new);
   float block_sum = 0.0f;
+  JFM_PRAGMA_UNROLL
   for (int n = 0; n < KF; ++n) {
+    JFM_PRAGMA_UNROLL
     for (int e = 0; e < 2; ++e) {
       const bool seen = ((visible >> uint(2 * n + e)) & 1u) != 0u;
       const float p = seen ? jfm_exp(s[n].thread_elements()[e], m_new) : 0.0f;
@@ -45,7 +49,9 @@ template <int KF, bool EDGE>
 inline float jfm_online_softmax(thread JfmFrag* s, float scale, JfmRange32 keys, int j0,
                                 JfmFragCoord at, thread float& m, thread float& l) {
   uint visible = 0u;
+  JFM_PRAGMA_UNROLL
   for (int n = 0; n < KF; ++n) {
+    JFM_PRAGMA_UNROLL
     for (int e = 0; e < 2; ++e) {
       const bool seen = !EDGE || jfm_visible(keys, j0 + n * 8 + int(at.col) + e);
       const float score = jfm_finite_or_nan(s[n].thread_elements()[e] * scale);
@@ -111,7 +117,9 @@ inline float jfm_online_softmax_features(thread JfmFrag* s, constant AttentionPa
                                          bool edge, int j0, JfmFragCoord at, thread float& m,
                                          thread float& l) {
   uint visible = 0u;
+  JFM_PRAGMA_UNROLL
   for (int n = 0; n < KF; ++n) {
+    JFM_PRAGMA_UNROLL
     for (int e = 0; e < 2; ++e) {
       const int c = n * 8 + int(at.col) + e;
       float score;
@@ -153,6 +161,7 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
   constexpr int KF = BK / 8;  // fragments along a key block
   JfmFrag q_frag[Q_IN_REGISTERS ? DF : 1];
   if (Q_IN_REGISTERS) {
+    JFM_PRAGMA_UNROLL
     for (int d = 0; d < DF; ++d) {
       q_frag[d] = jfm_frag_load(q_band + d * 8, LD, at);
     }
@@ -194,12 +203,15 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
 
     // S = Q K^T for the row band.
     JfmFrag s[KF];
+    JFM_PRAGMA_UNROLL
     for (int n = 0; n < KF; ++n) {
       s[n] = jfm_frag_zero();
     }
+    JFM_PRAGMA_UNROLL
     for (int d = 0; d < DF; ++d) {
       const JfmFrag qd =
           Q_IN_REGISTERS ? q_frag[Q_IN_REGISTERS ? d : 0] : jfm_frag_load(q_band + d * 8, LD, at);
+      JFM_PRAGMA_UNROLL
       for (int n = 0; n < KF; ++n) {
         jfm_mma(s[n], qd, jfm_frag_load_transposed(k_tile + n * 8 * LD + d * 8, LD, at));
       }
@@ -211,6 +223,7 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
         : kind == JFM_TILE_EDGE
             ? jfm_online_softmax<KF, true>(s, params.scale, keys, j0, at, m, l)
             : jfm_online_softmax<KF, false>(s, params.scale, keys, j0, at, m, l);
+    JFM_PRAGMA_UNROLL
     for (int d = 0; d < DF; ++d) {
       acc[d].thread_elements() *= alpha;
     }
@@ -225,7 +238,9 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
     }
 
     // O += P V.
+    JFM_PRAGMA_UNROLL
     for (int n = 0; n < KF; ++n) {
+      JFM_PRAGMA_UNROLL
       for (int d = 0; d < DF; ++d) {
         jfm_mma(acc[d], s[n], jfm_frag_load(v_tile + n * 8 * LD + d * 8, LD, at));
       }
@@ -239,7 +254,9 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
           continue;
         }
         device const T* v_row = v_head + ulong(j) * kv_stride;
+        JFM_PRAGMA_UNROLL
         for (int d = 0; d < DF; ++d) {
+          JFM_PRAGMA_UNROLL
           for (int e = 0; e < 2; ++e) {
             if (!jfm_is_finite(v_row[d * 8 + int(at.col) + e])) {
               acc[d].thread_elements()[e] = as_type<float>(0x7fc00000u);

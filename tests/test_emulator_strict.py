@@ -72,6 +72,40 @@ def test_threadgroup_variable_outside_a_kernel_is_an_error():
             "kernel functions") in err
 
 
+def test_rolled_fragment_loop_is_an_error_naming_the_loop():
+    rc, err = check("rolled_fragment_loop.metal")
+    assert rc != 0
+    assert ("rolled_fragment_loop.metal:13: error: loop over 'f' indexes fragment array 'acc' "
+            "with it but has no JFM_PRAGMA_UNROLL") in err, err
+
+
+@pytest.mark.parametrize("edit,needle", [
+    # the pragma added: the fixture passes (the unroll pragma is valid before a for loop)
+    (lambda lines: lines.__setitem__(12, "  JFM_PRAGMA_UNROLL" + lines[12]), None),
+    # a thread_elements() subscript by the loop variable needs it too
+    (lambda lines: lines.__setitem__(12, "  JFM_PRAGMA_UNROLL" + lines[12] + "\n"
+                                     "  for (int e = 0; e < 2; ++e) "
+                                     "acc[0].thread_elements()[e] = 0.0f;"),
+     ":14: error: loop over 'e' indexes a fragment's thread_elements() with it"),
+    # the pragma anywhere but right before a loop is a strict-pass (clang) error
+    (lambda lines: lines.__setitem__(12, "  JFM_PRAGMA_UNROLL" + lines[12] + "\n"
+                                     "  JFM_PRAGMA_UNROLL out[0] = 1.0f;"),
+     "expected a for, while, or do-while loop to follow '#pragma clang loop'"),
+])
+def test_fragment_loop_rule_variants(tmp_path, edit, needle):
+    with open(os.path.join(BROKEN, "rolled_fragment_loop.metal")) as f:
+        lines = f.read().split("\n")
+    assert lines[12].startswith("  for (int f = 0; f < 4; ++f) {")
+    edit(lines)
+    path = tmp_path / "variant.metal"
+    path.write_text("\n".join(lines))
+    rc, err = translate_check(str(path))
+    if needle is None:
+        assert rc == 0, err
+    else:
+        assert rc != 0 and needle in err, err
+
+
 def test_good_shaders_pass():
     shaders = [os.path.join(ROOT, "tests", "shaders", f)
                for f in sorted(os.listdir(os.path.join(ROOT, "tests", "shaders")))

@@ -154,6 +154,19 @@ def test_sinks_with_empty_rows():
     assert np.all(np.asarray(got["dk"])[0] == 0) and np.all(np.asarray(got["dv"])[0] == 0)
 
 
+def test_minus_inf_sinks_are_no_sinks():
+    """A -inf sink is no sink: the gradients match the oracle of none, its dsinks is exactly 0,
+    with rows emptied by the mask (the emulator's fast:: math returns garbage for Inf/NaN
+    arguments, so a backward relying on fast::exp2(-inf) = 0 fails here)."""
+    q, k, v, do, g = inputs(12)
+    sinks = np.array([-np.inf, 0.5, -np.inf, 1.0], np.float32)
+    mask = np.random.default_rng(13).random((TQ, TK)) > 0.3
+    mask[2] = False
+    got, _ = check(q, k, v, do, g, sinks=sinks, mask=mask, is_causal=True)
+    dsinks = np.asarray(got["dsinks"])
+    assert (dsinks[[0, 2]] == 0).all() and np.isfinite(dsinks).all()
+
+
 COMBINED = [
     dict(is_causal=True),
     dict(local_window_size=(3, 1), causal_alignment="bottom_right"),

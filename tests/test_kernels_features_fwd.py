@@ -181,6 +181,29 @@ def test_sinks_with_empty_rows():
     np.testing.assert_allclose(lse[1, :, 4], sinks, rtol=1e-6)
 
 
+@pytest.mark.parametrize("q_len", [TQ, 2], ids=["tiled", "decode"])
+def test_minus_inf_sinks_are_no_sinks(q_len):
+    """A -inf sink adds exp(-inf) = 0 to its head's denominator: those heads match the oracle of
+    no sink, and rows emptied by the mask or a -inf bias stay empty (O = 0, LSE = -inf).
+    fast::exp2(-inf) is not promised to be 0, and the emulator's fast:: functions return garbage
+    for it (ffi/emulator/README.md), so a kernel relying on it fails here."""
+    rng = np.random.default_rng(19)
+    q, k, v = qkv(20, B, q_len, TK, H, HKV, D)
+    sinks = jnp.asarray([-np.inf, 0.5, -np.inf, 2.0], jnp.float32)
+    mask = np.ones((q_len, TK), bool)
+    mask[0] = False
+    bias = np.asarray(rng.standard_normal((B, H, q_len, TK)), np.float32)
+    bias[:, :, -1, :] = -np.inf
+    bias[:, :, :, ::4] = -np.inf
+    o, lse = check(q, k, v, bias=jnp.asarray(bias), mask=jnp.asarray(mask), sinks=sinks)
+    o, lse = np.asarray(o), np.asarray(lse)
+    for row in (0, q_len - 1):  # the masked row and the -inf bias row
+        assert (o[:, row] == 0).all()
+        assert np.isneginf(lse[:, [0, 2], row]).all()
+        np.testing.assert_allclose(lse[:, [1, 3], row], np.broadcast_to([0.5, 2.0], (B, 2)),
+                                   rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype,head_dim,q_len,kv_len", [
     (jnp.float16, 64, 33, 65),    # BQ 32, BK 64: one row and one key past a block
     (jnp.float32, 128, 31, 17),   # BK 16, K and V in one buffer

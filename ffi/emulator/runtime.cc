@@ -579,6 +579,14 @@ void* threadgroup_alloc(const void* site_marker, size_t size, size_t align, cons
   return w->arena + offset;
 }
 
+bool fast_math_garbage() {
+  static const bool garbage = [] {
+    const char* mode = std::getenv("JFM_EMULATOR_FAST_MATH");
+    return mode == nullptr || std::strcmp(mode, "precise") != 0;
+  }();
+  return garbage;
+}
+
 void count_fma() {
   if (t_tally) ++t_tally->counts.fma_ops;
 }

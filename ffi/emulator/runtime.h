@@ -55,6 +55,9 @@ void threadgroup_barrier(const char* file, int line);
 // floats) when the group starts using it. name/file/line identify the declaration in errors.
 void* threadgroup_alloc(const void* site, size_t size, size_t align, const char* name,
                         const char* file, int line);
+// Whether fast:: math functions return garbage for an Inf or NaN argument (fast math promises
+// nothing there): true unless $JFM_EMULATOR_FAST_MATH is "precise" (read once).
+bool fast_math_garbage();
 // Counting variant only: one scalar fma executed by the calling GPU thread.
 void count_fma();
 // Lane id of the calling GPU thread (simdgroup_matrix diagonal constructor).

@@ -25,7 +25,9 @@ the threadgroup's memory (``JFM_TGV``); ``float4(a, b)``-style vector constructo
 floating literals get ``f`` (Metal has no double) and
 ``1.5h`` becomes ``half(1.5f)``. Anything the emulator does not support (an unknown attribute, a
 kernel parameter without a binding, an unsupported builtin type, ``[[threadgroup(n)]]``
-arguments) is an error naming file:line; nothing is silently dropped.
+arguments) is an error naming file:line; nothing is silently dropped. So is a ``for`` loop that
+subscripts a fragment array with its variable but lacks ``#pragma clang loop unroll(full)``
+(``JFM_PRAGMA_UNROLL``; ``Translator.check_fragment_loops``).
 """
 
 import argparse
@@ -78,6 +80,11 @@ LINE_MARKER_RE = re.compile(r'^\s*#\s*(?:line\s+)?(\d+)\s+"((?:\\.|[^"\\])*)"')
 FLOAT_RE = re.compile(r"^((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)([fFhH]?)$")
 SWIZZLE_RE = re.compile(r"^[xyzw]{2,4}$")  # (.rgba swizzles would clash with field names)
 HEX_FLOAT_RE = re.compile(r"^(0[xX][0-9a-fA-F.]+[pP][+-]?[0-9]+)([fF]?)$")
+# What JFM_PRAGMA_UNROLL (shaders/flash_attention_common.h) preprocesses to.
+UNROLL_PRAGMA_RE = re.compile(r"(?m)^[ \t]*#[ \t]*pragma[ \t]+clang[ \t]+loop[ \t]+unroll[ \t]*\([ \t]*full[ \t]*\)")
+FRAGMENT_TYPES = {"simdgroup_matrix"} | {f"simdgroup_{t}8x8" for t in ("float", "half", "bfloat")}
+# Words before `name[` that make it an expression rather than a declaration.
+NOT_TYPES = {"return", "else", "case", "do", "throw", "delete", "sizeof", "goto", "co_return"}
 
 
 # Start of every translated file. JFM_STRICT: the strict pass. JFM_COUNTING: the counting build
@@ -171,6 +178,7 @@ class Translator:
         self.kernels = {}
         self.instances = []  # (host name, kernel name, template args text, tok)
         self.match = self._match_brackets()
+        self.fragment_types = self._fragment_types()
 
     # -- helpers ---------------------------------------------------------------------------------
     def _match_brackets(self):
@@ -189,6 +197,21 @@ class Translator:
         if stack:
             self.src.error(self.toks[stack[-1]], f"unbalanced '{self.toks[stack[-1]].text}'")
         return match
+
+    def _fragment_types(self):
+        """simdgroup_matrix spellings and the typedef/using names of one (e.g. JfmFrag)."""
+        names, toks = set(FRAGMENT_TYPES), self.toks
+        for i, t in enumerate(toks):
+            if t.text not in ("typedef", "using"):
+                continue
+            semi = next((k for k in range(i + 1, len(toks)) if toks[k].text == ";"), len(toks))
+            if not any(toks[k].text in names for k in range(i + 1, semi)):
+                continue
+            if t.text == "typedef" and toks[semi - 1].kind == "id":
+                names.add(toks[semi - 1].text)
+            elif t.text == "using" and i + 2 < semi and toks[i + 2].text == "=":
+                names.add(toks[i + 1].text)
+        return names
 
     def blank(self, i, j):
         """Replace tokens i..j-1 by spaces (newlines kept, so line numbers stay)."""
@@ -361,6 +384,7 @@ class Translator:
                 self.blank(k, k + 1)
         if body:
             self.rewrite_threadgroup_decls(body[0] + 1, body[1], is_kernel)
+            self.check_fragment_loops(idx, body[0] + 1, body[1])
         for name, arg, tok in attrs:
             if name not in ("kernel", "host_name", "max_total_threads_per_threadgroup"):
                 self.src.error(tok, f"unsupported attribute '{name}' on a declaration")
@@ -477,6 +501,93 @@ class Translator:
                 self.src.error(words[0], f"kernel '{kname}': parameter needs a name")
             params.append(Param(name, type_text, attrs, words[0]))
         return params
+
+    # -- fragment loops -----------------------------------------------------------------------
+    def fragment_arrays(self, head, lo, hi):
+        """Names of the fragment arrays of a function (ffi/emulator/README.md, "Strict pass"):
+        parameters `thread F* x` with F a simdgroup_matrix type and array references `(&x)[N]`;
+        locals `T x[N]` of the thread address space (not threadgroup, constant, device or
+        static). `head`: the declaration head's token indices; lo..hi: the body's tokens."""
+        toks, names = self.toks, set()
+        close = next((k for k in reversed(head) if toks[k].text == ")"), None)
+        if close is not None:
+            for a, b in self.split_top(self.match[close] + 1, close):
+                words = [toks[k].text for k in range(a, b)]
+                ids = [toks[k].text for k in range(a, b) if toks[k].kind == "id"]
+                if "*" in words and self.fragment_types & set(words) and ids:
+                    names.add(ids[-1])
+                elif words[-1:] == ["]"] and "&" in words and ids:
+                    names.add(toks[words.index("&") + a + 1].text)
+        for k in range(lo + 1, hi - 1):
+            t, prev = toks[k], toks[k - 1]
+            if t.kind != "id" or toks[k + 1].text != "[":
+                continue
+            if prev.text == ">":  # simdgroup_matrix<float, 8, 8> x[N]
+                opened, depth = k - 1, 0
+                while opened > lo:
+                    depth += {">": 1, "<": -1}.get(toks[opened].text, 0)
+                    if depth == 0:
+                        break
+                    opened -= 1
+                prev = toks[opened - 1]
+            if prev.kind != "id" or prev.text in NOT_TYPES:
+                continue
+            after = self.match[k + 1] + 1
+            if toks[after].text not in (";", ",", "=", "[", "{"):
+                continue
+            start = k
+            while start > lo and toks[start - 1].text not in (";", "{", "}", "(", ")"):
+                start -= 1
+            if not {"threadgroup", "constant", "device", "static"} & {
+                    toks[n].text for n in range(start, k)}:
+                names.add(t.text)
+        return names
+
+    def loop_statement_end(self, k):
+        """Index after the statement starting at token k (a block, or up to its `;`)."""
+        if self.toks[k].text == "{":
+            return self.match[k] + 1
+        while self.toks[k].text != ";":
+            k = self.match[k] + 1 if self.toks[k].text in "([{" and self.toks[k].kind == "punct" \
+                else k + 1
+        return k + 1
+
+    def check_fragment_loops(self, head, lo, hi):
+        """A `for` loop whose body subscripts a fragment array, or a fragment's
+        `thread_elements()`, with an expression naming the loop variable must carry
+        JFM_PRAGMA_UNROLL: kept rolled by the GPU compiler, the array would be indexed at run time
+        and live in stack memory instead of registers."""
+        toks = self.toks
+        arrays = self.fragment_arrays(head, lo, hi)
+        for i in range(lo, hi):
+            if toks[i].text != "for" or toks[i + 1].text != "(":
+                continue
+            close = self.match[i + 1]
+            init = self.split_top(i + 2, close, ";")[0] if close > i + 2 else (i + 2, i + 2)
+            eq = next((k for k in range(*init) if toks[k].text in ("=", ":")), init[1])
+            if eq == init[0] or toks[eq - 1].kind != "id":
+                continue
+            var = toks[eq - 1].text
+            end = self.loop_statement_end(close + 1)
+            for b in range(close + 1, end):
+                if toks[b].text != "[" or toks[b].kind != "punct":
+                    continue
+                array = toks[b - 1].text
+                elements = array == ")" and toks[b - 2].text == "(" and \
+                    toks[b - 3].text == "thread_elements"
+                member = toks[b - 2].text in (".", "->")
+                if not (elements or (array in arrays and not member)):
+                    continue
+                if not any(toks[n].text == var for n in range(b + 1, self.match[b])):
+                    continue
+                gap = self.src.text[toks[i - 1].end:toks[i].start]
+                if not UNROLL_PRAGMA_RE.search(gap):
+                    what = "a fragment's thread_elements()" if elements else \
+                        f"fragment array '{array}'"
+                    self.src.error(toks[i], f"loop over '{var}' indexes {what} with it but has no "
+                                   "JFM_PRAGMA_UNROLL (_Pragma(\"clang loop unroll(full)\")) "
+                                   "before it: a rolled loop keeps the array in stack memory")
+                break
 
     def rewrite_threadgroup_decls(self, lo, hi, in_kernel):
         toks, k = self.toks, lo

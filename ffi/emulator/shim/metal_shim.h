@@ -6,9 +6,10 @@
 // half of binary32, both converted with round-to-nearest-even; every half operation rounds its
 // float result once (exact for + - * /, since binary32 holds twice binary16's precision plus 2
 // bits); max/min/fmax/fmin return the other operand when one is NaN; unsuffixed floating literals
-// are float (the translator appends `f`). Not modelled: fast-math differences (metal::fast:: uses
-// the precise functions), the exact ULP error of GPU transcendental functions, and the order in
-// which the GPU sums within simd_sum or simdgroup_multiply (we sum in lane / k order in float).
+// are float (the translator appends `f`); metal::fast:: functions are the precise ones except for
+// Inf/NaN arguments (see `namespace fast` below). Not modelled: the exact ULP error of GPU
+// transcendental functions, and the order in which the GPU sums within simd_sum or
+// simdgroup_multiply (we sum in lane / k order in float).
 #ifndef JAX_FLASH_METAL_EMULATOR_METAL_SHIM_H_
 #define JAX_FLASH_METAL_EMULATOR_METAL_SHIM_H_
 
@@ -488,7 +489,6 @@ JFM_UNARY(abs, __builtin_fabsf(x))
 JFM_UNARY(fract, __builtin_fminf(x - __builtin_floorf(x), 0x1.fffffep-1f))
 JFM_UNARY(saturate, __builtin_fminf(__builtin_fmaxf(x, 0.0f), 1.0f))
 JFM_UNARY(sign, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x == x ? x : 0.0f)))
-#undef JFM_UNARY
 
 #define JFM_BINARY(NAME, EXPR)                                                   \
   inline float NAME(float x, float y) { return EXPR; }                           \
@@ -634,8 +634,24 @@ inline T dot(const vec<T, N>& a, const vec<T, N>& b) {
   return s;
 }
 
-// fast:: and precise:: name the same functions here (fast-math is not modelled).
+// precise:: names the functions above. fast:: names them too, except that fast math promises
+// nothing for an Inf or NaN argument (fast::exp2(-inf) need not be 0): unless the emulator runs
+// with JFM_EMULATOR_FAST_MATH=precise, fast::'s transcendental functions return
+// JFM_FAST_MATH_GARBAGE for one (a finite value, so a NaN does not look propagated either), and a
+// kernel that relies on them fails its tests.
+#define JFM_FAST_MATH_GARBAGE 1.0e30f
 #define JFM_MATH_NAMES                                                                          \
+  using metal::max;                                                                             \
+  using metal::min;                                                                             \
+  using metal::fmax;                                                                            \
+  using metal::fmin;                                                                            \
+  using metal::clamp;                                                                           \
+  using metal::abs;                                                                             \
+  using metal::fabs;                                                                            \
+  using metal::floor;                                                                           \
+  using metal::ceil;                                                                            \
+  using metal::saturate;
+#define JFM_TRANSCENDENTAL_NAMES                                                                \
   using metal::exp;                                                                             \
   using metal::exp2;                                                                            \
   using metal::exp10;                                                                           \
@@ -648,27 +664,46 @@ inline T dot(const vec<T, N>& a, const vec<T, N>& b) {
   using metal::cos;                                                                             \
   using metal::tan;                                                                             \
   using metal::tanh;                                                                            \
-  using metal::max;                                                                             \
-  using metal::min;                                                                             \
-  using metal::fmax;                                                                            \
-  using metal::fmin;                                                                            \
   using metal::pow;                                                                             \
   using metal::powr;                                                                            \
-  using metal::divide;                                                                          \
-  using metal::clamp;                                                                           \
-  using metal::abs;                                                                             \
-  using metal::fabs;                                                                            \
-  using metal::floor;                                                                           \
-  using metal::ceil;                                                                            \
-  using metal::saturate;
+  using metal::divide;
 inline float divide(float x, float y) { return x / y; }
 namespace fast {
 JFM_MATH_NAMES
+inline bool garbage_for(float x) {
+  return !__builtin_isfinite(x) && ::jfm::rt::fast_math_garbage();
 }
+#define JFM_FAST_UNARY(NAME) \
+  JFM_UNARY(NAME, garbage_for(x) ? JFM_FAST_MATH_GARBAGE : metal::NAME(x))
+JFM_FAST_UNARY(exp)
+JFM_FAST_UNARY(exp2)
+JFM_FAST_UNARY(exp10)
+JFM_FAST_UNARY(log)
+JFM_FAST_UNARY(log2)
+JFM_FAST_UNARY(log10)
+JFM_FAST_UNARY(sqrt)
+JFM_FAST_UNARY(rsqrt)
+JFM_FAST_UNARY(sin)
+JFM_FAST_UNARY(cos)
+JFM_FAST_UNARY(tan)
+JFM_FAST_UNARY(tanh)
+#undef JFM_FAST_UNARY
+#undef JFM_UNARY
+#define JFM_FAST_BINARY(NAME)                                                      \
+  inline float NAME(float x, float y) {                                            \
+    return garbage_for(x) || garbage_for(y) ? JFM_FAST_MATH_GARBAGE : metal::NAME(x, y); \
+  }
+JFM_FAST_BINARY(pow)
+JFM_FAST_BINARY(powr)
+JFM_FAST_BINARY(divide)
+#undef JFM_FAST_BINARY
+}  // namespace fast
 namespace precise {
 JFM_MATH_NAMES
+JFM_TRANSCENDENTAL_NAMES
 }
 #undef JFM_MATH_NAMES
+#undef JFM_TRANSCENDENTAL_NAMES
 
 template <class T>
 struct numeric_limits;
