@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import flash_attention, implementations, shader_libraries
+from .contract import Implementation
 import jax_flash_metal._ext as _ext
 
 PROBE = "jfm_simdgroup_layout_probe"
@@ -157,7 +158,8 @@ def _median_seconds(fn: Callable, args, repeats: int) -> float:
     return float(np.median(times))
 
 
-def timings(implementation: str, seq_len: int, head_dim: int, repeats: int) -> tuple[bool, str]:
+def timings(implementation: Implementation, seq_len: int, head_dim: int,
+            repeats: int) -> tuple[bool, str]:
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.normal(size=(1, seq_len, HEADS, head_dim)), jnp.float32)
 
