@@ -342,14 +342,20 @@ def ring_flash_attention(query, key, value, bias, mask, *, axis_name, query_seq_
             raise ValueError(
                 f"{name} is not supported with sequence_axis_name (it spans the whole score "
                 "matrix); express it with lengths, local_window_size or segment ids")
+    ids = [kwargs.get(n) for n in ("query_segment_ids", "key_value_segment_ids")]
+    dtypes = [getattr(x, "dtype", None) or jnp.asarray(x).dtype for x in ids if x is not None]
+    if len(dtypes) == 2 and not validation.segment_ids_cast_exactly(*dtypes):
+        # Ranking ids per device would number the slices that travel around the ring apart.
+        raise TypeError("segment ids with sequence_axis_name need one integer dtype of at most "
+                        f"32 bits for both, got {dtypes}")
     size = _axis_size(axis_name)
     q, k, v, operands, params = validation.check_inputs(query, key, value, **kwargs,
                                                         query_seq_lengths=None,
                                                         key_value_seq_lengths=None)
     batch = q.shape[0]
-    q_lengths = validation._check_lengths(query_seq_lengths, "query_seq_lengths", batch,
+    q_lengths = validation.check_lengths(query_seq_lengths, "query_seq_lengths", batch,
                                          size * q.shape[1])
-    kv_lengths = validation._check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch,
+    kv_lengths = validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch,
                                           size * k.shape[1])
     ring = _Ring(axis_name, size, q.shape[1], k.shape[1], params.scale, params.is_causal,
                  params.window_left, params.window_right, params.bottom_right,

@@ -143,7 +143,9 @@ def env_implementation():
     return check_implementation(value, f"${ENV_IMPLEMENTATION}") if value else None
 
 
-def _check_lengths(lengths, name, batch, max_len):
+def check_lengths(lengths, name, batch, max_len):
+    """``lengths`` (array-like integer [batch] or None) clamped exactly to [0, max_len], as int32;
+    TypeError / ValueError naming ``name`` for a bad dtype or shape."""
     if lengths is None:
         return None
     # Lengths beyond the array (or negative) are clamped, so every implementation agrees and no
@@ -229,6 +231,12 @@ def _check_segment_ids(query_segment_ids, key_value_segment_ids, batch, q_len, k
     return _segment_ids_int32(*out)
 
 
+def segment_ids_cast_exactly(q_dtype, kv_dtype):
+    """Whether ids of these dtypes keep their equalities in a plain int32 cast (one dtype of at
+    most 32 bits), so no ranking (which depends on the ids present) is needed."""
+    return np.dtype(q_dtype) == np.dtype(kv_dtype) and np.dtype(q_dtype).itemsize <= 4
+
+
 def _segment_ids_int32(q_ids, kv_ids):
     """Both id arrays as int32 with their equalities kept exactly (the implementations compare
     ids only for equality). Ids of one dtype of at most 32 bits are cast, which is one-to-one;
@@ -236,7 +244,7 @@ def _segment_ids_int32(q_ids, kv_ids):
     2**32 - 1) each id is replaced by its rank among the ids of both arrays, compared in their
     common dtype. TypeError when there is none (uint64 with a signed dtype), or for JAX arrays
     whose common dtype is 64-bit without jax_enable_x64."""
-    if q_ids.dtype == kv_ids.dtype and q_ids.dtype.itemsize <= 4:
+    if segment_ids_cast_exactly(q_ids.dtype, kv_ids.dtype):
         return jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)
     common = np.promote_types(q_ids.dtype, kv_ids.dtype)
     if not np.issubdtype(common, np.integer):  # uint64 with a signed dtype
@@ -338,8 +346,8 @@ def check_inputs(
     q_segments, kv_segments = _check_segment_ids(query_segment_ids, key_value_segment_ids,
                                                  batch, q_len, kv_len, rank3)
     operands = Operands(
-        q_lengths=_check_lengths(query_seq_lengths, "query_seq_lengths", batch, q_len),
-        kv_lengths=_check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch, kv_len),
+        q_lengths=check_lengths(query_seq_lengths, "query_seq_lengths", batch, q_len),
+        kv_lengths=check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch, kv_len),
         q_segment_ids=q_segments, kv_segment_ids=kv_segments,
         bias=_check_bias(bias, full), mask=_check_mask(mask, full),
         sinks=_check_sinks(sinks, num_heads))

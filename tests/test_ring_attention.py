@@ -68,3 +68,12 @@ def test_errors():
         x = jnp.zeros((8, 8), jnp.bool_ if name == "mask" else jnp.float32)
         with pytest.raises(ValueError, match=f"{name} is not supported with sequence_axis_name"):
             flash_attention(q, q, q, **{name: x}, sequence_axis_name="sp")
+
+
+def test_segment_ids_of_two_dtypes_are_refused():
+    """Ids the ring would have to rank per device (their slices travel apart) are refused."""
+    q = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(TypeError, match="segment ids with sequence_axis_name need one integer"):
+        flash_attention(q, q, q, sequence_axis_name="sp",
+                        query_segment_ids=jnp.zeros((1, 8), jnp.int32),
+                        key_value_segment_ids=jnp.zeros((1, 8), jnp.uint32))
