@@ -187,7 +187,10 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         bias's shape).
       query_segment_ids, key_value_segment_ids: integer [batch, q_len] / [batch, kv_len]
         ([len] for rank-3 inputs), both or neither; key j visible to query i only when their
-        ids are equal (packed sequences).
+        ids are equal (packed sequences), compared exactly in any integer dtypes (64-bit or
+        mixed ids are ranked jointly, not cast; TypeError for JAX arrays of two dtypes with no
+        32-bit common dtype, and with ``sequence_axis_name`` unless both share one dtype of at
+        most 32 bits).
       logits_soft_cap: None or a positive static float c: scores become c * tanh(s / c) before
         the bias (Gemma 2).
       sinks: float [num_heads]: one extra logit per query head in every row's softmax
