@@ -67,7 +67,7 @@ def _attention_bwd(params, residuals, cotangents):
                                                              log_sum, do, g_lse)
     return dq, dk, dv, operands._replace(q_lengths=None, kv_lengths=None, q_segment_ids=None,
                                          kv_segment_ids=None, bias=dbias, mask=None,
-                                         sinks=dsinks)
+                                         sinks=dsinks, dropout=None)
 
 
 def _sinks_grad(sinks, o, row_max, log_sum, do, g_lse):
@@ -99,6 +99,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     causal_alignment: str = "top_left",
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
+                    dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
                     return_lse: Literal[False] = False) -> jax.Array: ...
 
 
@@ -116,6 +117,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     causal_alignment: str = "top_left",
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
+                    dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
                     return_lse: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
 
 
@@ -133,6 +135,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     causal_alignment: str = "top_left",
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
+                    dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
                     return_lse: bool) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
@@ -149,6 +152,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     causal_alignment: str = "top_left",
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
+                    dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
                     return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-2 forward and recompute backward).
 
@@ -210,6 +214,19 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         causal work is then even across devices); ``ring_attention.stripe`` / ``unstripe``
         reorder whole arrays into / out of that layout. Without a sequence axis, only
         "contiguous" (ValueError otherwise).
+      dropout_rate: a static float in [0, 1): attention dropout on the normalised
+        probabilities, O = (P * M / (1 - dropout_rate)) V (inverted dropout; lse is that of the
+        undropped scores, gradients those of this formula). M is ``dropout_mask(dropout_rng,
+        (batch, num_heads, q_len, kv_len), dropout_rate)``: a pure function of the key, the
+        batch index, query head, query and key positions and the rate (Philox-4x32-10 with
+        the positions as its counter; ``jax_flash_metal.dropout``), the same for every
+        implementation, shape and schedule, recomputed (not stored) by the backward. So far
+        only the xla implementation has it (``implementation=None`` uses xla for such a call).
+      dropout_rng: a JAX PRNG key (``jax.random.key`` with threefry's uint32 [2] key data, or a
+        legacy uint32 [2] ``jax.random.PRNGKey``), required when dropout_rate > 0 (accepted
+        and unused at 0). A traced operand: new keys under jit do not recompile. Under
+        ``jax.vmap`` with a batched key each mapped element uses its own key, as a call per
+        element would.
       return_lse: also return the log-sum-exp; gradients flow through it.
     Returns:
       out shaped like query, in its dtype; with return_lse=True, (out, lse) where lse is float32
@@ -218,9 +235,9 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
       lse = -inf (the sink with sinks) and contributes nothing to any gradient but dsinks.
     Raises:
       TypeError / ValueError (naming the argument) for bad ranks, shapes, dtypes, head counts,
-      lengths, windows, alignment, scale, bias, mask, segment ids, soft cap, sinks or
-      implementation name; NotImplementedError at lowering when an explicitly requested
-      implementation cannot run the call there.
+      lengths, windows, alignment, scale, bias, mask, segment ids, soft cap, sinks, dropout
+      rate or key, or implementation name; NotImplementedError at lowering when an explicitly
+      requested implementation cannot run the call there (a fused one with dropout).
     Differentiable w.r.t. query, key, value, bias and sinks in reverse mode, first order only
     (jax.custom_vjp); softmax math is float32. Method: Dao, "FlashAttention-2" (2023), recompute
     backward from (q, k, v, o, lse, dO) with D = rowsum(dO * O) - g_lse.
@@ -230,6 +247,9 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         raise ValueError(f"sequence_layout={sequence_layout!r} needs sequence_axis_name (the "
                          "layout of a sequence split over devices)")
     if sequence_axis_name is not None:
+        if validation.check_dropout(dropout_rate, dropout_rng, 1, 1)[0] > 0:
+            raise ValueError("dropout_rate > 0 is not supported with sequence_axis_name (ring "
+                             "attention)")
         return ring_attention.ring_flash_attention(
             query, key, value, bias, mask, axis_name=sequence_axis_name,
             sequence_layout=sequence_layout, block_attention=flash_attention,
@@ -239,13 +259,20 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
             implementation=implementation, query_segment_ids=query_segment_ids,
             key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
             sinks=sinks)
-    q, k, v, operands, params = validation.check_inputs(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-        local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
-        implementation=implementation, query_segment_ids=query_segment_ids,
-        key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
-        sinks=sinks)
+    return attend(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                  local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
+                  key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
+                  implementation=implementation, query_segment_ids=query_segment_ids,
+                  key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
+                  sinks=sinks, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                  return_lse=return_lse)
+
+
+def attend(query, key, value, bias=None, mask=None, *, return_lse=False, **kwargs):
+    """``flash_attention`` on one device (no ``sequence_axis_name``), with the keywords of
+    ``validation.check_inputs``; the Flax integration also passes ``dropout_broadcast`` (one
+    keep mask for every batch entry and head)."""
+    q, k, v, operands, params = validation.check_inputs(query, key, value, bias, mask, **kwargs)
     try:
         out, lse = _attention(params, q, k, v, operands)
     except TypeError as e:

@@ -62,15 +62,20 @@ EMULATOR_NOTE = ("flash:emulator runs the Metal kernels in the MSL-on-CPU emulat
 
 def methods(impls: list[str] | None = None) -> dict:
     """Benchmarked attention functions by name: ``flash:<implementation>`` for each available
-    implementation, ``reference`` and ``jax.nn``. Each maps (q, k, v, is_causal) -> out.
+    implementation, ``flash:xla+dropout`` (the xla implementation with attention dropout at
+    rate 0.1, a fixed key: its cost next to the plain call's), ``reference`` and ``jax.nn``.
+    Each maps (q, k, v, is_causal) -> out.
 
     ``impls`` selects and orders them; an unknown or unavailable name raises ValueError.
     """
-    table = {
-        f"flash:{impl}": (lambda impl: lambda q, k, v, causal: flash_attention(
+    table = {}
+    for impl in implementations.available():
+        table[f"flash:{impl}"] = (lambda impl: lambda q, k, v, causal: flash_attention(
             q, k, v, is_causal=causal, implementation=impl))(impl)
-        for impl in implementations.available()
-    }
+        if impl == "xla":
+            table["flash:xla+dropout"] = lambda q, k, v, causal: flash_attention(
+                q, k, v, is_causal=causal, implementation="xla", dropout_rate=0.1,
+                dropout_rng=jax.random.key(0))
     table["reference"] = lambda q, k, v, causal: reference_attention(q, k, v, is_causal=causal)
     # jax.nn's XLA path on every platform (None could pick cuDNN on a GPU).
     table["jax.nn"] = lambda q, k, v, causal: jax.nn.dot_product_attention(

@@ -19,7 +19,7 @@ MAIN_OPERANDS = {"fwd": ("q", "k", "v"),
 
 # The static flags that say which optional operands a call has (Operands.flags's arguments).
 FLAG_NAMES = ("has_q_lengths", "has_kv_lengths", "has_segment_ids", "has_bias", "has_mask",
-              "has_sinks")
+              "has_sinks", "dropout_rate")  # a dropout operand exactly when the rate is > 0
 
 
 class StaticParams(NamedTuple):
@@ -38,6 +38,7 @@ class StaticParams(NamedTuple):
     has_mask: bool = False
     has_sinks: bool = False
     logits_soft_cap: float | None = None
+    dropout_rate: float = 0.0
 
 
 class Operands(NamedTuple):
@@ -47,7 +48,8 @@ class Operands(NamedTuple):
     q_lengths, kv_lengths: int32 [B]. q_segment_ids: int32 [B, Tq]; kv_segment_ids: int32
     [B, Tkv] (both or neither: ``has_segment_ids``). bias: float [b, h, tq, tkv] and mask: bool
     [b, h, tq, tkv], rank 4, each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv].
-    sinks: float32 [H].
+    sinks: float32 [H]. dropout: uint32 [B, H, 4] (dropout_rate > 0 only): per batch row and
+    query head the PRNG key's two words and the (b, n) of the keep mask's counter (``dropout``).
     """
 
     # Each a JAX array (validation) or an abstract value (primitive rules), hence Any.
@@ -58,12 +60,15 @@ class Operands(NamedTuple):
     bias: Any = None
     mask: Any = None
     sinks: Any = None
+    dropout: Any = None
 
     @staticmethod
-    def flags(has_q_lengths, has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks):
+    def flags(has_q_lengths, has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks,
+              dropout_rate=0.0):
         """Which fields are present, in field order, from the primitives' has_* params."""
-        return (has_q_lengths, has_kv_lengths, has_segment_ids, has_segment_ids, has_bias,
-                has_mask, has_sinks)
+        return tuple(bool(f) for f in (has_q_lengths, has_kv_lengths, has_segment_ids,
+                                        has_segment_ids, has_bias, has_mask, has_sinks,
+                                        dropout_rate > 0))
 
     def present(self):
         return [x for x in self if x is not None]
@@ -79,7 +84,7 @@ class Operands(NamedTuple):
 
 def operand_flags(params) -> tuple[bool, ...]:
     """``Operands.flags`` of a primitive's static ``params`` (absent flags are False)."""
-    return Operands.flags(*(bool(params.get(f, False)) for f in FLAG_NAMES))
+    return Operands.flags(*(params.get(f, False) for f in FLAG_NAMES))
 
 
 def operand_roles(direction: str, params) -> list[str]:
@@ -91,7 +96,8 @@ def operand_roles(direction: str, params) -> list[str]:
 
 def coerce_params(*, scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
                   has_kv_lengths, implementation, has_segment_ids=False, has_bias=False,
-                  has_mask=False, has_sinks=False, logits_soft_cap=None, bias_grad=None):
+                  has_mask=False, has_sinks=False, logits_soft_cap=None, dropout_rate=0.0,
+                  bias_grad=None):
     """The static params with their exact Python types (FFI attributes are typed).
     ``bias_grad`` (backward only) is included when given."""
     params = dict(scale=float(scale), is_causal=bool(is_causal), window_left=int(window_left),
@@ -100,7 +106,8 @@ def coerce_params(*, scale, is_causal, window_left, window_right, bottom_right, 
                   implementation=None if implementation is None else str(implementation),
                   has_segment_ids=bool(has_segment_ids), has_bias=bool(has_bias),
                   has_mask=bool(has_mask), has_sinks=bool(has_sinks),
-                  logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap))
+                  logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+                  dropout_rate=float(dropout_rate))
     if bias_grad is not None:
         params["bias_grad"] = bool(bias_grad)
     return params

@@ -26,9 +26,10 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
     """``equinox.nn.MultiheadAttention`` (same constructor, fields and call; see its documentation)
     whose attention is ``flash_attention`` instead of a dense softmax.
 
-    Differences: attention dropout is refused (NotImplementedError) when it would be active
-    (``dropout_p > 0`` and not in inference mode); a query row whose every key is masked outputs
-    0 (Equinox: the mean of the values).
+    Differences: attention dropout (``dropout_p > 0`` and not in inference mode) draws its mask
+    from ``key`` with ``jax_flash_metal.dropout_mask`` (M[0, n, i, j] of this one-sequence
+    call), not from ``eqx.nn.Dropout``'s draw; a query row whose every key is masked outputs 0
+    (Equinox: the mean of the values).
     """
 
     def __call__(self, query: jax.Array, key_: jax.Array, value: jax.Array,
@@ -41,7 +42,8 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
         Args:
           query [q_len, query_size]; key_ [kv_len, key_size]; value [kv_len, value_size].
           mask: bool [q_len, kv_len] or [num_heads, q_len, kv_len], True = attend.
-          key: PRNG key for dropout (unused: dropout is never active here).
+          key: the PRNG key of attention dropout, required when it is active; flash_attention's
+            ``dropout_rng`` (vmap with a batch of keys: each sequence its own mask).
           inference, deterministic (deprecated alias): as Equinox; with dropout_p > 0 one of
             them (or the module's ``inference``) must be True.
           process_heads: as Equinox: maps the (query, key, value) heads [len, num_heads, size]
@@ -51,19 +53,22 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
           [q_len, output_size]. Scores are scaled by 1/sqrt(qk_size); the attention runs in the
           projections' dtype (float32, float16 or bfloat16) with a float32 softmax.
         Raises:
-          NotImplementedError if attention dropout would be active; ValueError for mismatched
-          key/value lengths, a mask of the wrong shape, or heads that process_heads reshaped.
+          ValueError for a missing key when dropout is active, mismatched key/value lengths, a
+          mask of the wrong shape, or heads that process_heads reshaped.
         """
         if deterministic is not None:
             inference = deterministic
             warnings.warn("MultiheadAttention()(deterministic=...) is deprecated in favour of "
                           "MultiheadAttention()(inference=...)", stacklevel=2)
         inactive = self.dropout.inference if inference is None else inference
+        dropout = {}
         if self.dropout.p > 0 and not inactive:
-            raise NotImplementedError(
-                f"jax_flash_metal.equinox.MultiheadAttention: attention dropout (dropout_p="
-                f"{self.dropout.p}) cannot be honoured: flash_attention has no dropout; call with "
-                "inference=True or use dropout_p=0")
+            if key is None:
+                raise ValueError(
+                    f"jax_flash_metal.equinox.MultiheadAttention: attention dropout (dropout_p="
+                    f"{self.dropout.p}) is active, so a PRNG key is required (key=...), or call "
+                    "with inference=True")
+            dropout = dict(dropout_rate=self.dropout.p, dropout_rng=key)
         q_len, kv_len = query.shape[0], key_.shape[0]
         if value.shape[0] != kv_len:
             raise ValueError("key and value must both be sequences of equal length.")
@@ -84,6 +89,6 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
         dim = max(self.qk_size, self.vo_size)
         q, k, v = (jnp.pad(h, ((0, 0), (0, 0), (0, dim - h.shape[-1]))) for h in heads)
         out = flash_attention(q, k, v, mask=mask, scale=1.0 / math.sqrt(self.qk_size),
-                              implementation=implementation)
+                              implementation=implementation, **dropout)
         attn = out[:, :, :self.vo_size].reshape(q_len, -1)
         return jax.vmap(self.output_proj)(attn)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype
 
-from .attention import flash_attention
+from .attention import attend
 from .contract import Implementation
 
 
@@ -66,13 +66,16 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
       (``promote_dtype``, or ``flax.linen.dtypes.canonicalize_dtype`` when None). It must be
       float32, float16 or bfloat16 (flash_attention's dtypes).
       force_fp32_for_softmax: always honoured (the softmax is float32 for every dtype).
-      broadcast_dropout, dropout_rng: used only by dropout, which is refused when active.
+      dropout_rate, dropout_rng, deterministic, broadcast_dropout: attention dropout, active
+        when dropout_rate > 0 and not deterministic, as flash_attention's (dropout_rng
+        required then; O = (P * M / (1 - rate)) V with M = ``jax_flash_metal.dropout_mask``
+        over the flattened batch axes); broadcast_dropout=True (Flax's default) uses one mask
+        for every batch entry and head, M[0, 0], as Flax broadcasts its mask.
       implementation: flash_attention's (bind it with functools.partial; Flax never passes it).
     Returns:
       [batch..., q_len, num_heads, head_dim] in the computation dtype.
     Raises:
-      NotImplementedError for what flash_attention cannot honour: attention dropout
-      (dropout_rate > 0 and not deterministic), ``module`` (``sow_weights=True``: the attention
+      NotImplementedError for what flash_attention cannot honour: ``module`` (``sow_weights=True``: the attention
       weights are never formed), ``precision`` other than None (the products are computed at
       flash_attention's fixed precision with float32 accumulation), custom einsums
       (``einsum_dot_general``, ``qk_attn_weights_einsum``, ``attn_weights_value_einsum``), and
@@ -82,9 +85,6 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
     Difference from Flax: a query row whose every key is masked outputs 0 (Flax: the mean of the
     values), as flash_attention documents.
     """
-    if dropout_rate > 0.0 and not deterministic:
-        _refuse("dropout_rate", dropout_rate, "flash_attention has no attention dropout; use "
-                "dropout_rate=0.0 or deterministic=True")
     if module is not None:
         _refuse("module", type(module).__name__, "the attention weights are never formed, so "
                 "they cannot be sown (sow_weights=True)")
@@ -118,6 +118,10 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
         mask = mask.astype(jnp.bool_)  # Flax also takes 0/1 float masks
     b = math.prod(batch_shape)
     q, k, v = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
-    out = flash_attention(q, k, v, bias, mask, is_causal=is_causal,
-                          implementation=implementation)
+    dropout = {}
+    if dropout_rate > 0.0 and not deterministic:
+        dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                       dropout_broadcast=bool(broadcast_dropout))
+    out = attend(q, k, v, bias, mask, is_causal=is_causal, implementation=implementation,
+                 **dropout)
     return out.reshape(query.shape)

@@ -85,8 +85,8 @@ def _best_available(platform: str, call) -> str:
 def resolve(implementation: str | None, platform: str, call=None) -> str:
     """The implementation to lower with for ``platform`` (a JAX platform name such as "cpu").
 
-    ``call``: ``(direction, dtype, head_dim)`` of the primitive being lowered (direction "fwd"
-    or "bwd"); with ``implementation=None`` and no environment override, a call the fused
+    ``call``: ``(direction, dtype, head_dim, dropout)`` of the primitive being lowered
+    (direction "fwd" or "bwd", dropout: whether its rate is > 0); with ``implementation=None`` and no environment override, a call the fused
     kernels do not cover goes to "xla". Without it only availability is considered.
 
     Raises:

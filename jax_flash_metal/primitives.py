@@ -68,6 +68,9 @@ def _check_operand_avals(prim, x: Operands, batch, num_heads, q_len, kv_len):
         bad("mask", x.mask, "bool")
     if x.sinks is not None and (x.sinks.shape != (num_heads,) or x.sinks.dtype != jnp.float32):
         bad("sinks", x.sinks, f"float32 [{num_heads}]")
+    if x.dropout is not None and (x.dropout.shape != (batch, num_heads, 4)
+                                  or x.dropout.dtype != jnp.uint32):
+        bad("dropout", x.dropout, f"uint32 [{batch}, {num_heads}, 4]")
 
 
 def _fwd_abstract(*args, **params):
@@ -271,7 +274,8 @@ def _make_cpu_lowering(prim):
         params = coerce_params(**params)
         q = ctx.avals_in[0]
         impl = implementations.resolve(params["implementation"], "cpu",
-                                       call=(direction, q.dtype, q.shape[3]))
+                                       call=(direction, q.dtype, q.shape[3],
+                                             params["dropout_rate"] > 0))
         # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):
             return _xla_lowering(prim, ctx, args, params, "cpu")

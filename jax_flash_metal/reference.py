@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import contract, features, nonfinite, validation
+from . import contract, dropout, features, nonfinite, validation
 from . import visibility as visibility_rules
 
 _HI = jax.lax.Precision.HIGHEST
@@ -64,7 +64,8 @@ def _scores(q, k, scale):
 
 
 def forward(q, k, v, operands=contract.Operands(), *, scale, is_causal=False, window_left=-1,
-            window_right=-1, bottom_right=False, logits_soft_cap=None, **unused_static):
+            window_right=-1, bottom_right=False, logits_soft_cap=None, dropout_rate=0.0,
+            **unused_static):
     """Reference forward. q [B,Tq,H,D], k/v [B,Tkv,HKV,D], ``operands``: contract.Operands.
 
     Returns (o [B,Tq,H,D] in q.dtype, lse [B,H,Tq] float32). Also differentiable by plain JAX
@@ -101,6 +102,10 @@ def forward(q, k, v, operands=contract.Operands(), *, scale, is_causal=False, wi
         denom = denom + jnp.exp(sink - row_max)
     nonempty = denom != 0.0  # a NaN denom (NaN in a visible input) stays NaN
     denom_safe = jnp.where(nonempty, denom, 1.0)
+    if x.dropout is not None:  # O = (P Z) V with Z = M / (1 - rate): dropout.dropout_mask's M
+        seeds = x.dropout.reshape(batch, num_kv_heads, -1, 4)
+        p = p * dropout.weights(seeds, jnp.arange(q_len, dtype=jnp.int32), 0, kv_len,
+                                dropout_rate)
     o = _contract("bhgqk,bkhd->bqhgd", p, v.astype(_F32))
     o = nonfinite.poison(o, jnp.einsum("bhgqk,bkhd->bqhgd", m5.astype(_F32),
                                        nonfinite.indicator(v)))
@@ -116,7 +121,8 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
                         query_seq_lengths=None, key_value_seq_lengths=None,
                         local_window_size=None, query_segment_ids=None,
                         key_value_segment_ids=None, logits_soft_cap=None, sinks=None,
-                        causal_alignment="top_left", return_lse=False):
+                        causal_alignment="top_left", dropout_rate=0.0, dropout_rng=None,
+                        return_lse=False):
     """Plain-``jnp`` scaled dot-product attention with exactly ``flash_attention``'s semantics.
 
     It materialises the full score tensor (memory O(batch * heads * q_len * kv_len)) and computes
@@ -127,7 +133,7 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
     Args/shapes/dtypes/errors: as ``jax_flash_metal.flash_attention`` (query [B, Tq, H, D] or
     [Tq, H, D], key/value [B, Tkv, HKV, D] or [Tkv, HKV, D], float32/float16/bfloat16; bias and
     mask broadcastable to [B, H, Tq, Tkv]; lengths integer [B]; segment ids integer [B, T];
-    sinks [H]).
+    sinks [H]; dropout_rate and dropout_rng: the same keep mask, ``dropout_mask``).
     Returns: out shaped like query in its dtype, and with ``return_lse=True`` also the
     log-sum-exp [B, H, Tq] ([H, Tq] for rank-3 query) float32 (``-inf`` for rows that see no
     key, or the sink with sinks).
@@ -138,7 +144,8 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
         local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
         query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids,
-        logits_soft_cap=logits_soft_cap, sinks=sinks)
+        logits_soft_cap=logits_soft_cap, sinks=sinks, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng)
     return_lse = validation.check_bool(return_lse, "return_lse")
     o, lse = forward(q, k, v, operands, **params._asdict())
     return validation.restore_rank(query, o, lse, return_lse)

@@ -14,9 +14,11 @@ call or the xla implementation, the way JAX's own cuDNN attention pairs its prim
   windows, lengths), so a shard must see whole sequences (the partitioner all-gathers K/V; for
   a sequence split without the gather, use ``sequence_axis_name`` in ``shard_map``).
 - optional operands follow: lengths and segment ids the batch axis, a bias or mask each of its
-  full (non-broadcast) batch and head axes, sinks the head axis. A bias gradient is summed over
-  the shards of the axes its bias broadcasts over (``lax.psum``); the sinks gradient is plain
-  ``jax.numpy`` (attention.py), which the partitioner reduces itself.
+  full (non-broadcast) batch and head axes, sinks the head axis, the dropout operand batch and
+  heads (each row carries its own b and n, so a shard's mask is the slice of the whole). A
+  bias gradient is summed over the shards of the axes its bias broadcasts over (``lax.psum``);
+  the sinks gradient is plain ``jax.numpy`` (attention.py), which the partitioner reduces
+  itself.
 
 Both partitioners: ``sharding_rule`` (Shardy, where JAX has it) states the same factors;
 ``infer_sharding_from_operands`` and ``partition`` (GSPMD, and Shardy's final partitioning)
@@ -117,6 +119,8 @@ class _Layout:
             return P(b if shape[0] > 1 else None, h if shape[1] > 1 else None, None, None)
         if role == "sinks":
             return P(h)
+        if role == "dropout":
+            return P(b, h, None)
         raise AssertionError(role)
 
     def sharding(self, role, shape):
@@ -208,6 +212,8 @@ def _sharding_rule(roles, out_roles, in_avals):
             return ArrayMapping(*(f if n > 1 else next(fresh) for f, n in zip(full, shape)))
         if role == "sinks":
             return ArrayMapping(heads)
+        if role == "dropout":
+            return ArrayMapping("b", heads, next(fresh))
         raise AssertionError(role)
 
     bias_shape = next((a.shape for r, a in zip(roles, in_avals) if r == "bias"), None)

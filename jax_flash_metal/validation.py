@@ -275,6 +275,42 @@ def _check_sinks(sinks, num_heads):
     return sinks.astype(jnp.float32)
 
 
+def check_dropout(dropout_rate, dropout_rng, batch, num_heads, broadcast=False):
+    """(rate float in [0, 1), the ``dropout`` operand uint32 [batch, num_heads, 4] or None).
+
+    The operand holds, per (batch row, query head), the key's two words and the b and n of the
+    mask's counter (docs/design.md#dropout); ``broadcast`` gives every row b = n = 0 (one mask
+    for all, Flax's ``broadcast_dropout``). None when the rate is 0 (a key is then checked and
+    unused). The key: a typed ``jax.random.key`` whose data is uint32 [2] (threefry) or a
+    legacy uint32 [2] key, possibly traced."""
+    rate = _static_real(dropout_rate, "dropout_rate")
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
+    if dropout_rng is None:
+        if rate > 0.0:
+            raise ValueError(f"dropout_rate={rate} needs dropout_rng, a JAX PRNG key")
+        return rate, None
+    rng = _as_array(dropout_rng, "dropout_rng")
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        if rng.shape != ():
+            raise ValueError(f"dropout_rng must be one key (shape ()), got a key array of shape "
+                             f"{rng.shape}; vmap over keys instead")
+        rng = jax.random.key_data(rng)
+    if rng.dtype != jnp.uint32 or rng.shape != (2,):
+        raise TypeError(f"dropout_rng must be a jax.random.key with two uint32 words of key "
+                        f"data (the default threefry implementation) or a legacy uint32 [2] "
+                        f"key, got {rng.dtype}{list(rng.shape)}")
+    if rate == 0.0:
+        return rate, None
+    def index(axis):
+        if broadcast:
+            return jnp.zeros((batch, num_heads), jnp.uint32)
+        return jax.lax.broadcasted_iota(jnp.uint32, (batch, num_heads), axis)
+
+    words = [jnp.broadcast_to(rng[w], (batch, num_heads)) for w in range(2)]
+    return rate, jnp.stack(words + [index(0), index(1)], axis=-1)
+
+
 def check_inputs(
     query,
     key,
@@ -293,6 +329,9 @@ def check_inputs(
     key_value_segment_ids=None,
     logits_soft_cap=None,
     sinks=None,
+    dropout_rate=0.0,
+    dropout_rng=None,
+    dropout_broadcast=False,
 ):
     """Validate everything; return (q, k, v, Operands, StaticParams), q/k/v rank 4.
 
@@ -351,6 +390,9 @@ def check_inputs(
         q_segment_ids=q_segments, kv_segment_ids=kv_segments,
         bias=_check_bias(bias, full), mask=_check_mask(mask, full),
         sinks=_check_sinks(sinks, num_heads))
+    dropout_rate, dropout = check_dropout(dropout_rate, dropout_rng, batch, num_heads,
+                                          dropout_broadcast)
+    operands = operands._replace(dropout=dropout)
     params = StaticParams(
         scale=scale,
         is_causal=is_causal,
@@ -365,6 +407,7 @@ def check_inputs(
         has_mask=operands.mask is not None,
         has_sinks=operands.sinks is not None,
         logits_soft_cap=logits_soft_cap,
+        dropout_rate=dropout_rate,
     )
     return q, k, v, operands, params
 

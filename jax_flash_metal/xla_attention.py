@@ -1,7 +1,8 @@
 """The "xla" implementation, the primitives' default lowering: FlashAttention-2 in jax.numpy / lax.
 
     forward(q, k, v, operands=Operands(), *, scale, is_causal, window_left, window_right,
-            bottom_right, logits_soft_cap, **unused_static) -> (o, lse, row_max, log_sum)
+            bottom_right, logits_soft_cap, dropout_rate, **unused_static)
+            -> (o, lse, row_max, log_sum)
     backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), *, (the same),
              bias_grad, **unused_static) -> (dq, dk, dv[, dbias])
 
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import features, nonfinite, visibility, xla_schedule
+from . import dropout, features, nonfinite, visibility, xla_schedule
 from . import xla_tiles as tiles
 from .contract import Operands
 
@@ -301,8 +302,13 @@ class _Blocks:
     (lengths were given, or the last block is padded).
     """
 
-    def __init__(self, band, t: _Tiling, q_len, kv_len, operands, kv_heads):
+    def __init__(self, band, t: _Tiling, q_len, kv_len, operands, kv_heads, dropout_rate):
         self.band, self.t = band, t
+        # The dropout operand as [B, HKV, G, 4], like the tiles' query heads.
+        self.dropout, self.dropout_rate = operands.dropout, dropout_rate
+        if self.dropout is not None:
+            b, h, _ = self.dropout.shape
+            self.dropout = self.dropout.reshape(b, kv_heads, h // kv_heads, 4)
         self.check_rows = operands.q_lengths is not None or t.nq * t.br != q_len
         self.check_keys = operands.kv_lengths is not None or t.nk * t.bc != kv_len
         self.features = _Features(operands, kv_heads, t)
@@ -319,13 +325,18 @@ class _Blocks:
             _valid(operands.kv_lengths, kv_len, t.nk * t.bc))
 
     def visible(self, r, c):
-        """(visible bool broadcastable to [B, HKV, G, Br, Bc] or None, bias block or None)."""
+        """(visible bool broadcastable to [B, HKV, G, Br, Bc] or None, bias block or None,
+        dropout weights Z [B, HKV, G, Br, Bc] or None) of tile (r, c)."""
         t = self.t
-        band = self.band.mask(r * t.br + jnp.arange(t.br, dtype=jnp.int32),
-                              c * t.bc + jnp.arange(t.bc, dtype=jnp.int32),
+        rows = r * t.br + jnp.arange(t.br, dtype=jnp.int32)
+        band = self.band.mask(rows, c * t.bc + jnp.arange(t.bc, dtype=jnp.int32),
                               check_rows=self.check_rows, check_keys=self.check_keys)
         extra, bias = self.features.tile(r, c)
-        return features.combine(None if band is None else band[:, None, None], extra), bias
+        z = None
+        if self.dropout is not None:
+            z = dropout.weights(self.dropout, rows, c * t.bc, t.bc, self.dropout_rate,
+                                aligned=t.bc % 4 == 0)
+        return features.combine(None if band is None else band[:, None, None], extra), bias, z
 
     def over_query_blocks(self, init, step, finish, rows, counting=None):
         """For each pass p and query block r (``q_r = rows(p, r)``): state = init(q_r), then
@@ -414,7 +425,8 @@ def _evaluated_now(static):
     return jax.ensure_compile_time_eval() if static else contextlib.nullcontext()
 
 
-def _setup(q, k, operands, schedule, is_causal, window_left, window_right, bottom_right):
+def _setup(q, k, operands, schedule, is_causal, window_left, window_right, bottom_right,
+           dropout_rate):
     batch, q_len, _, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     with _evaluated_now(operands.q_lengths is None and operands.kv_lengths is None):
@@ -422,7 +434,7 @@ def _setup(q, k, operands, schedule, is_causal, window_left, window_right, botto
                                is_causal=is_causal, window_left=window_left,
                                window_right=window_right, bottom_right=bottom_right)
     t = tiling(q_len, kv_len, schedule)
-    return _Blocks(band, t, q_len, kv_len, operands, kv_heads), t
+    return _Blocks(band, t, q_len, kv_len, operands, kv_heads, dropout_rate), t
 
 
 def _empty_lse(sinks, batch, num_heads, q_len):
@@ -474,10 +486,10 @@ def _counted(x):
 
 def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=False,
             window_left=-1, window_right=-1, bottom_right=False, logits_soft_cap=None,
-            **unused_static):
+            dropout_rate=0.0, **unused_static):
     """(o [B, Tq, H, D] in q.dtype, lse, row_max, log_sum float32 [B, H, Tq]); see the module
-    docstring. ``operands``: contract.Operands (lengths, segment ids, bias, mask, sinks or
-    None); ``schedule``: ``xla_schedule.Schedule`` (default: the cpu one)."""
+    docstring. ``operands``: contract.Operands (lengths, segment ids, bias, mask, sinks,
+    dropout or None); ``schedule``: ``xla_schedule.Schedule`` (default: the cpu one)."""
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -485,7 +497,7 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
         lse = _empty_lse(operands.sinks, batch, num_heads, q_len)
         return jnp.zeros(q.shape, q.dtype), lse, lse, jnp.zeros_like(lse)
     blocks, t = _setup(q, k, operands, schedule, is_causal, window_left, window_right,
-                       bottom_right)
+                       bottom_right, dropout_rate)
     kv_valid = _valid(operands.kv_lengths, kv_len)
     qb = _query_blocks(q, kv_heads, t, _valid(operands.q_lengths, q_len), scale)
     kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
@@ -495,18 +507,19 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
     counting = ~_all_finite(v) if blocks.hides_pairs else None
 
     if t.dense:
+        visible, bias, z = blocks.visible(0, 0)
         o, *stats = tiles.forward_whole_rows(qb[0], kb[0],
                                              _weighted(0, vb, blocks.hides_pairs)[0],
-                                             *blocks.visible(0, 0), logits_soft_cap, sinks)
+                                             visible, bias, logits_soft_cap, sinks, z)
         o, stats = o[None], [x[None] for x in stats]
         if counting is not None:
             (o,) = _poison_if(counting, [o], lambda: [_tile_counts_forward(blocks, vb, num_heads)])
     else:
         def step(state, p, c, q, tile):  # q: the rows of qb
-            visible, bias = tile
+            visible, bias, z = tile
             return tiles.forward_step(state, q, _of_pass(p, _block(kb, c)),
                                       _weighted(p, _block(vb, c), blocks.hides_pairs), visible,
-                                      _of_pass(p, bias), logits_soft_cap)
+                                      _of_pass(p, bias), logits_soft_cap, _of_pass(p, z, 1.0))
 
         def finish(state, p):  # the counting pass has no sinks
             return tiles.forward_finish(state, _of_pass(p, sinks, -jnp.inf))
@@ -547,7 +560,7 @@ def _tile_counts_forward(blocks, vb, num_heads):
 
 def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), *, scale,
              schedule=CPU, is_causal=False, window_left=-1, window_right=-1, bottom_right=False,
-             logits_soft_cap=None, bias_grad=False, **unused_static):
+             logits_soft_cap=None, dropout_rate=0.0, bias_grad=False, **unused_static):
     """(dq, dk, dv[, dbias]) in the input dtypes (dbias float32 in the bias operand's shape,
     with ``bias_grad``), from the forward's o, lse and residuals and the cotangents dO and g_lse:
     delta = rowsum(dO * O) - g_lse (0 for rows past q_len), then the FlashAttention-2
@@ -560,7 +573,7 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
         zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, k, v)]
         return zeros + ([jnp.zeros(operands.bias.shape, F32)] if bias_grad else [])
     blocks, t = _setup(q, k, operands, schedule, is_causal, window_left, window_right,
-                       bottom_right)
+                       bottom_right, dropout_rate)
     q_valid = _valid(operands.q_lengths, q_len)
     kv_valid = _valid(operands.kv_lengths, kv_len)
     delta = -g_lse.astype(F32)
@@ -587,14 +600,13 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
     max_b, log_sum_b, delta_b = (_row_blocks(x, kv_heads, t) for x in (row_max, log_sum, delta))
 
     def tile(p, r, c, xs, visible_bias):
-        visible, bias = visible_bias
+        visible, bias, z = visible_bias
         q_r, do_r = _block(qb, r), _block(dob, r)
         dq, dk, dv, ds = tiles.backward_tile(tiles.BackwardOperands(
             _of_pass(p, q_r), _weighted(p, q_r, hides), *xs, _of_pass(p, do_r),
             _weighted(p, do_r, hides), _of_pass(p, _block(max_b, r)),
             _of_pass(p, _block(log_sum_b, r)), _of_pass(p, _block(delta_b, r), -1.0)), visible,
-            _of_pass(p, bias), logits_soft_cap,
-            t.dense)
+            _of_pass(p, bias), logits_soft_cap, t.dense, _of_pass(p, z, 1.0))
         return dq, (dk, dv), _of_pass(p, ds)
 
     def key_xs(p, c):

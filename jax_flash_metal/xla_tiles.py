@@ -6,6 +6,9 @@ grouped-query attention never repeats K/V), k, v ``[B, HKV, Bc, D]``, row statis
 ``[B, HKV, G, Br]``, ``visible`` bool broadcastable to ``[B, HKV, G, Br, Bc]`` or None when every
 pair of the tile is visible, ``bias`` float32 broadcastable the same way or None. q arrives
 multiplied by the softmax scale. Scores are ``cap(q . k) + bias`` (``features.soft_cap``).
+``dropout``: None, or float32 ``[B, HKV, G, Br, Bc]`` Z = M / (1 - rate) (``dropout.weights``):
+O = (P Z) V, so dV = (P Z)^T dO and dP = (dO V^T) Z; the softmax statistics, and
+D = rowsum(dO O) = rowsum(P dP), are those of the undropped P.
 
 Non-finite inputs (docs/design.md#empty-rows-and-non-finite-inputs) cost nothing here: the caller
 passes each operand in the form that makes plain matmuls place NaN exactly. Every operand arrives
@@ -72,14 +75,21 @@ def running_init(q):
     return Running(jnp.full(rows, LOWEST, F32), jnp.zeros(rows, F32), jnp.zeros(q.shape, F32))
 
 
-def forward_step(state, q, k_nan, v_zeroed, visible, bias=None, cap=None):
-    """Fold one key block into the running state (rescaling by exp(m_old - m_new))."""
+def _dropped(p, dropout):
+    """P Z, or P without dropout."""
+    return p if dropout is None else p * dropout
+
+
+def forward_step(state, q, k_nan, v_zeroed, visible, bias=None, cap=None, dropout=None):
+    """Fold one key block into the running state (rescaling by exp(m_old - m_new)); the sum l
+    takes P, the output P Z."""
     s = _masked(visible, _scores(q, k_nan, bias, cap)[0], -jnp.inf)
     m = jnp.maximum(state.m, jnp.max(s, axis=-1))
     p = jnp.exp(s - m[..., None])
     alpha = jnp.exp(state.m - m)
     return Running(m, alpha * state.l + jnp.sum(p, axis=-1),
-                   alpha[..., None] * state.acc + _dot("bhgqk,bhkd->bhgqd", p, v_zeroed))
+                   alpha[..., None] * state.acc + _dot("bhgqk,bhkd->bhgqd", _dropped(p, dropout),
+                                                       v_zeroed))
 
 
 def forward_finish(state, sinks=None):
@@ -123,7 +133,8 @@ def probabilities(s, m, log_l, visible):
     return jnp.exp(_masked(visible, (s - m[..., None]) - log_l[..., None], -jnp.inf))
 
 
-def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=None):
+def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=None,
+                       dropout=None):
     """(o, lse, m, log l) of a tile that holds every key of its rows (the dense path), in two
     passes over the scores instead of the online softmax: m = max S, l = sum exp(S - m) (plus
     the sinks as in ``forward_finish``), lse = m + log l (-inf for a row that sees no key), then
@@ -137,7 +148,8 @@ def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=N
         l = l + jnp.exp(sinks - m)
     log_l = jnp.where(l == 0.0, 0.0, jnp.log(l))
     lse = jnp.where(l == 0.0, -jnp.inf, m + log_l)
-    o = _dot("bhgqk,bhkd->bhgqd", probabilities(s, m, log_l, visible), v_zeroed)
+    o = _dot("bhgqk,bhkd->bhgqd", _dropped(probabilities(s, m, log_l, visible), dropout),
+             v_zeroed)
     return o, lse, m, log_l
 
 
@@ -152,9 +164,11 @@ def _key_major(small, big):
         _dot("bhdgq,bhgqk->bhdk", small_t, big)), -1, -2)
 
 
-def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, whole_rows=False):
+def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, whole_rows=False,
+                  dropout=None):
     """(dq unscaled, dk, dv, dS) contributions of one tile: P = ``probabilities`` from the
-    forward's residuals, dV = P^T dO, dP = dO V^T, dS = P (dP - delta) (the bias gradient), then
+    forward's residuals, dV = (P Z)^T dO, dP = (dO V^T) Z (Z = 1 without dropout),
+    dS = P (dP - delta) (the bias gradient), then
     through the soft cap's slope dS_raw = dS (1 - tanh^2), dQ = dS_raw K, dK = dS_raw^T (scale q).
 
     ``whole_rows`` (a tile holding every key of its rows): delta's rowsum(dO O) is taken as
@@ -162,11 +176,11 @@ def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, whole_rows=
     uses only the gradients, XLA drops the forward's P V (as autodiff of softmax does)."""
     s, slope = _scores(x.q, x.k_nan, bias, cap)
     p = probabilities(s, x.row_max, x.log_sum, visible)
-    dp = _dot("bhgqd,bhkd->bhgqk", x.do, x.v)
+    dp = _dropped(_dot("bhgqd,bhkd->bhgqk", x.do, x.v), dropout)
     delta = x.delta[..., None]
     if whole_rows:
         delta = delta + jnp.sum(_masked(visible, p * dp, 0.0), axis=-1, keepdims=True)
     ds = _masked(visible, p * (dp - delta), 0.0)
     ds_raw = ds if slope is None else ds * slope
     return (_dot("bhgqk,bhkd->bhgqd", ds_raw, x.k_zeroed),
-            _key_major(x.q_zeroed, ds_raw), _key_major(x.do_zeroed, p), ds)
+            _key_major(x.q_zeroed, ds_raw), _key_major(x.do_zeroed, _dropped(p, dropout)), ds)

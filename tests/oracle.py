@@ -12,6 +12,11 @@ a few bits of q.k) are judged by what float32 scores say, not by the exact real 
 
 Sums run over visible keys (or queries) only: a non-finite value at a visible position makes the
 affected output NaN, one at an invisible position has no effect.
+
+Attention dropout takes its keep mask M as given (``dropout_mask``, bool [B, H, Tq, Tkv]; the
+package's ``dropout_mask`` is checked on its own against Philox's known answers): with
+Z = M / (1 - rate), O = (P Z) V, dV = (P Z)^T dO and dP = (dO V^T) Z, then the same softmax
+Jacobian.
 """
 
 import numpy as np
@@ -150,12 +155,20 @@ def _full_mask(q, k, features, band):
     return full_visibility(b, h, tq, k.shape[1], **{n: features.get(n) for n in keys}, **band)
 
 
+def _dropout_weights(dropout_mask, dropout_rate):
+    """Z = M / (1 - rate) as float64 [B, H, Tq, Tkv], or 1 without dropout."""
+    if dropout_mask is None:
+        return 1.0
+    return np.asarray(dropout_mask, bool) / (1.0 - float(dropout_rate))
+
+
 def attention(q, k, v, *, scale=None, is_causal=False, local_window_size=None,
               query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment="top_left",
-              **features):
+              dropout_mask=None, dropout_rate=0.0, **features):
     """Returns (o [B, Tq, H, D], lse [B, H, Tq]) in float64. Empty rows: o = 0, lse = -inf
     (= the sink with sinks). ``features``: the FEATURES keywords of flash_attention (bias and
-    mask broadcastable to [B, H, Tq, Tkv], segment ids [B, T], soft cap, sinks [H])."""
+    mask broadcastable to [B, H, Tq, Tkv], segment ids [B, T], soft cap, sinks [H]).
+    ``dropout_mask`` (bool [B, H, Tq, Tkv]) and ``dropout_rate``: attention dropout."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     h = q.shape[2]
     mask = _full_mask(q, k, features, dict(
@@ -164,13 +177,13 @@ def attention(q, k, v, *, scale=None, is_causal=False, local_window_size=None,
         causal_alignment=causal_alignment))
     p, lse, _, _, _ = _probabilities(q, k, scale, mask, features.get("bias"),
                                      features.get("logits_soft_cap"), features.get("sinks"))
-    o = _masked_contract(p, mask, _heads(v, h))
+    o = _masked_contract(p * _dropout_weights(dropout_mask, dropout_rate), mask, _heads(v, h))
     return o.transpose(0, 2, 1, 3), lse
 
 
 def gradients(q, k, v, do, g_lse=None, *, scale=None, is_causal=False, local_window_size=None,
               query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment="top_left",
-              **features):
+              dropout_mask=None, dropout_rate=0.0, **features):
     """Reverse-mode gradients in float64 of <o, do> + <lse, g_lse> as a dict: dq, dk, dv, and
     dbias (summed to the bias's own shape) / dsinks [H] when a bias / sinks are given.
 
@@ -194,8 +207,9 @@ def gradients(q, k, v, do, g_lse=None, *, scale=None, is_causal=False, local_win
     doh = np.where(row_visible[..., None], doh, 0.0)  # cotangents of empty rows reach nothing
     g_rows = np.where(row_visible, g, 0.0)
     out = {}
+    z = _dropout_weights(dropout_mask, dropout_rate)
     with np.errstate(invalid="ignore"):
-        dp = _dp(doh, vh, mask)
+        dp = _dp(doh, vh, mask) * z
         p_dp = (p * dp).sum(axis=-1, keepdims=True)
         ds = np.where(mask, p * (dp - p_dp + g_rows[..., None]), 0.0)
         if "bias" in features and features["bias"] is not None:
@@ -209,7 +223,7 @@ def gradients(q, k, v, do, g_lse=None, *, scale=None, is_causal=False, local_win
         dq = scale * _masked_contract(ds_raw, mask, kh)
         mask_t = mask.swapaxes(-1, -2)
         dk = scale * _masked_contract(ds_raw.swapaxes(-1, -2), mask_t, qh)
-        dv = _masked_contract(p.swapaxes(-1, -2), mask_t, doh)
+        dv = _masked_contract((p * z).swapaxes(-1, -2), mask_t, doh)
     group = h // hkv
     dk = dk.reshape(b, hkv, group, tkv, d).sum(axis=2)
     dv = dv.reshape(b, hkv, group, tkv, d).sum(axis=2)

@@ -13,6 +13,7 @@ from framework_helpers import assert_close, assert_half_close
 eqx = pytest.importorskip("equinox")
 import optax  # noqa: E402
 
+from jax_flash_metal import dropout_mask  # noqa: E402
 from jax_flash_metal.equinox import MultiheadAttention  # noqa: E402
 
 LEN, KV_LEN, SIZE = 8, 12, 32
@@ -124,13 +125,10 @@ def test_bfloat16():
     assert_half_close(got, framework, want)
 
 
-def test_dropout_refused_unless_inactive():
+def test_inactive_dropout_is_plain_attention():
+    """inference=True at the call, at construction, or the deprecated deterministic=True."""
     theirs, mine = pair(dropout_p=0.1)
     args = inputs()
-    with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
-        mine(*args, key=jax.random.PRNGKey(1))
-    # Inactive dropout is plain attention: inference=True at the call, at construction, or the
-    # deprecated deterministic=True.
     want = theirs(*args, inference=True)
     assert_close("output", mine(*args, inference=True), want)
     assert_close("output", eqx.nn.inference_mode(mine)(*args), want)
@@ -147,45 +145,88 @@ def test_bad_mask_and_lengths():
         mine(q, k, v[:-1])
 
 
+TOKENS = np.frombuffer(b"the quick brown fox jumps over the lazy dog", np.uint8)[:LEN * 4]
+
+
+def train(cls, dropout_p=0.0, **call):
+    """Losses of 20 Adam steps of a one-layer causal byte model with attention ``cls``; with
+    dropout, a new key per step and sequence."""
+    tokens = jnp.asarray(TOKENS.reshape(4, LEN).astype(np.int32))
+    causal = jnp.tril(jnp.ones((LEN - 1, LEN - 1), bool))
+    k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+    params = (eqx.nn.Embedding(256, SIZE, key=k1), cls(**SIZES, dropout_p=dropout_p, key=k2))
+
+    def loss(model, key):
+        embed, attn = model
+
+        def one(seq, key):
+            x = jax.vmap(embed)(seq[:-1])
+            logits = (x + attn(x, x, x, mask=causal, key=key, **call)) @ embed.weight.T
+            return optax.softmax_cross_entropy_with_integer_labels(logits, seq[1:]).mean()
+
+        return jax.vmap(one)(tokens, jax.random.split(key, len(tokens))).mean()
+
+    optimizer = optax.adam(1e-2)
+    state = optimizer.init(eqx.filter(params, eqx.is_array))
+
+    @eqx.filter_jit
+    def step(params, state, key):
+        value, grads = eqx.filter_value_and_grad(loss)(params, key)
+        updates, state = optimizer.update(grads, state)
+        return eqx.apply_updates(params, updates), state, value
+
+    losses = []
+    for n in range(20):
+        params, state, value = step(params, state, jax.random.key(n))
+        losses.append(float(value))
+    return losses
+
+
 def test_training_matches_equinox(implementation):
     """20 Adam steps of a one-layer byte model: the same losses as with Equinox's attention.
     The causal mask reaches the fused kernels as a mask operand."""
-    tokens = jnp.asarray(np.frombuffer(b"the quick brown fox jumps over the lazy dog", np.uint8)
-                         [:LEN * 4].reshape(4, LEN).astype(np.int32))
-    causal = jnp.tril(jnp.ones((LEN - 1, LEN - 1), bool))
-
-    def model(cls):
-        k1, k2 = jax.random.split(jax.random.PRNGKey(3))
-        return (eqx.nn.Embedding(256, SIZE, key=k1), cls(**SIZES, key=k2))
-
-    def loss(model, tokens, call):
-        embed, attn = model
-
-        def one(seq):
-            x = jax.vmap(embed)(seq[:-1])
-            logits = (x + attn(x, x, x, mask=causal, **call)) @ embed.weight.T
-            return optax.softmax_cross_entropy_with_integer_labels(logits, seq[1:]).mean()
-
-        return jax.vmap(one)(tokens).mean()
-
-    def train(cls, **call):
-        params = model(cls)
-        optimizer = optax.adam(1e-2)
-        state = optimizer.init(eqx.filter(params, eqx.is_array))
-
-        @eqx.filter_jit
-        def step(params, state):
-            value, grads = eqx.filter_value_and_grad(loss)(params, tokens, call)
-            updates, state = optimizer.update(grads, state)
-            return eqx.apply_updates(params, updates), state, value
-
-        losses = []
-        for _ in range(20):
-            params, state, value = step(params, state)
-            losses.append(float(value))
-        return losses
-
     want = train(eqx.nn.MultiheadAttention)
     got = train(MultiheadAttention, implementation=implementation)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
     assert want[-1] < want[0] - 1.0  # it trains
+
+
+def test_training_with_dropout(implementation):
+    """The byte model trains with attention dropout (0.2); the fused implementations refuse
+    dropout by name so far, and implementation=None runs it (on xla): the same losses."""
+    want = train(MultiheadAttention, dropout_p=0.2, implementation="xla")
+    assert want[-1] < want[0] - 1.0
+    assert want != train(MultiheadAttention, implementation="xla")  # dropout is active
+    if implementation != "xla":
+        _, mine = pair(dropout_p=0.2)
+        with pytest.raises(NotImplementedError, match="dropout"):
+            mine(*inputs(), key=jax.random.key(0), implementation=implementation)
+        np.testing.assert_allclose(train(MultiheadAttention, dropout_p=0.2), want, rtol=0,
+                                   atol=1e-6)
+
+
+def test_dropout_is_the_dense_formula_with_dropout_mask():
+    """Attention dropout with ``key``: softmax(q k^T / sqrt(d)) * M[0] / (1 - p) times V for
+    the module's own heads (read through process_heads), M = dropout_mask(key, ...)."""
+    _, mine = pair(dropout_p=0.3)
+    q, k, v = inputs()
+    key = jax.random.key(5)
+    heads = []
+    out = mine(q, k, v, key=key, process_heads=lambda *h: heads.extend(h) or h)
+    qh, kh, vh = heads  # [len, num_heads, 16]
+    p = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", qh, kh) / np.sqrt(16), axis=-1)
+    keep = dropout_mask(key, (1, 2, LEN, KV_LEN), 0.3)[0]
+    attn = jnp.einsum("hqk,khd->qhd", p * keep / 0.7, vh).reshape(LEN, -1)
+    assert_close("output", out, jax.vmap(mine.output_proj)(attn))
+    with pytest.raises(ValueError, match="key"):
+        mine(q, k, v)
+
+
+def test_vmapped_keys_give_each_sequence_its_own_mask():
+    _, mine = pair(dropout_p=0.5)
+    q, k, v = inputs()
+    keys = jax.random.split(jax.random.key(1), 3)
+    got = jax.vmap(lambda key: mine(q, k, v, key=key))(keys)
+    for n, key in enumerate(keys):
+        assert_close("output", got[n], mine(q, k, v, key=key))
+    assert not np.allclose(got[0], got[1])

@@ -14,7 +14,7 @@ pytest.importorskip("flax")
 import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jax_flash_metal import implementations  # noqa: E402
+from jax_flash_metal import dropout_mask, implementations  # noqa: E402
 from jax_flash_metal.flax import attention_fn  # noqa: E402
 
 FEATURES, HEADS, LEN = 32, 2, 8  # head_dim 16, the smallest the kernels have
@@ -173,14 +173,38 @@ def test_bias_with_extra_batch_axes():
     assert_close("gradient", got[1], want[1])
 
 
-def test_dropout_refused_unless_inactive():
+def dense_with_our_mask(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                        dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                        **unused):
+    """Flax's attention with ``dropout_mask``'s M instead of Flax's own draw: the dense formula
+    the adapter must reproduce (M[0, 0] for every batch entry and head when broadcast)."""
+    weights = nnx.dot_product_attention_weights(query, key, bias, mask, dtype=dtype)
+    if dropout_rate > 0.0 and not deterministic:
+        b, h, tq, tk = weights.shape
+        keep = dropout_mask(dropout_rng, (1, 1, tq, tk) if broadcast_dropout else (b, h, tq, tk),
+                            dropout_rate)
+        weights = weights * keep / (1.0 - dropout_rate)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_dropout_is_the_dense_formula_with_dropout_mask(implementation, broadcast):
+    """nnx.MultiHeadAttention(dropout_rate=0.3) not deterministic: output and gradients as the
+    dense formula with M (the same key: modules built alike draw the same dropout_rng); the
+    fused implementations refuse dropout when asked for by name, None runs xla."""
     x = inputs()
-    module = nnx_module(ours("xla"), dropout_rate=0.1)
-    with pytest.raises(NotImplementedError, match="dropout_rate=0.1"):
-        module(x, deterministic=False)
+    kw = dict(dropout_rate=0.3, broadcast_dropout=broadcast)
+    want = nnx_output_and_grads(nnx_module(dense_with_our_mask, **kw), x, deterministic=False)
+    if implementation != "xla":
+        with pytest.raises(NotImplementedError, match="dropout"):
+            nnx_module(ours(implementation), **kw)(x, deterministic=False)
+        implementation = None
+    got = nnx_output_and_grads(nnx_module(ours(implementation), **kw), x, deterministic=False)
+    assert_close("output", got[0], want[0])
+    assert_close("gradient", got[1], want[1])
     # Inactive dropout (deterministic) is plain attention.
-    want = nnx_module(nnx.dot_product_attention, dropout_rate=0.1)(x, deterministic=True)
-    assert_close("output", module(x, deterministic=True), want)
+    plain = nnx_module(nnx.dot_product_attention, **kw)(x, deterministic=True)
+    assert_close("output", nnx_module(ours("xla"), **kw)(x, deterministic=True), plain)
 
 
 def test_refusals():

@@ -205,9 +205,11 @@ def test_coerce_params_exact_types():
     assert params == dict(scale=0.5, is_causal=True, window_left=3, window_right=-1,
                           bottom_right=False, has_q_lengths=False, has_kv_lengths=True,
                           implementation=None, has_segment_ids=False, has_bias=False,
-                          has_mask=False, has_sinks=False, logits_soft_cap=None)
+                          has_mask=False, has_sinks=False, logits_soft_cap=None,
+                          dropout_rate=0.0)
     assert [type(x) for x in params.values()] == [float, bool, int, int, bool, bool, bool,
-                                                  type(None), bool, bool, bool, bool, type(None)]
+                                                  type(None), bool, bool, bool, bool, type(None),
+                                                  float]
     full = coerce_params(scale=1, is_causal=False, window_left=-1, window_right=-1,
                          bottom_right=False, has_q_lengths=False, has_kv_lengths=False,
                          implementation="xla", has_bias=np.bool_(True), logits_soft_cap=np.int32(30),

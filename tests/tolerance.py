@@ -22,7 +22,8 @@ def baseline(q, k, v, do, g_lse=None, **mask_kwargs):
     """Plain attention computed in the inputs' dtype with jnp, and its autodiff gradients.
 
     Returns a dict with o, lse, dq, dk, dv (and dbias / dsinks with a bias / sinks) as float64
-    NumPy — the error yardstick for half-precision results. Invisible keys are masked in the
+    NumPy — the error yardstick for half-precision results. ``dropout_mask`` and
+    ``dropout_rate`` as the oracle's. Invisible keys are masked in the
     dtype; empty rows give 0.
     """
     q, k, v, do = (jnp.asarray(x) for x in (q, k, v, do))
@@ -32,6 +33,10 @@ def baseline(q, k, v, do, g_lse=None, **mask_kwargs):
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     cap = mask_kwargs.pop("logits_soft_cap", None)
     sinks = mask_kwargs.pop("sinks", None)
+    keep = mask_kwargs.pop("dropout_mask", None)
+    rate = mask_kwargs.pop("dropout_rate", 0.0)
+    z = jnp.ones((), q.dtype) if keep is None else jnp.asarray(
+        np.asarray(keep, bool) / (1.0 - rate), q.dtype)
     bias = mask_kwargs.get("bias")
     mask = jnp.asarray(oracle.full_visibility(b, h, tq, k.shape[1], **mask_kwargs))
     has_bias, has_sinks = bias is not None, sinks is not None
@@ -46,7 +51,7 @@ def baseline(q, k, v, do, g_lse=None, **mask_kwargs):
     g = jnp.zeros((b, h, tq), jnp.float32) if g_lse is None else jnp.asarray(g_lse, jnp.float32)
     # One compiled function per shape instead of dozens of eagerly compiled ops.
     o, lse, dq, dk, dv, dbias, dsinks = _baseline_compiled(
-        q, k, v, do, g, mask, key_used, bias, sinks, scale=float(scale), cap=cap,
+        q, k, v, do, g, mask, key_used, bias, sinks, z, scale=float(scale), cap=cap,
         has_sinks=has_sinks)
     out = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
     if has_bias:
@@ -57,7 +62,8 @@ def baseline(q, k, v, do, g_lse=None, **mask_kwargs):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "cap", "has_sinks"))
-def _baseline_compiled(q, k, v, do, g, mask, key_used, bias, sinks, *, scale, cap, has_sinks):
+def _baseline_compiled(q, k, v, do, g, mask, key_used, bias, sinks, z, *, scale, cap,
+                       has_sinks):
     dtype = q.dtype
     h, hkv = q.shape[2], k.shape[2]
     sinks = sinks if has_sinks else None
@@ -79,7 +85,7 @@ def _baseline_compiled(q, k, v, do, g, mask, key_used, bias, sinks, *, scale, ca
         if sinks is not None:
             denom = denom + jnp.exp(sinks[None, :, None, None] - m)
         safe = jnp.where(denom == 0, jnp.ones_like(denom), denom)
-        o = jnp.einsum("bhqk,bkhd->bqhd", p / safe, v)
+        o = jnp.einsum("bhqk,bkhd->bqhd", p / safe * z, v)
         lse = jnp.where(denom[..., 0] == 0, -jnp.inf, (m + jnp.log(safe))[..., 0])
         return o, lse.astype(jnp.float32)
 
