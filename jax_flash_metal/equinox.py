@@ -61,7 +61,7 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
             warnings.warn("MultiheadAttention()(deterministic=...) is deprecated in favour of "
                           "MultiheadAttention()(inference=...)", stacklevel=2)
         inactive = self.dropout.inference if inference is None else inference
-        dropout = {}
+        dropout: dict[str, Any] = {}
         if self.dropout.p > 0 and not inactive:
             if key is None:
                 raise ValueError(

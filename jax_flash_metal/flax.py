@@ -75,13 +75,15 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
     Returns:
       [batch..., q_len, num_heads, head_dim] in the computation dtype.
     Raises:
-      NotImplementedError for what flash_attention cannot honour: ``module`` (``sow_weights=True``: the attention
-      weights are never formed), ``precision`` other than None (the products are computed at
-      flash_attention's fixed precision with float32 accumulation), custom einsums
-      (``einsum_dot_general``, ``qk_attn_weights_einsum``, ``attn_weights_value_einsum``), and
-      ``input_positions`` (rotary embeddings inside the attention function).
+      NotImplementedError for what flash_attention cannot honour: ``module``
+      (``sow_weights=True``: the attention weights are never formed), ``precision`` other than
+      None (the products are computed at flash_attention's fixed precision with float32
+      accumulation), custom einsums (``einsum_dot_general``, ``qk_attn_weights_einsum``,
+      ``attn_weights_value_einsum``), ``input_positions`` (rotary embeddings inside the
+      attention function), and an explicit fused ``implementation`` with active dropout.
       ValueError for key/value batch axes or lengths that differ from the query's, or a mask or
-      bias of too high a rank; flash_attention's errors for everything else.
+      bias of too high a rank, or active dropout without dropout_rng; flash_attention's errors
+      for everything else.
     Difference from Flax: a query row whose every key is masked outputs 0 (Flax: the mean of the
     values), as flash_attention documents.
     """
@@ -118,7 +120,7 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
         mask = mask.astype(jnp.bool_)  # Flax also takes 0/1 float masks
     b = math.prod(batch_shape)
     q, k, v = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
-    dropout = {}
+    dropout: dict[str, Any] = {}
     if dropout_rate > 0.0 and not deterministic:
         dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                        dropout_broadcast=bool(broadcast_dropout))
