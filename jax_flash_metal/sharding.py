@@ -14,7 +14,9 @@ call or the xla implementation, the way JAX's own cuDNN attention pairs its prim
   windows, lengths), so a shard must see whole sequences (the partitioner all-gathers K/V; for
   a sequence split without the gather, use ``sequence_axis_name`` in ``shard_map``).
 - optional operands follow: lengths and segment ids the batch axis, a bias or mask each of its
-  full (non-broadcast) batch and head axes, sinks the head axis. A bias gradient is summed over
+  full (non-broadcast) batch and head axes, sinks the head axis, ALiBi slopes the batch and
+  head axes, a page table the batch axis (its pages, shared by the batch, are split only over
+  KV heads). A bias gradient is summed over
   the shards of the axes its bias broadcasts over (``lax.psum``); the sinks gradient is plain
   ``jax.numpy`` (attention.py), which the partitioner reduces itself.
 
