@@ -115,19 +115,14 @@ def kernel_names(implementation: str) -> frozenset[str]:
     return frozenset(_ext.kernel_names(implementation))
 
 
-def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int,
-                       dropout: bool = False) -> str | None:
+def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int) -> str | None:
     """Why the fused kernels of ``implementation`` cannot run a ``direction`` ("fwd" or "bwd")
-    call with this dtype and head dim (and attention dropout, when ``dropout``), or None when
-    every kernel it needs exists. The optional features other than dropout need no kernels of
-    their own: every kernel implements all of them; none implements dropout yet.
+    call with this dtype and head dim, or None when every kernel it needs exists. The optional
+    features need no kernels of their own: every kernel implements all of them.
 
     The device's kernel list is asked (on Metal without compiling anything), so a build whose
     shaders lack a head dim is reported at trace time rather than when the computation runs.
     """
-    if dropout:
-        return (f"flash_attention: dropout (dropout_rate > 0) is not implemented by the "
-                f"{implementation!r} kernels; use implementation=None or 'xla'")
     dtype = np.dtype(dtype)
     suffix = _DTYPE_SUFFIX.get(dtype)
     if suffix is None:
@@ -153,26 +148,22 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
     return message
 
 
-def check_supported(implementation: str, direction: str, dtype, head_dim: int,
-                    dropout: bool = False) -> None:
-    """Raise ``unsupported_reason`` as NotImplementedError (dropout), TypeError (a dtype without
-    kernels) or ValueError (a head dim without kernels), if any."""
-    reason = unsupported_reason(implementation, direction, dtype, head_dim, dropout)
+def check_supported(implementation: str, direction: str, dtype, head_dim: int) -> None:
+    """Raise ``unsupported_reason`` as TypeError (a dtype without kernels) or ValueError (a head
+    dim without kernels), if any."""
+    reason = unsupported_reason(implementation, direction, dtype, head_dim)
     if reason is None:
         return
-    if dropout:
-        raise NotImplementedError(reason)
     raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
 
 
 def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
                 has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks, logits_soft_cap,
-                dropout_rate=0.0, bias_grad=None):
+                has_alibi=False, has_page_table=False, dropout_rate=0.0, bias_grad=None):
     """The FFI attributes with their exact types (a Python float would become f64); the soft
     cap is 0.0 when absent; ``bias_grad`` only for the backward target (None for the forward).
-    ``dropout_rate`` is not sent: ``check_supported`` refuses calls with dropout.
-    """
-    del dropout_rate
+    ALiBi, paged and dropout calls never get here (``implementations.missing_features``)."""
+    assert not (has_alibi or has_page_table or dropout_rate)
     backward = {} if bias_grad is None else dict(bias_grad=np.bool_(bias_grad))
     return dict(**backward, scale=np.float32(scale), is_causal=np.bool_(is_causal),
                 window_left=np.int32(window_left), window_right=np.int32(window_right),
@@ -218,7 +209,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     """
     q, k = (cast(ShapedArray, aval) for aval in ctx.avals_in[:2])
     _check_built(implementation)
-    check_supported(implementation, "fwd", q.dtype, q.shape[3], params["dropout_rate"] > 0)
+    check_supported(implementation, "fwd", q.dtype, q.shape[3])
     batch, q_len, num_heads, head_dim = q.shape
     _, workspace_elements = _ext.decode_splits(
         _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, k.shape[1], num_heads, k.shape[2],
@@ -231,7 +222,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
 
 
 def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_grad=False,
-              **params):
+              alibi_grad=False, **params):
     """Emit the backward FFI call for the primitive's args (q, k, v, o, lse, row_max, log_sum,
     do, g_lse, then the optional operands as for ``lower_fwd``) -> (dq, dk, dv[, dbias]).
 
@@ -246,7 +237,7 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_gr
     """
     q, k = (cast(ShapedArray, aval) for aval in ctx.avals_in[:2])
     _check_built(implementation)
-    check_supported(implementation, "bwd", q.dtype, q.shape[3], params["dropout_rate"] > 0)
+    check_supported(implementation, "bwd", q.dtype, q.shape[3])
     batch, q_len, num_heads, _ = q.shape
     full = (batch, num_heads, q_len, k.shape[1])
     dbias = ShapedArray(full if bias_grad else (0,), np.float32)

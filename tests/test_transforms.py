@@ -206,13 +206,14 @@ def test_coerce_params_exact_types():
                           bottom_right=False, has_q_lengths=False, has_kv_lengths=True,
                           implementation=None, has_segment_ids=False, has_bias=False,
                           has_mask=False, has_sinks=False, logits_soft_cap=None,
-                          dropout_rate=0.0)
+                          has_alibi=False, has_page_table=False, dropout_rate=0.0)
     assert [type(x) for x in params.values()] == [float, bool, int, int, bool, bool, bool,
                                                   type(None), bool, bool, bool, bool, type(None),
-                                                  float]
+                                                  bool, bool, float]
     full = coerce_params(scale=1, is_causal=False, window_left=-1, window_right=-1,
                          bottom_right=False, has_q_lengths=False, has_kv_lengths=False,
                          implementation="xla", has_bias=np.bool_(True), logits_soft_cap=np.int32(30),
-                         bias_grad=1)
+                         bias_grad=1, alibi_grad=np.bool_(False))
     assert (type(full["logits_soft_cap"]), full["logits_soft_cap"], full["bias_grad"]) == (
         float, 30.0, True)
+    assert full["alibi_grad"] is False
