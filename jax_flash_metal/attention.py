@@ -233,8 +233,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         ring attention (K/V passed around the axis with ``lax.ppermute``; Liu et al., "Ring
         Attention with Blockwise Transformers", 2023; ``ring_attention.py``). Causal, windows,
         lengths, alignment, segment ids, soft cap, sinks and grouped-query attention use global
-        positions; bias, mask, alibi_slopes and page_table raise ValueError, as does a name
-        not bound there.
+        positions; bias, mask, alibi_slopes, page_table and dropout_rate > 0 raise ValueError,
+        as does a name not bound there.
       sequence_layout: with ``sequence_axis_name``, "contiguous" (above) or "striped": device
         i holds positions i, i + n, i + 2n, ... (Brandon et al., "Striped Attention", 2023;
         causal work is then even across devices); ``ring_attention.stripe`` / ``unstripe``

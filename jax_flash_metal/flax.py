@@ -124,6 +124,7 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
     if dropout_rate > 0.0 and not deterministic:
         dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                        dropout_broadcast=bool(broadcast_dropout))
-    out = attend(q, k, v, bias, mask, is_causal=is_causal, implementation=implementation,
-                 **dropout)
-    return out.reshape(query.shape)
+    out = attend(q, k, v, bias, mask, scale=None, is_causal=is_causal, local_window_size=None,
+                 query_seq_lengths=None, key_value_seq_lengths=None,
+                 causal_alignment="top_left", implementation=implementation, **dropout)
+    return out.reshape(query.shape[:-1] + value.shape[-1:])
