@@ -178,7 +178,7 @@ def dense_with_our_mask(query, key, value, bias=None, mask=None, broadcast_dropo
                         **unused):
     """Flax's attention with ``dropout_mask``'s M instead of Flax's own draw: the dense formula
     the adapter must reproduce (M[0, 0] for every batch entry and head when broadcast)."""
-    weights = nnx.dot_product_attention_weights(query, key, bias, mask, dtype=dtype)
+    weights = nn.dot_product_attention_weights(query, key, bias, mask, dtype=dtype)
     if dropout_rate > 0.0 and not deterministic:
         b, h, tq, tk = weights.shape
         keep = dropout_mask(dropout_rng, (1, 1, tq, tk) if broadcast_dropout else (b, h, tq, tk),
@@ -189,17 +189,27 @@ def dense_with_our_mask(query, key, value, bias=None, mask=None, broadcast_dropo
 
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_dropout_is_the_dense_formula_with_dropout_mask(implementation, broadcast):
-    """nnx.MultiHeadAttention(dropout_rate=0.3) not deterministic: output and gradients as the
-    dense formula with M (the same key: modules built alike draw the same dropout_rng); the
-    fused implementations refuse dropout when asked for by name, None runs xla."""
+    """nnx.MultiHeadAttention(dropout_rate=0.3) not deterministic, with the same rngs: output
+    and input gradient as the dense formula with M; the fused implementations refuse dropout
+    when asked for by name, None runs xla."""
     x = inputs()
     kw = dict(dropout_rate=0.3, broadcast_dropout=broadcast)
-    want = nnx_output_and_grads(nnx_module(dense_with_our_mask, **kw), x, deterministic=False)
+    c = jax.random.normal(jax.random.PRNGKey(9), x.shape)
+
+    def output_and_grad(fn):
+        module = nnx_module(fn, **kw)
+
+        def run(x):
+            return module(x, deterministic=False, rngs=nnx.Rngs(dropout=5))
+
+        return run(x), jax.grad(lambda x: jnp.sum(run(x) * c))(x)
+
+    want = output_and_grad(dense_with_our_mask)
     if implementation != "xla":
         with pytest.raises(NotImplementedError, match="dropout"):
-            nnx_module(ours(implementation), **kw)(x, deterministic=False)
+            output_and_grad(ours(implementation))
         implementation = None
-    got = nnx_output_and_grads(nnx_module(ours(implementation), **kw), x, deterministic=False)
+    got = output_and_grad(ours(implementation))
     assert_close("output", got[0], want[0])
     assert_close("gradient", got[1], want[1])
     # Inactive dropout (deterministic) is plain attention.
