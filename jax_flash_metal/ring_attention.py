@@ -243,7 +243,7 @@ class _Pair(NamedTuple):
 
 class _State(NamedTuple):
     """The online-softmax state of query rows (the primitives' forward outputs): O float32
-    [B, T, H, D], and LSE, the row max m and log l float32 [B, H, T], over the keys folded in
+    [B, T, H, Dv], and LSE, the row max m and log l float32 [B, H, T], over the keys folded in
     so far."""
 
     o: jax.Array
@@ -259,10 +259,11 @@ class _State(NamedTuple):
                       *(_with_piece(x, y, r, length, 2) for x, y in zip(self[1:], part[1:])))
 
 
-def _initial_state(q):
+def _initial_state(q, v):
     batch, q_chunk, heads, _ = q.shape
     row = (batch, heads, q_chunk)
-    return _State(jnp.zeros(q.shape, F32), jnp.full(row, -jnp.inf, F32),
+    return _State(jnp.zeros((batch, q_chunk, heads, v.shape[3]), F32),
+                  jnp.full(row, -jnp.inf, F32),
                   jnp.full(row, jnp.finfo(F32).min, F32), jnp.zeros(row, F32))
 
 
@@ -360,7 +361,7 @@ def _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths):
 
         return _switch(pair, branch, state, kv), kv
 
-    return _ring_loop(ring, q, q_lengths, kv_lengths, _initial_state(q), (k, v, kv_seg),
+    return _ring_loop(ring, q, q_lengths, kv_lengths, _initial_state(q, v), (k, v, kv_seg),
                       block_step)[0]
 
 
