@@ -588,10 +588,10 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
     kv_valid = _valid(operands.kv_lengths, kv_len)
     prec = _precision(q.dtype, scale, schedule)
     # The dense tile of float32 operands adds rowsum(P dP) itself (backward_tile's
-    # whole_rows). Half operands take rowsum(dO O): there the recomputed scores can differ from
-    # the forward's in their last bit (the compiler may multiply and sum them in another order),
-    # and at scores of 1e4 that is a P whose row sums to 1 + 1e-3, which the form
-    # rowsum(P dP) turns into a dS of 1e-3 |dP| where the exact one is 0 (a one-hot softmax).
+    # whole_rows). Half operands take rowsum(dO O): their recomputed scores were seen to differ
+    # from the forward's in the last bit (XLA:CPU at optimization level 0), and at scores of 1e4
+    # that is a P whose row sums to 1 + 1e-3, which rowsum(P dP) turns into a dS of 1e-3 |dP|
+    # where the exact one is 0 (a one-hot softmax).
     whole_rows = t.dense and prec.dtype == F32
     delta = -g_lse.astype(F32)
     if not whole_rows:
