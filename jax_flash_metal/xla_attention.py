@@ -609,16 +609,10 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
     q_valid = _valid(operands.q_lengths, q_len)
     kv_valid = _valid(operands.kv_lengths, kv_len)
     prec = _precision(q.dtype, scale, schedule)
-    # The dense tile of float32 operands adds rowsum(P dP) itself (backward_tile's
-    # whole_rows). Half operands take rowsum(dO O): their recomputed scores were seen to differ
-    # from the forward's in the last bit (XLA:CPU at optimization level 0), and at scores of 1e4
-    # that is a P whose row sums to 1 + 1e-3, which rowsum(P dP) turns into a dS of 1e-3 |dP|
-    # where the exact one is 0 (a one-hot softmax).
-    whole_rows = t.dense and prec.dtype == F32
-    delta = -g_lse.astype(F32)
-    if not whole_rows:
-        delta = delta + jnp.einsum("bqhd,bqhd->bhq", do.astype(F32), o.astype(F32),
-                                   precision=jax.lax.Precision.HIGHEST)
+    # D from the O given, not as rowsum(P dP) (equal only when O = P V over these keys): ring
+    # attention passes the O, m and log l of the whole sequence with a part of its keys.
+    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(F32), o.astype(F32),
+                       precision=jax.lax.Precision.HIGHEST) - g_lse.astype(F32)
     if q_valid is not None:
         delta = jnp.where(q_valid[:, None, :], delta, 0.0)
     qb = _query_blocks(q, kv_heads, t, q_valid, prec.dtype, prec.q_scale)
@@ -626,13 +620,13 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
     kb, vb = _key_blocks(k, t, kv_valid, prec.dtype), _key_blocks(v, t, kv_valid, prec.dtype)
     # A visible pair read a non-finite q or k entry exactly when some row's lse is NaN (the
     # score is NaN: _nan_entries), and a non-finite dO entry of a row makes its delta non-finite
-    # (dO * O has no finite value for it): the tiled path checks [B, H, Tq] arrays instead of
-    # reading q, k and dO again (the dense tile's delta is formed inside it: it checks dO).
+    # (dO * O has no finite value for it): [B, H, Tq] arrays are checked instead of reading q,
+    # k and dO again.
     # Other causes (a NaN O, bias or g_lse) only run the counting pass. Where no pair is
     # hidden, the matmuls place NaN themselves (``_weighted``).
     nonfinite_read = None
     if blocks.hides_pairs:
-        nonfinite_read = jnp.isnan(jnp.sum(lse)) | ~_all_finite(delta, *([do] if t.dense else []))
+        nonfinite_read = jnp.isnan(jnp.sum(lse)) | ~_all_finite(delta)
     dbias_init = jnp.zeros(blocks.features.bias.shape, F32) if bias_grad else None
     counting = None if t.dense else nonfinite_read
     hides = blocks.hides_pairs
@@ -645,7 +639,7 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
             _of_pass(p, q_r), _weighted(p, q_r, hides), *xs, _of_pass(p, do_r),
             _weighted(p, do_r, hides), _of_pass(p, _block(max_b, r)),
             _of_pass(p, _block(log_sum_b, r)), _of_pass(p, _block(delta_b, r), -1.0)), visible,
-            _of_pass(p, bias), logits_soft_cap, whole_rows, prec.score_scale)
+            _of_pass(p, bias), logits_soft_cap, prec.score_scale)
         rows = dq
         if alibi_grad:  # per row: sum_j dS * -|i + off - j| (0 in the counting pass)
             rows = (dq, _of_pass(p, jnp.sum(ds * blocks.alibi_distance(r, c), axis=-1), 0.0))

@@ -122,7 +122,7 @@ class BackwardOperands(NamedTuple):
     do_zeroed: jax.Array  # (for dV)
     row_max: jax.Array   # the forward's residuals m and log l (``probabilities``)
     log_sum: jax.Array
-    delta: jax.Array     # rowsum(dO O) - g_lse, or only -g_lse with ``whole_rows``
+    delta: jax.Array     # rowsum(dO O) - g_lse
 
 
 def probabilities(s, m, log_l, visible):
@@ -165,23 +165,15 @@ def _key_major(small, big):
         _dot("bhdgq,bhgqk->bhdk", small_t, big)), -1, -2)
 
 
-def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, whole_rows=False,
-                  scale=None):
+def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, scale=None):
     """(dq unscaled, dk, dv, dS) contributions of one tile: P = ``probabilities`` from the
     forward's residuals, dV = P^T dO, dP = dO V^T, dS = P (dP - delta) (the bias gradient), then
     through the soft cap's slope dS_raw = dS (1 - tanh^2), dQ = dS_raw K, dK = dS_raw^T q (q as
-    the operands hold it: times scale, or unscaled with ``scale`` given, then dk lacks it too).
-
-    ``whole_rows`` (a tile holding every key of its rows): delta's rowsum(dO O) is taken as
-    rowsum(P dP), its equal (O = P V), so the backward does not read O and, when the caller
-    uses only the gradients, XLA drops the forward's P V (as autodiff of softmax does)."""
+    the operands hold it: times scale, or unscaled with ``scale`` given, then dk lacks it too)."""
     s, slope = _scores(x.q, x.k_nan, bias, cap, scale)
     p = probabilities(s, x.row_max, x.log_sum, visible)
     dp = _dot("bhgqd,bhkd->bhgqk", x.do, x.v)
-    delta = x.delta[..., None]
-    if whole_rows:
-        delta = delta + jnp.sum(_masked(visible, p * dp, 0.0), axis=-1, keepdims=True)
-    ds = _masked(visible, p * (dp - delta), 0.0)
+    ds = _masked(visible, p * (dp - x.delta[..., None]), 0.0)
     ds_raw = ds if slope is None else ds * slope
     return (_dot("bhgqk,bhkd->bhgqd", ds_raw, x.k_zeroed),
             _key_major(x.q_zeroed, ds_raw), _key_major(x.do_zeroed, p), ds)

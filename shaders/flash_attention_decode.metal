@@ -62,17 +62,17 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
   constexpr int BQ = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, EB, D);
   constexpr int BK = jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, EB, D);
   constexpr int THREADS = JFM_DECODE_THREADS(T, D);
-  constexpr bool ONE_KV_BUFFER = jfm_fwd_kv_one_buffer(EB, D);
+  constexpr bool Q_IN_REGISTERS = jfm_fwd_q_in_registers(EB, D);
   constexpr int LD = jfm_tile_stride<T>(D);
   constexpr int DF = D / 8;
   static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
+  // The forward's tiles (Q staged through the K/V tiles where it lives in registers).
   constexpr int ROW_WORDS = LD * EB / 16;
-  threadgroup uint4 q_words[BQ * ROW_WORDS];
-  threadgroup uint4 kv_words[(ONE_KV_BUFFER ? 1 : 2) * BK * ROW_WORDS];
+  threadgroup uint4 tile_words[jfm_fwd_tile_rows(EB, D) * ROW_WORDS];
   threadgroup int nonfinite_v_block[1];
-  threadgroup T* q_tile = (threadgroup T*)q_words;
-  threadgroup T* kv_tile = (threadgroup T*)kv_words;
+  threadgroup T* q_tile = (threadgroup T*)tile_words;
+  threadgroup T* kv_tile = q_tile + (Q_IN_REGISTERS ? 0 : BQ * LD);
 
   const JfmTile tile = jfm_tile_of(params, group);
   const uint split = tile.block;

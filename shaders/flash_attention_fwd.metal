@@ -36,18 +36,19 @@ template <typename T, int D>
   constexpr int BQ = jfm_fwd_block_q(EB, D);
   constexpr int BK = jfm_fwd_block_k(EB, D);
   constexpr int THREADS = JFM_FWD_THREADS(T, D);
-  constexpr bool ONE_KV_BUFFER = jfm_fwd_kv_one_buffer(EB, D);
+  constexpr bool Q_IN_REGISTERS = jfm_fwd_q_in_registers(EB, D);
   constexpr int LD = jfm_tile_stride<T>(D);
   constexpr int DF = D / 8;   // fragments along the head dim
   static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
-  // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned.
+  // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned. Where Q
+  // lives in registers it is staged through the K/V tiles (the key-block loop reads it into
+  // registers before its first barrier), else it has its own tile before them.
   constexpr int ROW_WORDS = LD * EB / 16;
-  threadgroup uint4 q_words[BQ * ROW_WORDS];
-  threadgroup uint4 kv_words[(ONE_KV_BUFFER ? 1 : 2) * BK * ROW_WORDS];
+  threadgroup uint4 tile_words[jfm_fwd_tile_rows(EB, D) * ROW_WORDS];
   threadgroup int nonfinite_v_block[1];  // start of the latest key block whose V had Inf/NaN
-  threadgroup T* q_tile = (threadgroup T*)q_words;
-  threadgroup T* kv_tile = (threadgroup T*)kv_words;
+  threadgroup T* q_tile = (threadgroup T*)tile_words;
+  threadgroup T* kv_tile = q_tile + (Q_IN_REGISTERS ? 0 : BQ * LD);
 
   const JfmTile tile = jfm_tile_of(params, group);
   const int i0 = int(tile.block) * BQ;

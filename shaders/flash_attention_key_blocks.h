@@ -137,7 +137,9 @@ inline float jfm_online_softmax_features(thread JfmFrag* s, constant AttentionPa
 // Key blocks [j0, j0 + BK) from the one holding union_lo to the one holding union_hi (a
 // threadgroup-uniform range): stage K and V (zero-filled outside [union_lo, union_hi], V
 // sanitized), S = Q K^T by MMA, online softmax, O = alpha O + P V by MMA. q_band: the
-// simdgroup's 8 rows of the staged Q tile (loaded, barrier passed); kv_tile: the K/V tiles;
+// simdgroup's 8 rows of the staged Q tile (loaded, barrier passed; where Q lives in registers
+// it may lie in kv_tile's memory: it is read into registers before the first block's
+// barrier, after which K overwrites it); kv_tile: the K/V tiles;
 // first_keys/last_keys: the intervals bounding every row's (block classification); rows_full:
 // every row of the tile is a real row; keys: this lane's row interval. On return m, l and acc
 // hold this lane's running max, sum share and unnormalised O (DF fragments). FEATURES: the score
