@@ -63,11 +63,6 @@
 #ifndef JAX_FLASH_METAL_ATTENTION_FFI_H_
 #define JAX_FLASH_METAL_ATTENTION_FFI_H_
 
-#include <cstdint>
-#include <string>
-#include <vector>
-
-#include "dispatch_plan.h"
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionFwdEmulator);
@@ -76,48 +71,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionBwdEmulator);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionFwdMetal);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionBwdMetal);
 #endif
-
-namespace jfm {
-
-// The kernels a call runs, in order, with their grids and estimated work: forward the fwd
-// kernel, or for a decode call (decode_splits > 0) decode_partial then decode_combine; backward
-// bwd_stages: bwd_dq (and D), bwd_dkdv or bwd_dk, bwd_dv. The handlers cut these into
-// submissions with plan_submissions (dispatch_plan.h); tests read them through _ext.
-std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
-                                         int64_t q_len, int64_t kv_len, int64_t heads,
-                                         int64_t kv_heads, int64_t head_dim, int gpu_cores);
-
-// The decode's key splits per (batch, kv head) on a GPU of `gpu_cores` cores, or 0 when the
-// forward runs the tiled kernel: decode needs 1 <= q_len <= JFM_DECODE_MAX_Q_LEN and the
-// (heads / kv_heads) * q_len rows of one KV head within one pass-1 tile (tile_shapes.h). The
-// lowering sizes the forward's workspace result with it (through _ext), the handler checks it.
-int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, int64_t kv_len,
-                      int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores);
-
-// float32 elements of the decode workspace: [batch, kv_heads, splits, G * q_len, head_dim + 2]
-// (partial O, then m and l, per row; kv_heads * G = heads); 0 when splits is 0.
-int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t head_dim,
-                                  int64_t splits);
-
-// One kernel family's dispatch shape from shaders/tile_shapes.h: rows per threadgroup, block size
-// of the traversed dimension, simdgroups and threads per threadgroup, and (forward only) whether
-// Q stays in registers and whether K and V share one threadgroup buffer.
-struct TileShape {
-  int rows, cols, simdgroups, threads;
-  bool q_in_registers, kv_one_buffer;
-};
-
-// The shape for stage "fwd", "bwd_dq", "bwd_dkdv", "bwd_dk" or "bwd_dv" (the stage part of a
-// kernel name), element size in bytes (4 or 2) and head dim; false for an unknown stage.
-bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape);
-
-// Bytes per element of a dtype suffix: 4 for "f32", 2 for "f16" / "bf16", 0 for anything else.
-int element_bytes(const std::string& dtype_suffix);
-
-// The backward stages in dispatch order: bwd_dq (which also writes delta), then bwd_dkdv, or
-// bwd_dk and bwd_dv for the widest heads (tile_shapes.h).
-std::vector<std::string> bwd_stages(int head_dim);
-
-}  // namespace jfm
 
 #endif  // JAX_FLASH_METAL_ATTENTION_FFI_H_

@@ -128,7 +128,7 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
     if suffix is None:
         return (f"flash_attention: dtype {dtype} has no {implementation} kernels "
                 f"(float32, float16, bfloat16 only)")
-    # The kernels (stages) the direction runs, as ffi/attention_ffi.cc dispatches them.
+    # The kernels (stages) the direction runs, as ffi/dispatch_plan.cc plans them.
     stages = (("fwd", "decode_partial", "decode_combine") if direction == "fwd"
               else tuple(_ext.bwd_stages(head_dim)))
     names = kernel_names(implementation)
@@ -197,7 +197,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     log_sum).
 
     Short queries against a long KV cache take the split-KV decode kernels (the handler decides,
-    ``ffi/attention_ffi.h`` decode_splits); their float32 workspace is a fourth result of the
+    ``ffi/dispatch_plan.h`` decode_splits); their float32 workspace is a fourth result of the
     custom call, sized here by the extension's own rule (``_ext.decode_splits`` for this device,
     0 elements for the tiled forward) and dropped, like the backward's delta.
 

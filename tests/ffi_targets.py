@@ -67,8 +67,8 @@ def bwd_call(q, k, v, o, residuals, do, g_lse, *optional, bias_grad=False, **att
 def submission_budget(seconds):
     """Plan submissions under a budget of ``seconds`` of estimated GPU time (the extension's test
     hook), restoring the previous budget afterwards."""
-    previous = ext._set_submission_budget(seconds)
+    previous = ext.testing.set_submission_budget(seconds)
     try:
         yield
     finally:
-        ext._set_submission_budget(previous)
+        ext.testing.set_submission_budget(previous)

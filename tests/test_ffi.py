@@ -41,11 +41,11 @@ def _normal(rng, shape, dtype=jnp.float32):
 
 @contextlib.contextmanager
 def _emulator_fault(kernel):
-    ext._set_emulator_fault(kernel)
+    ext.testing.set_emulator_fault(kernel)
     try:
         yield
     finally:
-        ext._set_emulator_fault("")
+        ext.testing.set_emulator_fault("")
 
 
 @contextlib.contextmanager
@@ -112,7 +112,7 @@ def test_public_helpers_report_this_build():
 def test_metal_gate_accepts_only_apple_silicon_traits(traits, reason):
     """The gate the Metal device applies at creation (family, unified memory) and to every
     pipeline (threadExecutionWidth); plain C++, so it is checked here on every platform."""
-    got = ext._metal_gate(*traits)
+    got = ext.testing.metal_gate(*traits)
     assert got == "" if not reason else reason in got
 
 
@@ -496,10 +496,10 @@ def test_debug_environment_variable_syntax():
 def test_gpu_core_count_prefers_a_plausible_registry_value():
     """The Metal device's rule: the IORegistry's gpu-core-count when in 1..1024, else the name
     table (0 = the property could not be read)."""
-    assert ext._gpu_core_count(24, "Apple M2 Max") == 24
-    assert ext._gpu_core_count(0, "Apple M2 Max") == 38
-    assert ext._gpu_core_count(-3, "Apple M1") == 8
-    assert ext._gpu_core_count(5000, "Some future GPU") == 10
+    assert ext.testing.gpu_core_count(24, "Apple M2 Max") == 24
+    assert ext.testing.gpu_core_count(0, "Apple M2 Max") == 38
+    assert ext.testing.gpu_core_count(-3, "Apple M1") == 8
+    assert ext.testing.gpu_core_count(5000, "Some future GPU") == 10
 
 
 def test_gpu_seconds_total_is_metal_only():
@@ -553,7 +553,7 @@ def test_metal_gate_and_compile_warnings_on_this_mac():
     kept and reported as text."""
     _check_against_oracle("metal", jnp.float16, "plain", 64)
     assert ext.metal_available() and ext.metal_unavailable_reason() == ""
-    assert ext._metal_gate(ext.device_name("metal"), True, True, 32) == ""
+    assert ext.testing.metal_gate(ext.device_name("metal"), True, True, 32) == ""
     assert isinstance(ext.library_warnings("metal"), str)
     assert ext.library_error("metal") == ""
 
@@ -574,14 +574,14 @@ def test_metal_command_buffer_error_surfaces_as_jax_exception(kernel, debug):
                 else rf"kernels in it: .*{dispatch}.*JAX_FLASH_METAL_DEBUG")
     before = ext.metal_debug()
     ext.set_metal_debug(debug)
-    ext._set_metal_fault(kernel)
+    ext.testing.set_metal_fault(kernel)
     try:
         with pytest.raises(jax.errors.JaxRuntimeError,
                            match=rf"metal device error: command buffer failed: injected fault "
                                  rf".*{expected}"):
             jax.block_until_ready(f(q))
     finally:
-        ext._set_metal_fault("")
+        ext.testing.set_metal_fault("")
         ext.set_metal_debug(before)
     assert np.isfinite(np.asarray(f(q))).all()
 

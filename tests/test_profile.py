@@ -448,11 +448,11 @@ def test_split_submissions_share_counts_and_useful_flops():
                             "12", "--kv-len", "20", "--heads", "2", "--kv-heads", "1",
                             "--q-lengths", "12,5", "--window", "4,"])
     whole = profile.profile_records(problem, profile.PASSES, ["M1"])
-    previous = _ext._set_submission_budget(1e-12)
+    previous = _ext.testing.set_submission_budget(1e-12)
     try:
         split = profile.profile_records(problem, profile.PASSES, ["M1"])
     finally:
-        _ext._set_submission_budget(previous)
+        _ext.testing.set_submission_budget(previous)
     assert len(split) > len(whole)
     additive = [k for k in profile.COUNT_KEYS
                 if k not in ("threads_per_threadgroup", "threadgroup_memory_bytes")]
