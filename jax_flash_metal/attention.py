@@ -43,9 +43,19 @@ def _attention_fwd(params, q, k, v, operands):
     q, k, v = (x.value for x in (q, k, v))
     unwrapped = [_unwrap(x) for x in operands]
     operands = Operands(*(x for x, _ in unwrapped))
-    bias_grad = unwrapped[Operands._fields.index("bias")][1]
+    if operands.page_table is not None:
+        raise TypeError(PAGED_NO_GRAD_MESSAGE)
+    bias_grad, alibi_grad = (unwrapped[Operands._fields.index(n)][1]
+                             for n in ("bias", "alibi_slopes"))
     o, lse, row_max, log_sum = fwd_p.bind(q, k, v, *operands.present(), **params._asdict())
-    return (o, lse), (q, k, v, o, lse, row_max, log_sum, operands, _Static(bias_grad))
+    return (o, lse), (q, k, v, o, lse, row_max, log_sum, operands,
+                      _Static((bias_grad, alibi_grad)))
+
+
+PAGED_NO_GRAD_MESSAGE = (
+    "flash_attention with page_table (a paged KV cache) is forward only: reverse-mode "
+    "differentiation through it is not implemented. To differentiate, pass the cache as "
+    "contiguous key/value (jax_flash_metal.paging.gather) without page_table.")
 
 
 def _dense(ct, like, dtype):
@@ -56,18 +66,19 @@ def _dense(ct, like, dtype):
 
 
 def _attention_bwd(params, residuals, cotangents):
-    q, k, v, o, lse, row_max, log_sum, operands, bias_grad = residuals
-    bias_grad = bias_grad.value
+    q, k, v, o, lse, row_max, log_sum, operands, wanted = residuals
+    bias_grad, alibi_grad = wanted.value
     do, g_lse = _dense(cotangents[0], o, q.dtype), _dense(cotangents[1], lse, jnp.float32)
     grads = bwd_p.bind(q, k, v, o, lse, row_max, log_sum, do, g_lse, *operands.present(),
-                       bias_grad=bias_grad, **params._asdict())
+                       bias_grad=bias_grad, alibi_grad=alibi_grad, **params._asdict())
     dq, dk, dv = grads[:3]
     dbias = grads[3].astype(operands.bias.dtype) if bias_grad else None
+    dslopes = grads[-1] if alibi_grad else None
     dsinks = None if operands.sinks is None else _sinks_grad(operands.sinks, o, row_max,
                                                              log_sum, do, g_lse)
     return dq, dk, dv, operands._replace(q_lengths=None, kv_lengths=None, q_segment_ids=None,
                                          kv_segment_ids=None, bias=dbias, mask=None,
-                                         sinks=dsinks)
+                                         sinks=dsinks, alibi_slopes=dslopes)
 
 
 def _sinks_grad(sinks, o, row_max, log_sum, do, g_lse):
@@ -97,6 +108,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                     causal_alignment: str = "top_left",
+                    alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
                     return_lse: Literal[False] = False) -> jax.Array: ...
@@ -114,6 +126,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                     causal_alignment: str = "top_left",
+                    alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
                     return_lse: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
@@ -131,6 +144,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                     causal_alignment: str = "top_left",
+                    alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
                     return_lse: bool) -> jax.Array | tuple[jax.Array, jax.Array]: ...
@@ -147,6 +161,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                     causal_alignment: str = "top_left",
+                    alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
                     return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -157,8 +172,9 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     outputs 0, not the mean of V.
 
     Layout as ``jax.nn.dot_product_attention`` (BTNH):
-      query: [batch, q_len, num_heads, head_dim]; key, value: [batch, kv_len, num_kv_heads,
-      head_dim]; or any of them without the batch axis (rank 3, batch 1). float32, float16 or
+      query: [batch, q_len, num_heads, Dk]; key: [batch, kv_len, num_kv_heads, Dk]; value:
+      [batch, kv_len, num_kv_heads, Dv] (Dv may differ from Dk; the output has Dv); or any of
+      them without the batch axis (rank 3, batch 1). float32, float16 or
       bfloat16, all one dtype; num_heads % num_kv_heads == 0 (grouped-query attention: query
       head n reads kv head n // (num_heads // num_kv_heads)).
     Every array argument takes what ``jnp.asarray`` takes, as jax.nn does: JAX or NumPy arrays,
@@ -169,7 +185,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         hides that key exactly as a False mask entry (never NaN); +inf or NaN propagates.
         Differentiable (the gradient is summed over the broadcast axes).
       mask: bool, broadcastable like bias; True = the key takes part.
-      scale: multiplies q.k; None means 1/sqrt(head_dim). Any finite real number known at trace
+      scale: multiplies q.k; None means 1/sqrt(Dk). Any finite real number known at trace
         time (Python, NumPy or a concrete JAX scalar; 0 and negatives included) is used as
         given; NaN and +-inf raise ValueError.
       is_causal: key j visible to query i only if j <= i + off.
@@ -197,6 +213,15 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         denominator, carrying no value (gpt-oss); differentiable.
       causal_alignment: "top_left" (off = 0, jax.nn / PyTorch) or "bottom_right"
         (off = kv_len_b - q_len_b, FlashAttention-2 / KV-cache decoding).
+      alibi_slopes: float32 [num_heads] or [batch, num_heads]: ALiBi (Press et al., "Train
+        Short, Test Long", 2022): -slope * |i + off - j| is added to each score after the soft
+        cap, with the bias, computed from the slopes (no bias tensor). Differentiable.
+      page_table: integer [batch, max_pages] (cast to int32): key and value are then a paged
+        KV cache [num_pages, page_size, num_kv_heads, Dk or Dv] and logical key j of batch b
+        is key[page_table[b, j // page_size], j % page_size] (kv_len = max_pages *
+        page_size); key_value_seq_lengths is required. Entries past a row's last used page
+        (ceil(kv_len_b / page_size)) are never read and may hold anything; a used entry must
+        be in [0, num_pages). Composes with every other argument; forward only.
       sequence_axis_name: None, or the name of a ``shard_map`` mesh axis over which the
         sequence is split (context parallelism): device i of that axis passes its contiguous
         slice [i * T / n, (i + 1) * T / n) of query, key, value and segment ids (lengths count
@@ -204,7 +229,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         ring attention (K/V passed around the axis with ``lax.ppermute``; Liu et al., "Ring
         Attention with Blockwise Transformers", 2023; ``ring_attention.py``). Causal, windows,
         lengths, alignment, segment ids, soft cap, sinks and grouped-query attention use global
-        positions; bias and mask raise ValueError, as does a name not bound there.
+        positions; bias, mask, alibi_slopes and page_table raise ValueError, as does a name
+        not bound there.
       sequence_layout: with ``sequence_axis_name``, "contiguous" (above) or "striped": device
         i holds positions i, i + n, i + 2n, ... (Brandon et al., "Striped Attention", 2023;
         causal work is then even across devices); ``ring_attention.stripe`` / ``unstripe``
@@ -212,17 +238,20 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         "contiguous" (ValueError otherwise).
       return_lse: also return the log-sum-exp; gradients flow through it.
     Returns:
-      out shaped like query, in its dtype; with return_lse=True, (out, lse) where lse is float32
+      out [batch, q_len, num_heads, Dv] (no batch axis for a rank-3 query), in the query's
+      dtype; with return_lse=True, (out, lse) where lse is float32
       [batch, num_heads, q_len] ([num_heads, q_len] for a rank-3 query), natural log:
       log(exp(sink) + sum_j exp(s_ij)) with sinks. A row with no visible key has out = 0 and
       lse = -inf (the sink with sinks) and contributes nothing to any gradient but dsinks.
     Raises:
       TypeError / ValueError (naming the argument) for bad ranks, shapes, dtypes, head counts,
-      lengths, windows, alignment, scale, bias, mask, segment ids, soft cap, sinks or
-      implementation name; NotImplementedError at lowering when an explicitly requested
-      implementation cannot run the call there.
-    Differentiable w.r.t. query, key, value, bias and sinks in reverse mode, first order only
-    (jax.custom_vjp); softmax math is float32. Method: Dao, "FlashAttention-2" (2023), recompute
+      lengths, windows, alignment, scale, bias, mask, segment ids, soft cap, sinks, ALiBi
+      slopes, page table or implementation name; NotImplementedError at lowering when an
+      explicitly requested implementation cannot run the call there (a fused one names the
+      feature it lacks); TypeError when a paged call is differentiated.
+    Differentiable w.r.t. query, key, value, bias, sinks and alibi_slopes in reverse mode,
+    first order only (jax.custom_vjp), except with page_table (TypeError when differentiated);
+    softmax math is float32. Method: Dao, "FlashAttention-2" (2023), recompute
     backward from (q, k, v, o, lse, dO) with D = rowsum(dO * O) - g_lse.
     """
     return_lse = validation.check_bool(return_lse, "return_lse")
@@ -230,6 +259,9 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         raise ValueError(f"sequence_layout={sequence_layout!r} needs sequence_axis_name (the "
                          "layout of a sequence split over devices)")
     if sequence_axis_name is not None:
+        for name, given in (("alibi_slopes", alibi_slopes), ("page_table", page_table)):
+            if given is not None:
+                raise ValueError(f"{name} is not supported with sequence_axis_name")
         return ring_attention.ring_flash_attention(
             query, key, value, bias, mask, axis_name=sequence_axis_name,
             sequence_layout=sequence_layout, block_attention=flash_attention,
@@ -245,7 +277,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
         implementation=implementation, query_segment_ids=query_segment_ids,
         key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
-        sinks=sinks)
+        sinks=sinks, alibi_slopes=alibi_slopes, page_table=page_table)
     try:
         out, lse = _attention(params, q, k, v, operands)
     except TypeError as e:

@@ -19,7 +19,7 @@ MAIN_OPERANDS = {"fwd": ("q", "k", "v"),
 
 # The static flags that say which optional operands a call has (Operands.flags's arguments).
 FLAG_NAMES = ("has_q_lengths", "has_kv_lengths", "has_segment_ids", "has_bias", "has_mask",
-              "has_sinks")
+              "has_sinks", "has_alibi", "has_page_table")
 
 
 class StaticParams(NamedTuple):
@@ -38,6 +38,8 @@ class StaticParams(NamedTuple):
     has_mask: bool = False
     has_sinks: bool = False
     logits_soft_cap: float | None = None
+    has_alibi: bool = False
+    has_page_table: bool = False
 
 
 class Operands(NamedTuple):
@@ -47,7 +49,8 @@ class Operands(NamedTuple):
     q_lengths, kv_lengths: int32 [B]. q_segment_ids: int32 [B, Tq]; kv_segment_ids: int32
     [B, Tkv] (both or neither: ``has_segment_ids``). bias: float [b, h, tq, tkv] and mask: bool
     [b, h, tq, tkv], rank 4, each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv].
-    sinks: float32 [H].
+    sinks: float32 [H]. alibi_slopes: float32 [B, H]. page_table: int32 [B, max_pages]; with
+    it, k and v are pages [num_pages, page_size, HKV, D] and Tkv = max_pages * page_size.
     """
 
     # Each a JAX array (validation) or an abstract value (primitive rules), hence Any.
@@ -58,12 +61,15 @@ class Operands(NamedTuple):
     bias: Any = None
     mask: Any = None
     sinks: Any = None
+    alibi_slopes: Any = None
+    page_table: Any = None
 
     @staticmethod
-    def flags(has_q_lengths, has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks):
+    def flags(has_q_lengths, has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks,
+              has_alibi, has_page_table):
         """Which fields are present, in field order, from the primitives' has_* params."""
         return (has_q_lengths, has_kv_lengths, has_segment_ids, has_segment_ids, has_bias,
-                has_mask, has_sinks)
+                has_mask, has_sinks, has_alibi, has_page_table)
 
     def present(self):
         return [x for x in self if x is not None]
@@ -91,16 +97,19 @@ def operand_roles(direction: str, params) -> list[str]:
 
 def coerce_params(*, scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
                   has_kv_lengths, implementation, has_segment_ids=False, has_bias=False,
-                  has_mask=False, has_sinks=False, logits_soft_cap=None, bias_grad=None):
+                  has_mask=False, has_sinks=False, logits_soft_cap=None, has_alibi=False,
+                  has_page_table=False, bias_grad=None, alibi_grad=None):
     """The static params with their exact Python types (FFI attributes are typed).
-    ``bias_grad`` (backward only) is included when given."""
+    ``bias_grad`` and ``alibi_grad`` (backward only) are included when given."""
     params = dict(scale=float(scale), is_causal=bool(is_causal), window_left=int(window_left),
                   window_right=int(window_right), bottom_right=bool(bottom_right),
                   has_q_lengths=bool(has_q_lengths), has_kv_lengths=bool(has_kv_lengths),
                   implementation=None if implementation is None else str(implementation),
                   has_segment_ids=bool(has_segment_ids), has_bias=bool(has_bias),
                   has_mask=bool(has_mask), has_sinks=bool(has_sinks),
-                  logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap))
-    if bias_grad is not None:
-        params["bias_grad"] = bool(bias_grad)
+                  logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+                  has_alibi=bool(has_alibi), has_page_table=bool(has_page_table))
+    for name, value in (("bias_grad", bias_grad), ("alibi_grad", alibi_grad)):
+        if value is not None:
+            params[name] = bool(value)
     return params

@@ -159,10 +159,11 @@ def check_supported(implementation: str, direction: str, dtype, head_dim: int) -
 
 def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
                 has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks, logits_soft_cap,
-                bias_grad=None):
+                has_alibi=False, has_page_table=False, bias_grad=None):
     """The FFI attributes with their exact types (a Python float would become f64); the soft
     cap is 0.0 when absent; ``bias_grad`` only for the backward target (None for the forward).
-    """
+    ALiBi and paged calls never get here (``implementations.missing_features``)."""
+    assert not (has_alibi or has_page_table)
     backward = {} if bias_grad is None else dict(bias_grad=np.bool_(bias_grad))
     return dict(**backward, scale=np.float32(scale), is_causal=np.bool_(is_causal),
                 window_left=np.int32(window_left), window_right=np.int32(window_right),
@@ -221,7 +222,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
 
 
 def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_grad=False,
-              **params):
+              alibi_grad=False, **params):
     """Emit the backward FFI call for the primitive's args (q, k, v, o, lse, row_max, log_sum,
     do, g_lse, then the optional operands as for ``lower_fwd``) -> (dq, dk, dv[, dbias]).
 

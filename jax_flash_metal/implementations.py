@@ -82,16 +82,30 @@ def _best_available(platform: str, call) -> str:
     return "xla"
 
 
-def resolve(implementation: str | None, platform: str, call=None) -> str:
+def missing_features(params, key_head_dim: int, value_head_dim: int) -> str | None:
+    """The features of a call (the primitives' static ``params`` and head dims) that the fused
+    kernels do not implement yet, named for an error message, or None."""
+    missing = [name for name, present in (
+        ("alibi_slopes", params.get("has_alibi")),
+        ("page_table (a paged KV cache)", params.get("has_page_table")),
+        (f"a value head dim ({value_head_dim}) other than the key's ({key_head_dim})",
+         value_head_dim != key_head_dim)) if present]
+    return ", ".join(missing) or None
+
+
+def resolve(implementation: str | None, platform: str, call=None, missing=None) -> str:
     """The implementation to lower with for ``platform`` (a JAX platform name such as "cpu").
 
     ``call``: ``(direction, dtype, head_dim)`` of the primitive being lowered (direction "fwd"
     or "bwd"); with ``implementation=None`` and no environment override, a call the fused
     kernels do not cover goes to "xla". Without it only availability is considered.
+    ``missing``: the call's features the fused kernels lack (``missing_features``): such a call
+    goes to "xla" under ``implementation=None``.
 
     Raises:
       ValueError: unknown name (argument or environment variable).
-      NotImplementedError: a fused implementation was asked for explicitly where it cannot run.
+      NotImplementedError: a fused implementation was asked for explicitly where it cannot run,
+        or for a call with ``missing`` features.
     """
     implementation = validation.check_implementation(implementation)
     source = "implementation"
@@ -99,7 +113,7 @@ def resolve(implementation: str | None, platform: str, call=None) -> str:
         implementation = validation.env_implementation()
         source = f"${validation.ENV_IMPLEMENTATION}"
         if implementation is None:
-            return _best_available(platform, call)
+            return "xla" if missing else _best_available(platform, call)
     if implementation == "xla":
         return "xla"
     if platform != "cpu":
@@ -115,6 +129,10 @@ def resolve(implementation: str | None, platform: str, call=None) -> str:
             f"flash_attention {source}={implementation!r} is not available here: {why}. "
             f"Available: {available(platform)}"
         )
+    if missing:
+        raise NotImplementedError(
+            f"flash_attention {source}={implementation!r} does not implement {missing} yet; use "
+            f"implementation=None (which runs such a call on 'xla') or 'xla'")
     return implementation
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import contract, implementations, sharding, xla_attention, xla_schedule
+from . import contract, implementations, paging, sharding, xla_attention, xla_schedule
 from .contract import Operands, coerce_params
 from ._jax_private import ShapedArray, prim_requires_devices_during_lowering
 
@@ -68,26 +68,47 @@ def _check_operand_avals(prim, x: Operands, batch, num_heads, q_len, kv_len):
         bad("mask", x.mask, "bool")
     if x.sinks is not None and (x.sinks.shape != (num_heads,) or x.sinks.dtype != jnp.float32):
         bad("sinks", x.sinks, f"float32 [{num_heads}]")
+    if x.alibi_slopes is not None and (x.alibi_slopes.shape != (batch, num_heads)
+                                       or x.alibi_slopes.dtype != jnp.float32):
+        bad("alibi_slopes", x.alibi_slopes, f"float32 [{batch}, {num_heads}]")
+    if x.page_table is not None and (x.page_table.ndim != 2 or x.page_table.shape[0] != batch
+                                     or x.page_table.dtype != jnp.int32):
+        bad("page_table", x.page_table, f"int32 [{batch}, max_pages]")
+
+
+def kv_len(k, x: Operands):
+    """The logical key count of a call: k's sequence axis, or max_pages * page_size when k
+    holds pages (``paging``)."""
+    return k.shape[1] if x.page_table is None else paging.logical_len(k, x.page_table)
+
+
+def _check_shapes(prim, q, k, v, x, o_shape=None):
+    """q [B, Tq, H, Dk], k [B, Tkv, HKV, Dk] (or pages [P, S, HKV, Dk]), v like k with its own
+    Dv, and (backward) o/do [B, Tq, H, Dv]."""
+    batch, _, num_heads, head_dim = q.shape
+    kv_batch = batch if x.page_table is None else k.shape[0]
+    if (k.shape[:3] != v.shape[:3] or k.shape[0] != kv_batch or k.shape[3] != head_dim
+            or num_heads % k.shape[2]
+            or (o_shape is not None and o_shape != q.shape[:3] + v.shape[3:])):
+        raise ValueError(f"{prim.name}: incompatible shapes q {q.shape}, k {k.shape}, "
+                         f"v {v.shape}" + ("" if o_shape is None else f", o/do {o_shape}"))
 
 
 def _fwd_abstract(*args, **params):
     (q, k, v), x = _split(fwd_p, args, params)
-    batch, q_len, num_heads, head_dim = q.shape
-    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim or (
-            num_heads % k.shape[2]):
-        raise ValueError(f"flash_attention_fwd: incompatible shapes q {q.shape}, k {k.shape}, "
-                         f"v {v.shape}")
-    _check_operand_avals(fwd_p, x, batch, num_heads, q_len, k.shape[1])
+    batch, q_len, num_heads, _ = q.shape
+    _check_shapes(fwd_p, q, k, v, x)
+    _check_operand_avals(fwd_p, x, batch, num_heads, q_len, kv_len(k, x))
     row = ShapedArray((batch, num_heads, q_len), jnp.float32)
-    return ShapedArray(q.shape, q.dtype), row, row, row
+    return ShapedArray(q.shape[:3] + v.shape[3:], q.dtype), row, row, row
 
 
-def _bwd_abstract(*args, bias_grad=False, **params):
+def _bwd_abstract(*args, bias_grad=False, alibi_grad=False, **params):
     (q, k, v, o, lse, row_max, log_sum, do, g_lse), x = _split(bwd_p, args, params)
     batch, q_len, num_heads, _ = q.shape
-    if o.shape != q.shape or do.shape != q.shape or k.shape != v.shape:
-        raise ValueError(f"flash_attention_bwd: incompatible shapes q {q.shape}, o {o.shape}, "
-                         f"do {do.shape}, k {k.shape}, v {v.shape}")
+    if o.shape != do.shape:
+        raise ValueError(f"flash_attention_bwd: o {o.shape} and do {do.shape} differ")
+    _check_shapes(bwd_p, q, k, v, x, o.shape)
     for name, y in (("lse", lse), ("row_max", row_max), ("log_sum", log_sum),
                     ("g_lse", g_lse)):
         if y.shape != (batch, num_heads, q_len):
@@ -95,11 +116,17 @@ def _bwd_abstract(*args, bias_grad=False, **params):
                              f"{q_len}], got {list(y.shape)}")
     if bias_grad and x.bias is None:
         raise ValueError("flash_attention_bwd: bias_grad=True needs a bias operand")
+    if alibi_grad and x.alibi_slopes is None:
+        raise ValueError("flash_attention_bwd: alibi_grad=True needs an alibi_slopes operand")
+    if x.page_table is not None:
+        raise ValueError("flash_attention_bwd: a paged call has no backward")
     _check_operand_avals(bwd_p, x, batch, num_heads, q_len, k.shape[1])
     outs = [ShapedArray(q.shape, q.dtype), ShapedArray(k.shape, k.dtype),
             ShapedArray(v.shape, v.dtype)]
     if bias_grad:
         outs.append(ShapedArray(x.bias.shape, jnp.float32))
+    if alibi_grad:
+        outs.append(ShapedArray(x.alibi_slopes.shape, jnp.float32))
     return tuple(outs)
 
 
@@ -169,7 +196,9 @@ def _make_batcher(prim):
             outs = prim.bind(*args, **params)
             return outs, [None] * len(outs)
         roles = contract.operand_roles(_DIRECTION[prim], params)
-        if any(r == "sinks" and d is not None for r, d in zip(roles, dims)):
+        # Per-example sinks or (shared) pages: the batch axis cannot absorb them.
+        unfoldable = ("sinks", "k", "v") if params.get("has_page_table") else ("sinks",)
+        if any(r in unfoldable and d is not None for r, d in zip(roles, dims)):
             return _map_batcher(prim, args, dims, params)
         size = axis_data.size
         q, q_dim = args[0], dims[0]
@@ -178,7 +207,7 @@ def _make_batcher(prim):
         bias_grad = bool(params.get("bias_grad", False))
         folded, bias_batch = [], 1
         for x, d, role in zip(args, dims, roles):
-            if role == "sinks":
+            if role in unfoldable:  # unbatched here
                 folded.append(x)
             elif role in ("bias", "mask"):
                 if role == "bias":
@@ -190,7 +219,7 @@ def _make_batcher(prim):
         outs = prim.bind(*folded, **params)
         outs = [o.reshape((size, batch) + o.shape[1:]) for o in outs]
         if bias_grad and bias_batch == 1:  # dbias of a batch-broadcast bias: sum that axis
-            outs[-1] = jnp.sum(outs[-1], axis=1, keepdims=True)
+            outs[3] = jnp.sum(outs[3], axis=1, keepdims=True)
         return outs, [0] * len(outs)
     return batcher
 
@@ -269,9 +298,10 @@ def _make_cpu_lowering(prim):
 
     def lowering(ctx, *args, **params):
         params = coerce_params(**params)
-        q = ctx.avals_in[0]
-        impl = implementations.resolve(params["implementation"], "cpu",
-                                       call=(direction, q.dtype, q.shape[3]))
+        q, v = ctx.avals_in[0], ctx.avals_in[2]
+        impl = implementations.resolve(
+            params["implementation"], "cpu", call=(direction, q.dtype, q.shape[3]),
+            missing=implementations.missing_features(params, q.shape[3], v.shape[3]))
         # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):
             return _xla_lowering(prim, ctx, args, params, "cpu")

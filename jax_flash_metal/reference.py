@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import contract, features, nonfinite, validation
+from . import contract, features, nonfinite, paging, validation
 from . import visibility as visibility_rules
 
 _HI = jax.lax.Precision.HIGHEST
@@ -72,12 +72,16 @@ def forward(q, k, v, operands=contract.Operands(), *, scale, is_causal=False, wi
     before any exp/log), which ``reference_attention`` relies on.
     """
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
+    x = operands
+    if x.page_table is not None:
+        k, v = (paging.gather(y, x.page_table, x.kv_lengths) for y in (k, v))
     batch, q_len, num_heads, _ = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
-    x = operands
-    band_mask, _ = visibility(batch, q_len, kv_len, x.q_lengths, x.kv_lengths,
-                              is_causal=is_causal, window_left=window_left,
-                              window_right=window_right, bottom_right=bottom_right)
+    band = visibility_rules.Band(batch, q_len, kv_len, x.q_lengths, x.kv_lengths,
+                                 is_causal=is_causal, window_left=window_left,
+                                 window_right=window_right, bottom_right=bottom_right)
+    rows, keys = jnp.arange(q_len, dtype=jnp.int32), jnp.arange(kv_len, dtype=jnp.int32)
+    band_mask = band.mask(rows, keys)
     bias = None if x.bias is None else features.heads_layout(x.bias.astype(_F32), num_kv_heads)
     mask = None if x.mask is None else features.heads_layout(x.mask, num_kv_heads)
     m5 = features.combine(band_mask[:, None, None], features.visible(
@@ -86,6 +90,9 @@ def forward(q, k, v, operands=contract.Operands(), *, scale, is_causal=False, wi
     s, _ = features.soft_cap(_scores(qf, k.astype(_F32), scale), logits_soft_cap)
     if bias is not None:
         s = s + jnp.where(m5, bias, 0.0)
+    if x.alibi_slopes is not None:
+        s = s + (x.alibi_slopes.reshape(batch, num_kv_heads, -1, 1, 1)
+                 * band.alibi_distance(rows, keys)[:, None, None])
     m5 = jnp.broadcast_to(m5, s.shape)
     has_key = jnp.any(m5, axis=-1)  # [B, HKV, G, Tq]
     row_max = jnp.max(jnp.where(m5, s, -jnp.inf), axis=-1, initial=-jnp.inf)
@@ -107,7 +114,7 @@ def forward(q, k, v, operands=contract.Operands(), *, scale, is_causal=False, wi
     o = o / jnp.moveaxis(denom_safe, -1, 1)[..., None]
     o = jnp.where(jnp.moveaxis(nonempty, -1, 1)[..., None], o, 0.0)
     lse = jnp.where(nonempty, row_max + jnp.log(denom_safe), -jnp.inf)
-    o = o.reshape(q.shape).astype(q.dtype)
+    o = o.reshape(q.shape[:3] + v.shape[3:]).astype(q.dtype)
     lse = lse.reshape(batch, num_heads, q_len)
     return o, lse
 
@@ -116,19 +123,22 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
                         query_seq_lengths=None, key_value_seq_lengths=None,
                         local_window_size=None, query_segment_ids=None,
                         key_value_segment_ids=None, logits_soft_cap=None, sinks=None,
-                        causal_alignment="top_left", return_lse=False):
+                        causal_alignment="top_left", alibi_slopes=None, page_table=None,
+                        return_lse=False):
     """Plain-``jnp`` scaled dot-product attention with exactly ``flash_attention``'s semantics.
 
     It materialises the full score tensor (memory O(batch * heads * q_len * kv_len)) and computes
     in float32, so it is the documented reference to compare ``flash_attention`` against.
     Differentiable with ordinary JAX autodiff (forward and reverse mode, any order), including
-    w.r.t. ``bias`` and ``sinks``.
+    w.r.t. ``bias``, ``sinks`` and ``alibi_slopes`` (and, unlike ``flash_attention``, through
+    a paged cache, which it gathers).
 
     Args/shapes/dtypes/errors: as ``jax_flash_metal.flash_attention`` (query [B, Tq, H, D] or
     [Tq, H, D], key/value [B, Tkv, HKV, D] or [Tkv, HKV, D], float32/float16/bfloat16; bias and
     mask broadcastable to [B, H, Tq, Tkv]; lengths integer [B]; segment ids integer [B, T];
-    sinks [H]).
-    Returns: out shaped like query in its dtype, and with ``return_lse=True`` also the
+    sinks [H]; ALiBi slopes [H] or [B, H]; a page table [B, max_pages] with key/value pages;
+    value head dim Dv may differ from Dk).
+    Returns: out [B, Tq, H, Dv] in the query's dtype, and with ``return_lse=True`` also the
     log-sum-exp [B, H, Tq] ([H, Tq] for rank-3 query) float32 (``-inf`` for rows that see no
     key, or the sink with sinks).
     Raises: TypeError / ValueError naming the bad argument.
@@ -138,7 +148,8 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
         local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
         query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids,
-        logits_soft_cap=logits_soft_cap, sinks=sinks)
+        logits_soft_cap=logits_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes,
+        page_table=page_table)
     return_lse = validation.check_bool(return_lse, "return_lse")
     o, lse = forward(q, k, v, operands, **params._asdict())
     return validation.restore_rank(query, o, lse, return_lse)

@@ -14,7 +14,9 @@ call or the xla implementation, the way JAX's own cuDNN attention pairs its prim
   windows, lengths), so a shard must see whole sequences (the partitioner all-gathers K/V; for
   a sequence split without the gather, use ``sequence_axis_name`` in ``shard_map``).
 - optional operands follow: lengths and segment ids the batch axis, a bias or mask each of its
-  full (non-broadcast) batch and head axes, sinks the head axis. A bias gradient is summed over
+  full (non-broadcast) batch and head axes, sinks the head axis, ALiBi slopes the batch and
+  head axes, a page table the batch axis (its pages, shared by the batch, are split only over
+  KV heads). A bias gradient is summed over
   the shards of the axes its bias broadcasts over (``lax.psum``); the sinks gradient is plain
   ``jax.numpy`` (attention.py), which the partitioner reduces itself.
 
@@ -39,10 +41,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from . import implementations
 from .contract import MAIN_OPERANDS, operand_roles
 
-# The layout of each main operand (contract.MAIN_OPERANDS): "q" [B, Tq, H, D],
-# "kv" [B, Tkv, HKV, D], "row" [B, H, Tq].
-_MAIN_LAYOUT = {"q": "q", "k": "kv", "v": "kv", "o": "q", "lse": "row", "row_max": "row",
-                "log_sum": "row", "do": "q", "g_lse": "row"}
+# The layout of each main operand (contract.MAIN_OPERANDS): "q" [B, Tq, H, Dk],
+# "kv" [B, Tkv, HKV, Dk], "row" [B, H, Tq]; "q_v" and "kv_v" the same with the value head dim
+# Dv, "pages" / "pages_v" [num_pages, page_size, HKV, Dk or Dv] (k and v of a paged call).
+_MAIN_LAYOUT = {"q": "q", "k": "kv", "v": "kv_v", "o": "q_v", "lse": "row", "row_max": "row",
+                "log_sum": "row", "do": "q_v", "g_lse": "row"}
+_PAGED_LAYOUT = {"k": "pages", "v": "pages_v"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,7 +70,8 @@ def _shard_primitive(prim, direction, body):
 
 
 def _roles(direction, params):
-    return [_MAIN_LAYOUT.get(r, r) for r in operand_roles(direction, params)]
+    paged = _PAGED_LAYOUT if params.get("has_page_table") else {}
+    return [paged.get(r, _MAIN_LAYOUT.get(r, r)) for r in operand_roles(direction, params)]
 
 
 def _axes(entry):
@@ -103,10 +108,16 @@ class _Layout:
 
     def spec(self, role, shape):
         b, h = _entry(self.batch), _entry(self.heads)
-        if role == "q":
+        if role in ("q", "q_v"):
             return P(b, None, h, None)
-        if role == "kv":
+        if role in ("kv", "kv_v"):
             return P(b, None, _entry(self.kv_heads), None)
+        if role in ("pages", "pages_v"):  # shared by the whole batch
+            return P(None, None, _entry(self.kv_heads), None)
+        if role == "page_table":
+            return P(b, None)
+        if role == "alibi_slopes":
+            return P(b, h)
         if role == "row":
             return P(b, h, None)
         if role in ("q_lengths", "kv_lengths"):
@@ -126,7 +137,7 @@ class _Layout:
         """Mesh axes over which a gradient of this role and shape is a partial sum on each
         shard: dK and dV (sums over each KV head's query heads) where K/V are replicated over
         the head shards, a bias gradient over the shards of the axes the bias broadcasts."""
-        if role == "kv":
+        if role in ("kv", "kv_v"):
             return () if self.kv_heads else self.heads
         if role == "bias":
             return ((self.batch if shape[0] == 1 else ())
@@ -136,8 +147,9 @@ class _Layout:
 
 def _result_roles(direction, params):
     if direction == "fwd":
-        return ["q", "row", "row", "row"]
-    return ["q", "kv", "kv"] + (["bias"] if params.get("bias_grad") else [])
+        return ["q_v", "row", "row", "row"]
+    return (["q", "kv", "kv_v"] + (["bias"] if params.get("bias_grad") else [])
+            + (["alibi_slopes"] if params.get("alibi_grad") else []))
 
 
 def _layout(mesh, arg_shapes):
@@ -180,8 +192,9 @@ def _make_partitioned(prim, direction, params, in_avals, body):
 def _sharding_rule(roles, out_roles, in_avals):
     """The Shardy rule: factors b (batch), k and g (KV heads and query heads per KV head; a
     query head axis is the compound (k, g), or one of them where the other is 1), t (query
-    rows), s (keys), d (head_dim); a size-1 (broadcast) axis of a bias or mask gets a factor
-    of its own."""
+    rows), s (keys), d and e (the key and value head dims), p and z (pages, page size); a
+    size-1 (broadcast) axis of a bias or mask, and the page table's pages, get a factor of
+    their own."""
     q, k = in_avals[0], in_avals[1]
     group = q.shape[2] // k.shape[2]
     # Shardy allows no size-1 factor inside a compound one.
@@ -191,10 +204,16 @@ def _sharding_rule(roles, out_roles, in_avals):
     fresh = iter(f"u{n}" for n in range(64))
 
     def mapping(role, shape):
-        if role == "q":
-            return ArrayMapping("b", "t", heads, "d")
-        if role == "kv":
-            return ArrayMapping("b", "s", "k", "d")
+        if role in ("q", "q_v"):
+            return ArrayMapping("b", "t", heads, "d" if role == "q" else "e")
+        if role in ("kv", "kv_v"):
+            return ArrayMapping("b", "s", "k", "d" if role == "kv" else "e")
+        if role in ("pages", "pages_v"):
+            return ArrayMapping("p", "z", "k", "d" if role == "pages" else "e")
+        if role == "page_table":
+            return ArrayMapping("b", next(fresh))
+        if role == "alibi_slopes":
+            return ArrayMapping("b", heads)
         if role == "row":
             return ArrayMapping("b", heads, "t")
         if role in ("q_lengths", "kv_lengths"):

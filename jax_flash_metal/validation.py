@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import paging
 from .contract import IMPLEMENTATIONS, UNBOUNDED, Operands, StaticParams
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -275,6 +276,41 @@ def _check_sinks(sinks, num_heads):
     return sinks.astype(jnp.float32)
 
 
+def _check_alibi(slopes, batch, num_heads):
+    """float32 [num_heads] or [batch, num_heads] -> float32 [batch, num_heads] (broadcast, so
+    the gradient of a [num_heads] one is summed over the batch by autodiff)."""
+    if slopes is None:
+        return None
+    slopes = _as_array(slopes, "alibi_slopes")
+    if not jnp.issubdtype(slopes.dtype, jnp.floating):
+        raise TypeError(f"alibi_slopes must have a floating dtype, got {slopes.dtype}")
+    if slopes.shape not in ((num_heads,), (batch, num_heads)):
+        raise ValueError(f"alibi_slopes must have shape [num_heads] = ({num_heads},) or "
+                         f"[batch, num_heads] = ({batch}, {num_heads}), got {slopes.shape}")
+    return jnp.broadcast_to(slopes.astype(jnp.float32), (batch, num_heads))
+
+
+def _check_page_table(page_table, pages, batch, rank3):
+    """int32 [batch, max_pages] (a rank-3 query takes [max_pages] too), or None."""
+    if page_table is None:
+        return None
+    xp = jnp if _is_jax(page_table) else np
+    table = _array_like(page_table, "page_table", xp.asarray)
+    if not jnp.issubdtype(table.dtype, jnp.integer):
+        raise TypeError(f"page_table must have an integer dtype, got {table.dtype}")
+    if rank3 and table.ndim == 1:
+        table = table[None]
+    if table.ndim != 2 or table.shape[0] != batch:
+        raise ValueError(f"page_table must have shape [batch, max_pages] with batch = {batch}, "
+                         f"got {table.shape}")
+    if pages.shape[1] < 1:
+        raise ValueError(f"key/value pages must have page_size >= 1, got shape {pages.shape}")
+    if table.shape[1] * pages.shape[1] > INT32_MAX:
+        raise ValueError(f"page_table: max_pages * page_size = {table.shape[1] * pages.shape[1]}"
+                         f" logical keys exceeds int32")
+    return jnp.asarray(table, jnp.int32)
+
+
 def check_inputs(
     query,
     key,
@@ -293,18 +329,29 @@ def check_inputs(
     key_value_segment_ids=None,
     logits_soft_cap=None,
     sinks=None,
+    alibi_slopes=None,
+    page_table=None,
 ):
     """Validate everything; return (q, k, v, Operands, StaticParams), q/k/v rank 4.
 
     Rank-3 query/key/value (no batch axis) get batch 1, as in jax.nn; bias and mask come back
     rank 4 (``Operands``). Raises TypeError/ValueError naming the argument. Lengths come back
-    clamped int32 [batch], segment ids int32 [batch, len], sinks float32 [num_heads].
+    clamped int32 [batch], segment ids int32 [batch, len], sinks float32 [num_heads], ALiBi
+    slopes float32 [batch, num_heads], the page table int32 [batch, max_pages] (key and value
+    then stay pages, and kv_len is max_pages * page_size).
     """
     q = _as_array(query, "query")
     k = _as_array(key, "key")
     v = _as_array(value, "value")
     rank3 = q.ndim == 3
-    q, k, v = _with_batch(q, "query"), _with_batch(k, "key"), _with_batch(v, "value")
+    q = _with_batch(q, "query")
+    if page_table is None:
+        k, v = _with_batch(k, "key"), _with_batch(v, "value")
+    else:  # pages have no batch axis
+        for name, x in (("key", k), ("value", v)):
+            if x.ndim != 4:
+                raise ValueError(f"{name} with page_table must be pages [num_pages, page_size, "
+                                 f"num_kv_heads, head_dim], got shape {x.shape}")
     for name, x in (("query", q), ("key", k), ("value", v)):
         if x.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} dtype must be float32, float16 or bfloat16, got {x.dtype}")
@@ -312,19 +359,22 @@ def check_inputs(
         raise TypeError(
             f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    if k.shape != v.shape:
-        raise ValueError(
-            "key and value must have the same shape [batch, kv_len, num_kv_heads, head_dim], got "
-            f"key {k.shape} and value {v.shape}"
-        )
+    if k.shape[:3] != v.shape[:3]:
+        axes = "batch, kv_len" if page_table is None else "num_pages, page_size"
+        raise ValueError(f"key and value must agree on [{axes}, num_kv_heads] (only their head "
+                         f"dims may differ), got key {k.shape} and value {v.shape}")
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, kv_head_dim = k.shape
-    if k.shape[0] != batch:
+    page_table = _check_page_table(page_table, k, batch, rank3)
+    if page_table is not None:
+        kv_len = paging.logical_len(k, page_table)
+    elif k.shape[0] != batch:
         raise ValueError(f"key/value batch {k.shape[0]} must equal query batch {batch}")
     if kv_head_dim != head_dim:
-        raise ValueError(f"key/value head_dim {kv_head_dim} must equal query head_dim {head_dim}")
-    if head_dim < 1:
-        raise ValueError(f"query head_dim must be at least 1, got shape {q.shape}")
+        raise ValueError(f"key head_dim {kv_head_dim} must equal query head_dim {head_dim}")
+    if head_dim < 1 or v.shape[3] < 1:
+        raise ValueError(f"query/key and value head dims must be at least 1, got query "
+                         f"{q.shape} and value {v.shape}")
     if num_kv_heads < 1 or num_heads < 1:
         raise ValueError(
             f"query and key/value need at least one head, got num_heads={num_heads}, "
@@ -350,7 +400,11 @@ def check_inputs(
         kv_lengths=check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch, kv_len),
         q_segment_ids=q_segments, kv_segment_ids=kv_segments,
         bias=_check_bias(bias, full), mask=_check_mask(mask, full),
-        sinks=_check_sinks(sinks, num_heads))
+        sinks=_check_sinks(sinks, num_heads),
+        alibi_slopes=_check_alibi(alibi_slopes, batch, num_heads), page_table=page_table)
+    if page_table is not None and operands.kv_lengths is None:
+        raise ValueError("page_table needs key_value_seq_lengths (how many keys of each row's "
+                         "pages are in use)")
     params = StaticParams(
         scale=scale,
         is_causal=is_causal,
@@ -365,6 +419,8 @@ def check_inputs(
         has_mask=operands.mask is not None,
         has_sinks=operands.sinks is not None,
         logits_soft_cap=logits_soft_cap,
+        has_alibi=operands.alibi_slopes is not None,
+        has_page_table=page_table is not None,
     )
     return q, k, v, operands, params
 

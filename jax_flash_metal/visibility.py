@@ -74,6 +74,12 @@ class Band:
             visible = visible & c
         return jnp.broadcast_to(visible, (self.offset.shape[0], rows.shape[0], keys.shape[0]))
 
+    def alibi_distance(self, rows, keys):
+        """float32 [batch, len(rows), len(keys)]: -|i + off_b - j|, the distance ALiBi scales
+        by each head's slope (docs/design.md#alibi)."""
+        diag = rows[None, :, None] + self.offset[:, None, None]
+        return -jnp.abs(diag - keys[None, None, :]).astype(jnp.float32)
+
     def key_intervals(self, rows):
         """(lo, hi) int32 [batch, len(rows)]: query row i sees exactly the keys lo <= j < hi
         (lo == hi for a row that sees none). Visibility is always such an interval."""

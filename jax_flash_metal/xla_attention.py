@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import features, nonfinite, visibility, xla_schedule
+from . import features, nonfinite, paging, visibility, xla_schedule
 from . import xla_tiles as tiles
 from .contract import Operands
 
@@ -317,14 +317,28 @@ class _Blocks:
         self.meets = self.features.meets(
             _valid(operands.q_lengths, q_len, t.nq * t.br),
             _valid(operands.kv_lengths, kv_len, t.nk * t.bc))
+        # ALiBi slopes [B, HKV, G, 1, 1], or None.
+        self.alibi = (None if operands.alibi_slopes is None else
+                      operands.alibi_slopes.reshape(band.offset.shape[0], kv_heads, -1, 1, 1))
+
+    def _positions(self, r, c):
+        t = self.t
+        return (r * t.br + jnp.arange(t.br, dtype=jnp.int32),
+                c * t.bc + jnp.arange(t.bc, dtype=jnp.int32))
+
+    def alibi_distance(self, r, c):
+        """-|i + off - j| of tile (r, c), [B, 1, 1, Br, Bc] (``Band.alibi_distance``)."""
+        return self.band.alibi_distance(*self._positions(r, c))[:, None, None]
 
     def visible(self, r, c):
-        """(visible bool broadcastable to [B, HKV, G, Br, Bc] or None, bias block or None)."""
-        t = self.t
-        band = self.band.mask(r * t.br + jnp.arange(t.br, dtype=jnp.int32),
-                              c * t.bc + jnp.arange(t.bc, dtype=jnp.int32),
-                              check_rows=self.check_rows, check_keys=self.check_keys)
+        """(visible bool broadcastable to [B, HKV, G, Br, Bc] or None, bias block or None);
+        the bias includes the ALiBi term."""
+        band = self.band.mask(*self._positions(r, c), check_rows=self.check_rows,
+                              check_keys=self.check_keys)
         extra, bias = self.features.tile(r, c)
+        if self.alibi is not None:
+            alibi = self.alibi * self.alibi_distance(r, c)
+            bias = alibi if bias is None else bias + alibi
         return features.combine(None if band is None else band[:, None, None], extra), bias
 
     def over_query_blocks(self, init, step, finish, rows, counting=None):
@@ -479,11 +493,15 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
     docstring. ``operands``: contract.Operands (lengths, segment ids, bias, mask, sinks or
     None); ``schedule``: ``xla_schedule.Schedule`` (default: the cpu one)."""
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
+    if operands.page_table is not None:  # a paged cache: read as the contiguous one
+        k, v = (paging.gather(x, operands.page_table, operands.kv_lengths) for x in (k, v))
+        operands = operands._replace(page_table=None)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
+    o_shape = q.shape[:3] + v.shape[3:]
     if 0 in (batch, q_len, kv_len):  # every row is empty: m = lse (the sink or -inf), l = 1
         lse = _empty_lse(operands.sinks, batch, num_heads, q_len)
-        return jnp.zeros(q.shape, q.dtype), lse, lse, jnp.zeros_like(lse)
+        return jnp.zeros(o_shape, q.dtype), lse, lse, jnp.zeros_like(lse)
     blocks, t = _setup(q, k, operands, schedule, is_causal, window_left, window_right,
                        bottom_right)
     kv_valid = _valid(operands.kv_lengths, kv_len)
@@ -511,7 +529,8 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
         def finish(state, p):  # the counting pass has no sinks
             return tiles.forward_finish(state, _of_pass(p, sinks, -jnp.inf))
 
-        o, *stats = blocks.over_query_blocks(tiles.running_init, step, finish,
+        o, *stats = blocks.over_query_blocks(lambda q: tiles.running_init(q, v.shape[3]),
+                                             step, finish,
                                              lambda p, r: _of_pass(p, _block(qb, r)),
                                              counting)
         o, stats = _counted(o), [x[0] for x in stats]
@@ -547,9 +566,11 @@ def _tile_counts_forward(blocks, vb, num_heads):
 
 def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), *, scale,
              schedule=CPU, is_causal=False, window_left=-1, window_right=-1, bottom_right=False,
-             logits_soft_cap=None, bias_grad=False, **unused_static):
-    """(dq, dk, dv[, dbias]) in the input dtypes (dbias float32 in the bias operand's shape,
-    with ``bias_grad``), from the forward's o, lse and residuals and the cotangents dO and g_lse:
+             logits_soft_cap=None, bias_grad=False, alibi_grad=False, **unused_static):
+    """(dq, dk, dv[, dbias][, dslopes]) in the input dtypes (dbias float32 in the bias
+    operand's shape, with ``bias_grad``; dslopes float32 [B, H] = sum over (i, j) of
+    dS_ij * -|i + off - j|, with ``alibi_grad``), from the forward's o, lse and residuals and
+    the cotangents dO and g_lse:
     delta = rowsum(dO * O) - g_lse (0 for rows past q_len), then the FlashAttention-2
     recompute backward. Rows with no visible key and padding contribute nothing. Sinks are not
     read: lse already includes them."""
@@ -558,7 +579,8 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
     kv_len, kv_heads = k.shape[1], k.shape[2]
     if 0 in (batch, q_len, kv_len):
         zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, k, v)]
-        return zeros + ([jnp.zeros(operands.bias.shape, F32)] if bias_grad else [])
+        return zeros + [jnp.zeros(x.shape, F32) for x, wanted in (
+            (operands.bias, bias_grad), (operands.alibi_slopes, alibi_grad)) if wanted]
     blocks, t = _setup(q, k, operands, schedule, is_causal, window_left, window_right,
                        bottom_right)
     q_valid = _valid(operands.q_lengths, q_len)
@@ -595,15 +617,21 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
             _of_pass(p, _block(log_sum_b, r)), _of_pass(p, _block(delta_b, r), -1.0)), visible,
             _of_pass(p, bias), logits_soft_cap,
             t.dense)
-        return dq, (dk, dv), _of_pass(p, ds)
+        rows = dq
+        if alibi_grad:  # per row: sum_j dS * -|i + off - j| (0 in the counting pass)
+            rows = (dq, _of_pass(p, jnp.sum(ds * blocks.alibi_distance(r, c), axis=-1), 0.0))
+        return rows, (dk, dv), _of_pass(p, ds)
 
     def key_xs(p, c):
         k_c = _block(kb, c)
         return _of_pass(p, k_c), _weighted(p, k_c, hides), _of_pass(p, _block(vb, c))
 
     slots = _passes(counting)[1]
-    dq, (dk, dv), dbias = blocks.over_key_blocks(
-        jnp.zeros((slots,) + qb.shape, F32), tile, key_xs, dbias_init, counting)
+    row_init = jnp.zeros((slots,) + qb.shape, F32)
+    if alibi_grad:
+        row_init = (row_init, jnp.zeros((slots,) + qb.shape[:-1], F32))
+    rows, (dk, dv), dbias = blocks.over_key_blocks(row_init, tile, key_xs, dbias_init, counting)
+    dq, dslopes = rows if alibi_grad else (rows, None)
     if t.dense and nonfinite_read is not None:
         dq, dk, dv = _poison_if(nonfinite_read, [dq[0], dk[0], dv[0]],
                                 lambda: _tile_counts_backward(blocks, qb, kb, dob))
@@ -614,6 +642,8 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
              _from_key_blocks(dv, kv_len, v.dtype)]
     if bias_grad:
         grads.append(_unpad_bias(dbias, operands.bias.shape))
+    if alibi_grad:  # pass 0's [nq, B, HKV, G, Br] summed over the rows
+        grads.append(jnp.sum(dslopes[0], axis=(0, 4)).reshape(batch, num_heads))
     return grads
 
 

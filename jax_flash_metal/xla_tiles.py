@@ -66,10 +66,11 @@ class Running(NamedTuple):
 LOWEST = float(jnp.finfo(F32).min)
 
 
-def running_init(q):
-    """The state before any key: m = LOWEST, l = 0, acc = 0."""
+def running_init(q, value_head_dim):
+    """The state before any key: m = LOWEST, l = 0, acc = 0 (rows x ``value_head_dim``)."""
     rows = q.shape[:-1]
-    return Running(jnp.full(rows, LOWEST, F32), jnp.zeros(rows, F32), jnp.zeros(q.shape, F32))
+    return Running(jnp.full(rows, LOWEST, F32), jnp.zeros(rows, F32),
+                   jnp.zeros(rows + (value_head_dim,), F32))
 
 
 def forward_step(state, q, k_nan, v_zeroed, visible, bias=None, cap=None):

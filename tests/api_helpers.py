@@ -87,11 +87,13 @@ def check_against_oracle(q, k, v, do, g_lse=None, *, implementation=None, jit=Tr
 
 
 def run(q, k, v, do, g, *, implementation="xla", **kw):
-    """o, lse, dq, dk, dv and, when given, dbias / dsinks (VJP at cotangents do, g)."""
-    diff = {n: kw.pop(n) for n in ("bias", "sinks") if kw.get(n) is not None}
+    """o, lse, dq, dk, dv and, when given, dbias / dsinks / dalibi_slopes (VJP at cotangents
+    do, g)."""
+    diff = {n: kw.pop(n) for n in ("bias", "sinks", "alibi_slopes") if kw.get(n) is not None}
 
     def f(q, k, v, diff):
         return flash_attention(q, k, v, diff.get("bias"), sinks=diff.get("sinks"),
+                               alibi_slopes=diff.get("alibi_slopes"),
                                implementation=implementation, return_lse=True, **kw)
 
     (o, lse), vjp = jax.vjp(jax.jit(f), q, k, v, diff)
@@ -99,3 +101,21 @@ def run(q, k, v, do, g, *, implementation="xla", **kw):
     out = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
     out.update({"d" + n: x for n, x in ddiff.items()})
     return out
+
+
+def alibi_bias(slopes, batch, q_len, kv_len, *, query_seq_lengths=None,
+               key_value_seq_lengths=None, causal_alignment="top_left", **unused):
+    """The ALiBi term materialised from its definition (docs/design.md#alibi), float64:
+    (-slope[b, n] * |i + off_b - j| [B, H, Tq, Tkv], -|i + off_b - j| [B, 1, Tq, Tkv]) with
+    off_b = clamped kv_len_b - q_len_b for bottom-right alignment, else 0. ``slopes``: [H] or
+    [B, H]."""
+    del unused
+    slopes = np.broadcast_to(np.asarray(slopes, np.float64), (batch, np.shape(slopes)[-1]))
+    dist = np.zeros((batch, 1, q_len, kv_len))
+    for b in range(batch):
+        ql = q_len if query_seq_lengths is None else int(np.clip(query_seq_lengths[b], 0, q_len))
+        kl = (kv_len if key_value_seq_lengths is None
+              else int(np.clip(key_value_seq_lengths[b], 0, kv_len)))
+        off = kl - ql if causal_alignment == "bottom_right" else 0
+        dist[b, 0] = -np.abs(np.arange(q_len)[:, None] + off - np.arange(kv_len)[None, :])
+    return slopes[:, :, None, None] * dist, dist

@@ -174,7 +174,7 @@ def gradients(q, k, v, do, g_lse=None, *, scale=None, is_causal=False, local_win
     """Reverse-mode gradients in float64 of <o, do> + <lse, g_lse> as a dict: dq, dk, dv, and
     dbias (summed to the bias's own shape) / dsinks [H] when a bias / sinks are given.
 
-    do [B, Tq, H, D]; g_lse [B, H, Tq] or None (zero). dq has q's shape, dk/dv have k's shape
+    do [B, Tq, H, Dv]; g_lse [B, H, Tq] or None (zero). dq has q's shape, dk/dv have k's / v's shape
     (summed over each kv head's query-head group). With sinks, dsinks_n = sum over rows of
     P_sink * (g - sum_j P_ij dP_ij): an empty row's LSE is the sink, so its g reaches dsinks.
     """
@@ -212,7 +212,7 @@ def gradients(q, k, v, do, g_lse=None, *, scale=None, is_causal=False, local_win
         dv = _masked_contract(p.swapaxes(-1, -2), mask_t, doh)
     group = h // hkv
     dk = dk.reshape(b, hkv, group, tkv, d).sum(axis=2)
-    dv = dv.reshape(b, hkv, group, tkv, d).sum(axis=2)
+    dv = dv.reshape(b, hkv, group, tkv, v.shape[3]).sum(axis=2)
     out.update(dq=dq.transpose(0, 2, 1, 3), dk=dk.transpose(0, 2, 1, 3),
                dv=dv.transpose(0, 2, 1, 3))
     return out

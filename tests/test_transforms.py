@@ -205,12 +205,15 @@ def test_coerce_params_exact_types():
     assert params == dict(scale=0.5, is_causal=True, window_left=3, window_right=-1,
                           bottom_right=False, has_q_lengths=False, has_kv_lengths=True,
                           implementation=None, has_segment_ids=False, has_bias=False,
-                          has_mask=False, has_sinks=False, logits_soft_cap=None)
+                          has_mask=False, has_sinks=False, logits_soft_cap=None,
+                          has_alibi=False, has_page_table=False)
     assert [type(x) for x in params.values()] == [float, bool, int, int, bool, bool, bool,
-                                                  type(None), bool, bool, bool, bool, type(None)]
+                                                  type(None), bool, bool, bool, bool, type(None),
+                                                  bool, bool]
     full = coerce_params(scale=1, is_causal=False, window_left=-1, window_right=-1,
                          bottom_right=False, has_q_lengths=False, has_kv_lengths=False,
                          implementation="xla", has_bias=np.bool_(True), logits_soft_cap=np.int32(30),
-                         bias_grad=1)
+                         bias_grad=1, alibi_grad=np.bool_(False))
     assert (type(full["logits_soft_cap"]), full["logits_soft_cap"], full["bias_grad"]) == (
         float, 30.0, True)
+    assert full["alibi_grad"] is False

@@ -1,0 +1,169 @@
+"""ALiBi slopes and a value head dim Dv other than Dk (docs/design.md#alibi,
+docs/design.md#value-head-dim) against the float64 oracle, forward and gradients.
+
+ALiBi is judged against the oracle given the bias materialised from the formula
+(``api_helpers.alibi_bias``); the slopes' gradient against sum_ij dbias_ij * -|i + off - j| of
+the oracle's bias gradient. Run on the xla implementation, dense and blockwise; the fused
+implementations do not implement either feature yet: an explicit one refuses the call naming
+the feature, and implementation=None runs it on xla.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import tolerance
+from api_helpers import alibi_bias, make_inputs, normal, run
+from jax_flash_metal import flash_attention, implementations, reference_attention
+
+B, TQ, TK, H, HKV = 2, 9, 11, 4, 2
+
+
+def inputs(seed, dk=16, dv=16, dtype=jnp.float32, q_len=TQ, kv_len=TK, kv_heads=HKV):
+    """(q, k, v, do, g) with v and do in the value head dim ``dv``."""
+    q, k, _, _, g = make_inputs(seed, B, q_len, kv_len, H, kv_heads, dk, dtype)
+    rng = np.random.default_rng(seed + 100)
+    return (q, k, normal(rng, (B, kv_len, kv_heads, dv), dtype),
+            normal(rng, (B, q_len, H, dv), dtype), g)
+
+
+def check(q, k, v, do, g, alibi_slopes=None, **kw):
+    """run() against the oracle; ALiBi through the materialised bias. Returns run()'s dict."""
+    got = run(q, k, v, do, g, alibi_slopes=alibi_slopes, **kw)
+    oracle_kw = dict(kw)
+    names = [n for n in ("o", "lse", "dq", "dk", "dv", "dbias", "dsinks") if n in got]
+    if alibi_slopes is not None:
+        term, dist = alibi_bias(alibi_slopes, B, q.shape[1], k.shape[1], **kw)
+        user_bias = kw.get("bias")
+        bias = term if user_bias is None else term + np.asarray(user_bias, np.float64)
+        oracle_kw["bias"] = bias
+        names = [n for n in names if n != "dbias"]
+    want = tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=names, **oracle_kw)
+    if alibi_slopes is not None:
+        dbias = np.broadcast_to(want["dbias"], (B, H) + dist.shape[2:])
+        want_slopes = (dbias * dist).sum(axis=(2, 3))
+        if np.ndim(alibi_slopes) == 1:
+            want_slopes = want_slopes.sum(axis=0)
+        tolerance.assert_matches_oracle("dalibi_slopes", got["dalibi_slopes"], want_slopes,
+                                        kind="dbias")
+        if user_bias is not None:
+            summed = tuple(n for n, size in enumerate(np.shape(user_bias)) if size == 1)
+            tolerance.assert_matches_oracle("dbias", got["dbias"], np.sum(
+                dbias, axis=summed, keepdims=True).reshape(np.shape(user_bias)))
+    return got
+
+
+def slopes_of(shape, seed=0):
+    """ALiBi slopes like BLOOM's (2^(-8n/H)), jittered so heads differ at random."""
+    rng = np.random.default_rng(seed)
+    geometric = 2.0 ** (-8.0 * np.arange(1, H + 1) / H)
+    return (np.broadcast_to(geometric, shape) * (0.5 + rng.random(shape))).astype(np.float32)
+
+
+BANDS = [
+    dict(),
+    dict(is_causal=True),
+    dict(is_causal=True, causal_alignment="bottom_right"),
+    dict(query_seq_lengths=np.array([9, 4]), key_value_seq_lengths=np.array([6, 11]),
+         causal_alignment="bottom_right"),
+    dict(is_causal=True, query_seq_lengths=np.array([7, 9]),
+         key_value_seq_lengths=np.array([11, 3])),
+]
+
+
+@pytest.mark.parametrize("band", BANDS, ids=["plain", "causal", "causal-br", "lengths-br",
+                                             "causal-lengths"])
+@pytest.mark.parametrize("shape", [(H,), (B, H)], ids=["per-head", "per-batch"])
+def test_alibi_equals_the_materialised_bias(blocks, band, shape):
+    """Both alignments (off_b from the valid lengths), causal, lengths, GQA; forward, dq, dk,
+    dv and the slopes' gradient."""
+    q, k, v, do, g = inputs(1)
+    check(q, k, v, do, g, alibi_slopes=slopes_of(shape), **band)
+
+
+def test_alibi_with_bias_soft_cap_and_sinks(blocks):
+    """ALiBi is added after the soft cap, together with the bias (one score term)."""
+    q, k, v, do, g = inputs(2)
+    rng = np.random.default_rng(3)
+    check(q, k, v, do, g, alibi_slopes=slopes_of((B, H), 1), logits_soft_cap=3.0,
+          bias=np.asarray(normal(rng, (1, H, TQ, TK), jnp.float32)),
+          sinks=np.asarray(normal(rng, (H,), jnp.float32)), is_causal=True,
+          causal_alignment="bottom_right")
+
+
+def test_alibi_check_grads():
+    """Reverse-mode gradients w.r.t. query and the slopes by finite differences."""
+    q, k, v, _, _ = inputs(4, kv_len=6, q_len=5)
+
+    def f(q, slopes):
+        return flash_attention(q, k, v, alibi_slopes=slopes, is_causal=True,
+                               causal_alignment="bottom_right", implementation="xla")
+
+    check_grads(f, (q, jnp.asarray(slopes_of((H,)))), order=1, modes=["rev"], atol=1e-2,
+                rtol=1e-2)
+
+
+def test_alibi_equals_reference_attention_under_vmap():
+    """vmap over per-example slopes: each example gets its own, as reference_attention."""
+    q, k, v, _, _ = inputs(5)
+    slopes = jnp.asarray(slopes_of((3, H), 2))
+    got = jax.vmap(lambda s: flash_attention(q, k, v, alibi_slopes=s))(slopes)
+    want = jax.vmap(lambda s: reference_attention(q, k, v, alibi_slopes=s))(slopes)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+PAIRS = [(16, 8), (8, 24)]
+
+
+@pytest.mark.parametrize("dk,dv", PAIRS, ids=[f"dk{a}-dv{b}" for a, b in PAIRS])
+def test_value_head_dim_with_every_feature(blocks, dk, dv):
+    """Dv != Dk with mask, bias, segment ids, soft cap, sinks, ALiBi, window, lengths and GQA:
+    o and dv have Dv, dq and dk Dk, scale=None is 1/sqrt(Dk)."""
+    q, k, v, do, g = inputs(6, dk, dv)
+    rng = np.random.default_rng(7)
+    got = check(q, k, v, do, g, alibi_slopes=slopes_of((H,), 3),
+                bias=np.asarray(normal(rng, (B, 1, TQ, TK), jnp.float32)),
+                mask=rng.random((1, H, TQ, TK)) > 0.2,
+                query_segment_ids=np.sort(rng.integers(0, 3, (B, TQ)), axis=1),
+                key_value_segment_ids=np.sort(rng.integers(0, 3, (B, TK)), axis=1),
+                logits_soft_cap=4.0, sinks=np.asarray(normal(rng, (H,), jnp.float32)),
+                local_window_size=(6, 2), query_seq_lengths=np.array([9, 7]),
+                key_value_seq_lengths=np.array([10, 11]), causal_alignment="bottom_right")
+    assert got["o"].shape == (B, TQ, H, dv) and got["dv"].shape == (B, TK, HKV, dv)
+    assert got["dq"].shape == (B, TQ, H, dk) and got["dk"].shape == (B, TK, HKV, dk)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+def test_value_head_dim_half_precision(dtype):
+    """Half precision within twice plain same-dtype attention's error; rank-3 inputs too."""
+    q, k, v, do, g = inputs(8, 16, 8, dtype)
+    tolerance.assert_all_match_oracle(run(q, k, v, do, g, is_causal=True), q, k, v, do, g,
+                                      is_causal=True)
+    o = flash_attention(q[0], k[0], v[0])
+    assert o.shape == (TQ, H, 8) and o.dtype == dtype
+
+
+FEATURES = [  # (name in the error, keyword arguments, value head dim)
+    ("alibi_slopes", dict(alibi_slopes=np.ones(H, np.float32)), 16),
+    ("a value head dim (8) other than the key's (16)", {}, 8),
+]
+
+
+@pytest.mark.skipif("emulator" not in implementations.available(), reason="needs the extension")
+@pytest.mark.parametrize("name,kw,dv", FEATURES, ids=["alibi", "dv"])
+def test_fused_implementations_refuse_by_name(monkeypatch, name, kw, dv):
+    """Explicit fused: NotImplementedError naming the feature. implementation=None with a
+    fused implementation preferred: the call runs on xla, forward and backward."""
+    q, k, v, do, g = inputs(9, 16, dv)
+    with pytest.raises(NotImplementedError, match=f"does not implement {re.escape(name)}"):
+        jax.jit(lambda q: flash_attention(q, k, v, implementation="emulator", **kw))(q)
+    monkeypatch.delenv("JAX_FLASH_METAL_IMPLEMENTATION", raising=False)
+    monkeypatch.setattr(implementations, "_PREFERENCE", ("emulator",))
+    grad = jax.jit(jax.grad(lambda q: flash_attention(q, k, v, **kw).sum()))
+    assert "jax_flash_metal_attention" not in grad.lower(q).as_text()
+    want = jax.grad(lambda q: reference_attention(q, k, v, **kw).sum())(q)
+    np.testing.assert_allclose(grad(q), want, rtol=1e-4, atol=1e-5)
