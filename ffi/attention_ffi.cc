@@ -18,6 +18,16 @@
 #include "dispatch_plan.h"
 #include "xla/ffi/api/ffi.h"
 
+// jfm::Attributes decoded from the attributes dictionary, member by member in the order of
+// JFM_FFI_ATTRIBUTES (a missing, extra or mistyped attribute is an error). The list
+// expands to ", member, member, ..." after the type, hence the indirection through
+// JFM_REGISTER_ATTRIBUTES, which splits it into the macro's arguments.
+#define JFM_ATTRIBUTE_MEMBER(type, name) , ::xla::ffi::StructMember<type>(#name)
+#define JFM_REGISTER_ATTRIBUTES(...) XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(__VA_ARGS__)
+JFM_REGISTER_ATTRIBUTES(jfm::Attributes JFM_FFI_ATTRIBUTES(JFM_ATTRIBUTE_MEMBER));
+#undef JFM_REGISTER_ATTRIBUTES
+#undef JFM_ATTRIBUTE_MEMBER
+
 namespace ffi = xla::ffi;
 
 namespace jfm {
@@ -87,17 +97,6 @@ struct Problem {
   std::vector<int64_t> row_shape() const { return {batch, heads, q_len}; }
 };
 
-struct Options {
-  float scale;
-  bool is_causal;
-  int32_t window_left, window_right;
-  bool bottom_right, has_q_lengths, has_kv_lengths;
-  // The contract's optional features (attention_ffi.h).
-  bool has_segment_ids, has_bias, has_mask, has_sinks;
-  float logits_soft_cap;  // 0 = none
-  bool bias_grad = false;  // backward only: the dQ kernel writes dbias
-};
-
 // q, k, v: ranks, matching dims, one supported dtype, divisible heads.
 ffi::Error read_problem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, Problem* p) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
@@ -153,7 +152,7 @@ ffi::Error expect(const char* what, ffi::AnyBuffer buffer, ffi::DataType dtype,
   return ffi::Error::Success();
 }
 
-ffi::Error check_options(const Options& o) {
+ffi::Error check_attributes(const Attributes& o) {
   if (o.window_left < JFM_UNBOUNDED || o.window_right < JFM_UNBOUNDED) {
     return invalid("window_left/window_right must be >= 0, or -1 for unbounded; got (" +
                    std::to_string(o.window_left) + ", " + std::to_string(o.window_right) + ")");
@@ -222,7 +221,7 @@ ffi::Error expect_broadcastable(const char* what, ffi::AnyBuffer buffer, const P
 // kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks; each present iff its flag is
 // set), checks their dtypes and shapes, and prepares their bindings and strides. One function
 // for both directions, so both see one set of rules.
-ffi::Error read_optional(ffi::RemainingArgs rest, const Options& o, const Problem& p,
+ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Problem& p,
                          OptionalOperands* out) {
   const size_t length_operands = size_t{o.has_q_lengths} + size_t{o.has_kv_lengths};
   const size_t feature_operands = 2 * size_t{o.has_segment_ids} + size_t{o.has_bias} +
@@ -337,7 +336,7 @@ ffi::Error require_kernel(Device& device, const std::string& kernel, const Probl
   return invalid(message);
 }
 
-AttentionParams make_params(const Problem& p, const Options& o, const OptionalOperands& x) {
+AttentionParams make_params(const Problem& p, const Attributes& o, const OptionalOperands& x) {
   AttentionParams params{};
   params.batch = static_cast<uint32_t>(p.batch);
   params.q_len = static_cast<uint32_t>(p.q_len);
@@ -402,7 +401,7 @@ ffi::Error run(Device& device, const std::vector<Submission>& submissions) {
 
 // Runs the stages (stage i binds buffers[i]) in the submissions of the dispatch plan, each
 // chunk with its offsets in AttentionParams.
-ffi::Error run_stages(Device& device, const Problem& p, const Options& o,
+ffi::Error run_stages(Device& device, const Problem& p, const Attributes& o,
                       const OptionalOperands& x, const std::vector<StageShape>& stages,
                       const std::vector<std::vector<Binding>>& buffers, int64_t splits = 0) {
   AttentionParams base = make_params(p, o, x);
@@ -462,10 +461,10 @@ void write_empty_rows(const Problem& p, const float* sinks, ffi::AnyBuffer o, ff
 ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::RemainingArgs rest, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                    ffi::AnyBuffer row_max, ffi::AnyBuffer log_sum, ffi::AnyBuffer workspace,
-                   const Options& opt) {
+                   const Attributes& opt) {
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
-  if (ffi::Error e = check_options(opt); e.failure()) return e;
+  if (ffi::Error e = check_attributes(opt); e.failure()) return e;
   if (ffi::Error e = expect("output o", o, p.dtype, p.q_shape()); e.failure()) return e;
   for (auto [what, buffer] :
        {std::make_pair("output lse", lse), std::make_pair("output row_max", row_max),
@@ -513,10 +512,10 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
                     ffi::AnyBuffer d_o, ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                     ffi::AnyBuffer dq,
                     ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer dbias,
-                    ffi::AnyBuffer delta, const Options& opt) {
+                    ffi::AnyBuffer delta, const Attributes& opt) {
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
-  if (ffi::Error e = check_options(opt); e.failure()) return e;
+  if (ffi::Error e = check_attributes(opt); e.failure()) return e;
   const ffi::DataType f32 = ffi::DataType::F32;
   for (auto [what, buffer, dtype, shape] :
        {std::make_tuple("o", o, p.dtype, p.q_shape()),
@@ -572,17 +571,14 @@ ffi::Error forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
                            ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> row_max,
                            ffi::Result<ffi::AnyBuffer> log_sum,
-                           ffi::Result<ffi::AnyBuffer> workspace, float scale, bool is_causal,
-                           int32_t window_left, int32_t window_right, bool bottom_right,
-                           bool has_q_lengths, bool has_kv_lengths, bool has_segment_ids,
-                           bool has_bias, bool has_mask, bool has_sinks, float logits_soft_cap) {
-  const Options options{scale,         is_causal,       window_left, window_right,
-                        bottom_right,  has_q_lengths,   has_kv_lengths, has_segment_ids,
-                        has_bias,      has_mask,        has_sinks,   logits_soft_cap};
+                           ffi::Result<ffi::AnyBuffer> workspace, Attributes attributes) {
+  if (attributes.bias_grad) {
+    return invalid("bias_grad is the backward's attribute (the forward has no dbias result)");
+  }
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
-  return forward(device, q, k, v, rest, *o, *lse, *row_max, *log_sum, *workspace, options);
+  return forward(device, q, k, v, rest, *o, *lse, *row_max, *log_sum, *workspace, attributes);
 }
 
 template <Device* (*GetDevice)(std::string*)>
@@ -591,72 +587,48 @@ ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
                             ffi::AnyBuffer d_o, ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
-                            ffi::Result<ffi::AnyBuffer> delta, float scale, bool is_causal,
-                            int32_t window_left, int32_t window_right, bool bottom_right,
-                            bool has_q_lengths, bool has_kv_lengths, bool has_segment_ids,
-                            bool has_bias, bool has_mask, bool has_sinks, float logits_soft_cap,
-                            bool bias_grad) {
-  const Options options{scale,         is_causal,       window_left, window_right,
-                        bottom_right,  has_q_lengths,   has_kv_lengths, has_segment_ids,
-                        has_bias,      has_mask,        has_sinks,   logits_soft_cap,
-                        bias_grad};
-  if (bias_grad && !has_bias) return invalid("bias_grad needs has_bias (a bias operand)");
+                            ffi::Result<ffi::AnyBuffer> delta, Attributes attributes) {
+  if (attributes.bias_grad && !attributes.has_bias) {
+    return invalid("bias_grad needs has_bias (a bias operand)");
+  }
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
   return backward(device, q, k, v, o, row_max, log_sum, d_o, g_lse, rest, *dq, *dk, *dv, *dbias,
-                  *delta,
-                  options);
-}
-
-template <typename B>
-auto with_attributes(B binding) {
-  return std::move(binding)
-      .template Attr<float>("scale")
-      .template Attr<bool>("is_causal")
-      .template Attr<int32_t>("window_left")
-      .template Attr<int32_t>("window_right")
-      .template Attr<bool>("bottom_right")
-      .template Attr<bool>("has_q_lengths")
-      .template Attr<bool>("has_kv_lengths")
-      // The optional features of the contract in attention_ffi.h.
-      .template Attr<bool>("has_segment_ids")
-      .template Attr<bool>("has_bias")
-      .template Attr<bool>("has_mask")
-      .template Attr<bool>("has_sinks")
-      .template Attr<float>("logits_soft_cap");
+                  *delta, attributes);
 }
 
 auto forward_binding() {
-  return with_attributes(ffi::Ffi::Bind()
-                             .Arg<ffi::AnyBuffer>()  // q
-                             .Arg<ffi::AnyBuffer>()  // k
-                             .Arg<ffi::AnyBuffer>()  // v
-                             .RemainingArgs()        // the optional operands (attention_ffi.h)
-                             .Ret<ffi::AnyBuffer>()  // o
-                             .Ret<ffi::AnyBuffer>()  // lse
-                             .Ret<ffi::AnyBuffer>()  // row_max
-                             .Ret<ffi::AnyBuffer>()  // log_sum
-                             .Ret<ffi::AnyBuffer>());  // workspace (decode)
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()  // q
+      .Arg<ffi::AnyBuffer>()  // k
+      .Arg<ffi::AnyBuffer>()  // v
+      .RemainingArgs()        // the optional operands (attention_ffi.h)
+      .Ret<ffi::AnyBuffer>()  // o
+      .Ret<ffi::AnyBuffer>()  // lse
+      .Ret<ffi::AnyBuffer>()  // row_max
+      .Ret<ffi::AnyBuffer>()  // log_sum
+      .Ret<ffi::AnyBuffer>()  // workspace (decode)
+      .Attrs<Attributes>();
 }
 
 auto backward_binding() {
-  return with_attributes(ffi::Ffi::Bind()
-                             .Arg<ffi::AnyBuffer>()  // q
-                             .Arg<ffi::AnyBuffer>()  // k
-                             .Arg<ffi::AnyBuffer>()  // v
-                             .Arg<ffi::AnyBuffer>()  // o
-                             .Arg<ffi::AnyBuffer>()  // row_max
-                             .Arg<ffi::AnyBuffer>()  // log_sum
-                             .Arg<ffi::AnyBuffer>()  // do
-                             .Arg<ffi::AnyBuffer>()  // g_lse
-                             .RemainingArgs()        // the optional operands (attention_ffi.h)
-                             .Ret<ffi::AnyBuffer>()  // dq
-                             .Ret<ffi::AnyBuffer>()  // dk
-                             .Ret<ffi::AnyBuffer>()  // dv
-                             .Ret<ffi::AnyBuffer>()  // dbias ([0] without bias_grad)
-                             .Ret<ffi::AnyBuffer>())  // delta (workspace)
-      .Attr<bool>("bias_grad");
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()  // q
+      .Arg<ffi::AnyBuffer>()  // k
+      .Arg<ffi::AnyBuffer>()  // v
+      .Arg<ffi::AnyBuffer>()  // o
+      .Arg<ffi::AnyBuffer>()  // row_max
+      .Arg<ffi::AnyBuffer>()  // log_sum
+      .Arg<ffi::AnyBuffer>()  // do
+      .Arg<ffi::AnyBuffer>()  // g_lse
+      .RemainingArgs()        // the optional operands (attention_ffi.h)
+      .Ret<ffi::AnyBuffer>()  // dq
+      .Ret<ffi::AnyBuffer>()  // dk
+      .Ret<ffi::AnyBuffer>()  // dv
+      .Ret<ffi::AnyBuffer>()  // dbias ([0] without bias_grad)
+      .Ret<ffi::AnyBuffer>()  // delta (workspace)
+      .Attrs<Attributes>();
 }
 
 Device* get_emulated_device(std::string*) { return &emulated_device(); }

@@ -23,10 +23,7 @@
 //                   float32 [B,H,Tq] (workspace for D_i = rowsum(dO*O) - g_lse_i; the lowering
 //                   allocates it as an XLA result so its memory is planned by XLA and shows in
 //                   memory_analysis)
-// Attributes (exact types): scale f32, is_causal i1, window_left i32, window_right i32
-//   (-1 = unbounded), bottom_right i1, has_q_lengths i1, has_kv_lengths i1, has_segment_ids i1,
-//   has_bias i1, has_mask i1, has_sinks i1, logits_soft_cap f32 (0 = no cap); the backward
-//   also bias_grad i1 (needs has_bias).
+// Attributes: JFM_FFI_ATTRIBUTES below, the same for both targets, each of its exact type.
 // q, k, v (and o, do, dq, dk, dv) share one dtype: f32, f16 or bf16.
 //
 // Optional features (docs/design.md#scores; shaders/flash_attention_features.h). The contract below
@@ -63,7 +60,54 @@
 #ifndef JAX_FLASH_METAL_ATTENTION_FFI_H_
 #define JAX_FLASH_METAL_ATTENTION_FFI_H_
 
+#include <cstdint>
+
 #include "xla/ffi/api/api.h"
+
+// The static attributes of both targets, once: X(C++ type, name) each, with float = f32,
+// int32_t = i32 and bool = i1 (pred). Both handlers decode them into one jfm::Attributes
+// (attention_ffi.cc), the extension lists them (_ext.ffi_attributes()) and the Python lowering
+// builds its attribute dict from that list (ffi_lowering._attributes), so a lowering and a
+// handler cannot disagree. To add an attribute: one line here, its static parameter in
+// jax_flash_metal/contract.py (a StaticParams field, not in HOST_ONLY_PARAMS; tests/test_ffi.py
+// checks the two lists agree), and its use in the handlers (make_params in attention_ffi.cc
+// copies attributes into AttentionParams).
+//   scale            f32   multiplies q.k
+//   is_causal        i1
+//   window_left      i32   keys visible before a query's diagonal; -1 = unbounded
+//   window_right     i32   keys visible after it; -1 = unbounded
+//   bottom_right     i1    the diagonal (and window) aligned to the bottom-right corner
+//   has_*            i1    which optional operands follow the main ones (see below)
+//   logits_soft_cap  f32   c of c * tanh(score / c); 0 = no cap
+//   bias_grad        i1    backward only (false on the forward): the dbias result is wanted;
+//                          needs has_bias
+#define JFM_FFI_ATTRIBUTES(X) \
+  X(float, scale)             \
+  X(bool, is_causal)          \
+  X(int32_t, window_left)     \
+  X(int32_t, window_right)    \
+  X(bool, bottom_right)       \
+  X(bool, has_q_lengths)      \
+  X(bool, has_kv_lengths)     \
+  X(bool, has_segment_ids)    \
+  X(bool, has_bias)           \
+  X(bool, has_mask)           \
+  X(bool, has_sinks)          \
+  X(float, logits_soft_cap)   \
+  X(bool, bias_grad)
+
+namespace jfm {
+
+// The attributes of a call, decoded by XLA (XLA_FFI_REGISTER_STRUCT_ATTR_DECODING): one field
+// per JFM_FFI_ATTRIBUTES entry, in its order.
+struct Attributes {
+#define JFM_ATTRIBUTE_FIELD(type, name) type name;
+  JFM_FFI_ATTRIBUTES(JFM_ATTRIBUTE_FIELD)
+#undef JFM_ATTRIBUTE_FIELD
+};
+
+}  // namespace jfm
+
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionFwdEmulator);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionBwdEmulator);

@@ -101,6 +101,18 @@ void bind_devices(nb::module_& m) {
       "dict[str, PyCapsule]: XLA FFI handlers (api_version 1) of this build, by target name "
       "jax_flash_metal_attention_{fwd,bwd}_{emulator,metal}; metal ones only in macOS builds.");
   m.def(
+      "ffi_attributes",
+      [] {
+        std::vector<std::pair<std::string, std::string>> attributes;
+#define JFM_ATTRIBUTE_ENTRY(type, name) attributes.emplace_back(#name, #type);
+        JFM_FFI_ATTRIBUTES(JFM_ATTRIBUTE_ENTRY)
+#undef JFM_ATTRIBUTE_ENTRY
+        return attributes;
+      },
+      "list[tuple[str, str]]: the static attributes of every FFI target, in order, as (name, C++ "
+      "type): float is f32, int32_t i32, bool pred (JFM_FFI_ATTRIBUTES in ffi/attention_ffi.h). "
+      "The lowering builds its attributes from this list.");
+  m.def(
       "metal_available",
       [] {
 #ifdef JFM_HAVE_METAL

@@ -24,6 +24,7 @@ from api_helpers import check_against_oracle, make_inputs
 ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import ffi_lowering, flash_attention, implementations  # noqa: E402
 from jax_flash_metal import reference_attention  # noqa: E402
+from jax_flash_metal.contract import HOST_ONLY_PARAMS, StaticParams  # noqa: E402
 from jax_flash_metal.validation import ENV_IMPLEMENTATION as ENV  # noqa: E402
 from ffi_targets import (BWD, FWD, attributes, bwd_call, forward_workspace,  # noqa: E402
                          fwd_call, submission_budget)
@@ -164,6 +165,7 @@ _K = jnp.zeros((1, 5, 1, 16), jnp.float32)
 
 @pytest.mark.parametrize("args, kwargs, message", [
     ((_Q, _K, _K), dict(window_left=np.int32(-2)), "window_left/window_right must be >= 0"),
+    ((_Q, _K, _K), dict(bias_grad=True), "bias_grad is the backward's attribute"),
     ((_Q, _K, _K), dict(has_q_lengths=True), "expected 1 length operand"),
     ((_Q, _K, _K, jnp.zeros((1,), jnp.int32)), dict(), "expected 0 length operand"),
     ((_Q, _K, _K, jnp.zeros((2,), jnp.int32)), dict(has_kv_lengths=True),
@@ -204,6 +206,15 @@ def test_handler_rejects_missing_and_mistyped_attributes():
             fwd_call(_Q, _K, _K, scale=np.float64(0.25))
     finally:
         jax.config.update("jax_enable_x64", False)
+
+
+def test_ffi_attributes_are_the_static_params():
+    """One list of attributes: the handlers' (JFM_FFI_ATTRIBUTES, as the extension lists it) is
+    the primitives' static params without the host-only ones, plus the backward's bias_grad, so
+    no static param is dropped or invented on the way to the kernels."""
+    names = [name for name, _ in ext.ffi_attributes()]
+    assert names == [*(f for f in StaticParams._fields if f not in HOST_ONLY_PARAMS), "bias_grad"]
+    assert set(attributes()) == set(names)  # the direct calls' helper (ffi_targets.attributes)
 
 
 def test_lowering_types_attributes_exactly_under_x64():
@@ -338,7 +349,7 @@ def test_backward_handler_checks_the_dbias_result():
                        match=r"output dbias must be float32 \[1, 2, 4, 4\]"):
         jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
             q, q, q, o, *residuals, q, g, jnp.zeros((1, 1, 1, 4), jnp.float32),
-            bias_grad=np.bool_(True), **attributes(has_bias=True)))
+            **attributes(has_bias=True, bias_grad=np.bool_(True))))
 
 
 def test_compiled_hlo_has_custom_calls_only_on_the_fused_path():
