@@ -208,6 +208,16 @@ void bind_devices(nb::module_& m) {
       "dict[str, str]: the embedded shaders/*.metal sources (quoted includes inlined) that the "
       "Metal device compiles at run time.");
   m.def(
+      "kernel_families",
+      [] {
+        std::vector<std::pair<std::string, int>> families;
+        for (const KernelFamily& f : kernel_families()) families.emplace_back(f.suffix, f.head_dim);
+        return families;
+      },
+      "list[tuple[str, int]]: every (dtype suffix, head dim) family the kernels are instantiated "
+      "for, in order (shaders/kernel_families.h): 'f32', 'f16', 'bf16', each with every head "
+      "dim.");
+  m.def(
       "shader_library",
       [](const std::string& kernel) {
         const std::vector<ShaderSource> sources = shader_sources();

@@ -536,84 +536,31 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   }
 }
 
-// ---- instantiations under the host names: one line per (dtype, head dim), each inside
-// JFM_IF_FAMILY (the Metal device compiles one family at a time and finds a kernel's source by
-// its quoted name, so names are written out in full) ----
+// ---- the instantiation grid: every family of kernel_families.h under its host names, dQ and
+// one dK/dV kernel, or dQ, dK and dV where jfm_bwd_split_dkdv (the list says which) ----
 
-#define JFM_INSTANTIATE_DQ(NAME, T, D) \
-  template [[host_name(NAME)]] kernel void flash_attention_bwd_dq<T, D> JFM_BWD_DQ_SIGNATURE(T);
-#define JFM_INSTANTIATE_DKDV(NAME, T, D, FAMILY)                                   \
-  template [[host_name(NAME)]] kernel void flash_attention_bwd_dkdv<T, D, FAMILY> \
+#define JFM_INSTANTIATE_DQ(T, SUFFIX, D)                                                \
+  template [[host_name(JFM_HOST_NAME(flash_attention_bwd_dq, SUFFIX, D))]] kernel void \
+      flash_attention_bwd_dq<T, D> JFM_BWD_DQ_SIGNATURE(T);
+#define JFM_INSTANTIATE_DKDV(NAME, T, D, FAMILY)                                        \
+  template [[host_name(NAME)]] kernel void flash_attention_bwd_dkdv<T, D, FAMILY>      \
       JFM_BWD_DKDV_SIGNATURE(T);
 
-// head_dim < 160: dQ and one dK/dV kernel.
-#define JFM_INSTANTIATE_BWD(DQ_NAME, DKDV_NAME, T, D) \
-  JFM_IF_FAMILY(T, D, JFM_INSTANTIATE_DQ(DQ_NAME, T, D) \
-                          JFM_INSTANTIATE_DKDV(DKDV_NAME, T, D, JFM_KERNEL_BWD_DKDV))
-// head_dim >= 160: dQ, dK and dV kernels.
-#define JFM_INSTANTIATE_BWD_SPLIT(DQ_NAME, DK_NAME, DV_NAME, T, D)          \
-  JFM_IF_FAMILY(T, D, JFM_INSTANTIATE_DQ(DQ_NAME, T, D)                     \
-                          JFM_INSTANTIATE_DKDV(DK_NAME, T, D, JFM_KERNEL_BWD_DK) \
-                              JFM_INSTANTIATE_DKDV(DV_NAME, T, D, JFM_KERNEL_BWD_DV))
+#define JFM_INSTANTIATE_BWD(T, SUFFIX, D)                                               \
+  JFM_IF_FAMILY(T, D, static_assert(!jfm_bwd_split_dkdv(D), "a joint dK/dV head dim"); \
+                JFM_INSTANTIATE_DQ(T, SUFFIX, D)                                        \
+                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dkdv, SUFFIX, D), \
+                                     T, D, JFM_KERNEL_BWD_DKDV))
+#define JFM_INSTANTIATE_BWD_SPLIT(T, SUFFIX, D)                                         \
+  JFM_IF_FAMILY(T, D, static_assert(jfm_bwd_split_dkdv(D), "a split dK/dV head dim");  \
+                JFM_INSTANTIATE_DQ(T, SUFFIX, D)                                        \
+                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dk, SUFFIX, D),   \
+                                     T, D, JFM_KERNEL_BWD_DK)                           \
+                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dv, SUFFIX, D),   \
+                                     T, D, JFM_KERNEL_BWD_DV))
 
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d8", "flash_attention_bwd_dkdv_f32_d8", float, 8)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d16", "flash_attention_bwd_dkdv_f32_d16", float, 16)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d32", "flash_attention_bwd_dkdv_f32_d32", float, 32)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d48", "flash_attention_bwd_dkdv_f32_d48", float, 48)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d64", "flash_attention_bwd_dkdv_f32_d64", float, 64)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d72", "flash_attention_bwd_dkdv_f32_d72", float, 72)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d80", "flash_attention_bwd_dkdv_f32_d80", float, 80)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d96", "flash_attention_bwd_dkdv_f32_d96", float, 96)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d112", "flash_attention_bwd_dkdv_f32_d112",
-                    float, 112)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d128", "flash_attention_bwd_dkdv_f32_d128",
-                    float, 128)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f32_d160", "flash_attention_bwd_dk_f32_d160",
-                          "flash_attention_bwd_dv_f32_d160", float, 160)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f32_d192", "flash_attention_bwd_dk_f32_d192",
-                          "flash_attention_bwd_dv_f32_d192", float, 192)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f32_d256", "flash_attention_bwd_dk_f32_d256",
-                          "flash_attention_bwd_dv_f32_d256", float, 256)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d8", "flash_attention_bwd_dkdv_f16_d8", half, 8)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d16", "flash_attention_bwd_dkdv_f16_d16", half, 16)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d32", "flash_attention_bwd_dkdv_f16_d32", half, 32)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d48", "flash_attention_bwd_dkdv_f16_d48", half, 48)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d64", "flash_attention_bwd_dkdv_f16_d64", half, 64)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d72", "flash_attention_bwd_dkdv_f16_d72", half, 72)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d80", "flash_attention_bwd_dkdv_f16_d80", half, 80)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d96", "flash_attention_bwd_dkdv_f16_d96", half, 96)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d112", "flash_attention_bwd_dkdv_f16_d112",
-                    half, 112)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d128", "flash_attention_bwd_dkdv_f16_d128",
-                    half, 128)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f16_d160", "flash_attention_bwd_dk_f16_d160",
-                          "flash_attention_bwd_dv_f16_d160", half, 160)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f16_d192", "flash_attention_bwd_dk_f16_d192",
-                          "flash_attention_bwd_dv_f16_d192", half, 192)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f16_d256", "flash_attention_bwd_dk_f16_d256",
-                          "flash_attention_bwd_dv_f16_d256", half, 256)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d8", "flash_attention_bwd_dkdv_bf16_d8", ushort, 8)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d16", "flash_attention_bwd_dkdv_bf16_d16",
-                    ushort, 16)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d32", "flash_attention_bwd_dkdv_bf16_d32",
-                    ushort, 32)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d48", "flash_attention_bwd_dkdv_bf16_d48",
-                    ushort, 48)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d64", "flash_attention_bwd_dkdv_bf16_d64",
-                    ushort, 64)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d72", "flash_attention_bwd_dkdv_bf16_d72",
-                    ushort, 72)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d80", "flash_attention_bwd_dkdv_bf16_d80",
-                    ushort, 80)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d96", "flash_attention_bwd_dkdv_bf16_d96",
-                    ushort, 96)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d112", "flash_attention_bwd_dkdv_bf16_d112",
-                    ushort, 112)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d128", "flash_attention_bwd_dkdv_bf16_d128",
-                    ushort, 128)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_bf16_d160", "flash_attention_bwd_dk_bf16_d160",
-                          "flash_attention_bwd_dv_bf16_d160", ushort, 160)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_bf16_d192", "flash_attention_bwd_dk_bf16_d192",
-                          "flash_attention_bwd_dv_bf16_d192", ushort, 192)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_bf16_d256", "flash_attention_bwd_dk_bf16_d256",
-                          "flash_attention_bwd_dv_bf16_d256", ushort, 256)
+#define JFM_INSTANTIATE_BWD_OF_TYPE(T, SUFFIX, UNUSED)     \
+  JFM_JOINT_BWD_HEAD_DIMS(T, SUFFIX, JFM_INSTANTIATE_BWD) \
+  JFM_SPLIT_BWD_HEAD_DIMS(T, SUFFIX, JFM_INSTANTIATE_BWD_SPLIT)
+
+JFM_ELEMENT_TYPES(JFM_INSTANTIATE_BWD_OF_TYPE, ~)

@@ -231,89 +231,12 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
   }
 }
 
-// Explicit instantiations, one line per (type, head dim), under the host names.
-#define JFM_INSTANTIATE_DECODE(PARTIAL, COMBINE, T, D)                                     \
-  JFM_IF_FAMILY(T, D,                                                                      \
-      template [[host_name(PARTIAL)]] kernel void flash_attention_decode_partial<T, D>     \
-          JFM_DECODE_PARTIAL_SIGNATURE(T);                                                 \
-      template [[host_name(COMBINE)]] kernel void flash_attention_decode_combine<T, D>     \
-          JFM_DECODE_COMBINE_SIGNATURE(T);)
+// The instantiation grid: every family of kernel_families.h, under its host names.
+#define JFM_INSTANTIATE_DECODE(T, SUFFIX, D)                                                 \
+  JFM_IF_FAMILY(T, D,                                                                        \
+      template [[host_name(JFM_HOST_NAME(flash_attention_decode_partial, SUFFIX, D))]]       \
+      kernel void flash_attention_decode_partial<T, D> JFM_DECODE_PARTIAL_SIGNATURE(T);      \
+      template [[host_name(JFM_HOST_NAME(flash_attention_decode_combine, SUFFIX, D))]]       \
+      kernel void flash_attention_decode_combine<T, D> JFM_DECODE_COMBINE_SIGNATURE(T);)
 
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d8",
-                       "flash_attention_decode_combine_f32_d8", float, 8)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d16",
-                       "flash_attention_decode_combine_f32_d16", float, 16)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d32",
-                       "flash_attention_decode_combine_f32_d32", float, 32)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d48",
-                       "flash_attention_decode_combine_f32_d48", float, 48)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d64",
-                       "flash_attention_decode_combine_f32_d64", float, 64)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d72",
-                       "flash_attention_decode_combine_f32_d72", float, 72)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d80",
-                       "flash_attention_decode_combine_f32_d80", float, 80)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d96",
-                       "flash_attention_decode_combine_f32_d96", float, 96)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d112",
-                       "flash_attention_decode_combine_f32_d112", float, 112)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d128",
-                       "flash_attention_decode_combine_f32_d128", float, 128)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d160",
-                       "flash_attention_decode_combine_f32_d160", float, 160)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d192",
-                       "flash_attention_decode_combine_f32_d192", float, 192)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d256",
-                       "flash_attention_decode_combine_f32_d256", float, 256)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d8",
-                       "flash_attention_decode_combine_f16_d8", half, 8)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d16",
-                       "flash_attention_decode_combine_f16_d16", half, 16)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d32",
-                       "flash_attention_decode_combine_f16_d32", half, 32)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d48",
-                       "flash_attention_decode_combine_f16_d48", half, 48)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d64",
-                       "flash_attention_decode_combine_f16_d64", half, 64)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d72",
-                       "flash_attention_decode_combine_f16_d72", half, 72)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d80",
-                       "flash_attention_decode_combine_f16_d80", half, 80)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d96",
-                       "flash_attention_decode_combine_f16_d96", half, 96)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d112",
-                       "flash_attention_decode_combine_f16_d112", half, 112)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d128",
-                       "flash_attention_decode_combine_f16_d128", half, 128)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d160",
-                       "flash_attention_decode_combine_f16_d160", half, 160)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d192",
-                       "flash_attention_decode_combine_f16_d192", half, 192)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d256",
-                       "flash_attention_decode_combine_f16_d256", half, 256)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d8",
-                       "flash_attention_decode_combine_bf16_d8", ushort, 8)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d16",
-                       "flash_attention_decode_combine_bf16_d16", ushort, 16)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d32",
-                       "flash_attention_decode_combine_bf16_d32", ushort, 32)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d48",
-                       "flash_attention_decode_combine_bf16_d48", ushort, 48)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d64",
-                       "flash_attention_decode_combine_bf16_d64", ushort, 64)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d72",
-                       "flash_attention_decode_combine_bf16_d72", ushort, 72)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d80",
-                       "flash_attention_decode_combine_bf16_d80", ushort, 80)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d96",
-                       "flash_attention_decode_combine_bf16_d96", ushort, 96)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d112",
-                       "flash_attention_decode_combine_bf16_d112", ushort, 112)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d128",
-                       "flash_attention_decode_combine_bf16_d128", ushort, 128)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d160",
-                       "flash_attention_decode_combine_bf16_d160", ushort, 160)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d192",
-                       "flash_attention_decode_combine_bf16_d192", ushort, 192)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d256",
-                       "flash_attention_decode_combine_bf16_d256", ushort, 256)
+JFM_FAMILIES(JFM_INSTANTIATE_DECODE)

@@ -19,7 +19,7 @@ import pytest
 
 import oracle
 import tolerance
-from api_helpers import check_against_oracle, make_inputs
+from api_helpers import HEAD_DIMS, check_against_oracle, make_inputs
 
 ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import ffi_lowering, flash_attention, implementations  # noqa: E402
@@ -29,7 +29,6 @@ from jax_flash_metal.validation import ENV_IMPLEMENTATION as ENV  # noqa: E402
 from ffi_targets import (BWD, FWD, attributes, bwd_call, forward_workspace,  # noqa: E402
                          fwd_call, submission_budget)
 
-HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
 EMPTY_ROW_MAX = np.float32(8.50705917e37)  # JFM_EMPTY_ROW_MAX of shaders/attention_params.h
 
 requires_metal = pytest.mark.skipif(not ext.metal_available(),
