@@ -108,7 +108,6 @@ struct Attributes {
 
 }  // namespace jfm
 
-
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionFwdEmulator);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionBwdEmulator);
 #ifdef JFM_HAVE_METAL

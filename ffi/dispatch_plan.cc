@@ -127,6 +127,11 @@ std::vector<std::string> bwd_stages(int head_dim) {
   return {"bwd_dq", "bwd_dkdv"};
 }
 
+bool decode_is_vector(int64_t q_len, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  return kv_heads > 0 &&
+         heads / kv_heads * q_len <= jfm_decode_vector_rows(static_cast<int>(head_dim));
+}
+
 int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, int64_t kv_len,
                       int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores) {
   const int rows = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, element_bytes(dtype_suffix),
@@ -136,7 +141,7 @@ int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, in
     return 0;
   }
   return jfm_decode_splits(static_cast<long>(batch * kv_heads), static_cast<long>(kv_len),
-                           gpu_cores);
+                           gpu_cores, decode_is_vector(q_len, heads, kv_heads, head_dim));
 }
 
 int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t head_dim,
@@ -169,13 +174,15 @@ std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix
                                   : decode_splits(dtype_suffix, batch, q_len, kv_len, heads,
                                                   kv_heads, head_dim, gpu_cores);
   if (splits > 0) {
-    // Pass 1: a split of the keys for one tile of rows; pass 2: one row over every split.
-    const double tile_rows = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, bytes,
-                                           static_cast<int>(head_dim));
+    // Pass 1: a split of the keys for one tile of rows (the vector kernel: the rows only);
+    // pass 2: one row over every split.
+    const bool vector = decode_is_vector(q_len, heads, kv_heads, head_dim);
+    const int family = vector ? JFM_KERNEL_DECODE_VECTOR : JFM_KERNEL_DECODE_PARTIAL;
+    const double tile_rows =
+        vector ? group * q_len : jfm_tile_rows(family, bytes, static_cast<int>(head_dim));
     const double chunk = std::ceil(tkv / static_cast<double>(splits)) +
-                         jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, bytes,
-                                       static_cast<int>(head_dim));
-    StageShape partial = stage("decode_partial", splits, kv_heads, 0);
+                         jfm_tile_cols(family, bytes, static_cast<int>(head_dim));
+    StageShape partial = stage(vector ? "decode_vector" : "decode_partial", splits, kv_heads, 0);
     partial.rows_per_group = 1;  // grid x: one split per threadgroup
     partial.multiply_adds_per_group = 2 * chunk * d * tile_rows;
     StageShape combine = stage("decode_combine", group * q_len, kv_heads, 2 * splits * d);
@@ -201,7 +208,8 @@ constexpr std::pair<const char*, int> kStageKernels[] = {
     {"bwd_dk", JFM_KERNEL_BWD_DK},
     {"bwd_dv", JFM_KERNEL_BWD_DV},
     {"decode_partial", JFM_KERNEL_DECODE_PARTIAL},
-    {"decode_combine", JFM_KERNEL_DECODE_COMBINE}};
+    {"decode_combine", JFM_KERNEL_DECODE_COMBINE},
+    {"decode_vector", JFM_KERNEL_DECODE_VECTOR}};
 
 int element_bytes(const std::string& dtype_suffix) {
   return dtype_suffix == "f32" ? 4 : dtype_suffix == "f16" || dtype_suffix == "bf16" ? 2 : 0;
@@ -216,7 +224,8 @@ bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileS
                        jfm_tile_threads(family, element_bytes, head_dim),
                        family == JFM_KERNEL_FWD &&
                            jfm_fwd_q_in_registers(element_bytes, head_dim),
-                       family == JFM_KERNEL_FWD && jfm_fwd_kv_one_buffer(element_bytes, head_dim)};
+                       family == JFM_KERNEL_FWD && jfm_fwd_kv_one_buffer(element_bytes, head_dim),
+                       jfm_tile_registers(family, element_bytes, head_dim)};
     return true;
   }
   return false;

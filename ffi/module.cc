@@ -391,7 +391,8 @@ void bind_planning(nb::module_& m) {
         TileShape shape;
         if (bytes == 0 || !tile_shape(stage, bytes, head_dim, &shape)) {
           throw nb::value_error(("no tile shape for stage '" + stage + "' and dtype '" + dtype +
-                                 "' (stages fwd, bwd_dq, bwd_dkdv, bwd_dk, bwd_dv; dtypes f32, "
+                                 "' (stages fwd, bwd_dq, bwd_dkdv, bwd_dk, bwd_dv, "
+                                 "decode_partial, decode_combine, decode_vector; dtypes f32, "
                                  "f16, bf16)").c_str());
         }
         nb::dict d;
@@ -401,15 +402,17 @@ void bind_planning(nb::module_& m) {
         d["threads"] = shape.threads;
         d["q_in_registers"] = shape.q_in_registers;
         d["kv_one_buffer"] = shape.kv_one_buffer;
+        d["registers"] = shape.registers;
         return d;
       },
       nb::arg("stage"), nb::arg("dtype"), nb::arg("head_dim"),
-      "dict(rows, cols, simdgroups, threads, q_in_registers, kv_one_buffer): the tile shape of "
-      "shaders/tile_shapes.h for a kernel stage ('fwd', 'bwd_dq', 'bwd_dkdv', 'bwd_dk', "
-      "'bwd_dv'), dtype ('f32', 'f16', 'bf16') and head dim: rows per threadgroup, block size "
-      "of the traversed dimension, simdgroups and threads per threadgroup; forward only: Q kept "
-      "in registers, K and V sharing one threadgroup buffer. ValueError for an unknown stage or "
-      "dtype.");
+      "dict(rows, cols, simdgroups, threads, q_in_registers, kv_one_buffer, registers): the "
+      "tile shape of shaders/tile_shapes.h for a kernel stage ('fwd', 'bwd_dq', 'bwd_dkdv', "
+      "'bwd_dk', 'bwd_dv', 'decode_partial', 'decode_combine', 'decode_vector'), dtype ('f32', "
+      "'f16', 'bf16') and head dim: rows per threadgroup, block size of the traversed dimension, "
+      "simdgroups and threads per threadgroup; forward only: Q kept in registers, K and V "
+      "sharing one threadgroup buffer; the estimated live 32-bit registers per thread "
+      "(jfm_tile_registers). ValueError for an unknown stage or dtype.");
 }
 
 }  // namespace

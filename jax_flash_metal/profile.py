@@ -10,7 +10,8 @@ with which grids. While it runs, the emulated device executes the counting varia
 Measured (exact counts on the emulator): threadgroups, threads per threadgroup, static threadgroup
 memory, device bytes read / written (through ``device`` pointers, at the size of each access),
 threadgroup bytes, ``simdgroup_matrix`` multiply-accumulates (8x8x8 each), other simd
-collectives, threadgroup barriers, and scalar ``fma`` calls.
+collectives, threadgroup barriers, scalar ``fma`` calls, and other scalar math-function calls
+(exp2, max, ...; operators such as ``*`` and ``+`` are not calls and are not counted).
 
 Analytic: useful FLOPs, 4·D per visible (query, key) pair for the forward and 10·D for the
 backward as a whole (visible pairs counted exactly from causal / window / lengths with
@@ -19,19 +20,27 @@ scores and dP, dV, dK) and the dQ kernel 2·D; the preprocess (rowsum(dO·O)) 0.
 Derived: MMA FLOPs = mma_ops · 2 · 512; executed matmul FLOPs = MMA FLOPs + 2 · scalar fma calls
 (every dot product and axpy of the kernels is written with fma; other arithmetic, e.g. exp2, is
 not counted); MMA share = MMA FLOPs / executed matmul FLOPs; device intensity = useful FLOPs per
-device byte (read + written).
+device byte (read + written); ALU ops = MMA multiply-adds (512 per MMA op) + scalar fma calls +
+other math calls, reported over the useful multiply-adds (useful FLOPs / 2).
+
+Estimated (``_ext.tile_shape``, shaders/tile_shapes.h ``jfm_tile_registers``): live 32-bit
+registers per thread, flagged ``!`` above ``roofline.REGISTER_BUDGET`` (spill risk).
 
 Modelled (``roofline.py``, not measured): per launch and GPU, the bound (compute / device /
-threadgroup memory), the modelled time and the modelled percent of peak FLOP/s.
+threadgroup memory), the modelled time and the modelled percent of peak FLOP/s; and the
+occupancy: threadgroups and simdgroups per core that fit the GPU's threadgroup memory, thread
+limit and register file (``roofline.occupancy``).
 
 ``--json PATH`` writes a JSON list with one record per launch, in launch order, with exactly the
 keys of ``JSON_KEYS``: the problem (kernel, dtype, head_dim, batch, q_len, kv_len, heads,
 kv_heads, causal), the exact counts (threadgroups, threads_per_threadgroup,
 threadgroup_memory_bytes, device_bytes_read, device_bytes_written, threadgroup_bytes_read,
-threadgroup_bytes_written: bytes; mma_ops, simd_ops, barriers: counts as defined in
-ffi/emulator/README.md), useful_flops (analytic), and ``model``: the roofline MODEL, not a
-measurement, {GPU name: {"bound": "compute" | "device" | "threadgroup", "seconds": modelled
-time, "percent_of_peak": modelled useful FLOP/s over peak FLOP/s, in percent}}.
+threadgroup_bytes_written: bytes; mma_ops, simd_ops, barriers, fma_ops, math_ops: counts as
+defined in ffi/emulator/README.md), useful_flops (analytic), registers (estimated live 32-bit
+registers per thread), ``model``: the roofline MODEL, not a measurement, {GPU name: {"bound":
+"compute" | "device" | "threadgroup", "seconds": modelled time, "percent_of_peak": modelled
+useful FLOP/s over peak FLOP/s, in percent}}, and ``occupancy``: {GPU name: {"threadgroups",
+"simdgroups": per core, "limit": "memory" | "threads" | "registers"}} (a model).
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ import numpy as np
 from . import contract, reference, validation
 from ._cli import HelpFormatter, progress_bar
 from .attention import flash_attention
-from .roofline import GPUS, model_launch
+from .roofline import GPUS, REGISTER_BUDGET, model_launch, occupancy
 
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
 PASSES = ("forward", "backward")
@@ -58,18 +67,20 @@ PROBLEM_KEYS = ("dtype", "head_dim", "batch", "q_len", "kv_len", "heads", "kv_he
 # Exact counts of one launch, as the emulator reports them.
 COUNT_KEYS = ("threadgroups", "threads_per_threadgroup", "threadgroup_memory_bytes",
               "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
-              "threadgroup_bytes_written", "mma_ops", "simd_ops", "barriers")
+              "threadgroup_bytes_written", "mma_ops", "simd_ops", "barriers", "fma_ops", "math_ops")
 # Keys of each --json record, in order.
-JSON_KEYS = ("kernel", *PROBLEM_KEYS, *COUNT_KEYS, "useful_flops", "model")
+JSON_KEYS = ("kernel", *PROBLEM_KEYS, *COUNT_KEYS, "useful_flops", "registers", "model",
+             "occupancy")
 
 # Useful FLOPs per visible (query, key) pair, in units of the head dim D, credited to each kernel
 # stage (kernel names are flash_attention_<stage>_<dtype>_d<D>). Forward 4·D; backward 10·D as a
 # whole. A new kernel stage must be added here.
-USEFUL_FLOPS_PER_PAIR = {"fwd": 4, "decode_partial": 4, "decode_combine": 0, "bwd_dq": 2,
+USEFUL_FLOPS_PER_PAIR = {"fwd": 4, "decode_partial": 4, "decode_vector": 4, "decode_combine": 0,
+                         "bwd_dq": 2,
                          "bwd_dkdv": 8,
                          "bwd_dk": 6, "bwd_dv": 2}  # the split pair: 8 as bwd_dkdv
 MMA_FLOPS = 2 * 8 * 8 * 8  # one simdgroup_multiply_accumulate: an 8x8x8 multiply-add
-KERNEL_NAME = re.compile(r"^flash_attention_(?P<stage>\w+?)_(?:f32|f16|bf16)_d\d+$")
+KERNEL_NAME = re.compile(r"^flash_attention_(?P<stage>\w+?)_(?P<dtype>f32|f16|bf16)_d(?P<d>\d+)$")
 
 # The counting variants are built only when asked (ffi/emulator/CMakeLists.txt).
 NO_COUNTING_MESSAGE = ("this build has no counting kernel variants (they are built only when "
@@ -278,6 +289,21 @@ def _executed_flops(r: dict) -> int:
     return r["mma_ops"] * MMA_FLOPS + 2 * r["fma_ops"]
 
 
+def alu_ops(r: dict) -> int:
+    """ALU operations of a launch record: MMA multiply-adds (512 per op), scalar fma calls and
+    other scalar math-function calls (ffi/emulator/README.md: operators are not counted)."""
+    return r["mma_ops"] * (MMA_FLOPS // 2) + r["fma_ops"] + r["math_ops"]
+
+
+def registers(kernel: str) -> int:
+    """Estimated live 32-bit registers per thread of a kernel (shaders/tile_shapes.h
+    jfm_tile_registers), from its name."""
+    m = KERNEL_NAME.match(kernel)
+    if not m:
+        raise ValueError(f"profile: not an attention kernel name: {kernel!r}")
+    return _ext().tile_shape(m.group("stage"), m.group("dtype"), int(m.group("d")))["registers"]
+
+
 def profile_records(problem: Problem, passes, gpus) -> list[dict]:
     """One record per launch: the JSON keys plus "pass" and derived figures for the table."""
     runs = run_problem(problem, passes)
@@ -292,12 +318,17 @@ def profile_records(problem: Problem, passes, gpus) -> list[dict]:
             "kernel": r["kernel"], **{k: getattr(problem, k) for k in PROBLEM_KEYS},
             **{k: r[k] for k in COUNT_KEYS},
             "useful_flops": useful,
+            "registers": registers(r["kernel"]),
             "model": {g: model_launch(GPUS[g], executed_flops=executed, useful_flops=useful,
                                       device_bytes=device_bytes, threadgroup_bytes=tg_bytes,
                                       threadgroups=r["threadgroups"]) for g in gpus},
         }
+        record["occupancy"] = {
+            g: occupancy(GPUS[g], threadgroup_bytes=r["threadgroup_memory_bytes"],
+                         threads_per_threadgroup=r["threads_per_threadgroup"],
+                         registers=record["registers"]) for g in gpus}
         record.update({"pass": pass_name, "groups": r["groups"], "mma_flops": mma_flops,
-                       "executed_flops": executed})
+                       "executed_flops": executed, "alu_ops": alu_ops(r)})
         out.append(record)
     return out
 
@@ -313,7 +344,7 @@ def format_tables(records: list[dict], gpus) -> str:
     """The measured table (one row per launch) and the roofline-model table."""
     head = (f"{'kernel':<40} {'pass':<8} {'threadgroups (grid)':>20} {'thr/tg':>6} {'tg KB':>6} "
             f"{'dev MB rd':>10} {'dev MB wr':>9} {'tg MB':>9} {'useful GF':>9} {'MMA GF':>7} "
-            f"{'dev FLOP/B':>10} {'MMA share':>9}")
+            f"{'dev FLOP/B':>10} {'MMA share':>9} {'ALU/MA':>6} {'regs':>5}")
     lines = ["measured (exact, emulator counting variant):", head, "-" * len(head)]
     for r in records:
         tg_mb = (r["threadgroup_bytes_read"] + r["threadgroup_bytes_written"]) / 1e6
@@ -325,7 +356,9 @@ def format_tables(records: list[dict], gpus) -> str:
             f"{r['device_bytes_written'] / 1e6:>9.2f} {tg_mb:>9.1f} "
             f"{r['useful_flops'] / 1e9:>9.3f} "
             f"{r['mma_flops'] / 1e9:>7.3f} {_ratio(r['useful_flops'], device, '{:.2f}'):>10} "
-            f"{_ratio(r['mma_flops'], r['executed_flops'], '{:.0%}'):>9}")
+            f"{_ratio(r['mma_flops'], r['executed_flops'], '{:.0%}'):>9} "
+            f"{_ratio(2 * r['alu_ops'], r['useful_flops'], '{:.2f}'):>6} "
+            f"{_registers_cell(r['registers']):>5}")
     cell = 23  # "comp 12345.678ms 100.0%"
     head = f"{'kernel':<40} " + " ".join(f"{g:>{cell}}" for g in gpus)
     lines += ["", "roofline MODEL (not measured; per GPU: bound (comp = compute, dev = device "
@@ -338,7 +371,24 @@ def format_tables(records: list[dict], gpus) -> str:
             cells.append(f"{BOUND_ABBREVIATIONS[m['bound']]:>4} {m['seconds'] * 1e3:>9.3f}ms "
                          f"{m['percent_of_peak']:>5.1f}%")
         lines.append(f"{r['kernel']:<40} " + " ".join(f"{c:>{cell}}" for c in cells))
+    cell = 14  # "24/24 reg"
+    head = f"{'kernel':<40} " + " ".join(f"{g:>{cell}}" for g in gpus)
+    lines += ["", "occupancy MODEL (per core: threadgroups/simdgroups that fit, and the binding "
+              "limit: mem = threadgroup memory, thr = threads, reg = registers; "
+              "jax_flash_metal/roofline.py):", head, "-" * len(head)]
+    for r in records:
+        cells = [f"{o['threadgroups']}/{o['simdgroups']} {OCCUPANCY_LIMITS[o['limit']]}"
+                 for o in (r["occupancy"][g] for g in gpus)]
+        lines.append(f"{r['kernel']:<40} " + " ".join(f"{c:>{cell}}" for c in cells))
     return "\n".join(lines)
+
+
+OCCUPANCY_LIMITS = {"memory": "mem", "threads": "thr", "registers": "reg"}
+
+
+def _registers_cell(n: int) -> str:
+    """The register estimate, flagged "!" above the budget (spill risk)."""
+    return f"{n}!" if n > REGISTER_BUDGET else str(n)
 
 
 def main(argv=None) -> int:

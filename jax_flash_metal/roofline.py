@@ -25,6 +25,13 @@ Figures per GPU (largest configuration of each chip), with their sources:
   409.6 GB/s M1 Max and M2 Max (applegpuinfo #2, #10; Apple: "400GB/s"), 400 GB/s M3 Max and
   546 GB/s M4 Max (Apple, 30 Oct 2024 M4 Pro/Max announcement, as reported by macmegasite.com),
   120 GB/s M4 (Apple, 7 May 2024 M4 announcement, as reported by fonearena.com).
+- On-chip memory per core (occupancy, ``occupancy``): metal-benchmarks "On-Chip Memory" table,
+  Apple 7 and 8 (M1, M2): threadgroup ("Shared") memory ~52-60 KB (the lower bound, 52 KiB, is
+  used), register file ~208 KB, at most 3072 threads. Apple 9 and later (M3, M4) allocate
+  on-chip memory dynamically ("Dynamic Caching"); no per-core figure is published, so the
+  Apple 7/8 figures are assumed there. One threadgroup may allocate at most 32 KiB (Apple's
+  Metal Feature Set Tables, "Maximum total threadgroup memory allocation"). ALU use saturates at
+  24 simdgroups per core (metal-benchmarks, "ALU Bottlenecks").
 - Threadgroup-memory bandwidth per core: not published by Apple. Derived as 64 bytes per core per
   clock (metal-benchmarks "On-Chip Memory" table, "Shared BW/Cycle" = 64 B for Apple 7 and 8,
   i.e. M1 and M2) times the clock. For M3 and M4 (Apple 9 and later, not measured there) the same
@@ -39,6 +46,12 @@ import dataclasses
 
 THREADGROUP_BYTES_PER_CORE_CYCLE = 64  # metal-benchmarks "Shared BW/Cycle", Apple 7/8 (derived)
 FP32_FLOPS_PER_CORE_CYCLE = 128 * 2    # 128 ALUs per core, one FMA (2 FLOPs) each per cycle
+# On-chip memory per core, metal-benchmarks "On-Chip Memory" (Apple 7/8; assumed for Apple 9+).
+APPLE7_THREADGROUP_MEMORY_PER_CORE = 52 * 1024  # "Shared Memory ~52-60 KB": the lower bound
+APPLE7_REGISTER_FILE_PER_CORE = 208 * 1024      # "Register File ~208 KB"
+APPLE7_MAX_THREADS_PER_CORE = 3072              # "Max Threads 384-3072"
+SATURATING_SIMDGROUPS_PER_CORE = 24  # metal-benchmarks "ALU Bottlenecks": ALU use maxes out here
+REGISTER_BUDGET = 128  # 32-bit registers per thread that still fit 24 simdgroups' worth (~208 KB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +63,9 @@ class Gpu:
     clock_ghz: float
     dram_gb_per_s: float  # DRAM (unified memory) bandwidth, GB/s (1e9 bytes)
     sources: str          # where cores, clock, peak and bandwidth come from
+    threadgroup_memory_per_core: int = APPLE7_THREADGROUP_MEMORY_PER_CORE  # bytes
+    register_file_per_core: int = APPLE7_REGISTER_FILE_PER_CORE            # bytes
+    max_threads_per_core: int = APPLE7_MAX_THREADS_PER_CORE
 
     @property
     def peak_flops(self) -> float:
@@ -104,3 +120,26 @@ def model_launch(gpu: Gpu, *, executed_flops: float, useful_flops: float, device
     seconds = times[bound]
     percent = 100.0 * useful_flops / seconds / gpu.peak_flops if seconds > 0 else 0.0
     return {"bound": bound, "seconds": seconds, "percent_of_peak": percent}
+
+
+def occupancy(gpu: Gpu, *, threadgroup_bytes: int, threads_per_threadgroup: int,
+              registers: int) -> dict:
+    """Threadgroups and simdgroups of one kernel that fit on one core of ``gpu`` at once (a
+    model, not a measurement).
+
+    threadgroup_bytes: static threadgroup memory of one threadgroup; registers: estimated live
+    32-bit registers per thread (``_ext.tile_shape(...)["registers"]``). A core holds as many
+    threadgroups as its threadgroup memory, its thread limit and its register file all allow.
+    Returns {"threadgroups": n, "simdgroups": n * simdgroups per threadgroup, "limit": "memory" |
+    "threads" | "registers" (the binding one)}.
+    """
+    threads = max(threads_per_threadgroup, 1)
+    limits = {
+        "memory": (gpu.threadgroup_memory_per_core // threadgroup_bytes if threadgroup_bytes
+                   else gpu.max_threads_per_core),
+        "threads": gpu.max_threads_per_core // threads,
+        "registers": gpu.register_file_per_core // (4 * max(registers, 1) * threads),
+    }
+    limit = min(limits, key=lambda name: limits[name])
+    groups = limits[limit]
+    return {"threadgroups": groups, "simdgroups": groups * -(-threads // 32), "limit": limit}

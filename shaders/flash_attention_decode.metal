@@ -17,6 +17,24 @@ inline ulong jfm_decode_workspace_row(uint b, uint hk, uint split, uint r, const
          ulong(p.head_dim + 2);
 }
 
+// The keys [lo, hi] of split `split` of `splits`: the rows' visible union [union_lo, union_hi]
+// (from query positions 0 and q_valid - 1: bounds are monotone in the position; empty unless
+// any_row) is cut into `splits` runs of whole blocks of `block` keys, split s taking run s; a
+// split past the union gets an empty range.
+inline JfmRange32 jfm_decode_chunk(int union_lo, int union_hi, bool any_row, uint split,
+                                   uint splits, int block) {
+  const int block_lo = union_lo / block;
+  const int blocks = any_row ? union_hi / block - block_lo + 1 : 0;
+  const int per_split = (blocks + int(splits) - 1) / int(splits);
+  JfmRange32 chunk;
+  chunk.lo = max(union_lo, (block_lo + int(split) * per_split) * block);
+  chunk.hi = min(union_hi, (block_lo + (int(split) + 1) * per_split) * block - 1);
+  if (!any_row) {
+    chunk.hi = chunk.lo - 1;
+  }
+  return chunk;
+}
+
 #define JFM_DECODE_PARTIAL_SIGNATURE(T)                                   \
   (device const T* q [[buffer(JFM_BUFFER_Q)]],                            \
    device const T* k [[buffer(JFM_BUFFER_K)]],                            \
@@ -33,10 +51,9 @@ inline ulong jfm_decode_workspace_row(uint b, uint hk, uint split, uint r, const
 
 #define JFM_DECODE_THREADS(T, D) jfm_tile_threads(JFM_KERNEL_DECODE_PARTIAL, int(sizeof(T)), D)
 
-// One threadgroup per (split, kv head, batch). The rows' visible union [U_lo, U_hi] (from query
-// positions 0 and q_valid - 1: bounds are monotone in the position) is cut into `splits` runs
-// of whole key blocks, split s taking run s; a split past the union writes empty rows (m the
-// sentinel, l = 0, O = 0), so every workspace row pass 2 reads is written. Score features run
+// One threadgroup per (split, kv head, batch), over its chunk of keys (jfm_decode_chunk, blocks
+// of BK keys); a split past the union writes empty rows (m the sentinel, l = 0, O = 0), so every
+// workspace row pass 2 reads is written. Score features run
 // the loop's FEATURES variant (as the forward), the rows' segment ids staged by position.
 template <typename T, int D>
 [[max_total_threads_per_threadgroup(JFM_DECODE_THREADS(T, D))]] kernel void
@@ -71,12 +88,10 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
   const JfmRange32 last_keys =
       jfm_range32(jfm_keys_of_query(params, q_valid - 1, q_valid, kv_valid), kv_valid);
   const bool any_row = q_valid > 0 && first_keys.lo <= last_keys.hi;
-  // This split's run of key blocks within the union's blocks [block_lo, block_hi].
-  const int block_lo = first_keys.lo / BK;
-  const int blocks = any_row ? last_keys.hi / BK - block_lo + 1 : 0;
-  const int per_split = (blocks + int(params.splits) - 1) / int(params.splits);
-  const int chunk_lo = max(first_keys.lo, (block_lo + int(split) * per_split) * BK);
-  const int chunk_hi = min(last_keys.hi, (block_lo + (int(split) + 1) * per_split) * BK - 1);
+  const JfmRange32 chunk =
+      jfm_decode_chunk(first_keys.lo, last_keys.hi, any_row, split, params.splits, BK);
+  const int chunk_lo = chunk.lo;
+  const int chunk_hi = chunk.hi;
 
   // This lane's row (g, i); rows past `rows` are padding: zero Q, no keys, never stored.
   const JfmFragCoord at = jfm_frag_coord(lane);
@@ -140,6 +155,199 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
     if (at.col == 0) {
       w_row[D] = m;
       w_row[D + 1] = row_l;
+    }
+  }
+}
+
+#define JFM_DECODE_VECTOR_SIGNATURE(T)                                    \
+  (device const T* q [[buffer(JFM_BUFFER_Q)]],                            \
+   device const T* k [[buffer(JFM_BUFFER_K)]],                            \
+   device const T* v [[buffer(JFM_BUFFER_V)]],                            \
+   device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],          \
+   device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],        \
+   device float* workspace [[buffer(JFM_BUFFER_WORKSPACE)]],              \
+   JFM_FEATURE_BUFFER_ARGS,                                               \
+   constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
+   uint3 group [[threadgroup_position_in_grid]],                          \
+   uint lane [[thread_index_in_simdgroup]])
+
+// Pass 1 without MMA, for G * q_len <= R = jfm_decode_vector_rows(D) rows (a grouped-query
+// decode of one token has one row, which a 32-row MMA tile would pad 32-fold). One simdgroup
+// per (split, kv head, batch) walks its chunk (jfm_decode_chunk, blocks of 32 keys) reading K and
+// V straight from device memory, each key once: lane t holds elements t, t + 32, ... of every
+// row's q and O. Per block of 32 keys: each key's q.k for every row by fma and simd_sum, kept by
+// the lane whose key it is; then, lane-parallel, the score and visibility of the lane's key
+// (the band, and the score features through jfm_element as every kernel forms them), one online
+// softmax update per row and block (simd_max, exp, simd_sum), O rescaled once per block, and
+// O += p V key by key (p broadcast by simd_shuffle). A visible non-finite V element makes its O
+// element NaN, as the other kernels poison it. Writes the same workspace rows as the MMA pass 1,
+// which pass 2 combines. No threadgroup memory.
+template <typename T, int D>
+[[max_total_threads_per_threadgroup(JFM_SIMD_WIDTH)]] kernel void
+flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
+  constexpr int R = jfm_decode_vector_rows(D);
+  constexpr int DL = (D + JFM_SIMD_WIDTH - 1) / JFM_SIMD_WIDTH;  // elements per lane
+  constexpr bool FULL_LANES = D % JFM_SIMD_WIDTH == 0;
+  const JfmTile tile = jfm_tile_of(params, group);
+  const uint split = tile.block;
+  const uint hk = tile.head;
+  const uint b = tile.batch;
+  const uint G = params.num_heads / params.num_kv_heads;
+  const int rows = int(G * params.q_len);  // <= R (the host's decode rule)
+  const long q_valid = jfm_valid_len(params.has_q_lengths, q_lengths, b, params.q_len);
+  const long kv_valid = jfm_valid_len(params.has_kv_lengths, kv_lengths, b, params.kv_len);
+  const JfmRange32 first_keys = jfm_range32(jfm_keys_of_query(params, 0, q_valid, kv_valid),
+                                            kv_valid);
+  const JfmRange32 last_keys =
+      jfm_range32(jfm_keys_of_query(params, q_valid - 1, q_valid, kv_valid), kv_valid);
+  const JfmRange32 chunk =
+      jfm_decode_chunk(first_keys.lo, last_keys.hi, q_valid > 0 && first_keys.lo <= last_keys.hi,
+                       split, params.splits, JFM_SIMD_WIDTH);
+  const bool features = jfm_has_score_features(params);  // uniform
+  const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
+  const uint kv_stride = params.num_kv_heads * uint(D);
+  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
+  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
+
+  // Row r is query position r % q_len of head hk * G + r / q_len; rows past `rows` and
+  // positions past q_valid see no key (empty intervals) and are never computed.
+  float qr[R][DL];
+  float o[R][DL];
+  float m[R];
+  float l[R];
+  JfmRange32 keys[R];
+  JFM_PRAGMA_UNROLL
+  for (int r = 0; r < R; ++r) {
+    const int i = r < rows ? r % int(params.q_len) : int(q_valid);
+    keys[r] = jfm_range32(jfm_keys_of_query(params, i, q_valid, kv_valid), kv_valid);
+    m[r] = JFM_MAX_SENTINEL;
+    l[r] = 0.0f;
+    device const T* q_row =
+        q + jfm_row_offset(b, min(i, int(params.q_len) - 1), hk * G + uint(min(r, rows - 1)) /
+                                                                 params.q_len,
+                           params.q_len, params.num_heads, D);
+    JFM_PRAGMA_UNROLL
+    for (int n = 0; n < DL; ++n) {
+      const int d = int(lane) + n * JFM_SIMD_WIDTH;
+      qr[r][n] = keys[r].lo <= keys[r].hi && (FULL_LANES || d < D) ? jfm_to_float(q_row[d])
+                                                                   : 0.0f;
+      o[r][n] = 0.0f;
+    }
+  }
+
+  for (int j0 = chunk.lo; j0 <= chunk.hi; j0 += JFM_SIMD_WIDTH) {  // uniform
+    const int j_end = min(j0 + JFM_SIMD_WIDTH - 1, chunk.hi);    // last key of the block
+    const int j = j0 + int(lane);                                 // this lane's key
+    // sc[r]: the q.k of row r and this lane's key, then its weight p (-1: not visible).
+    float sc[R];
+    JFM_PRAGMA_UNROLL
+    for (int r = 0; r < R; ++r) {
+      sc[r] = 0.0f;
+    }
+    for (int c = 0; c <= j_end - j0; ++c) {
+      device const T* k_row = k_head + ulong(j0 + c) * kv_stride;
+      float kd[DL];
+      JFM_PRAGMA_UNROLL
+      for (int n = 0; n < DL; ++n) {
+        const int d = int(lane) + n * JFM_SIMD_WIDTH;
+        kd[n] = FULL_LANES || d < D ? jfm_to_float(k_row[d]) : 0.0f;
+      }
+      JFM_PRAGMA_UNROLL
+      for (int r = 0; r < R; ++r) {
+        if (keys[r].lo <= j_end && keys[r].hi >= j0) {  // uniform: the row sees the block
+          float part = 0.0f;
+          JFM_PRAGMA_UNROLL
+          for (int n = 0; n < DL; ++n) {
+            part = fma(qr[r][n], kd[n], part);
+          }
+          const float qk = simd_sum(part);
+          sc[r] = int(lane) == c ? qk : sc[r];
+        }
+      }
+    }
+    const int kv_segment = features && params.has_segment_ids != 0 && j <= j_end
+                               ? in.kv_segment_ids[ulong(b) * params.kv_len + ulong(j)]
+                               : 0;
+    JFM_PRAGMA_UNROLL
+    for (int r = 0; r < R; ++r) {
+      if (keys[r].lo <= j_end && keys[r].hi >= j0) {  // uniform
+        const bool band = j <= j_end && jfm_visible(keys[r], j);
+        float s;
+        bool seen = band;
+        if (features) {
+          const int i = r % int(params.q_len);
+          const uint h = hk * G + uint(r) / params.q_len;
+          const int segment = params.has_segment_ids != 0 && band
+                                  ? in.q_segment_ids[ulong(b) * params.q_len + ulong(i)]
+                                  : 0;
+          seen = jfm_element<T>(params, true, in,
+                                jfm_feature_at(params, jfm_feature_row(params, b, h, i), j),
+                                segment, kv_segment, band, sc[r], s);
+        } else {
+          s = jfm_finite_or_nan(sc[r] * params.scale);
+        }
+        const float m_new = max(m[r], simd_max(seen ? s : JFM_MASKED_SCORE));
+        const float alpha = jfm_exp(m[r], m_new);
+        const float p = seen ? jfm_exp(s, m_new) : 0.0f;
+        l[r] = l[r] * alpha + simd_sum(p);
+        m[r] = m_new;
+        JFM_PRAGMA_UNROLL
+        for (int n = 0; n < DL; ++n) {
+          o[r][n] *= alpha;
+        }
+        sc[r] = seen ? p : -1.0f;
+      } else {
+        sc[r] = -1.0f;
+      }
+    }
+    for (int c = 0; c <= j_end - j0; ++c) {
+      float w[R];  // the weights of key j0 + c, -1 where a row does not see it
+      bool any_seen = false;
+      JFM_PRAGMA_UNROLL
+      for (int r = 0; r < R; ++r) {
+        w[r] = keys[r].lo <= j_end && keys[r].hi >= j0 ? simd_shuffle(sc[r], ushort(c)) : -1.0f;
+        any_seen = any_seen || !(w[r] < 0.0f);  // a NaN weight is seen (poisons the row)
+      }
+      if (!any_seen) {
+        continue;  // uniform
+      }
+      device const T* v_row = v_head + ulong(j0 + c) * kv_stride;
+      float vd[DL];
+      JFM_PRAGMA_UNROLL
+      for (int n = 0; n < DL; ++n) {
+        const int d = int(lane) + n * JFM_SIMD_WIDTH;
+        vd[n] = FULL_LANES || d < D ? jfm_to_float(v_row[d]) : 0.0f;
+      }
+      JFM_PRAGMA_UNROLL
+      for (int r = 0; r < R; ++r) {
+        if (!(w[r] < 0.0f)) {  // uniform
+          JFM_PRAGMA_UNROLL
+          for (int n = 0; n < DL; ++n) {
+            o[r][n] = jfm_is_finite(vd[n]) ? fma(w[r], vd[n], o[r][n])
+                                           : as_type<float>(0x7fc00000u);
+          }
+        }
+      }
+    }
+  }
+
+  JFM_PRAGMA_UNROLL
+  for (int r = 0; r < R; ++r) {
+    if (r < rows) {
+      device float* w_row = workspace + jfm_decode_workspace_row(b, hk, split, uint(r), params);
+      // A row with no key in the chunk has l = 0 and O = 0.
+      const float inv_l = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
+      JFM_PRAGMA_UNROLL
+      for (int n = 0; n < DL; ++n) {
+        const int d = int(lane) + n * JFM_SIMD_WIDTH;
+        if (FULL_LANES || d < D) {
+          w_row[d] = o[r][n] * inv_l;
+        }
+      }
+      if (lane == 0) {
+        w_row[D] = m[r];
+        w_row[D + 1] = l[r];
+      }
     }
   }
 }
@@ -237,6 +445,8 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
       template [[host_name(JFM_HOST_NAME(flash_attention_decode_partial, SUFFIX, D))]]       \
       kernel void flash_attention_decode_partial<T, D> JFM_DECODE_PARTIAL_SIGNATURE(T);      \
       template [[host_name(JFM_HOST_NAME(flash_attention_decode_combine, SUFFIX, D))]]       \
-      kernel void flash_attention_decode_combine<T, D> JFM_DECODE_COMBINE_SIGNATURE(T);)
+      kernel void flash_attention_decode_combine<T, D> JFM_DECODE_COMBINE_SIGNATURE(T);      \
+      template [[host_name(JFM_HOST_NAME(flash_attention_decode_vector, SUFFIX, D))]]        \
+      kernel void flash_attention_decode_vector<T, D> JFM_DECODE_VECTOR_SIGNATURE(T);)
 
 JFM_FAMILIES(JFM_INSTANTIATE_DECODE)

@@ -25,6 +25,7 @@ namespace jfm {
 #define JFM_KERNEL_BWD_DV 4
 #define JFM_KERNEL_DECODE_PARTIAL 5  // decode pass 1 (stage decode_partial)
 #define JFM_KERNEL_DECODE_COMBINE 6  // decode pass 2 (stage decode_combine)
+#define JFM_KERNEL_DECODE_VECTOR 7   // decode pass 1 without MMA (stage decode_vector)
 
 #define JFM_SIMD_WIDTH 32
 
@@ -82,35 +83,85 @@ constexpr long jfm_decode_clamp(long x, long lo, long hi) {
   return x < lo ? lo : (x > hi ? (hi < lo ? lo : hi) : x);
 }
 
-constexpr int jfm_decode_splits(long batch_kv_heads, long kv_len, int gpu_cores) {
-  return int(jfm_decode_clamp((JFM_DECODE_GROUPS_PER_CORE * long(gpu_cores) + batch_kv_heads - 1) /
-                                  (batch_kv_heads > 0 ? batch_kv_heads : 1),
-                              1,
-                              (kv_len + JFM_DECODE_MIN_SPLIT_KEYS - 1) / JFM_DECODE_MIN_SPLIT_KEYS));
+// The vector pass 1 (docs/kernels.md#decode-split-kv): one simdgroup per (split, kv head, batch),
+// no MMA and no threadgroup memory; it takes the call when G * q_len <= jfm_decode_vector_rows,
+// the rows whose q and O each lane holds D/32 of in registers (8 up to D 128, 4 above, within
+// the 128-register budget of jfm_tile_registers). Its threadgroups are single simdgroups, so it
+// aims at more of them per core (24 simdgroups saturate a core's ALUs) with shorter splits.
+constexpr int jfm_decode_vector_rows(int head_dim) { return head_dim <= 128 ? 8 : 4; }
+#define JFM_DECODE_VECTOR_GROUPS_PER_CORE 16
+#define JFM_DECODE_VECTOR_MIN_SPLIT_KEYS 128
+
+constexpr int jfm_decode_splits(long batch_kv_heads, long kv_len, int gpu_cores, bool vector) {
+  return int(jfm_decode_clamp(
+      ((vector ? JFM_DECODE_VECTOR_GROUPS_PER_CORE : JFM_DECODE_GROUPS_PER_CORE) *
+           long(gpu_cores) + batch_kv_heads - 1) / (batch_kv_heads > 0 ? batch_kv_heads : 1),
+      1,
+      (kv_len + (vector ? JFM_DECODE_VECTOR_MIN_SPLIT_KEYS : JFM_DECODE_MIN_SPLIT_KEYS) - 1) /
+          (vector ? JFM_DECODE_VECTOR_MIN_SPLIT_KEYS : JFM_DECODE_MIN_SPLIT_KEYS)));
 }
 
 constexpr bool jfm_is_fwd_tile(int family) {
   return family == JFM_KERNEL_FWD || family == JFM_KERNEL_DECODE_PARTIAL;
 }
+constexpr bool jfm_is_one_simdgroup(int family) {
+  return family == JFM_KERNEL_DECODE_COMBINE || family == JFM_KERNEL_DECODE_VECTOR;
+}
 constexpr int jfm_tile_simdgroups(int family, int element_bytes, int head_dim) {
-  return jfm_is_fwd_tile(family)              ? jfm_fwd_block_q(element_bytes, head_dim) / 8
-         : family == JFM_KERNEL_DECODE_COMBINE ? 1
-                                               : jfm_bwd_simdgroups(element_bytes, head_dim);
+  return jfm_is_fwd_tile(family)        ? jfm_fwd_block_q(element_bytes, head_dim) / 8
+         : jfm_is_one_simdgroup(family) ? 1
+                                        : jfm_bwd_simdgroups(element_bytes, head_dim);
 }
-// Rows per threadgroup (pass 2: one query row).
+// Rows per threadgroup (pass 2: one query row; the vector pass 1: at most its rows).
 constexpr int jfm_tile_rows(int family, int element_bytes, int head_dim) {
-  return family == JFM_KERNEL_DECODE_COMBINE
-             ? 1
-             : 8 * jfm_tile_simdgroups(family, element_bytes, head_dim);
+  return family == JFM_KERNEL_DECODE_COMBINE  ? 1
+         : family == JFM_KERNEL_DECODE_VECTOR ? jfm_decode_vector_rows(head_dim)
+                                              : 8 * jfm_tile_simdgroups(family, element_bytes,
+                                                                        head_dim);
 }
-// Block size of the traversed dimension (pass 2: the splits, one at a time).
+// Block size of the traversed dimension (pass 2: the splits, one at a time; the vector pass 1:
+// one key per lane).
 constexpr int jfm_tile_cols(int family, int element_bytes, int head_dim) {
-  return jfm_is_fwd_tile(family)              ? jfm_fwd_block_k(element_bytes, head_dim)
+  return jfm_is_fwd_tile(family)               ? jfm_fwd_block_k(element_bytes, head_dim)
          : family == JFM_KERNEL_DECODE_COMBINE ? 1
+         : family == JFM_KERNEL_DECODE_VECTOR  ? JFM_SIMD_WIDTH
                                                : jfm_bwd_block(element_bytes, head_dim);
 }
 constexpr int jfm_tile_threads(int family, int element_bytes, int head_dim) {
   return jfm_tile_simdgroups(family, element_bytes, head_dim) * JFM_SIMD_WIDTH;
+}
+
+// Estimated live 32-bit registers per thread (docs/kernels.md#registers): the fragment arrays
+// and per-lane arrays each kernel keeps across its key (query) block loop, 2 per 8x8 float
+// fragment and 1 per float, plus JFM_REGISTER_SCALARS for the running statistics, indices and
+// pointers. Above JFM_REGISTER_BUDGET a kernel risks spilling to stack memory (Apple GPUs keep
+// full ALU use down to 24 simdgroups per core, i.e. about 128 registers of a ~208 KB register
+// file); no family may exceed it (tests/test_profile.py).
+#define JFM_REGISTER_SCALARS 16
+#define JFM_REGISTER_BUDGET 128
+constexpr int jfm_tile_registers(int family, int element_bytes, int head_dim) {
+  // fragments along the head dim, along the traversed block; floats of a row per lane
+  const int df = head_dim / 8;
+  const int bf = jfm_tile_cols(family, element_bytes, head_dim) / 8;
+  const int dl = (head_dim + JFM_SIMD_WIDTH - 1) / JFM_SIMD_WIDTH;
+  return JFM_REGISTER_SCALARS +
+         (jfm_is_fwd_tile(family)
+              // O accumulator, S/P block, Q (held, or one reloaded fragment), one K/V operand
+              ? 2 * (df + bf + (jfm_fwd_q_in_registers(element_bytes, head_dim) ? df : 1) + 1)
+          : family == JFM_KERNEL_BWD_DQ
+              // dQ accumulator, S and dP blocks, two operands
+              ? 2 * (df + 2 * bf + 2)
+          : family == JFM_KERNEL_BWD_DKDV
+              // dK and dV accumulators, S^T and dP^T blocks, two operands
+              ? 2 * (2 * df + 2 * bf + 2)
+          : family == JFM_KERNEL_BWD_DK || family == JFM_KERNEL_BWD_DV
+              ? 2 * (df + 2 * bf + 2)
+          : family == JFM_KERNEL_DECODE_COMBINE
+              // the row's weighted sum
+              ? dl
+              // per row: q and O (dl each), the score / weight of the lane's key, m, l and the
+              // row's visible interval; the K or V values of one key
+              : jfm_decode_vector_rows(head_dim) * (2 * dl + 5) + dl);
 }
 
 #ifndef __METAL_VERSION__

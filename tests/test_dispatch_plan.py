@@ -39,7 +39,9 @@ def _check_plan(direction, batch, q_len, kv_len, heads, kv_heads, head_dim, budg
         stages = [(s, q_len, heads) if n == 0 else (s, kv_len, kv_heads)
                   for n, s in enumerate(ext.bwd_stages(head_dim))]
     elif splits:
-        stages = [("decode_partial", splits, kv_heads),
+        vector = heads // kv_heads * q_len <= ext.tile_shape("decode_vector", "f32",
+                                                             head_dim)["rows"]
+        stages = [("decode_vector" if vector else "decode_partial", splits, kv_heads),
                   ("decode_combine", heads // kv_heads * q_len, kv_heads)]
     else:
         stages = [("fwd", q_len, heads)]

@@ -9,13 +9,13 @@ import math
 import numpy as np
 import pytest
 
-from kernel_harness import needs_counting
+from kernel_harness import HEAD_DIMS, needs_counting
 from jax_flash_metal import profile, roofline
 from jax_flash_metal import _ext as ext
 from jax_flash_metal._ext import emulator
 
 ZERO = dict(threadgroup_bytes_read=0, threadgroup_bytes_written=0, mma_ops=0, simd_ops=0,
-            barriers=0, fma_ops=0, threadgroup_memory_bytes=0)
+            barriers=0, fma_ops=0, math_ops=0, threadgroup_memory_bytes=0)
 
 
 def counts(kernel, buffers, groups, group_size, **kw):
@@ -70,7 +70,7 @@ def test_strided_read():
                (3, 1, 1), (32, 1, 1))
     assert_counts(r, threadgroups=3, threads_per_threadgroup=32,
                   device_bytes_read=threads * count * 4, device_bytes_written=threads * 4,
-                  **{**ZERO, "fma_ops": threads * count})
+                  **{**ZERO, "fma_ops": threads * count, "math_ops": threads * (count + 1)})
 
 
 @needs_counting
@@ -349,8 +349,8 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
     keys = ["kernel", "dtype", "head_dim", "batch", "q_len", "kv_len", "heads", "kv_heads",
             "causal", "threadgroups", "threads_per_threadgroup", "threadgroup_memory_bytes",
             "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
-            "threadgroup_bytes_written", "mma_ops", "simd_ops", "barriers", "useful_flops",
-            "model"]
+            "threadgroup_bytes_written", "mma_ops", "simd_ops", "barriers", "fma_ops",
+            "math_ops", "useful_flops", "registers", "model", "occupancy"]
     for r in records:
         assert list(r) == keys
         assert (r["dtype"], r["head_dim"], r["q_len"], r["kv_len"], r["causal"]) == (
@@ -360,6 +360,13 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
             assert set(m) == {"bound", "seconds", "percent_of_peak"}
             assert m["bound"] in ("compute", "device", "threadgroup")
             assert m["seconds"] > 0 and 0 <= m["percent_of_peak"] <= 100
+        assert set(r["occupancy"]) == set(roofline.GPUS)
+        for name, o in r["occupancy"].items():
+            assert o == roofline.occupancy(
+                roofline.GPUS[name], threadgroup_bytes=r["threadgroup_memory_bytes"],
+                threads_per_threadgroup=r["threads_per_threadgroup"], registers=r["registers"])
+        stage = profile.KERNEL_NAME.match(r["kernel"]).group("stage")
+        assert r["registers"] == ext.tile_shape(stage, "f32", 16)["registers"]
     # Bottom-right causal with kv_len - q_len = 16: query i sees keys 0..i + 16.
     pairs = sum(i + 17 for i in range(20))
     assert records[0]["useful_flops"] == 4 * 16 * pairs * 2
@@ -436,6 +443,45 @@ def test_model_bounds():
                               threadgroup_bytes=64 * 8 * 1.278e9, threadgroups=64)
     assert t["bound"] == "threadgroup" and t["seconds"] == pytest.approx(1.0)
     assert math.isclose(t["percent_of_peak"], 0.0)
+
+
+def test_occupancy_model():
+    gpu = roofline.GPUS["M1"]  # 52 KiB threadgroup memory, 208 KiB registers, 3072 threads
+    # 25.5 KiB and 128 threads at 52 registers: threadgroup memory binds at 2 groups.
+    assert roofline.occupancy(gpu, threadgroup_bytes=26112, threads_per_threadgroup=128,
+                              registers=52) == dict(threadgroups=2, simdgroups=8, limit="memory")
+    # 8.5 KiB: registers bind (208 KiB / (86 * 4 B * 128 threads) = 4.8).
+    assert roofline.occupancy(gpu, threadgroup_bytes=8704, threads_per_threadgroup=128,
+                              registers=86) == dict(threadgroups=4, simdgroups=16,
+                                                    limit="registers")
+    # No threadgroup memory, one simdgroup: registers again (208 KiB / (124 * 4 * 32) = 13.4).
+    assert roofline.occupancy(gpu, threadgroup_bytes=0, threads_per_threadgroup=32,
+                              registers=124) == dict(threadgroups=13, simdgroups=13,
+                                                     limit="registers")
+    assert roofline.occupancy(gpu, threadgroup_bytes=0, threads_per_threadgroup=1024,
+                              registers=8) == dict(threadgroups=3, simdgroups=96,
+                                                   limit="threads")
+
+
+STAGES = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_dk", "bwd_dv", "decode_partial", "decode_combine",
+          "decode_vector")  # every stage of the tile table
+
+
+def test_no_family_register_estimate_exceeds_the_budget():
+    """jfm_tile_registers (docs/kernels.md#registers) of every stage a call dispatches, for
+    every dtype and head dim the kernels are built for, stays within 128 32-bit registers
+    (spill risk above; two D-wide dK and dV accumulators would not, hence the split pair)."""
+    estimates = {(stage, dtype, d): ext.tile_shape(stage, dtype, d)["registers"]
+                 for dtype in ("f32", "f16", "bf16") for d in HEAD_DIMS
+                 for stage in STAGES if not stage.startswith("bwd_")
+                 or stage in ext.bwd_stages(d)}
+    assert max(estimates.values()) <= roofline.REGISTER_BUDGET, max(estimates.items(),
+                                                                     key=lambda x: x[1])
+    # The closed forms of two families: the forward at f16 D 128 (O 16 fragments, S 4, one
+    # reloaded Q and one K/V fragment) and the vector decode at D 128 (8 rows of q and O, 4
+    # floats each, and 5 per-row values; one key's 4 values).
+    assert estimates[("fwd", "f16", 128)] == 16 + 2 * (16 + 4 + 1 + 1)
+    assert estimates[("decode_vector", "f16", 128)] == 16 + 8 * (2 * 4 + 5) + 4
 
 
 @needs_counting

@@ -58,6 +58,7 @@ nb::dict profile_to_dict(const emu::Profile& p) {
   d["simd_ops"] = p.simd_ops;
   d["barriers"] = p.barriers;
   d["fma_ops"] = p.fma_ops;
+  d["math_ops"] = p.math_ops;
   nb::dict buffers;
   for (size_t b = 0; b < p.buffer_bound.size(); ++b) {
     if (!p.buffer_bound[b]) continue;
@@ -122,7 +123,7 @@ void bind_emulator(nb::module_& m) {
         "profile: run the counting variant and return its exact counts as a dict\n"
         "(threadgroups, threads_per_threadgroup, threadgroup_memory_bytes, device_bytes_read,\n"
         "device_bytes_written, threadgroup_bytes_read, threadgroup_bytes_written, mma_ops,\n"
-        "simd_ops, barriers, fma_ops, buffers: {index: {read, written, constant}}; bytes; see\n"
+        "simd_ops, barriers, fma_ops, math_ops, buffers: {index: {read, written, constant}}; bytes; see\n"
         "ffi/emulator/README.md); returns None otherwise.\n"
         "Raises RuntimeError with the emulator's message (unknown kernel, bad launch size,\n"
         "missing buffer, barrier divergence, ...), ValueError/TypeError for bad arguments.");

@@ -39,6 +39,7 @@ struct Profile {
   uint64_t simd_ops = 0;  // other simd collectives and simdgroup_barrier, per simdgroup
   uint64_t barriers = 0;  // threadgroup_barrier, once per threadgroup that meets at it
   uint64_t fma_ops = 0;   // scalar fma() calls, per thread (vector fma: per component)
+  uint64_t math_ops = 0;  // other scalar math-function calls (exp2, max, ...), per thread
 };
 
 struct Launch {

@@ -97,7 +97,8 @@ struct Counts {
   uint64_t read[kMaxBuffers] = {};  // by [[buffer(n)]] index
   uint64_t written[kMaxBuffers] = {};
   uint64_t threadgroup_read = 0, threadgroup_written = 0;
-  uint64_t mma_ops = 0, simd_ops = 0, barriers = 0, threadgroup_memory = 0, fma_ops = 0;
+  uint64_t mma_ops = 0, simd_ops = 0, barriers = 0, threadgroup_memory = 0, fma_ops = 0,
+           math_ops = 0;
 
   void add(const Counts& o) {
     for (int b = 0; b < kMaxBuffers; ++b) {
@@ -110,6 +111,7 @@ struct Counts {
     simd_ops += o.simd_ops;
     barriers += o.barriers;
     fma_ops += o.fma_ops;
+    math_ops += o.math_ops;
     threadgroup_memory = std::max(threadgroup_memory, o.threadgroup_memory);
   }
 };
@@ -591,6 +593,10 @@ void count_fma() {
   if (t_tally) ++t_tally->counts.fma_ops;
 }
 
+void count_math() {
+  if (t_tally) ++t_tally->counts.math_ops;
+}
+
 uint32_t current_lane() { return current_fiber()->ctx.thread_index_in_simdgroup; }
 
 void fail(const char* message) {
@@ -700,6 +706,7 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
     p->simd_ops = c.simd_ops;
     p->barriers = c.barriers;
     p->fma_ops = c.fma_ops;
+    p->math_ops = c.math_ops;
   }
   return job.error;
 }

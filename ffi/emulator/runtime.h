@@ -58,8 +58,10 @@ void* threadgroup_alloc(const void* site, size_t size, size_t align, const char*
 // Whether fast:: math functions return garbage for an Inf or NaN argument (fast math promises
 // nothing there): true unless $JFM_EMULATOR_FAST_MATH is "precise" (read once).
 bool fast_math_garbage();
-// Counting variant only: one scalar fma executed by the calling GPU thread.
+// Counting variant only: one scalar fma, or one other scalar math-function call
+// (metal_shim.h), executed by the calling GPU thread.
 void count_fma();
+void count_math();
 // Lane id of the calling GPU thread (simdgroup_matrix diagonal constructor).
 uint32_t current_lane();
 // Ends the calling GPU thread's group with an error (e.g. a non-uniform simdgroup_load).

@@ -22,8 +22,9 @@ struct StridedParams {
   uint count;
 };
 
-// out[i] = sum over c < count of src[i + c * stride] * src[i + c * stride], with fma: count
-// 4-byte reads, count fmas and one 4-byte write per thread.
+// out[i] = sqrt of the sum over c < count of src[i + c * stride]^2, with fma and max: count
+// 4-byte reads, count fmas, count + 1 other math calls (max, fast::sqrt) and one 4-byte write
+// per thread.
 kernel void profile_strided(device const float* src [[buffer(0)]],
                             device float* out [[buffer(1)]],
                             constant StridedParams& p [[buffer(2)]],
@@ -31,9 +32,9 @@ kernel void profile_strided(device const float* src [[buffer(0)]],
   float acc = 0.0f;
   for (uint c = 0; c < p.count; ++c) {
     const float x = src[i + c * p.stride];
-    acc = fma(x, x, acc);
+    acc = max(fma(x, x, acc), 0.0f);
   }
-  out[i] = acc;
+  out[i] = fast::sqrt(acc);
 }
 
 // C (M x N, float) = A (M x K) * B (K x N), half inputs, row-major. A threadgroup of 4 simdgroups

@@ -455,9 +455,25 @@ inline To as_type(const From& f) {
 }
 
 // ---- math -------------------------------------------------------------------------------------
-#define JFM_UNARY(NAME, EXPR)                                        \
-  inline float NAME(float x) { return EXPR; }                        \
+// The counting variant counts every scalar fma (the kernels' scalar dot products and axpys:
+// the profile's "executed matmul FLOPs" next to simdgroup_matrix operations) and every other
+// scalar call of the float math functions below (exp, exp2, log, tanh, ..., max, min, fmax,
+// fmin, clamp as max and min; their fast:: and precise:: forms once), per thread. Operators
+// (+ - * /, comparisons) and conversions are not calls and are not counted.
+#ifdef JFM_COUNTING
+#define JFM_COUNT_FMA() ::jfm::rt::count_fma()
+#define JFM_COUNT_MATH() ::jfm::rt::count_math()
+#else
+#define JFM_COUNT_FMA() ((void)0)
+#define JFM_COUNT_MATH() ((void)0)
+#endif
+#define JFM_UNARY_COUNTED(NAME, EXPR, COUNT)                         \
+  inline float NAME(float x) {                                       \
+    COUNT;                                                           \
+    return EXPR;                                                     \
+  }                                                                  \
   inline half NAME(half h) {                                         \
+    COUNT;                                                           \
     float x = float(h);                                              \
     return half(EXPR);                                               \
   }                                                                  \
@@ -467,6 +483,7 @@ inline To as_type(const From& f) {
     for (int i = 0; i < N; ++i) r[i] = NAME(v[i]);                   \
     return r;                                                        \
   }
+#define JFM_UNARY(NAME, EXPR) JFM_UNARY_COUNTED(NAME, EXPR, JFM_COUNT_MATH())
 JFM_UNARY(exp, __builtin_expf(x))
 JFM_UNARY(exp2, __builtin_exp2f(x))
 JFM_UNARY(exp10, __builtin_powf(10.0f, x))
@@ -491,16 +508,22 @@ JFM_UNARY(saturate, __builtin_fminf(__builtin_fmaxf(x, 0.0f), 1.0f))
 JFM_UNARY(sign, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x == x ? x : 0.0f)))
 
 #define JFM_BINARY(NAME, EXPR)                                                   \
-  inline float NAME(float x, float y) { return EXPR; }                           \
+  inline float NAME(float x, float y) {                                          \
+    JFM_COUNT_MATH();                                                            \
+    return EXPR;                                                                 \
+  }                                                                              \
   inline half NAME(half hx, half hy) {                                           \
+    JFM_COUNT_MATH();                                                            \
     float x = float(hx), y = float(hy);                                          \
     return half(EXPR);                                                           \
   }                                                                              \
   inline float NAME(half hx, float y) {                                          \
+    JFM_COUNT_MATH();                                                            \
     float x = float(hx);                                                         \
     return EXPR;                                                                 \
   }                                                                              \
   inline float NAME(float x, half hy) {                                          \
+    JFM_COUNT_MATH();                                                            \
     float y = float(hy);                                                         \
     return EXPR;                                                                 \
   }                                                                              \
@@ -557,13 +580,6 @@ template <class T, int N, class L>
 inline vec<T, N> clamp(const vec<T, N>& x, const L& lo, const L& hi) {
   return min(max(x, lo), hi);
 }
-// The counting variant counts every scalar fma (the kernels' scalar dot products and axpys):
-// the profile's "executed matmul FLOPs" next to simdgroup_matrix operations.
-#ifdef JFM_COUNTING
-#define JFM_COUNT_FMA() ::jfm::rt::count_fma()
-#else
-#define JFM_COUNT_FMA() ((void)0)
-#endif
 inline float fma(float a, float b, float c) {
   JFM_COUNT_FMA();
   return __builtin_fmaf(a, b, c);
@@ -673,8 +689,8 @@ JFM_MATH_NAMES
 inline bool garbage_for(float x) {
   return !__builtin_isfinite(x) && ::jfm::rt::fast_math_garbage();
 }
-#define JFM_FAST_UNARY(NAME) \
-  JFM_UNARY(NAME, garbage_for(x) ? JFM_FAST_MATH_GARBAGE : metal::NAME(x))
+#define JFM_FAST_UNARY(NAME)                                                            \
+  JFM_UNARY_COUNTED(NAME, garbage_for(x) ? JFM_FAST_MATH_GARBAGE : metal::NAME(x), (void)0)
 JFM_FAST_UNARY(exp)
 JFM_FAST_UNARY(exp2)
 JFM_FAST_UNARY(exp10)
@@ -689,6 +705,7 @@ JFM_FAST_UNARY(tan)
 JFM_FAST_UNARY(tanh)
 #undef JFM_FAST_UNARY
 #undef JFM_UNARY
+#undef JFM_UNARY_COUNTED
 #define JFM_FAST_BINARY(NAME)                                                      \
   inline float NAME(float x, float y) {                                            \
     return garbage_for(x) || garbage_for(y) ? JFM_FAST_MATH_GARBAGE : metal::NAME(x, y); \
