@@ -13,6 +13,7 @@
 // flash_attention_features.h, as the forward does; a call without them runs the plain code.
 // Loops, tiles and memory: shaders/README.md.
 #include "flash_attention_features.h"
+#include "kernel_traits.h"
 
 #define JFM_BWD_INPUTS(T)                                                 \
   device const T* q [[buffer(JFM_BUFFER_Q)]],                             \
@@ -121,18 +122,18 @@ inline void jfm_zero_dbias_block(device float* dbias_row, int j0, int kv_len, Jf
 template <typename T, int D>
 [[max_total_threads_per_threadgroup(JFM_BWD_THREADS(JFM_KERNEL_BWD_DQ, T, D))]] kernel void
 flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
-  constexpr int EB = int(sizeof(T));
-  constexpr int THREADS = JFM_BWD_THREADS(JFM_KERNEL_BWD_DQ, T, D);
-  constexpr int BQ = jfm_tile_rows(JFM_KERNEL_BWD_DQ, EB, D);
-  constexpr int BK = jfm_tile_cols(JFM_KERNEL_BWD_DQ, EB, D);
-  constexpr bool ONE_KV_BUFFER = jfm_bwd_shared_stream(EB, D);
-  constexpr int LD = jfm_tile_stride<T>(D);
-  constexpr int DF = D / 8;
-  constexpr int KF = BK / 8;
+  typedef JfmBwdTraits<T, D, JFM_KERNEL_BWD_DQ> Traits;
+  constexpr int THREADS = Traits::THREADS;
+  constexpr int BQ = Traits::OWNED;
+  constexpr int BK = Traits::STREAMED;
+  constexpr bool ONE_KV_BUFFER = Traits::ONE_STREAM_BUFFER;
+  constexpr int LD = Traits::LD;
+  constexpr int DF = Traits::DF;
+  constexpr int KF = Traits::SF;
   static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
   // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned.
-  constexpr int ROW_WORDS = LD * EB / 16;
+  constexpr int ROW_WORDS = Traits::ROW_WORDS;
   threadgroup uint4 q_words[BQ * ROW_WORDS];
   threadgroup uint4 do_words[BQ * ROW_WORDS];
   threadgroup uint4 kv_words[(ONE_KV_BUFFER ? 1 : 2) * BK * ROW_WORDS];
@@ -324,23 +325,23 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
 template <typename T, int D, int FAMILY>
 [[max_total_threads_per_threadgroup(JFM_BWD_THREADS(FAMILY, T, D))]] kernel void
 flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
-  constexpr int EB = int(sizeof(T));
+  typedef JfmBwdTraits<T, D, FAMILY> Traits;
   constexpr bool WANT_DK = FAMILY != JFM_KERNEL_BWD_DV;
   constexpr bool WANT_DV = FAMILY != JFM_KERNEL_BWD_DK;
-  constexpr int THREADS = JFM_BWD_THREADS(FAMILY, T, D);
-  constexpr int BKV = jfm_tile_rows(FAMILY, EB, D);
-  constexpr int BQ = jfm_tile_cols(FAMILY, EB, D);
+  constexpr int THREADS = Traits::THREADS;
+  constexpr int BKV = Traits::OWNED;
+  constexpr int BQ = Traits::STREAMED;
   // One streamed buffer: the operand needed first (dO for dK, Q for dV), then the other.
-  constexpr bool ONE_QDO_BUFFER = jfm_bwd_shared_stream(EB, D);
+  constexpr bool ONE_QDO_BUFFER = Traits::ONE_STREAM_BUFFER;
   static_assert(!ONE_QDO_BUFFER || FAMILY != JFM_KERNEL_BWD_DKDV, "one buffer serves one output");
-  constexpr int LD = jfm_tile_stride<T>(D);
-  constexpr int DF = D / 8;
-  constexpr int QF = BQ / 8;
+  constexpr int LD = Traits::LD;
+  constexpr int DF = Traits::DF;
+  constexpr int QF = Traits::SF;
   static_assert(D % 8 == 0 && BKV == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
   // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned; the dV
   // kernel needs no V tile.
-  constexpr int ROW_WORDS = LD * EB / 16;
+  constexpr int ROW_WORDS = Traits::ROW_WORDS;
   threadgroup uint4 k_words[BKV * ROW_WORDS];
   threadgroup uint4 v_words[WANT_DK ? BKV * ROW_WORDS : 1];
   threadgroup uint4 qdo_words[(ONE_QDO_BUFFER ? 1 : 2) * BQ * ROW_WORDS];

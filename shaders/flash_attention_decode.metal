@@ -58,16 +58,19 @@ inline JfmRange32 jfm_decode_chunk(int union_lo, int union_hi, bool any_row, uin
 template <typename T, int D>
 [[max_total_threads_per_threadgroup(JFM_DECODE_THREADS(T, D))]] kernel void
 flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
-  constexpr int EB = int(sizeof(T));
-  constexpr int BQ = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, EB, D);
-  constexpr int BK = jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, EB, D);
-  constexpr int THREADS = JFM_DECODE_THREADS(T, D);
-  constexpr bool ONE_KV_BUFFER = jfm_fwd_kv_one_buffer(EB, D);
-  constexpr int LD = jfm_tile_stride<T>(D);
-  constexpr int DF = D / 8;
-  static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
+  typedef JfmFwdTraits<T, D> Traits;  // pass 1 runs the forward's tiles
+  constexpr int BQ = Traits::BQ;
+  constexpr int BK = Traits::BK;
+  constexpr int THREADS = Traits::THREADS;
+  constexpr bool ONE_KV_BUFFER = Traits::ONE_KV_BUFFER;
+  constexpr int LD = Traits::LD;
+  constexpr int DF = Traits::DF;
+  static_assert(D % 8 == 0 && BQ == jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, D) &&
+                    THREADS == JFM_DECODE_THREADS(T, D) &&
+                    BK == jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, D),
+                "tile shape");
 
-  constexpr int ROW_WORDS = LD * EB / 16;
+  constexpr int ROW_WORDS = Traits::ROW_WORDS;
   threadgroup uint4 q_words[BQ * ROW_WORDS];
   threadgroup uint4 kv_words[(ONE_KV_BUFFER ? 1 : 2) * BK * ROW_WORDS];
   threadgroup int nonfinite_v_block[1];
@@ -132,15 +135,16 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const bool rows_full = q_valid == long(params.q_len);
+    const JfmKeyBlocks<T> blocks = {q_tile + band * LD, kv_tile,   nonfinite_v_block,
+                                    k_head,             v_head,    kv_stride,
+                                    first_keys,         last_keys, rows_full,
+                                    chunk_lo,           chunk_hi,  keys,
+                                    at,                 thread_index};
     if (features) {  // rows [0, q_valid) hold every valid position once
       jfm_lane_segments<T, D>(params, q_tile, r, int(q_valid), f);
-      jfm_attend_key_blocks<T, D, THREADS, true>(
-          q_tile + band * LD, kv_tile, nonfinite_v_block, k_head, v_head, kv_stride, first_keys,
-          last_keys, rows_full, chunk_lo, chunk_hi, keys, params, f, at, thread_index, m, l, acc);
+      jfm_attend_key_blocks<T, D, true>(blocks, params, f, m, l, acc);
     } else {
-      jfm_attend_key_blocks<T, D, THREADS, false>(
-          q_tile + band * LD, kv_tile, nonfinite_v_block, k_head, v_head, kv_stride, first_keys,
-          last_keys, rows_full, chunk_lo, chunk_hi, keys, params, f, at, thread_index, m, l, acc);
+      jfm_attend_key_blocks<T, D, false>(blocks, params, f, m, l, acc);
     }
   }
 

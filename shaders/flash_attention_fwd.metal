@@ -32,17 +32,17 @@
 template <typename T, int D>
 [[max_total_threads_per_threadgroup(JFM_FWD_THREADS(T, D))]] kernel void flash_attention_fwd
     JFM_FWD_SIGNATURE(T) {
-  constexpr int EB = int(sizeof(T));
-  constexpr int BQ = jfm_fwd_block_q(EB, D);
-  constexpr int BK = jfm_fwd_block_k(EB, D);
-  constexpr int THREADS = JFM_FWD_THREADS(T, D);
-  constexpr bool ONE_KV_BUFFER = jfm_fwd_kv_one_buffer(EB, D);
-  constexpr int LD = jfm_tile_stride<T>(D);
-  constexpr int DF = D / 8;   // fragments along the head dim
+  typedef JfmFwdTraits<T, D> Traits;
+  constexpr int BQ = Traits::BQ;
+  constexpr int BK = Traits::BK;
+  constexpr int THREADS = Traits::THREADS;
+  constexpr bool ONE_KV_BUFFER = Traits::ONE_KV_BUFFER;
+  constexpr int LD = Traits::LD;
+  constexpr int DF = Traits::DF;
   static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
   // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned.
-  constexpr int ROW_WORDS = LD * EB / 16;
+  constexpr int ROW_WORDS = Traits::ROW_WORDS;
   threadgroup uint4 q_words[BQ * ROW_WORDS];
   threadgroup uint4 kv_words[(ONE_KV_BUFFER ? 1 : 2) * BK * ROW_WORDS];
   threadgroup int nonfinite_v_block[1];  // start of the latest key block whose V had Inf/NaN
@@ -103,17 +103,16 @@ template <typename T, int D>
       nonfinite_v_block[0] = -1;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    const JfmKeyBlocks<T> blocks = {q_tile + band * LD, kv_tile,        nonfinite_v_block,
+                                    k_head,             v_head,         kv_stride,
+                                    first_keys,         last_keys,      valid_rows == BQ,
+                                    union_lo,           union_hi,       keys,
+                                    at,                 thread_index};
     if (features) {
       jfm_lane_segments<T, D>(params, q_tile, band + int(at.row), valid_rows, f);
-      jfm_attend_key_blocks<T, D, THREADS, true>(
-          q_tile + band * LD, kv_tile, nonfinite_v_block, k_head, v_head, kv_stride, first_keys,
-          last_keys, valid_rows == BQ, union_lo, union_hi, keys, params, f, at, thread_index, m,
-          l, acc);
+      jfm_attend_key_blocks<T, D, true>(blocks, params, f, m, l, acc);
     } else {
-      jfm_attend_key_blocks<T, D, THREADS, false>(
-          q_tile + band * LD, kv_tile, nonfinite_v_block, k_head, v_head, kv_stride, first_keys,
-          last_keys, valid_rows == BQ, union_lo, union_hi, keys, params, f, at, thread_index, m,
-          l, acc);
+      jfm_attend_key_blocks<T, D, false>(blocks, params, f, m, l, acc);
     }
   }
 
