@@ -8,8 +8,10 @@ flash_attention over the whole sequence on one device, and of the same call spli
 devices with sequence_axis_name inside shard_map (ring_attention.py), and prints XLA's
 temporary memory per device (memory_analysis(); the ring's program is the per-device one), the
 same with the arguments and outputs added, and the block steps of the ring's schedule
-(ring_attention.block_schedule: the pairs of query and key slices that run a kernel), causal
-and not.
+(ring_attention.block_schedule: the pairs of query and key pieces that run a primitive call,
+each direction), causal and not. For a fused implementation ("emulator", "metal") the one-device
+call's temporary memory is nearly nothing: its kernels' working memory is the FFI handler's,
+outside XLA's accounting, so compare the totals there.
 """
 
 import argparse

@@ -16,11 +16,14 @@ and reports forward+backward TFLOP/s (14 B H P D model FLOPs, P the visible pair
 ``--max-temp-gib`` is compiled but not run.
 
 ``--schedules`` names the xla implementation's schedules to compare (``xla_schedule``): "default"
-(the accelerators' table entry), "cpu" (the cpu entry, run on this device; only at lengths up to
-``--cpu-max-len``, it is slow here), or "BQxBK" (the default entry with block_q BQ and block_k BK).
+(the table entry of this device's platform), "cpu" (the cpu entry, run on this device; only at
+lengths up to ``--cpu-max-len``, it is slow here), or "BQxBK" (that entry with block_q BQ and
+block_k BK). For float32 inputs jax.nn's xla path is also timed at ``jax.default_matmul_precision("highest")`` (its default on GPUs is TF32),
+the precision the xla implementation keeps.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -38,11 +41,11 @@ def _fwd_bwd(attention, causal):
     return run
 
 
-def _schedule(name):
-    if name in xla_schedule.SCHEDULES:
-        return xla_schedule.SCHEDULES[name]
+def _schedule(name, platform):
+    if name in ("default", "cpu"):
+        return xla_schedule.for_platform(platform if name == "default" else name)
     block_q, block_k = (int(n) for n in name.split("x"))
-    return xla_schedule.SCHEDULES["default"]._replace(block_q=block_q, block_k=block_k)
+    return xla_schedule.for_platform(platform)._replace(block_q=block_q, block_k=block_k)
 
 
 def _compile(fn, args):
@@ -89,24 +92,31 @@ def measure(length, dtype, causal, schedules, args):
                          head_dim=args.head_dim, dtype=jnp.dtype(dtype))
     operands = (q, k, v, ct)
     compiled, temp, notes = {}, {}, {}
-    default = xla_schedule.SCHEDULES["default"]
+    platform = jax.devices()[0].platform
+    entry = platform if platform in xla_schedule.SCHEDULES else "default"
+    table = dict(xla_schedule.SCHEDULES)
     for name in schedules:
         if name == "cpu" and length > args.cpu_max_len:
             continue
-        # The table entry an accelerator lowers with, set for this compile only.
-        xla_schedule.SCHEDULES["default"] = _schedule(name)
+        # The table entry this device lowers with, set for this compile only.
+        xla_schedule.SCHEDULES[entry] = _schedule(name, platform)
         try:
             fn, temp[f"flash:{name}"], notes[f"flash:{name}"] = _compile(
                 _fwd_bwd(_flash, causal), operands)
         finally:
-            xla_schedule.SCHEDULES["default"] = default
+            xla_schedule.SCHEDULES.clear()
+            xla_schedule.SCHEDULES.update(table)
         compiled[f"flash:{name}"] = fn
-    for impl in ("xla", "cudnn"):
-        fn, temp[f"jax.nn {impl}"], notes[f"jax.nn {impl}"] = _compile(
-            _fwd_bwd(_nn(impl), causal), operands)
-        if fn is not None and temp[f"jax.nn {impl}"] > args.max_temp_gib * 2 ** 30:
-            notes[f"jax.nn {impl}"], fn = "temporaries over --max-temp-gib: not run", None
-        compiled[f"jax.nn {impl}"] = fn
+    nn = [("jax.nn xla", "xla", None), ("jax.nn cudnn", "cudnn", None)]
+    if jnp.dtype(dtype) == jnp.float32:
+        nn.insert(1, ("jax.nn xla highest", "xla", "highest"))
+    for name, impl, precision in nn:
+        with (contextlib.nullcontext() if precision is None
+              else jax.default_matmul_precision(precision)):
+            fn, temp[name], notes[name] = _compile(_fwd_bwd(_nn(impl), causal), operands)
+        if fn is not None and temp[name] > args.max_temp_gib * 2 ** 30:
+            notes[name], fn = "temporaries over --max-temp-gib: not run", None
+        compiled[name] = fn
     ms = _median_ms({n: f for n, f in compiled.items() if f is not None}, operands, args.repeats)
     flops = attention_flops(args.batch, args.heads, length, length, args.head_dim, causal)[1]
     rows = []

@@ -264,7 +264,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                 raise ValueError(f"{name} is not supported with sequence_axis_name")
         return ring_attention.ring_flash_attention(
             query, key, value, bias, mask, axis_name=sequence_axis_name,
-            sequence_layout=sequence_layout, block_attention=flash_attention,
+            sequence_layout=sequence_layout, primitives=(fwd_p, bwd_p),
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
             return_lse=return_lse, scale=scale, is_causal=is_causal,
             local_window_size=local_window_size, causal_alignment=causal_alignment,

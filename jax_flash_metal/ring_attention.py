@@ -4,8 +4,9 @@ Device i of the named axis (n devices) holds the contiguous slice of positions
 [i * T / n, (i + 1) * T / n) of the query and of the key/value sequences. Ring attention (Liu
 et al., "Ring Attention with Blockwise Transformers", 2023): the K/V slices travel around the axis
 with ``lax.ppermute`` while each device folds each one into its rows' online-softmax state: block
-j gives (O_j, LSE_j) from a ``flash_attention(..., return_lse=True)`` call on the local slices,
-and the states merge exactly, LSE = log(sum_j exp(LSE_j)), O = sum_j exp(LSE_j - LSE) O_j.
+j gives (O_j, LSE_j, m_j, log l_j) from one forward primitive call on the local slices, and the
+states merge exactly: m = max_j m_j, l = sum_j l_j exp(m_j - m), O = sum_j (l_j exp(m_j - m) /
+l) O_j, LSE = m + log l.
 
 Visibility uses global positions (``visibility.Band`` over the whole sequences): per (query
 slice, key slice) pair the schedule is "hidden" (skipped: no kernel runs; causal attention skips
@@ -15,12 +16,13 @@ lengths or bottom-right alignment gets the band as a mask). Segment ids travel w
 join once, after the ring, as one more logit per row.
 
 The backward (a ``jax.custom_vjp`` around the ring) rotates K/V the same way, and dK/dV with
-them, so each slice's gradient is back on its own device after n steps. Each block's gradient is
-the VJP of the same block call at the cotangents the merge gives it: with w_j = exp(LSE_j -
-LSE), dO_j = w_j dO and g_j = w_j (rowsum(dO * (O_j - O)) + g_lse), which makes the block's own
-FlashAttention-2 backward use the global P and D (the VJP recomputes the block's forward).
-Memory per device: the local slices, one traveling K/V slice (two in flight) and the O/LSE
-state; nothing of size T x T or of the whole sequence.
+them, so each slice's gradient is back on its own device after n steps. Each visible pair runs
+one backward primitive call with the whole call's residuals (the merged O, LSE, m and log l):
+its P = exp((S - m) - log l) is the whole softmax restricted to the pair's keys and its D =
+rowsum(dO * O) - g_lse the whole call's, so the FlashAttention-2 backward of the pair gives
+exactly the pair's share of dQ, dK and dV, and no block's forward is computed again. Memory
+per device: the local slices, the traveling K/V slice and dK/dV (two of each in flight while
+they move) and the O/LSE state; nothing of size T x T or of the whole sequence.
 
 ``sequence_layout="striped"`` (Brandon et al., "Striped Attention", 2023): device i holds
 positions i, i + n, i + 2n, ... instead (``stripe`` / ``unstripe`` reorder whole arrays), so no
@@ -34,7 +36,7 @@ matrix; express them with lengths, windows or segment ids).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from functools import partial
 from typing import NamedTuple
 
@@ -43,8 +45,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import validation, visibility
+from .contract import UNBOUNDED, Operands, StaticParams
 
 F32 = jnp.float32
+
+
+# Positions per piece: each device's slices are cut into pieces of at most this many positions
+# (where the slice length halves evenly), and each primitive call takes one query piece and one
+# key piece. A call's temporaries (the xla implementation's block layouts of its operands) grow
+# with its lengths, so pieces keep them a small part of the per-device memory.
+PIECE_LEN = 512
+
+
+def piece_length(chunk):
+    """The piece length of a slice of ``chunk`` positions: halved while above PIECE_LEN and
+    even."""
+    while chunk > PIECE_LEN and chunk % 2 == 0:
+        chunk //= 2
+    return chunk
 
 
 class _Ring(NamedTuple):
@@ -54,74 +72,93 @@ class _Ring(NamedTuple):
     size: int  # devices on the axis
     q_chunk: int  # positions per device
     kv_chunk: int
-    scale: float
-    is_causal: bool
-    window_left: int
-    window_right: int
-    bottom_right: bool
-    logits_soft_cap: float | None
-    implementation: str | None
-    block_attention: Callable | None  # flash_attention (attention.py passes it: no import up)
+    params: StaticParams  # of the whole call (validation.check_inputs)
+    primitives: tuple | None  # (fwd_p, bwd_p) (attention.py passes them: no import up)
     striped: bool = False  # sequence_layout="striped"
 
-    def positions(self, index, chunk):
-        """(first, stride): slice ``index``'s positions are first + stride * arange(chunk)."""
-        return (index, self.size) if self.striped else (index * chunk, 1)
+    @property
+    def q_piece(self):
+        return piece_length(self.q_chunk)
 
-    def rows(self, i):
-        first, stride = self.positions(i, self.q_chunk)
-        return first + stride * jnp.arange(self.q_chunk, dtype=jnp.int32)
+    @property
+    def kv_piece(self):
+        return piece_length(self.kv_chunk)
 
-    def keys(self, j):
-        first, stride = self.positions(j, self.kv_chunk)
-        return first + stride * jnp.arange(self.kv_chunk, dtype=jnp.int32)
+    @property
+    def positional(self):
+        """Whether any positional rule (causal, a window) applies."""
+        p = self.params
+        return p.is_causal or p.window_left >= 0 or p.window_right >= 0
+
+    def positions(self, index, chunk, piece, length):
+        """(first, stride): piece ``piece`` (``length`` positions) of slice ``index`` (``chunk``
+        positions) holds the positions first + stride * arange(length)."""
+        if self.striped:
+            return index + self.size * piece * length, self.size
+        return index * chunk + piece * length, 1
+
+    def rows(self, i, r):
+        first, stride = self.positions(i, self.q_chunk, r, self.q_piece)
+        return first + stride * jnp.arange(self.q_piece, dtype=jnp.int32)
+
+    def keys(self, j, p):
+        first, stride = self.positions(j, self.kv_chunk, p, self.kv_piece)
+        return first + stride * jnp.arange(self.kv_piece, dtype=jnp.int32)
 
     def band(self, batch, q_lengths, kv_lengths):
+        p = self.params
         return visibility.Band(batch, self.size * self.q_chunk, self.size * self.kv_chunk,
-                               q_lengths, kv_lengths, is_causal=self.is_causal,
-                               window_left=self.window_left, window_right=self.window_right,
-                               bottom_right=self.bottom_right)
+                               q_lengths, kv_lengths, is_causal=p.is_causal,
+                               window_left=p.window_left, window_right=p.window_right,
+                               bottom_right=p.bottom_right)
 
     def only_causal(self, has_lengths):
         """Whether causal attention is the only rule (no window, no lengths, equal slices):
         every "partial" pair is then the contiguous layout's diagonal one (a top-left causal
-        call), or in the striped layout one of two causal shapes (``_Pair.attend``)."""
-        return (self.is_causal and self.window_left < 0 and self.window_right < 0
+        call), or in the striped layout one of two causal shapes (``_Pair.run``)."""
+        p = self.params
+        return (p.is_causal and p.window_left < 0 and p.window_right < 0
                 and not has_lengths and self.q_chunk == self.kv_chunk)
 
 
 HIDDEN, FULL, PARTIAL = 0, 1, 2
 
 
-def block_kind(ring: _Ring, band, i, j):
-    """HIDDEN, FULL or PARTIAL (int32) for query slice i against key slice j: whether no row,
-    every row or some rows of slice i see keys of slice j (whole or in part). Row r sees the
-    keys [lo, hi) (``Band.key_intervals``): of slice j's keys first + stride * b, those with
-    ceil((lo - first) / stride) <= b < ceil((hi - first) / stride)."""
-    lo, hi = band.key_intervals(ring.rows(i))
-    first, stride = ring.positions(j, ring.kv_chunk)
+def block_kind(ring: _Ring, band, i, r, j, p):
+    """HIDDEN, FULL or PARTIAL (int32) for query piece r of slice i against key piece p of
+    slice j: whether no row, every row or some rows of the query piece see keys of the key
+    piece (whole or in part). Row a sees the keys [lo, hi) (``Band.key_intervals``): of the
+    piece's keys first + stride * b, those with ceil((lo - first) / stride) <= b <
+    ceil((hi - first) / stride)."""
+    lo, hi = band.key_intervals(ring.rows(i, r))
+    first, stride = ring.positions(j, ring.kv_chunk, p, ring.kv_piece)
     b_lo, b_hi = -((first - lo) // stride), -((first - hi) // stride)
-    sees = jnp.minimum(b_hi, ring.kv_chunk) > jnp.maximum(b_lo, 0)
-    whole = (b_lo <= 0) & (b_hi >= ring.kv_chunk)
+    sees = jnp.minimum(b_hi, ring.kv_piece) > jnp.maximum(b_lo, 0)
+    whole = (b_lo <= 0) & (b_hi >= ring.kv_piece)
     return jnp.where(~jnp.any(sees), HIDDEN, jnp.where(jnp.all(whole), FULL, PARTIAL))
 
 
 def block_schedule(num_devices, q_len, kv_len=None, *, is_causal=False, local_window_size=None,
                    causal_alignment="top_left", sequence_layout="contiguous"):
     """The ring's schedule for whole sequences of ``q_len`` / ``kv_len`` (default q_len)
-    positions over ``num_devices`` devices, no lengths: int [num_devices, num_devices], entry
-    [i, j] HIDDEN (0, skipped), FULL (1) or PARTIAL (2) for device i's query slice against key
-    slice j (slices as ``sequence_layout`` lays them out). ``np.count_nonzero`` of it is the
-    number of block steps that run a kernel."""
+    positions over ``num_devices`` devices, no lengths, at the granularity of its primitive
+    calls: each device's slice is cut into pieces (``piece_length``), and entry [a, b] of the
+    int result is HIDDEN (0, skipped), FULL (1) or PARTIAL (2) for query piece a against key
+    piece b, counted over the whole sequences (piece a is piece a % m of device a // m's slice,
+    m pieces per slice; slices as ``sequence_layout`` lays them out). ``np.count_nonzero`` of
+    it is the number of block steps (primitive calls) each direction runs."""
     kv_len = q_len if kv_len is None else kv_len
     left, right = validation.check_window(local_window_size)
-    ring = _Ring(None, num_devices, q_len // num_devices, kv_len // num_devices, 1.0,
-                 is_causal, left, right, causal_alignment == "bottom_right", None, None,
-                 None, _check_layout(sequence_layout))
+    params = StaticParams(1.0, is_causal, left, right, causal_alignment == "bottom_right",
+                          False, False, None)
+    ring = _Ring(None, num_devices, q_len // num_devices, kv_len // num_devices, params, None,
+                 _check_layout(sequence_layout))
+    m_q, m_kv = ring.q_chunk // ring.q_piece, ring.kv_chunk // ring.kv_piece
     with jax.ensure_compile_time_eval():
         band = ring.band(1, None, None)
-        return np.array([[int(block_kind(ring, band, i, j)) for j in range(num_devices)]
-                         for i in range(num_devices)])
+        index = jnp.asarray(np.indices((num_devices, m_q, num_devices, m_kv)).reshape(4, -1))
+        kinds = jax.vmap(lambda *irjp: block_kind(ring, band, *irjp))(*index)
+    return np.asarray(kinds).reshape(num_devices * m_q, num_devices * m_kv)
 
 
 def _axis_size(axis_name):
@@ -151,63 +188,108 @@ def shard_map(f, mesh, in_specs, out_specs):
 
 # ------------------------------------------------------------------------- one block
 
+def _piece(x, index, length, axis=1):
+    """Piece ``index`` (``length`` positions) of the sequence ``axis`` of x (None stays None)."""
+    return None if x is None else jax.lax.dynamic_slice_in_dim(x, index * length, length, axis)
+
+
+def _with_piece(x, part, index, length, axis=1):
+    """x with piece ``index`` of its sequence ``axis`` replaced by ``part``."""
+    return jax.lax.dynamic_update_slice_in_dim(x, part.astype(x.dtype), index * length, axis)
+
+
 class _Pair(NamedTuple):
-    """One step of the ring on one device: its query slice against the key slice it holds."""
+    """One block step on one device: query piece r of its slice i against key piece p of the
+    key slice j it holds."""
 
     ring: _Ring
     band: visibility.Band
     lengths: bool  # whether lengths were given
-    i: jax.Array  # this device's (query slice's) index on the axis
-    j: jax.Array  # the key slice's index
+    i: jax.Array
+    r: jax.Array
+    j: jax.Array
+    p: jax.Array
 
     def kind(self):
-        return block_kind(self.ring, self.band, self.i, self.j)
+        return block_kind(self.ring, self.band, self.i, self.r, self.j, self.p)
 
-    def attend(self, kind, q, k, v, q_seg, kv_seg):
-        """(O_j float32, LSE_j) of a FULL or PARTIAL pair: one flash_attention call."""
+    def run(self, kind, block, q_seg, kv_seg):
+        """``block(params, operands)`` for a FULL or PARTIAL pair, with the static params and
+        optional operands (``contract``) of the primitive call on the two pieces that gives
+        this pair's part of the whole call: the call's scale, soft cap, segment ids (of the
+        pieces) and implementation; no positional rule (FULL), the causal diagonal (PARTIAL
+        under causal attention only) or the band as a mask (any other PARTIAL pair)."""
         ring = self.ring
-
-        def call(**kw):
-            o, lse = ring.block_attention(q, k, v, scale=ring.scale, query_segment_ids=q_seg,
-                                     key_value_segment_ids=kv_seg,
-                                     logits_soft_cap=ring.logits_soft_cap,
-                                     implementation=ring.implementation, return_lse=True, **kw)
-            return o.astype(F32), lse
-
+        params = ring.params._replace(
+            is_causal=False, window_left=UNBOUNDED, window_right=UNBOUNDED, bottom_right=False,
+            has_q_lengths=False, has_kv_lengths=False, has_bias=False, has_mask=False,
+            has_sinks=False)
+        operands = Operands(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
         if kind == FULL:
-            return call()
+            return block(params, operands)
         if not ring.only_causal(self.lengths):
-            return call(mask=self.band.mask(ring.rows(self.i), ring.keys(self.j))[:, None])
+            mask = self.band.mask(ring.rows(self.i, self.r), ring.keys(self.j, self.p))[:, None]
+            return block(params._replace(has_mask=True), operands._replace(mask=mask))
+        causal = params._replace(is_causal=True)
         if not ring.striped:
-            return call(is_causal=True)
+            return block(causal, operands)
         # Striped: query a * n + i sees key b * n + j iff b <= a (j <= i), else iff b <= a - 1:
-        # bottom-right causal with the slice's last key (never visible then) as padding.
-        below = jnp.full((q.shape[0],), ring.kv_chunk - 1, jnp.int32)
-        return jax.lax.cond(self.j <= self.i, lambda: call(is_causal=True), lambda: call(
-            is_causal=True, causal_alignment="bottom_right", key_value_seq_lengths=below))
+        # bottom-right causal with the piece's last key (never visible then) as padding.
+        below = jnp.full(self.band.kv_lengths.shape, ring.kv_piece - 1, jnp.int32)
+        return jax.lax.cond(self.j <= self.i, lambda: block(causal, operands), lambda: block(
+            causal._replace(bottom_right=True, has_kv_lengths=True),
+            operands._replace(kv_lengths=below)))
 
 
-def _weights(lse_j, lse):
-    """exp(LSE_j - LSE) as [B, T, H, 1] (to scale O), 0 where LSE_j = -inf (nothing seen)."""
-    w = jnp.where(jnp.isneginf(lse_j), 0.0,
-                  jnp.exp(lse_j - jnp.where(jnp.isneginf(lse), 0.0, lse)))
-    return jnp.swapaxes(w, 1, 2)[..., None]
+class _State(NamedTuple):
+    """The online-softmax state of query rows (the primitives' forward outputs): O float32
+    [B, T, H, Dv], and LSE, the row max m and log l float32 [B, H, T], over the keys folded in
+    so far."""
+
+    o: jax.Array
+    lse: jax.Array
+    row_max: jax.Array
+    log_sum: jax.Array
+
+    def piece(self, r, length):
+        return _State(_piece(self.o, r, length), *(_piece(x, r, length, 2) for x in self[1:]))
+
+    def with_piece(self, part, r, length):
+        return _State(_with_piece(self.o, part.o, r, length),
+                      *(_with_piece(x, y, r, length, 2) for x, y in zip(self[1:], part[1:])))
 
 
-def _merge(o, lse, o_j, lse_j):
-    new = jnp.logaddexp(lse, lse_j)
-    return _weights(lse, new) * o + _weights(lse_j, new) * o_j, new
+def _initial_state(q, v):
+    batch, q_chunk, heads, _ = q.shape
+    row = (batch, heads, q_chunk)
+    return _State(jnp.zeros((batch, q_chunk, heads, v.shape[3]), F32),
+                  jnp.full(row, -jnp.inf, F32),
+                  jnp.full(row, jnp.finfo(F32).min, F32), jnp.zeros(row, F32))
+
+
+def _merge(a: _State, b: _State):
+    """The state of the keys of both ``a`` and ``b`` (exact): m = max(m_a, m_b), l = l_a
+    exp(m_a - m) + l_b exp(m_b - m), O = (l_a exp(m_a - m) O_a + l_b exp(m_b - m) O_b) / l.
+    A part whose row saw no key (LSE = -inf) adds nothing; a row that saw none in either keeps
+    the larger m (each implementation's own empty-row value, which its backward expects)."""
+    empty_a, empty_b = jnp.isneginf(a.lse), jnp.isneginf(b.lse)
+    larger = jnp.maximum(a.row_max, b.row_max)
+    m = jnp.where(empty_a == empty_b, larger, jnp.where(empty_a, b.row_max, a.row_max))
+    share_a = jnp.where(empty_a, 0.0, jnp.exp((a.row_max - m) + a.log_sum))
+    share_b = jnp.where(empty_b, 0.0, jnp.exp((b.row_max - m) + b.log_sum))
+    total = share_a + share_b
+    empty = total == 0.0
+    log_sum = jnp.where(empty, 0.0, jnp.log(total))
+    total = jnp.where(empty, 1.0, total)
+
+    def weight(share):  # [B, H, T] -> [B, T, H, 1]
+        return jnp.swapaxes(share / total, 1, 2)[..., None]
+
+    o = weight(share_a) * a.o + weight(share_b) * b.o.astype(F32)
+    return _State(o, jnp.where(empty, -jnp.inf, m + log_sum), m, log_sum)
 
 
 # ------------------------------------------------------------------------- the ring
-
-def _pairs(ring, q, q_lengths, kv_lengths):
-    """pair(s): the _Pair of ring step s on this device (key slice (i - s) mod n)."""
-    band = ring.band(q.shape[0], q_lengths, kv_lengths)
-    lengths = q_lengths is not None or kv_lengths is not None
-    i = jax.lax.axis_index(ring.axis_name)
-    return lambda s: _Pair(ring, band, lengths, i, (i - s) % ring.size)
-
 
 def _rotate(ring, xs):
     """xs sent one device along the axis (device d's to d + 1)."""
@@ -215,79 +297,126 @@ def _rotate(ring, xs):
                             [(d, (d + 1) % ring.size) for d in range(ring.size)])
 
 
+def _pass_piece(ring, xs, p):
+    """The traveling arrays ``xs`` (key slices, sequence axis 1) with key piece p sent one
+    device along the axis and replaced in place by the one received, so only one piece is
+    ever in flight beside the slices."""
+    length = ring.kv_piece
+    received = _rotate(ring, jax.tree_util.tree_map(lambda x: _piece(x, p, length), xs))
+    return jax.tree_util.tree_map(lambda x, y: _with_piece(x, y, p, length), xs, received)
+
+
 def _switch(pair, branch, *operands):
     """branch(kind, *operands) for the pair's kind; HIDDEN runs no kernel. Without any
     positional rule every pair is FULL: no switch then."""
-    ring = pair.ring
-    if not (ring.is_causal or ring.window_left >= 0 or ring.window_right >= 0 or pair.lengths):
+    if not (pair.ring.positional or pair.lengths):
         return branch(FULL, *operands)
     return jax.lax.switch(pair.kind(), [partial(branch, kind) for kind in (HIDDEN, FULL,
                                                                             PARTIAL)],
                           *operands)
 
 
-def _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths):
-    """(O float32 [B, Tq/n, H, D], LSE [B, H, Tq/n]) of this device's query slice."""
-    pair_at = _pairs(ring, q, q_lengths, kv_lengths)
+def _ring_loop(ring, q, q_lengths, kv_lengths, accumulators, traveling, block_step):
+    """(accumulators, traveling) after every block step of this device: for each ring step s
+    (key slice j = (i - s) mod n held), each key piece p of it and each query piece r,
+    ``block_step(pair, accumulators, traveling)`` gives the new pair of them; each key piece is
+    passed on once every query piece has used it (``_pass_piece``), so after n steps every
+    traveling slice is back on its own device."""
+    band = ring.band(q.shape[0], q_lengths, kv_lengths)
+    lengths = q_lengths is not None or kv_lengths is not None
+    i = jax.lax.axis_index(ring.axis_name)
+
+    def key_piece(s, p, carry):
+        def query_piece(r, carry):
+            return block_step(_Pair(ring, band, lengths, i, r, (i - s) % ring.size, p), *carry)
+
+        # The barrier keeps the pass after the query pieces: XLA would otherwise see the
+        # traveling slices leave the loop unchanged and pass the piece before it, keeping a
+        # second copy of each traveling slice for the loop.
+        accumulators, traveling = jax.lax.optimization_barrier(jax.lax.fori_loop(
+            0, ring.q_chunk // ring.q_piece, query_piece, carry))
+        return accumulators, _pass_piece(ring, traveling, p)
 
     def step(s, carry):
-        o, lse, kv = carry
-        pair = pair_at(s)
-        traveling = _rotate(ring, kv)  # sent first, so the transfer overlaps this block
+        return jax.lax.fori_loop(0, ring.kv_chunk // ring.kv_piece, partial(key_piece, s), carry)
 
-        def branch(kind, o, lse, kv):
+    return jax.lax.fori_loop(0, ring.size, step, (accumulators, traveling))
+
+
+def _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths):
+    """The _State of this device's query slice over the whole key sequence: one forward
+    primitive call per visible pair of pieces, merged."""
+    fwd_p, q_piece, kv_piece = ring.primitives[0], ring.q_piece, ring.kv_piece
+
+    def block_step(pair, state, kv):
+        def branch(kind, state, kv):
             if kind == HIDDEN:
-                return o, lse
-            return _merge(o, lse, *pair.attend(kind, q, kv[0], kv[1], q_seg, kv[2]))
+                return state
+            k, v, kv_seg = (_piece(x, pair.p, kv_piece) for x in kv)
+            q_r = _piece(q, pair.r, q_piece)
+            part = pair.run(kind, lambda params, operands: _State(*fwd_p.bind(
+                q_r, k, v, *operands.present(), **params._asdict())),
+                _piece(q_seg, pair.r, q_piece), kv_seg)
+            return state.with_piece(_merge(state.piece(pair.r, q_piece), part), pair.r, q_piece)
 
-        return (*_switch(pair, branch, o, lse, kv), traveling)
+        return _switch(pair, branch, state, kv), kv
 
-    batch, q_chunk, heads, _ = q.shape
-    init = (jnp.zeros(q.shape, F32), jnp.full((batch, heads, q_chunk), -jnp.inf, F32),
-            (k, v, kv_seg))
-    o, lse, _ = jax.lax.fori_loop(0, ring.size, step, init)
-    return o, lse
+    return _ring_loop(ring, q, q_lengths, kv_lengths, _initial_state(q, v), (k, v, kv_seg),
+                      block_step)[0]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring_attention(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths):
-    o, lse = _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths)
-    return o.astype(q.dtype), lse
+    state = _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths)
+    return state.o.astype(q.dtype), state.lse
 
 
 def _ring_fwd(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths):
-    o, lse = _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths)
-    return (o.astype(q.dtype), lse), (q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, o, lse)
+    state = _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths)
+    o = state.o.astype(q.dtype)
+    # The residuals are the whole call's: O, LSE, m and log l over every key slice.
+    return (o, state.lse), (q, k, v, q_seg, kv_seg, q_lengths, kv_lengths,
+                            state._replace(o=o))
+
+
+def _add_piece(acc, part, index, length):
+    """acc (float32) with ``part`` added to its piece ``index``."""
+    return _with_piece(acc, _piece(acc, index, length) + part.astype(F32), index, length)
 
 
 def _ring_bwd(ring, residuals, cotangents):
-    q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, o, lse = residuals
-    do, g = cotangents[0].astype(F32), cotangents[1].astype(F32)
-    pair_at = _pairs(ring, q, q_lengths, kv_lengths)
-    zeros = lambda x: jnp.zeros(x.shape, F32)  # noqa: E731
+    """dQ, dK, dV: each visible pair's backward primitive call with the whole call's residuals
+    (its P = exp((S - m) - log l) is the whole call's softmax restricted to the pair's keys, and
+    D = rowsum(dO * O) - g_lse the whole call's), so no block's forward is computed again; the
+    dQ parts add up here, the dK/dV parts travel with their K/V slice and are home after n
+    steps."""
+    q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, state = residuals
+    bwd_p, q_piece, kv_piece = ring.primitives[1], ring.q_piece, ring.kv_piece
+    do, g_lse = cotangents[0].astype(q.dtype), cotangents[1].astype(F32)
+    rows = (q, state.o, do)  # [B, T, H, D]: pieces along axis 1
+    stats = (state.lse, state.row_max, state.log_sum, g_lse)  # [B, H, T]: along axis 2
 
-    def step(s, carry):
-        dq, kv, dkv = carry
-        pair = pair_at(s)
-        traveling = _rotate(ring, kv)
-
-        def branch(kind, grads, kv):  # the gradients so far, with this pair's added
+    def block_step(pair, dq, traveling):
+        def branch(kind, dq, traveling):  # the gradients so far, with this pair's added
             if kind == HIDDEN:
-                return grads
-            k_j, v_j, kv_seg_j = kv
-            (o_j, lse_j), vjp = jax.vjp(
-                lambda q, k, v: pair.attend(kind, q, k, v, q_seg, kv_seg_j), q, k_j, v_j)
-            w = _weights(lse_j, lse)  # the block's share of each row
-            g_j = jnp.swapaxes(w[..., 0], 1, 2) * (
-                jnp.einsum("bqhd,bqhd->bhq", do, o_j - o, precision=jax.lax.Precision.HIGHEST)
-                + g)
-            return tuple(acc + x.astype(F32) for acc, x in zip(grads, vjp((w * do, g_j))))
+                return dq, traveling
+            k, v, kv_seg, dk, dv = traveling
+            q_r, o_r, do_r = (_piece(x, pair.r, q_piece) for x in rows)
+            lse_r, max_r, log_sum_r, g_r = (_piece(x, pair.r, q_piece, 2) for x in stats)
+            k_p, v_p = _piece(k, pair.p, kv_piece), _piece(v, pair.p, kv_piece)
+            dq_r, dk_p, dv_p = pair.run(kind, lambda params, operands: bwd_p.bind(
+                q_r, k_p, v_p, o_r, lse_r, max_r, log_sum_r, do_r, g_r, *operands.present(),
+                bias_grad=False, **params._asdict()),
+                _piece(q_seg, pair.r, q_piece), _piece(kv_seg, pair.p, kv_piece))
+            return _add_piece(dq, dq_r, pair.r, q_piece), (
+                k, v, kv_seg, _add_piece(dk, dk_p, pair.p, kv_piece),
+                _add_piece(dv, dv_p, pair.p, kv_piece))
 
-        dq, dk, dv = _switch(pair, branch, (dq, *dkv), kv)
-        return dq, traveling, _rotate(ring, (dk, dv))  # dK, dV home after n steps
+        return _switch(pair, branch, dq, traveling)
 
-    dq, _, (dk, dv) = jax.lax.fori_loop(0, ring.size, step,
-                                        (zeros(q), (k, v, kv_seg), (zeros(k), zeros(v))))
+    zeros = lambda x: jnp.zeros(x.shape, F32)  # noqa: E731
+    dq, (*_, dk, dv) = _ring_loop(ring, q, q_lengths, kv_lengths, zeros(q),
+                                  (k, v, kv_seg, zeros(k), zeros(v)), block_step)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)
 
 
@@ -297,7 +426,8 @@ _ring_attention.defvjp(_ring_fwd, _ring_bwd)
 def _with_sinks(o, lse, sinks):
     """O and LSE with the sinks (one more logit per head and row, value 0) joined."""
     new = jnp.logaddexp(lse, sinks[None, :, None])
-    return (_weights(lse, new) * o.astype(F32)).astype(o.dtype), new
+    w = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - jnp.where(jnp.isneginf(new), 0.0, new)))
+    return (jnp.swapaxes(w, 1, 2)[..., None] * o.astype(F32)).astype(o.dtype), new
 
 
 LAYOUTS = ("contiguous", "striped")
@@ -331,11 +461,11 @@ def unstripe(x, num_devices, axis=1):
 
 
 def ring_flash_attention(query, key, value, bias, mask, *, axis_name, query_seq_lengths,
-                         key_value_seq_lengths, return_lse, block_attention,
+                         key_value_seq_lengths, return_lse, primitives,
                          sequence_layout="contiguous", **kwargs):
     """``flash_attention`` with ``sequence_axis_name=axis_name`` (attention.py documents the
     arguments; ``kwargs`` are its other keywords). Lengths count global positions.
-    ``block_attention`` is ``flash_attention`` itself, which runs each pair of slices."""
+    ``primitives`` are (fwd_p, bwd_p) (primitives.py), which run each pair of slices."""
     striped = _check_layout(sequence_layout)
     for name, x in (("bias", bias), ("mask", mask)):
         if x is not None:
@@ -357,9 +487,7 @@ def ring_flash_attention(query, key, value, bias, mask, *, axis_name, query_seq_
                                          size * q.shape[1])
     kv_lengths = validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch,
                                           size * k.shape[1])
-    ring = _Ring(axis_name, size, q.shape[1], k.shape[1], params.scale, params.is_causal,
-                 params.window_left, params.window_right, params.bottom_right,
-                 params.logits_soft_cap, params.implementation, block_attention, striped)
+    ring = _Ring(axis_name, size, q.shape[1], k.shape[1], params, primitives, striped)
     out, lse = _ring_attention(ring, q, k, v, operands.q_segment_ids, operands.kv_segment_ids,
                                q_lengths, kv_lengths)
     if operands.sinks is not None:

@@ -8,7 +8,9 @@
 Shapes and dtypes as the primitives': q/o/dO [B, Tq, H, D], k/v [B, Tkv, HKV, D] in one float
 dtype, lse/g_lse and the residuals row_max/log_sum (the row max m and log l, kept apart:
 ``xla_tiles.probabilities``) float32 [B, H, Tq] (natural log), ``operands`` the optional ones of
-``contract.Operands``. All math is float32; outputs are cast to the input dtype. Method: Dao,
+``contract.Operands``. All math is float32 (half-precision inputs multiply as half-precision
+operands with float32 accumulation where the schedule's ``half_operands`` says so); outputs are
+cast to the input dtype. Method: Dao,
 "FlashAttention-2" (2023). Problems with both lengths at most the schedule's ``dense_max_len``
 run as one dense tile; larger ones as loops over ``block_q`` x ``block_k`` tiles (block sizes per
 lowering platform: ``xla_schedule``; tile math in ``xla_tiles``), with memory linear in length;
@@ -74,11 +76,11 @@ def _split_rows(x, n, size):
     return jnp.pad(x, pad).reshape(x.shape[0], n, size, *x.shape[2:])
 
 
-def _operand_form(x, valid, scale=1.0):
-    """float32 x with the positions past the lengths (``valid`` False) zeroed, times
+def _operand_form(x, valid, dtype, scale=1.0):
+    """x in ``dtype`` with the positions past the lengths (``valid`` False) zeroed, times
     ``scale``, other non-finite entries NaN (``_nan_entries``). Applied after the transpose to
     the block layout, so XLA writes that layout in one pass."""
-    x = x.astype(F32)
+    x = x.astype(dtype)
     if valid is not None:
         x = jnp.where(valid, x, 0.0)
     if scale != 1.0:
@@ -86,13 +88,13 @@ def _operand_form(x, valid, scale=1.0):
     return _nan_entries(x)
 
 
-def _query_blocks(x, kv_heads, t: _Tiling, valid, scale=1.0):
-    """[B, Tq, H, D] -> float32 [nq, B, HKV, G, Br, D] in ``_operand_form``."""
+def _query_blocks(x, kv_heads, t: _Tiling, valid, dtype, scale=1.0):
+    """[B, Tq, H, D] -> [nq, B, HKV, G, Br, D] in ``_operand_form``."""
     b, _, h, d = x.shape
     x = _split_rows(x, t.nq, t.br).reshape(b, t.nq, t.br, kv_heads, h // kv_heads, d)
     if valid is not None:
         valid = _split_rows(valid, t.nq, t.br).transpose(1, 0, 2)[:, :, None, None, :, None]
-    return _operand_form(x.transpose(1, 0, 3, 4, 2, 5), valid, scale)
+    return _operand_form(x.transpose(1, 0, 3, 4, 2, 5), valid, dtype, scale)
 
 
 def _from_query_blocks(x, length, dtype):
@@ -100,11 +102,11 @@ def _from_query_blocks(x, length, dtype):
     return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * br, hkv * g, d)[:, :length].astype(dtype)
 
 
-def _key_blocks(x, t: _Tiling, valid):
-    """[B, Tkv, HKV, D] -> float32 [nk, B, HKV, Bc, D] in ``_operand_form``."""
+def _key_blocks(x, t: _Tiling, valid, dtype):
+    """[B, Tkv, HKV, D] -> [nk, B, HKV, Bc, D] in ``_operand_form``."""
     if valid is not None:
         valid = _split_rows(valid, t.nk, t.bc).transpose(1, 0, 2)[:, :, None, :, None]
-    return _operand_form(_split_rows(x, t.nk, t.bc).transpose(1, 0, 3, 2, 4), valid)
+    return _operand_form(_split_rows(x, t.nk, t.bc).transpose(1, 0, 3, 2, 4), valid, dtype)
 
 
 def _from_key_blocks(x, length, dtype):
@@ -439,6 +441,24 @@ def _setup(q, k, operands, schedule, is_causal, window_left, window_right, botto
     return _Blocks(band, t, q_len, kv_len, operands, kv_heads), t
 
 
+class _Precision(NamedTuple):
+    """How the operands enter the matmuls: their dtype, the scale q is multiplied by as it is
+    laid out in blocks, and the one the tiles apply to the float32 scores (None: q has it)."""
+
+    dtype: jnp.dtype
+    q_scale: float
+    score_scale: float | None
+
+
+def _precision(dtype, scale, schedule):
+    """Half-precision inputs stay half (``xla_schedule``'s ``half_operands``) and then keep the
+    scale out of q: rounding scale * q to the half format would cost accuracy that the
+    products, exact in float32 accumulation, keep; everything else multiplies as float32."""
+    if schedule.half_operands and dtype in (jnp.float16, jnp.bfloat16):
+        return _Precision(jnp.dtype(dtype), 1.0, scale)
+    return _Precision(jnp.dtype(F32), scale, None)
+
+
 def _empty_lse(sinks, batch, num_heads, q_len):
     """The LSE of rows that see no key: -inf, or the row's sink."""
     if sinks is None:
@@ -475,7 +495,7 @@ def _weighted(p, x, hides_pairs):
     needed."""
     if not hides_pairs:
         return x
-    return _of_pass(p, _zero_nonfinite(x), nonfinite.indicator(x))
+    return _of_pass(p, _zero_nonfinite(x), nonfinite.indicator(x).astype(x.dtype))
 
 
 def _counted(x):
@@ -505,8 +525,10 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
     blocks, t = _setup(q, k, operands, schedule, is_causal, window_left, window_right,
                        bottom_right)
     kv_valid = _valid(operands.kv_lengths, kv_len)
-    qb = _query_blocks(q, kv_heads, t, _valid(operands.q_lengths, q_len), scale)
-    kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
+    prec = _precision(q.dtype, scale, schedule)
+    qb = _query_blocks(q, kv_heads, t, _valid(operands.q_lengths, q_len), prec.dtype,
+                       prec.q_scale)
+    kb, vb = _key_blocks(k, t, kv_valid, prec.dtype), _key_blocks(v, t, kv_valid, prec.dtype)
     sinks = None if operands.sinks is None else operands.sinks.reshape(1, kv_heads, -1, 1)
     # NaN placement needs a counting pass (or the dense tile's counts) only where pairs are
     # hidden and some value is non-finite.
@@ -515,7 +537,8 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
     if t.dense:
         o, *stats = tiles.forward_whole_rows(qb[0], kb[0],
                                              _weighted(0, vb, blocks.hides_pairs)[0],
-                                             *blocks.visible(0, 0), logits_soft_cap, sinks)
+                                             *blocks.visible(0, 0), logits_soft_cap, sinks,
+                                             prec.score_scale)
         o, stats = o[None], [x[None] for x in stats]
         if counting is not None:
             (o,) = _poison_if(counting, [o], lambda: [_tile_counts_forward(blocks, vb, num_heads)])
@@ -524,7 +547,7 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
             visible, bias = tile
             return tiles.forward_step(state, q, _of_pass(p, _block(kb, c)),
                                       _weighted(p, _block(vb, c), blocks.hides_pairs), visible,
-                                      _of_pass(p, bias), logits_soft_cap)
+                                      _of_pass(p, bias), logits_soft_cap, prec.score_scale)
 
         def finish(state, p):  # the counting pass has no sinks
             return tiles.forward_finish(state, _of_pass(p, sinks, -jnp.inf))
@@ -585,24 +608,25 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
                        bottom_right)
     q_valid = _valid(operands.q_lengths, q_len)
     kv_valid = _valid(operands.kv_lengths, kv_len)
-    delta = -g_lse.astype(F32)
-    if not t.dense:  # the dense tile adds rowsum(P dP) itself (backward_tile's whole_rows)
-        delta = delta + jnp.einsum("bqhd,bqhd->bhq", do.astype(F32), o.astype(F32),
-                                   precision=jax.lax.Precision.HIGHEST)
+    prec = _precision(q.dtype, scale, schedule)
+    # D from the O given, not as rowsum(P dP) (equal only when O = P V over these keys): ring
+    # attention passes the O, m and log l of the whole sequence with a part of its keys.
+    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(F32), o.astype(F32),
+                       precision=jax.lax.Precision.HIGHEST) - g_lse.astype(F32)
     if q_valid is not None:
         delta = jnp.where(q_valid[:, None, :], delta, 0.0)
-    qb, dob = _query_blocks(q, kv_heads, t, q_valid, scale), _query_blocks(do, kv_heads, t,
-                                                                           q_valid)
-    kb, vb = _key_blocks(k, t, kv_valid), _key_blocks(v, t, kv_valid)
+    qb = _query_blocks(q, kv_heads, t, q_valid, prec.dtype, prec.q_scale)
+    dob = _query_blocks(do, kv_heads, t, q_valid, prec.dtype)
+    kb, vb = _key_blocks(k, t, kv_valid, prec.dtype), _key_blocks(v, t, kv_valid, prec.dtype)
     # A visible pair read a non-finite q or k entry exactly when some row's lse is NaN (the
     # score is NaN: _nan_entries), and a non-finite dO entry of a row makes its delta non-finite
-    # (dO * O has no finite value for it): the tiled path checks [B, H, Tq] arrays instead of
-    # reading q, k and dO again (the dense tile's delta is formed inside it: it checks dO).
+    # (dO * O has no finite value for it): [B, H, Tq] arrays are checked instead of reading q,
+    # k and dO again.
     # Other causes (a NaN O, bias or g_lse) only run the counting pass. Where no pair is
     # hidden, the matmuls place NaN themselves (``_weighted``).
     nonfinite_read = None
     if blocks.hides_pairs:
-        nonfinite_read = jnp.isnan(jnp.sum(lse)) | ~_all_finite(delta, *([do] if t.dense else []))
+        nonfinite_read = jnp.isnan(jnp.sum(lse)) | ~_all_finite(delta)
     dbias_init = jnp.zeros(blocks.features.bias.shape, F32) if bias_grad else None
     counting = None if t.dense else nonfinite_read
     hides = blocks.hides_pairs
@@ -615,8 +639,7 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
             _of_pass(p, q_r), _weighted(p, q_r, hides), *xs, _of_pass(p, do_r),
             _weighted(p, do_r, hides), _of_pass(p, _block(max_b, r)),
             _of_pass(p, _block(log_sum_b, r)), _of_pass(p, _block(delta_b, r), -1.0)), visible,
-            _of_pass(p, bias), logits_soft_cap,
-            t.dense)
+            _of_pass(p, bias), logits_soft_cap, prec.score_scale)
         rows = dq
         if alibi_grad:  # per row: sum_j dS * -|i + off - j| (0 in the counting pass)
             rows = (dq, _of_pass(p, jnp.sum(ds * blocks.alibi_distance(r, c), axis=-1), 0.0))
@@ -638,6 +661,8 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
     else:
         dq, dk, dv = _counted(dq), _counted(dk), _counted(dv)
     dq = dq * jnp.float32(scale)
+    if prec.score_scale is not None:  # the operands' q lacked the scale
+        dk = dk * jnp.float32(scale)
     grads = [_from_query_blocks(dq, q_len, q.dtype), _from_key_blocks(dk, kv_len, k.dtype),
              _from_key_blocks(dv, kv_len, v.dtype)]
     if bias_grad:

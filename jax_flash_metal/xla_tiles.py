@@ -1,11 +1,14 @@
 """The per-tile math of the xla implementation: one (query block, key block) step of
 FlashAttention-2 (Dao, "FlashAttention-2", 2023: Algorithm 1 forward, Algorithm 2 backward).
 
-Layout inside a tile (float32): q, dO ``[B, HKV, G, Br, D]`` (query head ``hkv * G + g``, so
+Layout inside a tile: q, dO ``[B, HKV, G, Br, D]`` (query head ``hkv * G + g``, so
 grouped-query attention never repeats K/V), k, v ``[B, HKV, Bc, D]``, row statistics
 ``[B, HKV, G, Br]``, ``visible`` bool broadcastable to ``[B, HKV, G, Br, Bc]`` or None when every
-pair of the tile is visible, ``bias`` float32 broadcastable the same way or None. q arrives
-multiplied by the softmax scale. Scores are ``cap(q . k) + bias`` (``features.soft_cap``).
+pair of the tile is visible, ``bias`` float32 broadcastable the same way or None. The operands
+q, k, v, dO are float32, or all float16/bfloat16 (``xla_schedule``'s ``half_operands``); every
+matmul accumulates in float32, and P and dS enter theirs rounded to the operands' dtype. Scores
+are ``cap(scale * (q . k)) + bias`` (``features.soft_cap``) in float32; with ``scale`` None, q
+arrives multiplied by the softmax scale (float32 operands).
 
 Non-finite inputs (docs/design.md#empty-rows-and-non-finite-inputs) cost nothing here: the caller
 passes each operand in the form that makes plain matmuls place NaN exactly. Every operand arrives
@@ -38,7 +41,13 @@ F32 = jnp.float32
 
 
 def _dot(spec, a, b):
-    return jnp.einsum(spec, a, b, precision=_HI, preferred_element_type=F32)
+    """The float32 product of a and b. Where one is a half-precision operand, the other (a
+    float32 P or dS) is rounded to its dtype, so the matmul runs on the half-precision matrix
+    units; float32 operands multiply at float32 precision."""
+    dtype = b.dtype if a.dtype == F32 else a.dtype
+    precision = _HI if dtype == F32 else None
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), precision=precision,
+                      preferred_element_type=F32)
 
 
 def _masked(visible, x, fill):
@@ -46,9 +55,10 @@ def _masked(visible, x, fill):
     return x if visible is None else jnp.where(visible, x, fill)
 
 
-def _scores(q, k_nan, bias, cap):
-    """(cap(q . k) + bias, d cap / d raw score or None) for one tile."""
-    s, slope = features.soft_cap(_dot("bhgqd,bhkd->bhgqk", q, k_nan), cap)
+def _scores(q, k_nan, bias, cap, scale):
+    """(cap(scale * (q . k)) + bias, d cap / d raw score or None) for one tile."""
+    s = _dot("bhgqd,bhkd->bhgqk", q, k_nan)
+    s, slope = features.soft_cap(s if scale is None else s * jnp.float32(scale), cap)
     return (s if bias is None else s + bias), slope
 
 
@@ -73,9 +83,9 @@ def running_init(q, value_head_dim):
                    jnp.zeros(rows + (value_head_dim,), F32))
 
 
-def forward_step(state, q, k_nan, v_zeroed, visible, bias=None, cap=None):
+def forward_step(state, q, k_nan, v_zeroed, visible, bias=None, cap=None, scale=None):
     """Fold one key block into the running state (rescaling by exp(m_old - m_new))."""
-    s = _masked(visible, _scores(q, k_nan, bias, cap)[0], -jnp.inf)
+    s = _masked(visible, _scores(q, k_nan, bias, cap, scale)[0], -jnp.inf)
     m = jnp.maximum(state.m, jnp.max(s, axis=-1))
     p = jnp.exp(s - m[..., None])
     alpha = jnp.exp(state.m - m)
@@ -102,7 +112,8 @@ def forward_finish(state, sinks=None):
 class BackwardOperands(NamedTuple):
     """One tile's backward inputs, each in the form the module docstring gives."""
 
-    q: jax.Array         # non-finite entries NaN, times scale (for the scores)
+    q: jax.Array         # non-finite entries NaN, times scale unless it is applied to the
+                         # scores (for the scores)
     q_zeroed: jax.Array  # non-finite entries 0 (for dK)
     k_nan: jax.Array     # non-finite entries NaN (for the scores)
     k_zeroed: jax.Array  # (for dQ)
@@ -111,7 +122,7 @@ class BackwardOperands(NamedTuple):
     do_zeroed: jax.Array  # (for dV)
     row_max: jax.Array   # the forward's residuals m and log l (``probabilities``)
     log_sum: jax.Array
-    delta: jax.Array     # rowsum(dO O) - g_lse, or only -g_lse with ``whole_rows``
+    delta: jax.Array     # rowsum(dO O) - g_lse
 
 
 def probabilities(s, m, log_l, visible):
@@ -124,12 +135,13 @@ def probabilities(s, m, log_l, visible):
     return jnp.exp(_masked(visible, (s - m[..., None]) - log_l[..., None], -jnp.inf))
 
 
-def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=None):
+def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=None,
+                       scale=None):
     """(o, lse, m, log l) of a tile that holds every key of its rows (the dense path), in two
     passes over the scores instead of the online softmax: m = max S, l = sum exp(S - m) (plus
     the sinks as in ``forward_finish``), lse = m + log l (-inf for a row that sees no key), then
     o = P V with P = ``probabilities(S, m, log l)``, the same P the backward recomputes."""
-    s = _scores(q, k_nan, bias, cap)[0]
+    s = _scores(q, k_nan, bias, cap, scale)[0]
     m = jnp.maximum(jnp.max(_masked(visible, s, -jnp.inf), axis=-1), LOWEST)
     if sinks is not None:
         m = jnp.maximum(m, sinks)
@@ -153,21 +165,15 @@ def _key_major(small, big):
         _dot("bhdgq,bhgqk->bhdk", small_t, big)), -1, -2)
 
 
-def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, whole_rows=False):
+def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, scale=None):
     """(dq unscaled, dk, dv, dS) contributions of one tile: P = ``probabilities`` from the
     forward's residuals, dV = P^T dO, dP = dO V^T, dS = P (dP - delta) (the bias gradient), then
-    through the soft cap's slope dS_raw = dS (1 - tanh^2), dQ = dS_raw K, dK = dS_raw^T (scale q).
-
-    ``whole_rows`` (a tile holding every key of its rows): delta's rowsum(dO O) is taken as
-    rowsum(P dP), its equal (O = P V), so the backward does not read O and, when the caller
-    uses only the gradients, XLA drops the forward's P V (as autodiff of softmax does)."""
-    s, slope = _scores(x.q, x.k_nan, bias, cap)
+    through the soft cap's slope dS_raw = dS (1 - tanh^2), dQ = dS_raw K, dK = dS_raw^T q (q as
+    the operands hold it: times scale, or unscaled with ``scale`` given, then dk lacks it too)."""
+    s, slope = _scores(x.q, x.k_nan, bias, cap, scale)
     p = probabilities(s, x.row_max, x.log_sum, visible)
     dp = _dot("bhgqd,bhkd->bhgqk", x.do, x.v)
-    delta = x.delta[..., None]
-    if whole_rows:
-        delta = delta + jnp.sum(_masked(visible, p * dp, 0.0), axis=-1, keepdims=True)
-    ds = _masked(visible, p * (dp - delta), 0.0)
+    ds = _masked(visible, p * (dp - x.delta[..., None]), 0.0)
     ds_raw = ds if slope is None else ds * slope
     return (_dot("bhgqk,bhkd->bhgqd", ds_raw, x.k_zeroed),
             _key_major(x.q_zeroed, ds_raw), _key_major(x.do_zeroed, p), ds)

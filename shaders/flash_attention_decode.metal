@@ -62,7 +62,7 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
   constexpr int BQ = Traits::BQ;
   constexpr int BK = Traits::BK;
   constexpr int THREADS = Traits::THREADS;
-  constexpr bool ONE_KV_BUFFER = Traits::ONE_KV_BUFFER;
+  constexpr bool Q_IN_REGISTERS = Traits::Q_IN_REGISTERS;
   constexpr int LD = Traits::LD;
   constexpr int DF = Traits::DF;
   static_assert(D % 8 == 0 && BQ == jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, D) &&
@@ -70,12 +70,12 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
                     BK == jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, D),
                 "tile shape");
 
+  // The forward's tiles (Q staged through the K/V tiles where it lives in registers).
   constexpr int ROW_WORDS = Traits::ROW_WORDS;
-  threadgroup uint4 q_words[BQ * ROW_WORDS];
-  threadgroup uint4 kv_words[(ONE_KV_BUFFER ? 1 : 2) * BK * ROW_WORDS];
+  threadgroup uint4 tile_words[Traits::TILE_ROWS * ROW_WORDS];
   threadgroup int nonfinite_v_block[1];
-  threadgroup T* q_tile = (threadgroup T*)q_words;
-  threadgroup T* kv_tile = (threadgroup T*)kv_words;
+  threadgroup T* q_tile = (threadgroup T*)tile_words;
+  threadgroup T* kv_tile = q_tile + (Q_IN_REGISTERS ? 0 : BQ * LD);
 
   const JfmTile tile = jfm_tile_of(params, group);
   const uint split = tile.block;

@@ -36,18 +36,19 @@ template <typename T, int D>
   constexpr int BQ = Traits::BQ;
   constexpr int BK = Traits::BK;
   constexpr int THREADS = Traits::THREADS;
-  constexpr bool ONE_KV_BUFFER = Traits::ONE_KV_BUFFER;
+  constexpr bool Q_IN_REGISTERS = Traits::Q_IN_REGISTERS;
   constexpr int LD = Traits::LD;
   constexpr int DF = Traits::DF;
   static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
-  // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned.
+  // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned. Where Q
+  // lives in registers it is staged through the K/V tiles (the key-block loop reads it into
+  // registers before its first barrier), else it has its own tile before them.
   constexpr int ROW_WORDS = Traits::ROW_WORDS;
-  threadgroup uint4 q_words[BQ * ROW_WORDS];
-  threadgroup uint4 kv_words[(ONE_KV_BUFFER ? 1 : 2) * BK * ROW_WORDS];
+  threadgroup uint4 tile_words[Traits::TILE_ROWS * ROW_WORDS];
   threadgroup int nonfinite_v_block[1];  // start of the latest key block whose V had Inf/NaN
-  threadgroup T* q_tile = (threadgroup T*)q_words;
-  threadgroup T* kv_tile = (threadgroup T*)kv_words;
+  threadgroup T* q_tile = (threadgroup T*)tile_words;
+  threadgroup T* kv_tile = q_tile + (Q_IN_REGISTERS ? 0 : BQ * LD);
 
   const JfmTile tile = jfm_tile_of(params, group);
   const int i0 = int(tile.block) * BQ;

@@ -138,7 +138,10 @@ inline float jfm_online_softmax_features(thread JfmFrag* s, constant AttentionPa
 // What the key-block loop is given of its threadgroup and lane (jfm_attend_key_blocks).
 template <typename T>
 struct JfmKeyBlocks {
-  threadgroup const T* q_band;         // the simdgroup's 8 rows of the staged Q tile
+  threadgroup const T* q_band;  // the simdgroup's 8 rows of the staged Q tile (where Q lives in
+                                // registers it may lie in kv_tile's memory: it is read into
+                                // registers before the first block's barrier, after which K
+                                // overwrites it)
   threadgroup T* kv_tile;              // the K/V tiles
   threadgroup int* nonfinite_v_block;  // start of the latest block whose V had Inf/NaN
   device const T* k_head;              // K and V of the (batch, kv head), kv_stride apart

@@ -24,6 +24,7 @@ struct JfmFwdTraits {
   JFM_TRAIT int THREADS = jfm_tile_threads(JFM_KERNEL_FWD, EB, D);
   JFM_TRAIT bool Q_IN_REGISTERS = jfm_fwd_q_in_registers(EB, D);  // else reloaded per block
   JFM_TRAIT bool ONE_KV_BUFFER = jfm_fwd_kv_one_buffer(EB, D);    // K, then V, in one buffer
+  JFM_TRAIT int TILE_ROWS = jfm_fwd_tile_rows(EB, D);  // rows of the Q and K/V tiles together
   JFM_TRAIT int LD = jfm_tile_stride<T>(D);  // elements per tile row (padded)
   JFM_TRAIT int ROW_WORDS = LD * EB / 16;    // 16-byte words per tile row
   JFM_TRAIT int DF = D / 8;                  // fragments along the head dim

@@ -29,24 +29,36 @@ namespace jfm {
 
 #define JFM_SIMD_WIDTH 32
 
-// Forward, docs/kernels.md#forward-tiles: 8 query rows per simdgroup; BK halves as D and the
-// element size grow so the Q, K and V tiles stay within ~26 KiB.
+// Forward, docs/kernels.md#forward-tiles: 8 query rows per simdgroup; 32-key blocks up to D 64,
+// 16 up to D 128 (as MLX's forward), so that with Q in registers the K and V tiles, which Q is
+// staged through first, take at most 16 KiB in f16/bf16 (9 KiB at D 64, 8.5 KiB at D 128).
 constexpr int jfm_fwd_block_q(int element_bytes, int head_dim) {
   return element_bytes == 4 && head_dim > 128 ? 16 : 32;
 }
 constexpr int jfm_fwd_block_k(int element_bytes, int head_dim) {
-  return head_dim <= 64 ? (element_bytes == 2 ? 64 : 32)
-                        : head_dim <= 128 ? (element_bytes == 2 ? 32 : 16)
-                                          : (element_bytes == 2 ? 16 : 8);
+  return head_dim <= 64 ? 32 : head_dim <= 128 ? 16 : (element_bytes == 2 ? 16 : 8);
 }
-// Q fragments live in registers for the whole loop (D <= 64), else they are reloaded from the
-// threadgroup tile per key block.
+// Q fragments live in registers for the whole loop (D <= 128: D / 4 registers; Q is staged
+// through the K/V tiles before the first key block), else they are reloaded from their own
+// threadgroup tile per key block (D / 4 more would pass the 128-register budget at D 256).
 constexpr bool jfm_fwd_q_in_registers(int element_bytes, int head_dim) {
-  return head_dim <= 64 && element_bytes > 0;
+  return head_dim <= 128 && element_bytes > 0;
 }
 // K and V share one threadgroup buffer (K, then V after a barrier) where two would not fit.
 constexpr bool jfm_fwd_kv_one_buffer(int element_bytes, int head_dim) {
-  return element_bytes == 4 ? head_dim > 64 : head_dim > 128;
+  return head_dim > 128 && element_bytes > 0;
+}
+// Rows of the forward's threadgroup tiles (each jfm_tile_stride elements): the K/V tiles, which
+// hold the staged Q first where Q lives in registers, else Q's own tile and the K/V tiles.
+constexpr int jfm_fwd_tile_rows(int element_bytes, int head_dim) {
+  return jfm_fwd_q_in_registers(element_bytes, head_dim)
+             ? (jfm_fwd_block_q(element_bytes, head_dim) >
+                        2 * jfm_fwd_block_k(element_bytes, head_dim)
+                    ? jfm_fwd_block_q(element_bytes, head_dim)
+                    : 2 * jfm_fwd_block_k(element_bytes, head_dim))
+             : jfm_fwd_block_q(element_bytes, head_dim) +
+                   (jfm_fwd_kv_one_buffer(element_bytes, head_dim) ? 1 : 2) *
+                       jfm_fwd_block_k(element_bytes, head_dim);
 }
 
 // Backward, docs/kernels.md#backward-tiles. Every backward kernel holds two owner tiles (Q and dO

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import tolerance
 from api_helpers import make_inputs
 from jax_flash_metal import flash_attention
+from jax_flash_metal import ring_attention
 from jax_flash_metal.ring_attention import shard_map, stripe, unstripe
 
 B, T, H, D = 2, 64, 4, 16
@@ -36,19 +37,31 @@ CASES = {
     "sinks_cap": dict(is_causal=True, logits_soft_cap=5.0,
                       sinks=jnp.asarray(RNG.normal(size=(H,)), jnp.float32)),
     "mqa": dict(is_causal=True),
+    "value_dim": dict(is_causal=True),
     "striped_causal": dict(is_causal=True, sequence_layout="striped"),
     "striped_full": dict(sequence_layout="striped"),
     "striped_window_segments": dict(is_causal=True, local_window_size=(12, 0),
                                     query_segment_ids=SEGMENTS, key_value_segment_ids=SEGMENTS,
                                     query_seq_lengths=LENGTHS, sequence_layout="striped"),
+    # Slices of 16 in pieces of 4 (ring_attention.PIECE_LEN): 4 x 4 primitive calls per slice
+    # pair, each key piece passed on in place after use.
+    "pieces_causal": dict(is_causal=True),
+    "pieces_lengths_segments": dict(is_causal=True, causal_alignment="bottom_right",
+                                    query_seq_lengths=LENGTHS[::-1], key_value_seq_lengths=LENGTHS,
+                                    query_segment_ids=SEGMENTS, key_value_segment_ids=SEGMENTS),
+    "pieces_striped": dict(is_causal=True, sequence_layout="striped"),
 }
 SEQUENCE = ("query_segment_ids", "key_value_segment_ids")  # split like the sequence
+PIECE_LEN = ring_attention.PIECE_LEN
 
 
 def check(implementation, name):
+    ring_attention.PIECE_LEN = 4 if name.startswith("pieces") else PIECE_LEN
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "sp"))
     kw = dict(CASES[name])
     q, k, v, do, g = make_inputs(0, B, T, T, H, 1 if name == "mqa" else 2, D, jnp.float32)
+    if name == "value_dim":  # Dv = 2 Dk
+        v, do = (jnp.concatenate([x, x[..., ::-1]], axis=-1) for x in (v, do))
     arrays = {n: kw.pop(n) for n in list(kw) if isinstance(kw[n], jax.Array)}
     sinks = arrays.pop("sinks", None)
     seq, row = P("data", "sp"), P("data", None, "sp")

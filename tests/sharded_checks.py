@@ -17,17 +17,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import tolerance
-from api_helpers import make_inputs
+from api_helpers import alibi_bias, make_inputs, normal
 from jax_flash_metal import flash_attention
 
 B, T, H, D = 8, 32, 4, 16
+DV = 8  # the value head dim of the "value_dim_alibi" case
 
 
 def collectives(hlo):
     """The gathering collectives (all-gather, all-to-all) of arrays shaped like q, k, v, o or dO
     (rank 4, head_dim last) in compiled HLO text, as their result types."""
-    return re.findall(r"= (f32\[\d+,\d+,\d+,%d\])\S* (?:all-gather|all-to-all)(?:-start)?\(" % D,
-                      hlo)
+    return re.findall(r"= (f32\[\d+,\d+,\d+,(?:%d|%d)\])\S* (?:all-gather|all-to-all)(?:-start)?\("
+                      % (D, DV), hlo)
 
 
 def case(name):
@@ -53,6 +54,9 @@ def case(name):
         return H, heads, feats, dict(bias=P("data")), False
     if name == "sequence":  # the sequence axis split: gathered, still exact
         return H, P("data", "model", None, None), {}, {}, True
+    if name == "value_dim_alibi":  # Dv != Dk and per-example ALiBi slopes (xla only)
+        slopes = jnp.asarray(rng.random((B, H)), jnp.float32)
+        return 2, heads, dict(alibi_slopes=slopes), dict(alibi_slopes=P("data", "model")), False
     raise ValueError(name)
 
 
@@ -61,13 +65,19 @@ def check(implementation, name):
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     kv_heads, spec, feats, feat_specs, gathers = case(name)
     q, k, v, do, g = make_inputs(0, B, T, T, H, kv_heads, D, jnp.float32)
+    if "alibi_slopes" in feats:
+        rng = np.random.default_rng(2)
+        v, do = normal(rng, (B, T, kv_heads, DV), jnp.float32), normal(rng, (B, T, H, DV),
+                                                                       jnp.float32)
     put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
-    diff = {n: put(feats.pop(n), feat_specs[n]) for n in ("bias", "sinks") if n in feats}
+    diff = {n: put(feats.pop(n), feat_specs[n]) for n in ("bias", "sinks", "alibi_slopes")
+            if n in feats}
     static = {n: put(x, feat_specs[n]) for n, x in feats.items()}
 
     def f(q, k, v, diff, static):
         return flash_attention(q, k, v, diff.get("bias"), static.get("mask"),
-                               sinks=diff.get("sinks"), is_causal=True, return_lse=True,
+                               sinks=diff.get("sinks"), alibi_slopes=diff.get("alibi_slopes"),
+                               is_causal=True, return_lse=True,
                                implementation=implementation,
                                **{n: x for n, x in static.items() if n != "mask"})
 
@@ -88,8 +98,14 @@ def check(implementation, name):
         assert o.sharding.spec[2] == "model" and dq.sharding.spec[2] == "model", o.sharding
     got = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv, **{"d" + n: x for n, x in ddiff.items()})
     host = {n: np.asarray(x) for n, x in {**diff, **static}.items()}
-    tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got), is_causal=True,
-                                      **host)
+    if "alibi_slopes" in host:  # the oracle takes the ALiBi term as a bias; dslopes from dbias
+        term, dist = alibi_bias(host.pop("alibi_slopes"), B, T, T)
+        want = tolerance.assert_all_match_oracle(got, q, k, v, do, g, bias=term, is_causal=True)
+        tolerance.assert_matches_oracle("dalibi_slopes", got["dalibi_slopes"],
+                                        (want["dbias"] * dist).sum(axis=(2, 3)), kind="dbias")
+    else:
+        tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got), is_causal=True,
+                                          **host)
     print(name, implementation, "ok", found)
 
 

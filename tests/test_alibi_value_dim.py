@@ -64,23 +64,22 @@ def slopes_of(shape, seed=0):
     return (np.broadcast_to(geometric, shape) * (0.5 + rng.random(shape))).astype(np.float32)
 
 
-BANDS = [
-    dict(),
-    dict(is_causal=True),
-    dict(is_causal=True, causal_alignment="bottom_right"),
-    dict(query_seq_lengths=np.array([9, 4]), key_value_seq_lengths=np.array([6, 11]),
-         causal_alignment="bottom_right"),
-    dict(is_causal=True, query_seq_lengths=np.array([7, 9]),
-         key_value_seq_lengths=np.array([11, 3])),
+BANDS = [  # (slopes shape, band)
+    ((H,), dict()),
+    ((B, H), dict(is_causal=True)),
+    ((H,), dict(is_causal=True, causal_alignment="bottom_right")),
+    ((B, H), dict(query_seq_lengths=np.array([9, 4]), key_value_seq_lengths=np.array([6, 11]),
+                  causal_alignment="bottom_right")),
+    ((H,), dict(is_causal=True, query_seq_lengths=np.array([7, 9]),
+                key_value_seq_lengths=np.array([11, 3]))),
 ]
 
 
-@pytest.mark.parametrize("band", BANDS, ids=["plain", "causal", "causal-br", "lengths-br",
-                                             "causal-lengths"])
-@pytest.mark.parametrize("shape", [(H,), (B, H)], ids=["per-head", "per-batch"])
-def test_alibi_equals_the_materialised_bias(blocks, band, shape):
-    """Both alignments (off_b from the valid lengths), causal, lengths, GQA; forward, dq, dk,
-    dv and the slopes' gradient."""
+@pytest.mark.parametrize("shape,band", BANDS, ids=["plain", "causal", "causal-br",
+                                                   "lengths-br", "causal-lengths"])
+def test_alibi_equals_the_materialised_bias(blocks, shape, band):
+    """Both alignments (off_b from the valid lengths), causal, lengths, GQA, slopes per head
+    and per (batch, head); forward, dq, dk, dv and the slopes' gradient."""
     q, k, v, do, g = inputs(1)
     check(q, k, v, do, g, alibi_slopes=slopes_of(shape), **band)
 

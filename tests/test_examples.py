@@ -68,6 +68,19 @@ def test_kv_cache_sampling_reproduces_full_window_recomputation(impl):
 
 
 @needs_examples
+def test_paged_kv_cache_sampling_equals_the_contiguous_cache():
+    """--paged: the same bytes for the same seed as the contiguous cache, across a context
+    restart (the pages are handed out in shuffled order, one spare)."""
+    import jax
+
+    cfg = train_lm.TINY
+    params = train_lm.init_params(cfg, jax.random.PRNGKey(5))
+    prompt, length = b"for i", cfg.seq_len + 8
+    paged = train_lm.generate(params, cfg, "xla", prompt, length, seed=6, paged=True)
+    assert paged == train_lm.generate(params, cfg, "xla", prompt, length, seed=6)
+
+
+@needs_examples
 def test_train_lm_rejects_short_text(tmp_path):
     text = tmp_path / "short.txt"
     text.write_bytes(b"abc")

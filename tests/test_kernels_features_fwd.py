@@ -205,8 +205,8 @@ def test_minus_inf_sinks_are_no_sinks(q_len):
 
 
 @pytest.mark.parametrize("dtype,head_dim,q_len,kv_len", [
-    (jnp.float16, 64, 33, 65),    # BQ 32, BK 64: one row and one key past a block
-    (jnp.float32, 128, 31, 17),   # BK 16, K and V in one buffer
+    (jnp.float16, 64, 33, 65),    # BQ 32, BK 32: one row and one key past a block
+    (jnp.float32, 128, 31, 17),   # BK 16, Q in registers, staged through the K/V tiles
     (jnp.bfloat16, 160, 17, 15),  # BK 16, one buffer, Q reloaded
 ])
 def test_tile_sizes_around_the_block_edges(dtype, head_dim, q_len, kv_len):

@@ -160,8 +160,10 @@ def tiled_forward_counts(problem, mask):
             c["mma_ops"] += blocks * sg * 2 * df * kf
             c["simd_ops"] += blocks * 2 * sg
     c = {k: int(v) * (h if k != "fma_ops" else 1) for k, v in c.items()}
-    kv_tiles = 1 if shape["kv_one_buffer"] else 2
-    c["threadgroup_memory_bytes"] = (bq + kv_tiles * bk) * stride * s + 4
+    kv_rows = (1 if shape["kv_one_buffer"] else 2) * bk
+    # Q in registers is staged through the K/V tiles, else it has its own tile.
+    tile_rows = max(bq, kv_rows) if shape["q_in_registers"] else bq + kv_rows
+    c["threadgroup_memory_bytes"] = tile_rows * stride * s + 4
     return c
 
 
@@ -477,10 +479,10 @@ def test_no_family_register_estimate_exceeds_the_budget():
                  or stage in ext.bwd_stages(d)}
     assert max(estimates.values()) <= roofline.REGISTER_BUDGET, max(estimates.items(),
                                                                      key=lambda x: x[1])
-    # The closed forms of two families: the forward at f16 D 128 (O 16 fragments, S 4, one
-    # reloaded Q and one K/V fragment) and the vector decode at D 128 (8 rows of q and O, 4
-    # floats each, and 5 per-row values; one key's 4 values).
-    assert estimates[("fwd", "f16", 128)] == 16 + 2 * (16 + 4 + 1 + 1)
+    # The closed forms of two families: the forward at f16 D 128 (O 16 fragments, S 2, Q 16 in
+    # registers, one K/V fragment) and the vector decode at D 128 (8 rows of q and O, 4 floats
+    # each, and 5 per-row values; one key's 4 values).
+    assert estimates[("fwd", "f16", 128)] == 16 + 2 * (16 + 2 + 16 + 1)
     assert estimates[("decode_vector", "f16", 128)] == 16 + 8 * (2 * 4 + 5) + 4
 
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from api_helpers import check_against_oracle, make_inputs, use_xla_schedule
+from api_helpers import (check_against_oracle, f64, make_inputs, normal, run_flash,
+                         use_xla_schedule)
 from jax_flash_metal import flash_attention, xla_attention, xla_schedule
 
 MASKS = [
@@ -87,6 +88,39 @@ def test_blockwise_matrix(small_blocks, n):
 def test_blockwise_half_precision(small_blocks, dtype):
     q, k, v, do, g = make_inputs(50, 2, 33, 47, 4, 2, 16, dtype)
     check_against_oracle(q, k, v, do, g, implementation="xla", is_causal=True)
+
+
+# The accelerators' half-precision arithmetic (``half_operands``: half operands, float32
+# accumulation, the scale applied to float32 scores), on the dense tile and on blocks.
+HALF = {"dense": xla_schedule.Schedule(dense_max_len=64, block_q=8, block_k=8,
+                                       half_operands=True),
+        "blocks": xla_schedule.Schedule(dense_max_len=8, block_q=8, block_k=16,
+                                        half_operands=True)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("schedule", list(HALF))
+@pytest.mark.parametrize("mask", [MASKS[0], MASKS[5]])
+def test_half_operands(monkeypatch, schedule, dtype, mask):
+    use_xla_schedule(monkeypatch, HALF[schedule])
+    q, k, v, do, g = make_inputs(56, 2, 33, 47, 4, 2, 16, dtype)
+    check_against_oracle(q, k, v, do, g, implementation="xla",
+                         key_value_seq_lengths=jnp.array([47, 30]), **mask)
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("schedule", list(HALF))
+def test_half_operands_one_hot_softmax(monkeypatch, schedule):
+    """Scores of about 1e4 (q = k = v = 30 N(0, 1)): each row's softmax is one-hot, so exact
+    gradients are about 0, and a recomputed P whose row sums to 1 + 1e-3 must not make them
+    1e-3 |dP| (case C-07 with half operands)."""
+    use_xla_schedule(monkeypatch, HALF[schedule])
+    x = normal(np.random.default_rng(0), (1, 40, 2, 128), jnp.bfloat16, scale=30.0)
+    do = normal(np.random.default_rng(1), (1, 40, 2, 128), jnp.bfloat16)
+    actual = run_flash(x, x, x, do, implementation="xla")
+    for name in ("dq", "dk"):
+        assert np.abs(f64(actual[name])).max() <= 1e-3 * np.abs(f64(x)).max(), name
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("mask", [MASKS[1], MASKS[2], MASKS[5]])

@@ -13,7 +13,8 @@ The default corpus is the ``.py`` files of the running Python's standard library
 machine); ``--text PATH`` trains on any file instead. After training the script prints the loss at
 the start and end, a generated sample (sampled with a KV cache: one ``flash_attention`` call per
 layer and new byte, ``causal_alignment="bottom_right"`` with ``key_value_seq_lengths``, which the
-fused implementations run with the split-KV decode kernels) with its tokens/s, and the largest
+fused implementations run with the split-KV decode kernels; ``--paged`` keeps the cache in pages
+read through ``page_table``, with the same bytes) with its tokens/s, and the largest
 difference between this implementation's attention gradients and those of
 ``jax_flash_metal.reference_attention`` on one batch.
 
@@ -206,30 +207,50 @@ def make_attention(implementation: str | None, dtype: str = "float32", *, refere
     return shard_map(attend, mesh, (spec,) * 3, spec)
 
 
-def make_cached_attention(implementation: str | None, dtype: str = "float32"):
+def make_cached_attention(implementation: str | None, dtype: str = "float32", page_table=None):
     """Attention of new queries q [B, Tq, heads, head_dim] (the last Tq of the first kv_len
     positions) against a KV cache k, v [B, Tmax, kv_heads, head_dim] holding kv_len int32 [B]
     valid positions: flash_attention with causal_alignment="bottom_right" and
-    key_value_seq_lengths, so the cache's unused tail is never seen."""
+    key_value_seq_lengths, so the cache's unused tail is never seen. With ``page_table``
+    (int32 [B, max_pages]) k and v are pages [num_pages, PAGE_SIZE, kv_heads, head_dim]; the
+    fused kernels do not read pages yet, so those calls run where implementation=None puts
+    them unless "xla" was asked for."""
+    if page_table is not None and implementation != "xla":
+        implementation = None
 
     def attend(q, k, v, kv_len):
         q, k, v = (a.astype(dtype) for a in (q, k, v))
         out = flash_attention(q, k, v, is_causal=True, causal_alignment="bottom_right",
-                              key_value_seq_lengths=kv_len, implementation=implementation)
+                              key_value_seq_lengths=kv_len, implementation=implementation,
+                              page_table=page_table)
         return out.astype(jnp.float32)
 
     return attend
 
 
+PAGE_SIZE = 16  # positions per page of the paged KV cache (``--paged``)
+
+
+def _write_cache(cache, new, offset, page_table=None):
+    """``cache`` with ``new`` [B, T, kv_heads, head_dim] at positions offset..offset+T-1: a
+    contiguous cache [B, Tmax, ...], or pages [num_pages, PAGE_SIZE, ...] of the one sequence
+    ``page_table`` [1, max_pages] names."""
+    if page_table is None:
+        return jax.lax.dynamic_update_slice_in_dim(cache, new, offset, axis=1)
+    pos = offset + jnp.arange(new.shape[1])
+    return cache.at[page_table[0, pos // PAGE_SIZE], pos % PAGE_SIZE].set(new[0])
+
+
 def forward(params: dict, tokens, cfg: Config, attend, *, cache_attend=None, cache=None,
-            offset=0):
+            offset=0, page_table=None):
     """Logits [B, T, 256] float32 for byte tokens int32 [B, T].
 
     Without ``cache``: the tokens are positions 0..T-1, attention ``attend(q, k, v)``. With
     ``cache`` (one (k, v) pair [B, Tmax, kv_heads, head_dim] per layer) the tokens are positions
     offset..offset+T-1: their k, v are written into the cache there and the queries attend to
     the first offset + T cached positions through ``cache_attend(q, k, v, kv_len)``. Returns
-    (logits, cache) in that case, the updated cache included.
+    (logits, cache) in that case, the updated cache included. With ``page_table`` the cache
+    holds pages (``_write_cache``).
     """
     x = params["embed"][tokens]
     b, t, _ = x.shape
@@ -239,8 +260,8 @@ def forward(params: dict, tokens, cfg: Config, attend, *, cache_attend=None, cac
         if cache is None:
             attended = attend(q, k, v)
         else:
-            k = jax.lax.dynamic_update_slice_in_dim(cache[n][0], k, offset, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache[n][1], v, offset, axis=1)
+            k = _write_cache(cache[n][0], k, offset, page_table)
+            v = _write_cache(cache[n][1], v, offset, page_table)
             new_cache.append((k, v))
             attended = cache_attend(q, k, v, jnp.full((b,), offset + t, jnp.int32))
         x = x + attended.reshape(b, t, -1) @ layer["wo"]
@@ -363,7 +384,8 @@ def _pick(logits, key, temperature):
 
 
 def generate(params, cfg: Config, implementation: str | None, prompt: bytes, length: int, *,
-             temperature: float = 0.8, seed: int = 0, cache: bool = True) -> bytes:
+             temperature: float = 0.8, seed: int = 0, cache: bool = True,
+             paged: bool = False) -> bytes:
     """Continue ``prompt`` by ``length`` bytes. ``temperature`` 0 means greedy.
 
     The context grows to ``seq_len`` bytes and then restarts from its last ``seq_len // 2``
@@ -373,22 +395,29 @@ def generate(params, cfg: Config, implementation: str | None, prompt: bytes, len
     k, v are appended and its query attends to the cache, one flash_attention call per layer
     with causal_alignment="bottom_right" and key_value_seq_lengths. Without ``cache`` every byte
     recomputes the whole context (the reference the cached sampler must reproduce exactly).
+    With ``paged`` the cache is a pool of pages of PAGE_SIZE positions (one spare) handed out
+    in shuffled order and read through flash_attention's page_table; the bytes are the same.
     Prints nothing; ``generate_timed`` reports tokens/s.
     """
     return generate_timed(params, cfg, implementation, prompt, length, temperature=temperature,
-                          seed=seed, cache=cache)[0]
+                          seed=seed, cache=cache, paged=paged)[0]
 
 
 def generate_timed(params, cfg: Config, implementation: str | None, prompt: bytes, length: int,
                    *, temperature: float = 0.8, seed: int = 0,
-                   cache: bool = True) -> tuple[bytes, float]:
+                   cache: bool = True, paged: bool = False) -> tuple[bytes, float]:
     """``generate`` and its sampling rate in bytes (tokens) per second, timed from the second
     byte on (the first includes compilation; nan when fewer than 2 bytes are sampled)."""
     if not prompt:
         raise ValueError("the prompt must not be empty")
     attend = make_attention(implementation, cfg.attn_dtype)
-    cache_attend = make_cached_attention(implementation, cfg.attn_dtype)
     hd, n = cfg.head_dim, cfg.seq_len
+    page_table = None
+    if paged:
+        max_pages = -(-n // PAGE_SIZE)
+        pool = np.random.default_rng(seed).permutation(max_pages + 1)  # one page spare
+        page_table = jnp.asarray(pool[None, :max_pages], jnp.int32)
+    cache_attend = make_cached_attention(implementation, cfg.attn_dtype, page_table)
 
     def padded(tokens):
         window = np.zeros(n, np.int32)
@@ -401,16 +430,17 @@ def generate_timed(params, cfg: Config, implementation: str | None, prompt: byte
 
     @jax.jit
     def prefill(params, window, pos, key):
-        empty = [(jnp.zeros((1, n, cfg.kv_heads, hd)), jnp.zeros((1, n, cfg.kv_heads, hd)))
+        shape = (1, n) if page_table is None else (page_table.shape[1] + 1, PAGE_SIZE)
+        empty = [(jnp.zeros(shape + (cfg.kv_heads, hd)), jnp.zeros(shape + (cfg.kv_heads, hd)))
                  for _ in params["layers"]]
         logits, kv = forward(params, window[None], cfg, attend, cache_attend=cache_attend,
-                             cache=empty, offset=0)
+                             cache=empty, offset=0, page_table=page_table)
         return _pick(logits[0, pos], key, temperature), kv
 
     @jax.jit
     def step(params, kv, token, pos, key):
         logits, kv = forward(params, token.reshape(1, 1), cfg, attend, cache_attend=cache_attend,
-                             cache=kv, offset=pos)
+                             cache=kv, offset=pos, page_table=page_table)
         return _pick(logits[0, 0], key, temperature), kv
 
     out = list(prompt)
@@ -493,6 +523,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="length of the generated sample (default: 300, 60 for the tiny config)")
     p.add_argument("--temperature", type=float, default=0.8,
                    help="sampling temperature, 0 = greedy")
+    p.add_argument("--paged", action="store_true",
+                   help="sample with a paged KV cache (pages of 16 positions in shuffled order, "
+                        "flash_attention's page_table; the same bytes as the contiguous cache)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--mesh", default=None,
                    help="data- and sequence-parallel training over every device of every "
@@ -563,9 +596,10 @@ def main(argv=None) -> dict:
 
     length = args.sample_bytes if args.sample_bytes is not None else (60 if tiny else 300)
     sample, rate = generate_timed(params, cfg, resolved, args.prompt.encode(), length,
-                                  temperature=args.temperature, seed=args.seed)
-    print(f"sample (temperature {args.temperature:g}; KV-cache sampling, one flash_attention "
-          f"call per layer and byte: {rate:,.1f} tokens/s):")
+                                  temperature=args.temperature, seed=args.seed,
+                                  paged=args.paged)
+    print(f"sample (temperature {args.temperature:g}; {'paged ' if args.paged else ''}KV-cache "
+          f"sampling, one flash_attention call per layer and byte: {rate:,.1f} tokens/s):")
     print("-" * 72)
     print(sample.decode("utf-8", errors="replace"))
     print("-" * 72)
