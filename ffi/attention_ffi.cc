@@ -18,6 +18,16 @@
 #include "dispatch_plan.h"
 #include "xla/ffi/api/ffi.h"
 
+// jfm::Attributes decoded from the attributes dictionary, member by member in the order of
+// JFM_FFI_ATTRIBUTES (a missing, extra or mistyped attribute is an error). The list
+// expands to ", member, member, ..." after the type, hence the indirection through
+// JFM_REGISTER_ATTRIBUTES, which splits it into the macro's arguments.
+#define JFM_ATTRIBUTE_MEMBER(type, name) , ::xla::ffi::StructMember<type>(#name)
+#define JFM_REGISTER_ATTRIBUTES(...) XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(__VA_ARGS__)
+JFM_REGISTER_ATTRIBUTES(jfm::Attributes JFM_FFI_ATTRIBUTES(JFM_ATTRIBUTE_MEMBER));
+#undef JFM_REGISTER_ATTRIBUTES
+#undef JFM_ATTRIBUTE_MEMBER
+
 namespace ffi = xla::ffi;
 
 namespace jfm {
@@ -87,17 +97,6 @@ struct Problem {
   std::vector<int64_t> row_shape() const { return {batch, heads, q_len}; }
 };
 
-struct Options {
-  float scale;
-  bool is_causal;
-  int32_t window_left, window_right;
-  bool bottom_right, has_q_lengths, has_kv_lengths;
-  // The contract's optional features (attention_ffi.h).
-  bool has_segment_ids, has_bias, has_mask, has_sinks;
-  float logits_soft_cap;  // 0 = none
-  bool bias_grad = false;  // backward only: the dQ kernel writes dbias
-};
-
 // q, k, v: ranks, matching dims, one supported dtype, divisible heads.
 ffi::Error read_problem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, Problem* p) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
@@ -153,7 +152,7 @@ ffi::Error expect(const char* what, ffi::AnyBuffer buffer, ffi::DataType dtype,
   return ffi::Error::Success();
 }
 
-ffi::Error check_options(const Options& o) {
+ffi::Error check_attributes(const Attributes& o) {
   if (o.window_left < JFM_UNBOUNDED || o.window_right < JFM_UNBOUNDED) {
     return invalid("window_left/window_right must be >= 0, or -1 for unbounded; got (" +
                    std::to_string(o.window_left) + ", " + std::to_string(o.window_right) + ")");
@@ -222,7 +221,7 @@ ffi::Error expect_broadcastable(const char* what, ffi::AnyBuffer buffer, const P
 // kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks; each present iff its flag is
 // set), checks their dtypes and shapes, and prepares their bindings and strides. One function
 // for both directions, so both see one set of rules.
-ffi::Error read_optional(ffi::RemainingArgs rest, const Options& o, const Problem& p,
+ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Problem& p,
                          OptionalOperands* out) {
   const size_t length_operands = size_t{o.has_q_lengths} + size_t{o.has_kv_lengths};
   const size_t feature_operands = 2 * size_t{o.has_segment_ids} + size_t{o.has_bias} +
@@ -327,10 +326,6 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Options& o, const Proble
   });
 }
 
-std::string kernel_name(const char* stage, const char* suffix, int64_t head_dim) {
-  return std::string("flash_attention_") + stage + "_" + suffix + "_d" + std::to_string(head_dim);
-}
-
 ffi::Error require_kernel(Device& device, const std::string& kernel, const Problem& p) {
   if (device.has_kernel(kernel)) return ffi::Error::Success();
   std::string message = "head_dim " + std::to_string(p.head_dim) + " with dtype " + p.suffix +
@@ -341,7 +336,7 @@ ffi::Error require_kernel(Device& device, const std::string& kernel, const Probl
   return invalid(message);
 }
 
-AttentionParams make_params(const Problem& p, const Options& o, const OptionalOperands& x) {
+AttentionParams make_params(const Problem& p, const Attributes& o, const OptionalOperands& x) {
   AttentionParams params{};
   params.batch = static_cast<uint32_t>(p.batch);
   params.q_len = static_cast<uint32_t>(p.q_len);
@@ -406,7 +401,7 @@ ffi::Error run(Device& device, const std::vector<Submission>& submissions) {
 
 // Runs the stages (stage i binds buffers[i]) in the submissions of the dispatch plan, each
 // chunk with its offsets in AttentionParams.
-ffi::Error run_stages(Device& device, const Problem& p, const Options& o,
+ffi::Error run_stages(Device& device, const Problem& p, const Attributes& o,
                       const OptionalOperands& x, const std::vector<StageShape>& stages,
                       const std::vector<std::vector<Binding>>& buffers, int64_t splits = 0) {
   AttentionParams base = make_params(p, o, x);
@@ -466,10 +461,10 @@ void write_empty_rows(const Problem& p, const float* sinks, ffi::AnyBuffer o, ff
 ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::RemainingArgs rest, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                    ffi::AnyBuffer row_max, ffi::AnyBuffer log_sum, ffi::AnyBuffer workspace,
-                   const Options& opt) {
+                   const Attributes& opt) {
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
-  if (ffi::Error e = check_options(opt); e.failure()) return e;
+  if (ffi::Error e = check_attributes(opt); e.failure()) return e;
   if (ffi::Error e = expect("output o", o, p.dtype, p.q_shape()); e.failure()) return e;
   for (auto [what, buffer] :
        {std::make_pair("output lse", lse), std::make_pair("output row_max", row_max),
@@ -517,10 +512,10 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
                     ffi::AnyBuffer d_o, ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                     ffi::AnyBuffer dq,
                     ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer dbias,
-                    ffi::AnyBuffer delta, const Options& opt) {
+                    ffi::AnyBuffer delta, const Attributes& opt) {
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
-  if (ffi::Error e = check_options(opt); e.failure()) return e;
+  if (ffi::Error e = check_attributes(opt); e.failure()) return e;
   const ffi::DataType f32 = ffi::DataType::F32;
   for (auto [what, buffer, dtype, shape] :
        {std::make_tuple("o", o, p.dtype, p.q_shape()),
@@ -576,17 +571,14 @@ ffi::Error forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
                            ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> row_max,
                            ffi::Result<ffi::AnyBuffer> log_sum,
-                           ffi::Result<ffi::AnyBuffer> workspace, float scale, bool is_causal,
-                           int32_t window_left, int32_t window_right, bool bottom_right,
-                           bool has_q_lengths, bool has_kv_lengths, bool has_segment_ids,
-                           bool has_bias, bool has_mask, bool has_sinks, float logits_soft_cap) {
-  const Options options{scale,         is_causal,       window_left, window_right,
-                        bottom_right,  has_q_lengths,   has_kv_lengths, has_segment_ids,
-                        has_bias,      has_mask,        has_sinks,   logits_soft_cap};
+                           ffi::Result<ffi::AnyBuffer> workspace, Attributes attributes) {
+  if (attributes.bias_grad) {
+    return invalid("bias_grad is the backward's attribute (the forward has no dbias result)");
+  }
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
-  return forward(device, q, k, v, rest, *o, *lse, *row_max, *log_sum, *workspace, options);
+  return forward(device, q, k, v, rest, *o, *lse, *row_max, *log_sum, *workspace, attributes);
 }
 
 template <Device* (*GetDevice)(std::string*)>
@@ -595,72 +587,48 @@ ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
                             ffi::AnyBuffer d_o, ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
-                            ffi::Result<ffi::AnyBuffer> delta, float scale, bool is_causal,
-                            int32_t window_left, int32_t window_right, bool bottom_right,
-                            bool has_q_lengths, bool has_kv_lengths, bool has_segment_ids,
-                            bool has_bias, bool has_mask, bool has_sinks, float logits_soft_cap,
-                            bool bias_grad) {
-  const Options options{scale,         is_causal,       window_left, window_right,
-                        bottom_right,  has_q_lengths,   has_kv_lengths, has_segment_ids,
-                        has_bias,      has_mask,        has_sinks,   logits_soft_cap,
-                        bias_grad};
-  if (bias_grad && !has_bias) return invalid("bias_grad needs has_bias (a bias operand)");
+                            ffi::Result<ffi::AnyBuffer> delta, Attributes attributes) {
+  if (attributes.bias_grad && !attributes.has_bias) {
+    return invalid("bias_grad needs has_bias (a bias operand)");
+  }
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
   return backward(device, q, k, v, o, row_max, log_sum, d_o, g_lse, rest, *dq, *dk, *dv, *dbias,
-                  *delta,
-                  options);
-}
-
-template <typename B>
-auto with_attributes(B binding) {
-  return std::move(binding)
-      .template Attr<float>("scale")
-      .template Attr<bool>("is_causal")
-      .template Attr<int32_t>("window_left")
-      .template Attr<int32_t>("window_right")
-      .template Attr<bool>("bottom_right")
-      .template Attr<bool>("has_q_lengths")
-      .template Attr<bool>("has_kv_lengths")
-      // The optional features of the contract in attention_ffi.h.
-      .template Attr<bool>("has_segment_ids")
-      .template Attr<bool>("has_bias")
-      .template Attr<bool>("has_mask")
-      .template Attr<bool>("has_sinks")
-      .template Attr<float>("logits_soft_cap");
+                  *delta, attributes);
 }
 
 auto forward_binding() {
-  return with_attributes(ffi::Ffi::Bind()
-                             .Arg<ffi::AnyBuffer>()  // q
-                             .Arg<ffi::AnyBuffer>()  // k
-                             .Arg<ffi::AnyBuffer>()  // v
-                             .RemainingArgs()        // the optional operands (attention_ffi.h)
-                             .Ret<ffi::AnyBuffer>()  // o
-                             .Ret<ffi::AnyBuffer>()  // lse
-                             .Ret<ffi::AnyBuffer>()  // row_max
-                             .Ret<ffi::AnyBuffer>()  // log_sum
-                             .Ret<ffi::AnyBuffer>());  // workspace (decode)
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()  // q
+      .Arg<ffi::AnyBuffer>()  // k
+      .Arg<ffi::AnyBuffer>()  // v
+      .RemainingArgs()        // the optional operands (attention_ffi.h)
+      .Ret<ffi::AnyBuffer>()  // o
+      .Ret<ffi::AnyBuffer>()  // lse
+      .Ret<ffi::AnyBuffer>()  // row_max
+      .Ret<ffi::AnyBuffer>()  // log_sum
+      .Ret<ffi::AnyBuffer>()  // workspace (decode)
+      .Attrs<Attributes>();
 }
 
 auto backward_binding() {
-  return with_attributes(ffi::Ffi::Bind()
-                             .Arg<ffi::AnyBuffer>()  // q
-                             .Arg<ffi::AnyBuffer>()  // k
-                             .Arg<ffi::AnyBuffer>()  // v
-                             .Arg<ffi::AnyBuffer>()  // o
-                             .Arg<ffi::AnyBuffer>()  // row_max
-                             .Arg<ffi::AnyBuffer>()  // log_sum
-                             .Arg<ffi::AnyBuffer>()  // do
-                             .Arg<ffi::AnyBuffer>()  // g_lse
-                             .RemainingArgs()        // the optional operands (attention_ffi.h)
-                             .Ret<ffi::AnyBuffer>()  // dq
-                             .Ret<ffi::AnyBuffer>()  // dk
-                             .Ret<ffi::AnyBuffer>()  // dv
-                             .Ret<ffi::AnyBuffer>()  // dbias ([0] without bias_grad)
-                             .Ret<ffi::AnyBuffer>())  // delta (workspace)
-      .Attr<bool>("bias_grad");
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()  // q
+      .Arg<ffi::AnyBuffer>()  // k
+      .Arg<ffi::AnyBuffer>()  // v
+      .Arg<ffi::AnyBuffer>()  // o
+      .Arg<ffi::AnyBuffer>()  // row_max
+      .Arg<ffi::AnyBuffer>()  // log_sum
+      .Arg<ffi::AnyBuffer>()  // do
+      .Arg<ffi::AnyBuffer>()  // g_lse
+      .RemainingArgs()        // the optional operands (attention_ffi.h)
+      .Ret<ffi::AnyBuffer>()  // dq
+      .Ret<ffi::AnyBuffer>()  // dk
+      .Ret<ffi::AnyBuffer>()  // dv
+      .Ret<ffi::AnyBuffer>()  // dbias ([0] without bias_grad)
+      .Ret<ffi::AnyBuffer>()  // delta (workspace)
+      .Attrs<Attributes>();
 }
 
 Device* get_emulated_device(std::string*) { return &emulated_device(); }
@@ -674,115 +642,6 @@ Device* get_metal_device(std::string* why) {
 #endif
 
 }  // namespace
-
-std::vector<std::string> bwd_stages(int head_dim) {
-  if (jfm_bwd_split_dkdv(head_dim)) return {"bwd_dq", "bwd_dk", "bwd_dv"};
-  return {"bwd_dq", "bwd_dkdv"};
-}
-
-bool decode_is_vector(int64_t q_len, int64_t heads, int64_t kv_heads, int64_t head_dim) {
-  return kv_heads > 0 &&
-         heads / kv_heads * q_len <= jfm_decode_vector_rows(static_cast<int>(head_dim));
-}
-
-int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, int64_t kv_len,
-                      int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores) {
-  const int rows = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, element_bytes(dtype_suffix),
-                                 static_cast<int>(head_dim));
-  if (q_len < 1 || q_len > JFM_DECODE_MAX_Q_LEN || kv_heads < 1 || kv_len < 1 || batch < 1 ||
-      heads / kv_heads * q_len > rows) {
-    return 0;
-  }
-  return jfm_decode_splits(static_cast<long>(batch * kv_heads), static_cast<long>(kv_len),
-                           gpu_cores, decode_is_vector(q_len, heads, kv_heads, head_dim));
-}
-
-int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t head_dim,
-                                  int64_t splits) {
-  return splits * batch * heads * q_len * (head_dim + 2);  // kv_heads * G * q_len rows
-}
-
-std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
-                                         int64_t q_len, int64_t kv_len, int64_t heads,
-                                         int64_t kv_heads, int64_t head_dim, int gpu_cores) {
-  const int bytes = element_bytes(dtype_suffix);
-  auto stage = [&](const char* name, int64_t rows, int64_t stage_heads,
-                   double multiply_adds_per_row) {
-    StageShape s;
-    s.kernel = kernel_name(name, dtype_suffix, head_dim);
-    s.rows = rows;
-    s.heads = stage_heads;
-    s.batch = batch;
-    TileShape shape{};
-    tile_shape(name, bytes, static_cast<int>(head_dim), &shape);
-    s.rows_per_group = static_cast<uint32_t>(shape.rows);
-    s.threads = static_cast<uint32_t>(shape.threads);
-    s.multiply_adds_per_group = multiply_adds_per_row * s.rows_per_group;
-    return s;
-  };
-  const double d = static_cast<double>(head_dim), tq = static_cast<double>(q_len),
-               tkv = static_cast<double>(kv_len),
-               group = kv_heads > 0 ? static_cast<double>(heads / kv_heads) : 0.0;
-  const int64_t splits = backward ? 0
-                                  : decode_splits(dtype_suffix, batch, q_len, kv_len, heads,
-                                                  kv_heads, head_dim, gpu_cores);
-  if (splits > 0) {
-    // Pass 1: a split of the keys for one tile of rows (the vector kernel: the rows only);
-    // pass 2: one row over every split.
-    const bool vector = decode_is_vector(q_len, heads, kv_heads, head_dim);
-    const int family = vector ? JFM_KERNEL_DECODE_VECTOR : JFM_KERNEL_DECODE_PARTIAL;
-    const double tile_rows =
-        vector ? group * q_len : jfm_tile_rows(family, bytes, static_cast<int>(head_dim));
-    const double chunk = std::ceil(tkv / static_cast<double>(splits)) +
-                         jfm_tile_cols(family, bytes, static_cast<int>(head_dim));
-    StageShape partial = stage(vector ? "decode_vector" : "decode_partial", splits, kv_heads, 0);
-    partial.rows_per_group = 1;  // grid x: one split per threadgroup
-    partial.multiply_adds_per_group = 2 * chunk * d * tile_rows;
-    StageShape combine = stage("decode_combine", group * q_len, kv_heads, 2 * splits * d);
-    return {partial, combine};
-  }
-  if (!backward) return {stage("fwd", q_len, heads, 2 * tkv * d)};  // Q·K^T and P·V
-  const std::vector<std::string> names = bwd_stages(static_cast<int>(head_dim));
-  // D (the diagonal of an 8x8 dO·O^T per row band), S, dP and dS·K
-  std::vector<StageShape> stages = {stage("bwd_dq", q_len, heads, (3 * tkv + 8) * d)};
-  for (size_t n = 1; n < names.size(); ++n) {
-    // S^T, then dP^T and dS^T·Q for dK, P^T·dO for dV
-    const double products = names[n] == "bwd_dkdv" ? 4 : names[n] == "bwd_dk" ? 3 : 2;
-    stages.push_back(stage(names[n].c_str(), kv_len, kv_heads, products * tq * group * d));
-  }
-  return stages;
-}
-
-// The kernel families of tile_shapes.h by stage name.
-constexpr std::pair<const char*, int> kStageKernels[] = {
-    {"fwd", JFM_KERNEL_FWD},
-    {"bwd_dq", JFM_KERNEL_BWD_DQ},
-    {"bwd_dkdv", JFM_KERNEL_BWD_DKDV},
-    {"bwd_dk", JFM_KERNEL_BWD_DK},
-    {"bwd_dv", JFM_KERNEL_BWD_DV},
-    {"decode_partial", JFM_KERNEL_DECODE_PARTIAL},
-    {"decode_combine", JFM_KERNEL_DECODE_COMBINE},
-    {"decode_vector", JFM_KERNEL_DECODE_VECTOR}};
-
-int element_bytes(const std::string& dtype_suffix) {
-  return dtype_suffix == "f32" ? 4 : dtype_suffix == "f16" || dtype_suffix == "bf16" ? 2 : 0;
-}
-
-bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape) {
-  for (const auto& [name, family] : kStageKernels) {
-    if (stage != name) continue;
-    *shape = TileShape{jfm_tile_rows(family, element_bytes, head_dim),
-                       jfm_tile_cols(family, element_bytes, head_dim),
-                       jfm_tile_simdgroups(family, element_bytes, head_dim),
-                       jfm_tile_threads(family, element_bytes, head_dim),
-                       family == JFM_KERNEL_FWD &&
-                           jfm_fwd_q_in_registers(element_bytes, head_dim),
-                       family == JFM_KERNEL_FWD && jfm_fwd_kv_one_buffer(element_bytes, head_dim),
-                       jfm_tile_registers(family, element_bytes, head_dim)};
-    return true;
-  }
-  return false;
-}
 
 }  // namespace jfm
 

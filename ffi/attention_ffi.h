@@ -23,10 +23,7 @@
 //                   float32 [B,H,Tq] (workspace for D_i = rowsum(dO*O) - g_lse_i; the lowering
 //                   allocates it as an XLA result so its memory is planned by XLA and shows in
 //                   memory_analysis)
-// Attributes (exact types): scale f32, is_causal i1, window_left i32, window_right i32
-//   (-1 = unbounded), bottom_right i1, has_q_lengths i1, has_kv_lengths i1, has_segment_ids i1,
-//   has_bias i1, has_mask i1, has_sinks i1, logits_soft_cap f32 (0 = no cap); the backward
-//   also bias_grad i1 (needs has_bias).
+// Attributes: JFM_FFI_ATTRIBUTES below, the same for both targets, each of its exact type.
 // q, k, v (and o, do, dq, dk, dv) share one dtype: f32, f16 or bf16.
 //
 // Optional features (docs/design.md#scores; shaders/flash_attention_features.h). The contract below
@@ -64,11 +61,52 @@
 #define JAX_FLASH_METAL_ATTENTION_FFI_H_
 
 #include <cstdint>
-#include <string>
-#include <vector>
 
-#include "dispatch_plan.h"
 #include "xla/ffi/api/api.h"
+
+// The static attributes of both targets, once: X(C++ type, name) each, with float = f32,
+// int32_t = i32 and bool = i1 (pred). Both handlers decode them into one jfm::Attributes
+// (attention_ffi.cc), the extension lists them (_ext.ffi_attributes()) and the Python lowering
+// builds its attribute dict from that list (ffi_lowering._attributes), so a lowering and a
+// handler cannot disagree. To add an attribute: one line here, its static parameter in
+// jax_flash_metal/contract.py (a StaticParams field, not in HOST_ONLY_PARAMS; tests/test_ffi.py
+// checks the two lists agree), and its use in the handlers (make_params in attention_ffi.cc
+// copies attributes into AttentionParams).
+//   scale            f32   multiplies q.k
+//   is_causal        i1
+//   window_left      i32   keys visible before a query's diagonal; -1 = unbounded
+//   window_right     i32   keys visible after it; -1 = unbounded
+//   bottom_right     i1    the diagonal (and window) aligned to the bottom-right corner
+//   has_*            i1    which optional operands follow the main ones (see below)
+//   logits_soft_cap  f32   c of c * tanh(score / c); 0 = no cap
+//   bias_grad        i1    backward only (false on the forward): the dbias result is wanted;
+//                          needs has_bias
+#define JFM_FFI_ATTRIBUTES(X) \
+  X(float, scale)             \
+  X(bool, is_causal)          \
+  X(int32_t, window_left)     \
+  X(int32_t, window_right)    \
+  X(bool, bottom_right)       \
+  X(bool, has_q_lengths)      \
+  X(bool, has_kv_lengths)     \
+  X(bool, has_segment_ids)    \
+  X(bool, has_bias)           \
+  X(bool, has_mask)           \
+  X(bool, has_sinks)          \
+  X(float, logits_soft_cap)   \
+  X(bool, bias_grad)
+
+namespace jfm {
+
+// The attributes of a call, decoded by XLA (XLA_FFI_REGISTER_STRUCT_ATTR_DECODING): one field
+// per JFM_FFI_ATTRIBUTES entry, in its order.
+struct Attributes {
+#define JFM_ATTRIBUTE_FIELD(type, name) type name;
+  JFM_FFI_ATTRIBUTES(JFM_ATTRIBUTE_FIELD)
+#undef JFM_ATTRIBUTE_FIELD
+};
+
+}  // namespace jfm
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionFwdEmulator);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionBwdEmulator);
@@ -76,57 +114,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionBwdEmulator);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionFwdMetal);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfmAttentionBwdMetal);
 #endif
-
-namespace jfm {
-
-// The kernels a call runs, in order, with their grids and estimated work: forward the fwd
-// kernel, or for a decode call (decode_splits > 0) its pass 1 (decode_vector where
-// decode_is_vector, else decode_partial) then decode_combine; backward
-// bwd_stages: bwd_dq (and D), bwd_dkdv or bwd_dk, bwd_dv. The handlers cut these into
-// submissions with plan_submissions (dispatch_plan.h); tests read them through _ext.
-std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
-                                         int64_t q_len, int64_t kv_len, int64_t heads,
-                                         int64_t kv_heads, int64_t head_dim, int gpu_cores);
-
-// Whether a decode call's pass 1 is the vector kernel: its (heads / kv_heads) * q_len rows of
-// one KV head are at most jfm_decode_vector_rows (tile_shapes.h).
-bool decode_is_vector(int64_t q_len, int64_t heads, int64_t kv_heads, int64_t head_dim);
-
-// The decode's key splits per (batch, kv head) on a GPU of `gpu_cores` cores, or 0 when the
-// forward runs the tiled kernel: decode needs 1 <= q_len <= JFM_DECODE_MAX_Q_LEN and the
-// (heads / kv_heads) * q_len rows of one KV head within one pass-1 tile (tile_shapes.h); the
-// vector pass 1 has its own split rule. The lowering sizes the forward's workspace result with
-// it (through _ext), the handler checks it.
-int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, int64_t kv_len,
-                      int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores);
-
-// float32 elements of the decode workspace: [batch, kv_heads, splits, G * q_len, head_dim + 2]
-// (partial O, then m and l, per row; kv_heads * G = heads); 0 when splits is 0.
-int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t head_dim,
-                                  int64_t splits);
-
-// One kernel family's dispatch shape from shaders/tile_shapes.h: rows per threadgroup, block size
-// of the traversed dimension, simdgroups and threads per threadgroup, (forward only) whether
-// Q stays in registers and whether K and V share one threadgroup buffer, and the estimated live
-// 32-bit registers per thread (jfm_tile_registers).
-struct TileShape {
-  int rows, cols, simdgroups, threads;
-  bool q_in_registers, kv_one_buffer;
-  int registers;
-};
-
-// The shape for stage "fwd", "bwd_dq", "bwd_dkdv", "bwd_dk", "bwd_dv", "decode_partial",
-// "decode_combine" or "decode_vector" (the stage part of a kernel name), element size in bytes
-// (4 or 2) and head dim; false for an unknown stage.
-bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape);
-
-// Bytes per element of a dtype suffix: 4 for "f32", 2 for "f16" / "bf16", 0 for anything else.
-int element_bytes(const std::string& dtype_suffix);
-
-// The backward stages in dispatch order: bwd_dq (which also writes delta), then bwd_dkdv, or
-// bwd_dk and bwd_dv for the widest heads (tile_shapes.h).
-std::vector<std::string> bwd_stages(int head_dim);
-
-}  // namespace jfm
 
 #endif  // JAX_FLASH_METAL_ATTENTION_FFI_H_

@@ -5,13 +5,21 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "device.h"
+#include "tile_shapes.h"
 
 namespace jfm {
 namespace {
 
 std::atomic<double> g_budget_seconds{0.1};
+
+std::string kernel_name(const char* stage, const char* suffix, int64_t head_dim) {
+  return std::string("flash_attention_") + stage + "_" + suffix + "_d" + std::to_string(head_dim);
+}
 
 // Cuts one stage's grid into boxes of at most `per_chunk` threadgroups (at least one).
 void chunk_stage(size_t index, const StageShape& s, int64_t per_chunk, std::vector<Chunk>* out) {
@@ -113,5 +121,114 @@ double set_submission_budget_seconds(double seconds) {
 }
 
 double submission_budget_seconds() { return g_budget_seconds.load(); }
+
+std::vector<std::string> bwd_stages(int head_dim) {
+  if (jfm_bwd_split_dkdv(head_dim)) return {"bwd_dq", "bwd_dk", "bwd_dv"};
+  return {"bwd_dq", "bwd_dkdv"};
+}
+
+bool decode_is_vector(int64_t q_len, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  return kv_heads > 0 &&
+         heads / kv_heads * q_len <= jfm_decode_vector_rows(static_cast<int>(head_dim));
+}
+
+int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, int64_t kv_len,
+                      int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores) {
+  const int rows = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, element_bytes(dtype_suffix),
+                                 static_cast<int>(head_dim));
+  if (q_len < 1 || q_len > JFM_DECODE_MAX_Q_LEN || kv_heads < 1 || kv_len < 1 || batch < 1 ||
+      heads / kv_heads * q_len > rows) {
+    return 0;
+  }
+  return jfm_decode_splits(static_cast<long>(batch * kv_heads), static_cast<long>(kv_len),
+                           gpu_cores, decode_is_vector(q_len, heads, kv_heads, head_dim));
+}
+
+int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t head_dim,
+                                  int64_t splits) {
+  return splits * batch * heads * q_len * (head_dim + 2);  // kv_heads * G * q_len rows
+}
+
+std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
+                                         int64_t q_len, int64_t kv_len, int64_t heads,
+                                         int64_t kv_heads, int64_t head_dim, int gpu_cores) {
+  const int bytes = element_bytes(dtype_suffix);
+  auto stage = [&](const char* name, int64_t rows, int64_t stage_heads,
+                   double multiply_adds_per_row) {
+    StageShape s;
+    s.kernel = kernel_name(name, dtype_suffix, head_dim);
+    s.rows = rows;
+    s.heads = stage_heads;
+    s.batch = batch;
+    TileShape shape{};
+    tile_shape(name, bytes, static_cast<int>(head_dim), &shape);
+    s.rows_per_group = static_cast<uint32_t>(shape.rows);
+    s.threads = static_cast<uint32_t>(shape.threads);
+    s.multiply_adds_per_group = multiply_adds_per_row * s.rows_per_group;
+    return s;
+  };
+  const double d = static_cast<double>(head_dim), tq = static_cast<double>(q_len),
+               tkv = static_cast<double>(kv_len),
+               group = kv_heads > 0 ? static_cast<double>(heads / kv_heads) : 0.0;
+  const int64_t splits = backward ? 0
+                                  : decode_splits(dtype_suffix, batch, q_len, kv_len, heads,
+                                                  kv_heads, head_dim, gpu_cores);
+  if (splits > 0) {
+    // Pass 1: a split of the keys for one tile of rows (the vector kernel: the rows only);
+    // pass 2: one row over every split.
+    const bool vector = decode_is_vector(q_len, heads, kv_heads, head_dim);
+    const int family = vector ? JFM_KERNEL_DECODE_VECTOR : JFM_KERNEL_DECODE_PARTIAL;
+    const double tile_rows =
+        vector ? group * q_len : jfm_tile_rows(family, bytes, static_cast<int>(head_dim));
+    const double chunk = std::ceil(tkv / static_cast<double>(splits)) +
+                         jfm_tile_cols(family, bytes, static_cast<int>(head_dim));
+    StageShape partial = stage(vector ? "decode_vector" : "decode_partial", splits, kv_heads, 0);
+    partial.rows_per_group = 1;  // grid x: one split per threadgroup
+    partial.multiply_adds_per_group = 2 * chunk * d * tile_rows;
+    StageShape combine = stage("decode_combine", group * q_len, kv_heads, 2 * splits * d);
+    return {partial, combine};
+  }
+  if (!backward) return {stage("fwd", q_len, heads, 2 * tkv * d)};  // Q·K^T and P·V
+  const std::vector<std::string> names = bwd_stages(static_cast<int>(head_dim));
+  // D (the diagonal of an 8x8 dO·O^T per row band), S, dP and dS·K
+  std::vector<StageShape> stages = {stage("bwd_dq", q_len, heads, (3 * tkv + 8) * d)};
+  for (size_t n = 1; n < names.size(); ++n) {
+    // S^T, then dP^T and dS^T·Q for dK, P^T·dO for dV
+    const double products = names[n] == "bwd_dkdv" ? 4 : names[n] == "bwd_dk" ? 3 : 2;
+    stages.push_back(stage(names[n].c_str(), kv_len, kv_heads, products * tq * group * d));
+  }
+  return stages;
+}
+
+// The kernel families of tile_shapes.h by stage name.
+constexpr std::pair<const char*, int> kStageKernels[] = {
+    {"fwd", JFM_KERNEL_FWD},
+    {"bwd_dq", JFM_KERNEL_BWD_DQ},
+    {"bwd_dkdv", JFM_KERNEL_BWD_DKDV},
+    {"bwd_dk", JFM_KERNEL_BWD_DK},
+    {"bwd_dv", JFM_KERNEL_BWD_DV},
+    {"decode_partial", JFM_KERNEL_DECODE_PARTIAL},
+    {"decode_combine", JFM_KERNEL_DECODE_COMBINE},
+    {"decode_vector", JFM_KERNEL_DECODE_VECTOR}};
+
+int element_bytes(const std::string& dtype_suffix) {
+  return dtype_suffix == "f32" ? 4 : dtype_suffix == "f16" || dtype_suffix == "bf16" ? 2 : 0;
+}
+
+bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape) {
+  for (const auto& [name, family] : kStageKernels) {
+    if (stage != name) continue;
+    *shape = TileShape{jfm_tile_rows(family, element_bytes, head_dim),
+                       jfm_tile_cols(family, element_bytes, head_dim),
+                       jfm_tile_simdgroups(family, element_bytes, head_dim),
+                       jfm_tile_threads(family, element_bytes, head_dim),
+                       family == JFM_KERNEL_FWD &&
+                           jfm_fwd_q_in_registers(element_bytes, head_dim),
+                       family == JFM_KERNEL_FWD && jfm_fwd_kv_one_buffer(element_bytes, head_dim),
+                       jfm_tile_registers(family, element_bytes, head_dim)};
+    return true;
+  }
+  return false;
+}
 
 }  // namespace jfm

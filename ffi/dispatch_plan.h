@@ -1,7 +1,9 @@
-// The dispatch plan shared by both devices: each stage's grid of threadgroups is cut into chunks
-// (batch, head and row-block offsets in AttentionParams) and the chunks, stage by stage, are
-// packed into submissions (command buffers) whose estimated GPU time stays within a budget, so
-// that no command buffer runs long enough to trip the GPU watchdog.
+// The dispatch plan shared by both devices, in two steps. Stage planning: the kernels a call
+// runs, in order, with their grids and estimated work (attention_stages, from the tile shapes of
+// shaders/tile_shapes.h; the decode's key splits). Submissions: each stage's grid of threadgroups
+// is cut into chunks (batch, head and row-block offsets in AttentionParams) and the chunks, stage
+// by stage, are packed into submissions (command buffers) whose estimated GPU time stays within
+// a budget, so that no command buffer runs long enough to trip the GPU watchdog.
 #ifndef JAX_FLASH_METAL_DISPATCH_PLAN_H_
 #define JAX_FLASH_METAL_DISPATCH_PLAN_H_
 
@@ -66,6 +68,54 @@ std::vector<ChunkedSubmission> plan_for(Device& device, const std::vector<StageS
 // previous value; tests set a tiny budget to force splits.
 double set_submission_budget_seconds(double seconds);
 double submission_budget_seconds();
+
+// The kernels a call runs, in order, with their grids and estimated work: forward the fwd
+// kernel, or for a decode call (decode_splits > 0) its pass 1 (decode_vector where
+// decode_is_vector, else decode_partial) then decode_combine; backward
+// bwd_stages: bwd_dq (and D), bwd_dkdv or bwd_dk, bwd_dv. The handlers cut these into
+// submissions with plan_submissions (dispatch_plan.h); tests read them through _ext.
+std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
+                                         int64_t q_len, int64_t kv_len, int64_t heads,
+                                         int64_t kv_heads, int64_t head_dim, int gpu_cores);
+
+// Whether a decode call's pass 1 is the vector kernel: its (heads / kv_heads) * q_len rows of
+// one KV head are at most jfm_decode_vector_rows (tile_shapes.h).
+bool decode_is_vector(int64_t q_len, int64_t heads, int64_t kv_heads, int64_t head_dim);
+
+// The decode's key splits per (batch, kv head) on a GPU of `gpu_cores` cores, or 0 when the
+// forward runs the tiled kernel: decode needs 1 <= q_len <= JFM_DECODE_MAX_Q_LEN and the
+// (heads / kv_heads) * q_len rows of one KV head within one pass-1 tile (tile_shapes.h); the
+// vector pass 1 has its own split rule. The lowering sizes the forward's workspace result with
+// it (through _ext), the handler checks it.
+int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, int64_t kv_len,
+                      int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores);
+
+// float32 elements of the decode workspace: [batch, kv_heads, splits, G * q_len, head_dim + 2]
+// (partial O, then m and l, per row; kv_heads * G = heads); 0 when splits is 0.
+int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t head_dim,
+                                  int64_t splits);
+
+// One kernel family's dispatch shape from shaders/tile_shapes.h: rows per threadgroup, block size
+// of the traversed dimension, simdgroups and threads per threadgroup, (forward only) whether
+// Q stays in registers and whether K and V share one threadgroup buffer, and the estimated live
+// 32-bit registers per thread (jfm_tile_registers).
+struct TileShape {
+  int rows, cols, simdgroups, threads;
+  bool q_in_registers, kv_one_buffer;
+  int registers;
+};
+
+// The shape for stage "fwd", "bwd_dq", "bwd_dkdv", "bwd_dk", "bwd_dv", "decode_partial",
+// "decode_combine" or "decode_vector" (the stage part of a kernel name), element size in bytes
+// (4 or 2) and head dim; false for an unknown stage.
+bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape);
+
+// Bytes per element of a dtype suffix: 4 for "f32", 2 for "f16" / "bf16", 0 for anything else.
+int element_bytes(const std::string& dtype_suffix);
+
+// The backward stages in dispatch order: bwd_dq (which also writes delta), then bwd_dkdv, or
+// bwd_dk and bwd_dv for the widest heads (tile_shapes.h).
+std::vector<std::string> bwd_stages(int head_dim);
 
 }  // namespace jfm
 

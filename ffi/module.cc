@@ -17,6 +17,7 @@
 
 #include "attention_ffi.h"
 #include "device.h"
+#include "dispatch_plan.h"
 #include "emulator_profile.h"
 #include "shader_sources.h"
 
@@ -26,6 +27,7 @@ namespace jfm {
 void bind_emulator(nb::module_& m);                // ffi/emulator/bindings.cc
 nb::dict profile_to_dict(const emu::Profile& p);  // ffi/emulator/bindings.cc
 emu::Arg bind_array(int index, nb::handle array); // ffi/emulator/bindings.cc
+void bind_testing(nb::module_& m);                 // ffi/testing_bindings.cc
 
 namespace {
 
@@ -42,8 +44,6 @@ Device& device_named(const std::string& implementation) {
 }
 
 using Dim3 = std::tuple<uint32_t, uint32_t, uint32_t>;
-// A dispatch for _mark_barriers: its kernel and its host ranges (address, bytes, written).
-using RangesOf = std::pair<std::string, std::vector<std::tuple<uint64_t, uint64_t, bool>>>;
 
 // One dispatch of `kernel` on the device behind `implementation`, through Device::run (on Metal:
 // compiled from the embedded sources, buffers wrapped or staged as the FFI handlers' are).
@@ -80,6 +80,7 @@ void run_kernel(const std::string& implementation, const std::string& kernel, nb
   if (!error.empty()) throw std::runtime_error(error);
 }
 
+// The devices: FFI targets, availability, kernels, shader sources and one-off kernel runs.
 void bind_devices(nb::module_& m) {
   m.def(
       "ffi_targets",
@@ -99,6 +100,18 @@ void bind_devices(nb::module_& m) {
       },
       "dict[str, PyCapsule]: XLA FFI handlers (api_version 1) of this build, by target name "
       "jax_flash_metal_attention_{fwd,bwd}_{emulator,metal}; metal ones only in macOS builds.");
+  m.def(
+      "ffi_attributes",
+      [] {
+        std::vector<std::pair<std::string, std::string>> attributes;
+#define JFM_ATTRIBUTE_ENTRY(type, name) attributes.emplace_back(#name, #type);
+        JFM_FFI_ATTRIBUTES(JFM_ATTRIBUTE_ENTRY)
+#undef JFM_ATTRIBUTE_ENTRY
+        return attributes;
+      },
+      "list[tuple[str, str]]: the static attributes of every FFI target, in order, as (name, C++ "
+      "type): float is f32, int32_t i32, bool pred (JFM_FFI_ATTRIBUTES in ffi/attention_ffi.h). "
+      "The lowering builds its attributes from this list.");
   m.def(
       "metal_available",
       [] {
@@ -183,17 +196,75 @@ void bind_devices(nb::module_& m) {
       "process-wide total: read it before and after a call (blocked until ready) for that call's "
       "GPU time, exact when no other Metal call runs concurrently. ValueError if that device is "
       "unavailable.");
-  m.def("_metal_gate", &apple_gpu_gate, nb::arg("name"), nb::arg("apple7"),
-        nb::arg("unified_memory"), nb::arg("simd_width"),
-        "The Metal device's GPU requirement (GPU family Apple7+, unified memory, 32-wide "
-        "simdgroups) applied to these traits: '' when they qualify, else why not.");
-#ifdef JFM_HAVE_METAL
   m.def(
-      "_set_metal_fault", [](const std::string& kernel) { set_metal_fault(kernel); },
+      "shader_sources",
+      [] {
+        nb::dict sources;
+        for (const ShaderSource& s : shader_sources()) {
+          sources[s.file] = nb::str(s.text, s.size);
+        }
+        return sources;
+      },
+      "dict[str, str]: the embedded shaders/*.metal sources (quoted includes inlined) that the "
+      "Metal device compiles at run time.");
+  m.def(
+      "kernel_families",
+      [] {
+        std::vector<std::pair<std::string, int>> families;
+        for (const KernelFamily& f : kernel_families()) families.emplace_back(f.suffix, f.head_dim);
+        return families;
+      },
+      "list[tuple[str, int]]: every (dtype suffix, head dim) family the kernels are instantiated "
+      "for, in order (shaders/kernel_families.h): 'f32', 'f16', 'bf16', each with every head "
+      "dim.");
+  m.def(
+      "shader_library",
+      [](const std::string& kernel) {
+        const std::vector<ShaderSource> sources = shader_sources();
+        const ShaderLibrary library = shader_library(sources, kernel);
+        if (library.source == nullptr) {
+          throw nb::value_error(("no embedded shader source defines '" + kernel + "'").c_str());
+        }
+        nb::dict macros;
+        for (const auto& [name, value] : library.macros) macros[name.c_str()] = value;
+        nb::dict d;
+        d["file"] = library.source->file;
+        d["family"] = library.family;
+        d["macros"] = macros;
+        return d;
+      },
       nb::arg("kernel"),
-      "Test hook: Metal command buffers holding this kernel are reported as failed ('' turns "
-      "it off).");
-#endif
+      "dict(file, family, macros): what the Metal device compiles to get `kernel`: the embedded "
+      "source file (shader_sources()[file]), its (element type, head dim) family such as "
+      "'half_64' ('' for the whole source) and the preprocessor macros {name: value} it passes "
+      "(MTLCompileOptions.preprocessorMacros). ValueError when no embedded source defines it.");
+  m.def("set_metal_debug", &set_metal_debug, nb::arg("on"),
+        "Metal debug mode for every later command buffer: encoder execution status and a "
+        "debug signpost per dispatch, so a failed command buffer names its encoder's status "
+        "(set from $JAX_FLASH_METAL_DEBUG on import; no effect without a Metal device).");
+  m.def("metal_debug", &metal_debug, "bool: whether the Metal debug mode is on.");
+  m.def(
+      "has_kernel",
+      [](const std::string& implementation, const std::string& kernel) {
+        Device& device = device_named(implementation);
+        nb::gil_scoped_release release;
+        return device.has_kernel(kernel);
+      },
+      nb::arg("implementation"), nb::arg("kernel"),
+      "bool: the device behind 'emulator' or 'metal' has this kernel; on Metal this compiles "
+      "the kernel's (source, dtype, head dim) library on first use, and library_error() says "
+      "why it failed. ValueError if that device is unavailable.");
+  m.def("run_kernel", &run_kernel, nb::arg("implementation"), nb::arg("kernel"),
+        nb::arg("buffers"), nb::arg("outputs"), nb::arg("groups"), nb::arg("group_size"),
+        "Runs one dispatch of `kernel` (e.g. the self-check's probe) on the device behind "
+        "'emulator' or 'metal' and waits for it. buffers: {index: NumPy array} (C-contiguous, "
+        "writeable), bound at [[buffer(index)]]; outputs: the indices the kernel writes (results "
+        "land in those arrays); groups, group_size: (x, y, z). RuntimeError with the device's "
+        "message; ValueError for an unavailable device or bad indices.");
+}
+
+// The emulated device's thread schedule and kernel profile.
+void bind_emulator_controls(nb::module_& m) {
   m.def(
       "set_emulator_schedule",
       [](const std::string& schedule, uint64_t seed) {
@@ -207,10 +278,6 @@ void bind_devices(nb::module_& m) {
       "emulator_schedule",
       [] { return nb::make_tuple(emulator_schedule_name(), emulator_schedule_seed()); },
       "(schedule: str, seed: int) currently used by the emulated device.");
-  m.def(
-      "_set_emulator_fault", [](const std::string& kernel) { set_emulator_fault(kernel); },
-      nb::arg("kernel"),
-      "Test hook: emulated runs of this kernel fail with a device error ('' turns it off).");
   m.def(
       "set_emulator_profiling",
       [](bool on) {
@@ -237,30 +304,10 @@ void bind_devices(nb::module_& m) {
       "list[dict]: one record per kernel launch since profiling was turned on, in launch "
       "order (kernel, groups, group_size and the counts of emulator.run(..., profile=True)); "
       "clears them.");
-  m.def(
-      "_mark_barriers",
-      [](const std::vector<RangesOf>& dispatches) {
-        Submission submission;
-        for (const auto& [kernel, ranges] : dispatches) {
-          Dispatch d;
-          d.kernel = kernel;
-          for (const auto& [address, size, written] : ranges) {
-            void* data = reinterpret_cast<void*>(static_cast<uintptr_t>(address));
-            d.buffers.push_back(Binding{0, data, static_cast<size_t>(size), written, false});
-          }
-          submission.push_back(std::move(d));
-        }
-        mark_barriers(&submission);
-        std::vector<bool> barriers;
-        for (const Dispatch& d : submission) barriers.push_back(d.barrier_before);
-        return barriers;
-      },
-      nb::arg("dispatches"),
-      "Test hook: mark_barriers (ffi/dispatch_plan.h) on dispatches given as (kernel, [(address, "
-      "bytes, written), ...]); returns each dispatch's barrier_before.");
-  m.def("_set_submission_budget", &set_submission_budget_seconds, nb::arg("seconds"),
-        "Test hook: estimated GPU time per submission (command buffer), in seconds, before a "
-        "call is split by batch, head and row block; returns the previous value.");
+}
+
+// The dispatch plan the handlers use (dispatch_plan.h), read by the lowering and the tests.
+void bind_planning(nb::module_& m) {
   m.def(
       "dispatch_plan",
       [](const std::string& direction, const std::string& dtype, int64_t batch, int64_t q_len,
@@ -305,38 +352,6 @@ void bind_devices(nb::module_& m) {
       "multiply_adds (estimate)}. Dispatch x covers row blocks block_offset.., y heads "
       "head_offset.., z batch elements batch_offset... ValueError for bad names.");
   m.def(
-      "shader_sources",
-      [] {
-        nb::dict sources;
-        for (const ShaderSource& s : shader_sources()) {
-          sources[s.file] = nb::str(s.text, s.size);
-        }
-        return sources;
-      },
-      "dict[str, str]: the embedded shaders/*.metal sources (quoted includes inlined) that the "
-      "Metal device compiles at run time.");
-  m.def(
-      "shader_library",
-      [](const std::string& kernel) {
-        const std::vector<ShaderSource> sources = shader_sources();
-        const ShaderLibrary library = shader_library(sources, kernel);
-        if (library.source == nullptr) {
-          throw nb::value_error(("no embedded shader source defines '" + kernel + "'").c_str());
-        }
-        nb::dict macros;
-        for (const auto& [name, value] : library.macros) macros[name.c_str()] = value;
-        nb::dict d;
-        d["file"] = library.source->file;
-        d["family"] = library.family;
-        d["macros"] = macros;
-        return d;
-      },
-      nb::arg("kernel"),
-      "dict(file, family, macros): what the Metal device compiles to get `kernel`: the embedded "
-      "source file (shader_sources()[file]), its (element type, head dim) family such as "
-      "'half_64' ('' for the whole source) and the preprocessor macros {name: value} it passes "
-      "(MTLCompileOptions.preprocessorMacros). ValueError when no embedded source defines it.");
-  m.def(
       "decode_splits",
       [](const std::string& dtype, int64_t batch, int64_t q_len, int64_t kv_len,
          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -366,32 +381,6 @@ void bind_devices(nb::module_& m) {
   m.def("gpu_cores_by_name", &gpu_cores_by_name, nb::arg("name"),
         "int: the core-count table of the Metal device (largest configuration per chip; 10 for "
         "an unknown name).");
-  m.def("_gpu_core_count", &gpu_core_count, nb::arg("registry_cores"), nb::arg("name"),
-        "int: the Metal device's rule: the IORegistry's gpu-core-count when plausible (1 to "
-        "1024; 0 = could not be read), else gpu_cores_by_name(name).");
-  m.def("set_metal_debug", &set_metal_debug, nb::arg("on"),
-        "Metal debug mode for every later command buffer: encoder execution status and a "
-        "debug signpost per dispatch, so a failed command buffer names its encoder's status "
-        "(set from $JAX_FLASH_METAL_DEBUG on import; no effect without a Metal device).");
-  m.def("metal_debug", &metal_debug, "bool: whether the Metal debug mode is on.");
-  m.def(
-      "has_kernel",
-      [](const std::string& implementation, const std::string& kernel) {
-        Device& device = device_named(implementation);
-        nb::gil_scoped_release release;
-        return device.has_kernel(kernel);
-      },
-      nb::arg("implementation"), nb::arg("kernel"),
-      "bool: the device behind 'emulator' or 'metal' has this kernel; on Metal this compiles "
-      "the kernel's (source, dtype, head dim) library on first use, and library_error() says "
-      "why it failed. ValueError if that device is unavailable.");
-  m.def("run_kernel", &run_kernel, nb::arg("implementation"), nb::arg("kernel"),
-        nb::arg("buffers"), nb::arg("outputs"), nb::arg("groups"), nb::arg("group_size"),
-        "Runs one dispatch of `kernel` (e.g. the self-check's probe) on the device behind "
-        "'emulator' or 'metal' and waits for it. buffers: {index: NumPy array} (C-contiguous, "
-        "writeable), bound at [[buffer(index)]]; outputs: the indices the kernel writes (results "
-        "land in those arrays); groups, group_size: (x, y, z). RuntimeError with the device's "
-        "message; ValueError for an unavailable device or bad indices.");
   m.def("bwd_stages", &bwd_stages, nb::arg("head_dim"),
         "list[str]: the backward kernel stages the host dispatches, in order: 'bwd_dq' (which "
         "also writes D), then 'bwd_dkdv', or 'bwd_dk' and 'bwd_dv' for the widest heads.");
@@ -433,4 +422,10 @@ NB_MODULE(_ext, m) {
   nb::module_ emulator = m.def_submodule("emulator", "MSL-on-CPU emulator (tests)");
   jfm::bind_emulator(emulator);
   jfm::bind_devices(m);
+  jfm::bind_emulator_controls(m);
+  jfm::bind_planning(m);
+  nb::module_ testing = m.def_submodule(
+      "testing", "Test hooks: fault injection, the submission budget, the plain C++ rules the "
+                 "Metal device applies (GPU gate, core count) and mark_barriers.");
+  jfm::bind_testing(testing);
 }

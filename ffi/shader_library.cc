@@ -3,46 +3,47 @@
 #include <string>
 #include <vector>
 
+#include "kernel_families.h"
 #include "shader_sources.h"
 
 namespace jfm {
 namespace {
 
-// The MSL element type of a kernel-name dtype suffix (the T of the instantiation lines).
-const char* element_type(const std::string& suffix) {
-  if (suffix == "f32") return "float";
-  if (suffix == "f16") return "half";
-  if (suffix == "bf16") return "ushort";
-  return nullptr;
-}
-
-const ShaderSource* source_of(const std::vector<ShaderSource>& sources, const std::string& kernel) {
-  const std::string quoted = "\"" + kernel + "\"";
-  const std::string plain = "kernel void " + kernel + "(";
+// The source whose text holds `needle`.
+const ShaderSource* source_with(const std::vector<ShaderSource>& sources,
+                                const std::string& needle) {
   for (const ShaderSource& s : sources) {
-    if (std::strstr(s.text, quoted.c_str()) != nullptr ||
-        std::strstr(s.text, plain.c_str()) != nullptr) {
-      return &s;
-    }
+    if (std::strstr(s.text, needle.c_str()) != nullptr) return &s;
   }
   return nullptr;
 }
 
 }  // namespace
 
+const std::vector<KernelFamily>& kernel_families() {
+#define JFM_FAMILY_ENTRY(T, SUFFIX, D) KernelFamily{#T, #SUFFIX, D},
+  static const std::vector<KernelFamily> families = {JFM_FAMILIES(JFM_FAMILY_ENTRY)};
+#undef JFM_FAMILY_ENTRY
+  return families;
+}
+
 ShaderLibrary shader_library(const std::vector<ShaderSource>& sources, const std::string& kernel) {
   ShaderLibrary library;
-  library.source = source_of(sources, kernel);
-  if (library.source == nullptr) return library;
-  const size_t d = kernel.rfind("_d");
-  const size_t t = d == std::string::npos || d == 0 ? std::string::npos : kernel.rfind('_', d - 1);
-  const char* type = t == std::string::npos ? nullptr : element_type(kernel.substr(t + 1, d - t - 1));
-  const std::string dim = d == std::string::npos ? "" : kernel.substr(d + 2);
-  if (type == nullptr || dim.empty() || dim.find_first_not_of("0123456789") != std::string::npos) {
+  for (const KernelFamily& f : kernel_families()) {
+    const std::string tail = std::string("_") + f.suffix + "_d" + std::to_string(f.head_dim);
+    if (kernel.size() <= tail.size() ||
+        kernel.compare(kernel.size() - tail.size(), tail.size(), tail) != 0) {
+      continue;
+    }
+    // Its instantiation grid names the stage: JFM_HOST_NAME(STAGE, SUFFIX, D).
+    library.source = source_with(
+        sources, "JFM_HOST_NAME(" + kernel.substr(0, kernel.size() - tail.size()) + ",");
+    if (library.source == nullptr) return library;
+    library.family = std::string(f.type) + "_" + std::to_string(f.head_dim);
+    library.macros = {{"JFM_ONE_FAMILY", "1"}, {"JFM_FAMILY_" + library.family, "JFM_SELECTED"}};
     return library;
   }
-  library.family = std::string(type) + "_" + dim;
-  library.macros = {{"JFM_ONE_FAMILY", "1"}, {"JFM_FAMILY_" + library.family, "JFM_SELECTED"}};
+  library.source = source_with(sources, "kernel void " + kernel + "(");
   return library;
 }
 

@@ -29,10 +29,22 @@ struct ShaderLibrary {
   std::vector<std::pair<std::string, std::string>> macros;  // (name, value)
 };
 
-// The library of `kernel` among `sources`: the source names it as a string literal (a template
-// instantiation's host_name) or defines it as a plain kernel function. Plain C++, so the offline
-// compile (python -m jax_flash_metal.shader_libraries) and the tests use the host's own rule.
+// The library of `kernel` among `sources`. A kernel "STAGE_SUFFIX_dD" of a family of
+// shaders/kernel_families.h comes from the source whose instantiation grid names the stage
+// (JFM_HOST_NAME(STAGE, ...), expanded for every family); any other name from the source that
+// defines it as a plain kernel function. Plain C++, so the offline compile (python -m
+// jax_flash_metal.shader_libraries) and the tests use the host's own rule.
 ShaderLibrary shader_library(const std::vector<ShaderSource>& sources, const std::string& kernel);
+
+// One (element type, head dim) family of shaders/kernel_families.h.
+struct KernelFamily {
+  const char* type;    // MSL element type: "float", "half", "ushort" (bf16 bits)
+  const char* suffix;  // dtype suffix of the kernel names: "f32", "f16", "bf16"
+  int head_dim;
+};
+
+// Every family, in the list's order.
+const std::vector<KernelFamily>& kernel_families();
 
 }  // namespace jfm
 

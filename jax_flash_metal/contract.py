@@ -23,8 +23,17 @@ FLAG_NAMES = ("has_q_lengths", "has_kv_lengths", "has_segment_ids", "has_bias", 
               "dropout_rate")  # a dropout operand exactly when the rate is > 0
 
 
+# The static params that are no FFI attribute: the implementation picks the FFI target, and the
+# fused kernels lack ALiBi, paged KV and dropout (implementations.missing_features keeps those
+# calls off them). Moving one into JFM_FFI_ATTRIBUTES (ffi/attention_ffi.h) takes it out of this
+# list.
+HOST_ONLY_PARAMS = ("implementation", "has_alibi", "has_page_table", "dropout_rate")
+
+
 class StaticParams(NamedTuple):
-    """The static parameters of both primitives, with their exact types (``coerce_params``)."""
+    """The static parameters of both primitives, with their exact types (``coerce_params``).
+    Every field but ``HOST_ONLY_PARAMS`` is also an FFI attribute of the same name
+    (``JFM_FFI_ATTRIBUTES`` in ffi/attention_ffi.h, with the backward's ``bias_grad``)."""
 
     scale: float
     is_causal: bool
@@ -101,22 +110,25 @@ def operand_roles(direction: str, params) -> list[str]:
             *(n for n, f in zip(Operands._fields, operand_flags(params)) if f)]
 
 
-def coerce_params(*, scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
-                  has_kv_lengths, implementation, has_segment_ids=False, has_bias=False,
-                  has_mask=False, has_sinks=False, logits_soft_cap=None, has_alibi=False,
-                  has_page_table=False, dropout_rate=0.0, bias_grad=None, alibi_grad=None):
-    """The static params with their exact Python types (FFI attributes are typed).
-    ``bias_grad`` and ``alibi_grad`` (backward only) are included when given."""
-    params = dict(scale=float(scale), is_causal=bool(is_causal), window_left=int(window_left),
-                  window_right=int(window_right), bottom_right=bool(bottom_right),
-                  has_q_lengths=bool(has_q_lengths), has_kv_lengths=bool(has_kv_lengths),
-                  implementation=None if implementation is None else str(implementation),
-                  has_segment_ids=bool(has_segment_ids), has_bias=bool(has_bias),
-                  has_mask=bool(has_mask), has_sinks=bool(has_sinks),
-                  logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-                  has_alibi=bool(has_alibi), has_page_table=bool(has_page_table),
-                  dropout_rate=float(dropout_rate))
+def _coercion(hint):
+    """(the type a ``StaticParams`` field is coerced to, whether it may be None)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return (args[0], True) if args else (hint, False)
+
+
+_COERCIONS = {name: _coercion(hint) for name, hint in typing.get_type_hints(StaticParams).items()}
+
+
+def coerce_params(*, bias_grad=None, alibi_grad=None, **params):
+    """The static params (``StaticParams``'s fields, by keyword; TypeError for an unknown or
+    missing one) with the exact Python types of ``StaticParams``'s annotations (FFI attributes
+    are typed), in field order. ``bias_grad`` and ``alibi_grad`` (backward only) are included
+    when given."""
+    coerced = {}
+    for name, value in StaticParams(**params)._asdict().items():
+        kind, optional = _COERCIONS[name]
+        coerced[name] = None if value is None and optional else kind(value)
     for name, value in (("bias_grad", bias_grad), ("alibi_grad", alibi_grad)):
         if value is not None:
-            params[name] = bool(value)
-    return params
+            coerced[name] = bool(value)
+    return coerced

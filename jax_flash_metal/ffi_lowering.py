@@ -128,7 +128,7 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
     if suffix is None:
         return (f"flash_attention: dtype {dtype} has no {implementation} kernels "
                 f"(float32, float16, bfloat16 only)")
-    # The kernels (stages) the direction runs, as ffi/attention_ffi.cc dispatches them.
+    # The kernels (stages) the direction runs, as ffi/dispatch_plan.cc plans them.
     stages = (("fwd", "decode_partial", "decode_combine") if direction == "fwd"
               else tuple(_ext.bwd_stages(head_dim)))
     names = kernel_names(implementation)
@@ -157,21 +157,22 @@ def check_supported(implementation: str, direction: str, dtype, head_dim: int) -
     raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
 
 
-def _attributes(scale, is_causal, window_left, window_right, bottom_right, has_q_lengths,
-                has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks, logits_soft_cap,
-                has_alibi=False, has_page_table=False, dropout_rate=0.0, bias_grad=None):
-    """The FFI attributes with their exact types (a Python float would become f64); the soft
-    cap is 0.0 when absent; ``bias_grad`` only for the backward target (None for the forward).
-    ALiBi, paged and dropout calls never get here (``implementations.missing_features``)."""
-    assert not (has_alibi or has_page_table or dropout_rate)
-    backward = {} if bias_grad is None else dict(bias_grad=np.bool_(bias_grad))
-    return dict(**backward, scale=np.float32(scale), is_causal=np.bool_(is_causal),
-                window_left=np.int32(window_left), window_right=np.int32(window_right),
-                bottom_right=np.bool_(bottom_right), has_q_lengths=np.bool_(has_q_lengths),
-                has_kv_lengths=np.bool_(has_kv_lengths), has_segment_ids=np.bool_(has_segment_ids),
-                has_bias=np.bool_(has_bias), has_mask=np.bool_(has_mask),
-                has_sinks=np.bool_(has_sinks),
-                logits_soft_cap=np.float32(0.0 if logits_soft_cap is None else logits_soft_cap))
+# The FFI attributes as the extension lists them (JFM_FFI_ATTRIBUTES, ffi/attention_ffi.h), each
+# with the NumPy type of its exact FFI type (a Python float would become f64).
+_NUMPY_TYPES = {"float": np.float32, "int32_t": np.int32, "bool": np.bool_}
+_ATTRIBUTES = tuple((name, _NUMPY_TYPES[kind]) for name, kind in _ext.ffi_attributes())
+
+
+def _attributes(*, bias_grad=False, logits_soft_cap=None, **params):
+    """The FFI attributes of a call from the primitive's static ``params`` (``StaticParams``
+    without ``contract.HOST_ONLY_PARAMS``): the soft cap is 0.0 when absent, ``bias_grad`` False
+    for the forward. ALiBi, paged and dropout calls never get here
+    (``implementations.missing_features``)."""
+    assert not (params.get("has_alibi") or params.get("has_page_table")
+                or params.get("dropout_rate"))
+    values = dict(params, bias_grad=bias_grad,
+                  logits_soft_cap=0.0 if logits_soft_cap is None else logits_soft_cap)
+    return {name: numpy_type(values[name]) for name, numpy_type in _ATTRIBUTES}
 
 
 def _contract_operands(ctx: mlir.LoweringRuleContext, args, direction, params):
@@ -198,7 +199,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     log_sum).
 
     Short queries against a long KV cache take the split-KV decode kernels (the handler decides,
-    ``ffi/attention_ffi.h`` decode_splits); their float32 workspace is a fourth result of the
+    ``ffi/dispatch_plan.h`` decode_splits); their float32 workspace is a fourth result of the
     custom call, sized here by the extension's own rule (``_ext.decode_splits`` for this device,
     0 elements for the tiled forward) and dropped, like the backward's delta.
 

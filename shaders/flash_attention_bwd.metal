@@ -13,6 +13,7 @@
 // flash_attention_features.h, as the forward does; a call without them runs the plain code.
 // Loops, tiles and memory: shaders/README.md.
 #include "flash_attention_features.h"
+#include "kernel_traits.h"
 
 #define JFM_BWD_INPUTS(T)                                                 \
   device const T* q [[buffer(JFM_BUFFER_Q)]],                             \
@@ -121,18 +122,18 @@ inline void jfm_zero_dbias_block(device float* dbias_row, int j0, int kv_len, Jf
 template <typename T, int D>
 [[max_total_threads_per_threadgroup(JFM_BWD_THREADS(JFM_KERNEL_BWD_DQ, T, D))]] kernel void
 flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
-  constexpr int EB = int(sizeof(T));
-  constexpr int THREADS = JFM_BWD_THREADS(JFM_KERNEL_BWD_DQ, T, D);
-  constexpr int BQ = jfm_tile_rows(JFM_KERNEL_BWD_DQ, EB, D);
-  constexpr int BK = jfm_tile_cols(JFM_KERNEL_BWD_DQ, EB, D);
-  constexpr bool ONE_KV_BUFFER = jfm_bwd_shared_stream(EB, D);
-  constexpr int LD = jfm_tile_stride<T>(D);
-  constexpr int DF = D / 8;
-  constexpr int KF = BK / 8;
+  typedef JfmBwdTraits<T, D, JFM_KERNEL_BWD_DQ> Traits;
+  constexpr int THREADS = Traits::THREADS;
+  constexpr int BQ = Traits::OWNED;
+  constexpr int BK = Traits::STREAMED;
+  constexpr bool ONE_KV_BUFFER = Traits::ONE_STREAM_BUFFER;
+  constexpr int LD = Traits::LD;
+  constexpr int DF = Traits::DF;
+  constexpr int KF = Traits::SF;
   static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
   // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned.
-  constexpr int ROW_WORDS = LD * EB / 16;
+  constexpr int ROW_WORDS = Traits::ROW_WORDS;
   threadgroup uint4 q_words[BQ * ROW_WORDS];
   threadgroup uint4 do_words[BQ * ROW_WORDS];
   threadgroup uint4 kv_words[(ONE_KV_BUFFER ? 1 : 2) * BK * ROW_WORDS];
@@ -324,23 +325,23 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
 template <typename T, int D, int FAMILY>
 [[max_total_threads_per_threadgroup(JFM_BWD_THREADS(FAMILY, T, D))]] kernel void
 flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
-  constexpr int EB = int(sizeof(T));
+  typedef JfmBwdTraits<T, D, FAMILY> Traits;
   constexpr bool WANT_DK = FAMILY != JFM_KERNEL_BWD_DV;
   constexpr bool WANT_DV = FAMILY != JFM_KERNEL_BWD_DK;
-  constexpr int THREADS = JFM_BWD_THREADS(FAMILY, T, D);
-  constexpr int BKV = jfm_tile_rows(FAMILY, EB, D);
-  constexpr int BQ = jfm_tile_cols(FAMILY, EB, D);
+  constexpr int THREADS = Traits::THREADS;
+  constexpr int BKV = Traits::OWNED;
+  constexpr int BQ = Traits::STREAMED;
   // One streamed buffer: the operand needed first (dO for dK, Q for dV), then the other.
-  constexpr bool ONE_QDO_BUFFER = jfm_bwd_shared_stream(EB, D);
+  constexpr bool ONE_QDO_BUFFER = Traits::ONE_STREAM_BUFFER;
   static_assert(!ONE_QDO_BUFFER || FAMILY != JFM_KERNEL_BWD_DKDV, "one buffer serves one output");
-  constexpr int LD = jfm_tile_stride<T>(D);
-  constexpr int DF = D / 8;
-  constexpr int QF = BQ / 8;
+  constexpr int LD = Traits::LD;
+  constexpr int DF = Traits::DF;
+  constexpr int QF = Traits::SF;
   static_assert(D % 8 == 0 && BKV == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
   // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned; the dV
   // kernel needs no V tile.
-  constexpr int ROW_WORDS = LD * EB / 16;
+  constexpr int ROW_WORDS = Traits::ROW_WORDS;
   threadgroup uint4 k_words[BKV * ROW_WORDS];
   threadgroup uint4 v_words[WANT_DK ? BKV * ROW_WORDS : 1];
   threadgroup uint4 qdo_words[(ONE_QDO_BUFFER ? 1 : 2) * BQ * ROW_WORDS];
@@ -536,84 +537,31 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   }
 }
 
-// ---- instantiations under the host names: one line per (dtype, head dim), each inside
-// JFM_IF_FAMILY (the Metal device compiles one family at a time and finds a kernel's source by
-// its quoted name, so names are written out in full) ----
+// ---- the instantiation grid: every family of kernel_families.h under its host names, dQ and
+// one dK/dV kernel, or dQ, dK and dV where jfm_bwd_split_dkdv (the list says which) ----
 
-#define JFM_INSTANTIATE_DQ(NAME, T, D) \
-  template [[host_name(NAME)]] kernel void flash_attention_bwd_dq<T, D> JFM_BWD_DQ_SIGNATURE(T);
-#define JFM_INSTANTIATE_DKDV(NAME, T, D, FAMILY)                                   \
-  template [[host_name(NAME)]] kernel void flash_attention_bwd_dkdv<T, D, FAMILY> \
+#define JFM_INSTANTIATE_DQ(T, SUFFIX, D)                                                \
+  template [[host_name(JFM_HOST_NAME(flash_attention_bwd_dq, SUFFIX, D))]] kernel void \
+      flash_attention_bwd_dq<T, D> JFM_BWD_DQ_SIGNATURE(T);
+#define JFM_INSTANTIATE_DKDV(NAME, T, D, FAMILY)                                        \
+  template [[host_name(NAME)]] kernel void flash_attention_bwd_dkdv<T, D, FAMILY>      \
       JFM_BWD_DKDV_SIGNATURE(T);
 
-// head_dim < 160: dQ and one dK/dV kernel.
-#define JFM_INSTANTIATE_BWD(DQ_NAME, DKDV_NAME, T, D) \
-  JFM_IF_FAMILY(T, D, JFM_INSTANTIATE_DQ(DQ_NAME, T, D) \
-                          JFM_INSTANTIATE_DKDV(DKDV_NAME, T, D, JFM_KERNEL_BWD_DKDV))
-// head_dim >= 160: dQ, dK and dV kernels.
-#define JFM_INSTANTIATE_BWD_SPLIT(DQ_NAME, DK_NAME, DV_NAME, T, D)          \
-  JFM_IF_FAMILY(T, D, JFM_INSTANTIATE_DQ(DQ_NAME, T, D)                     \
-                          JFM_INSTANTIATE_DKDV(DK_NAME, T, D, JFM_KERNEL_BWD_DK) \
-                              JFM_INSTANTIATE_DKDV(DV_NAME, T, D, JFM_KERNEL_BWD_DV))
+#define JFM_INSTANTIATE_BWD(T, SUFFIX, D)                                               \
+  JFM_IF_FAMILY(T, D, static_assert(!jfm_bwd_split_dkdv(D), "a joint dK/dV head dim"); \
+                JFM_INSTANTIATE_DQ(T, SUFFIX, D)                                        \
+                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dkdv, SUFFIX, D), \
+                                     T, D, JFM_KERNEL_BWD_DKDV))
+#define JFM_INSTANTIATE_BWD_SPLIT(T, SUFFIX, D)                                         \
+  JFM_IF_FAMILY(T, D, static_assert(jfm_bwd_split_dkdv(D), "a split dK/dV head dim");  \
+                JFM_INSTANTIATE_DQ(T, SUFFIX, D)                                        \
+                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dk, SUFFIX, D),   \
+                                     T, D, JFM_KERNEL_BWD_DK)                           \
+                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dv, SUFFIX, D),   \
+                                     T, D, JFM_KERNEL_BWD_DV))
 
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d8", "flash_attention_bwd_dkdv_f32_d8", float, 8)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d16", "flash_attention_bwd_dkdv_f32_d16", float, 16)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d32", "flash_attention_bwd_dkdv_f32_d32", float, 32)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d48", "flash_attention_bwd_dkdv_f32_d48", float, 48)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d64", "flash_attention_bwd_dkdv_f32_d64", float, 64)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d72", "flash_attention_bwd_dkdv_f32_d72", float, 72)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d80", "flash_attention_bwd_dkdv_f32_d80", float, 80)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d96", "flash_attention_bwd_dkdv_f32_d96", float, 96)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d112", "flash_attention_bwd_dkdv_f32_d112",
-                    float, 112)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f32_d128", "flash_attention_bwd_dkdv_f32_d128",
-                    float, 128)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f32_d160", "flash_attention_bwd_dk_f32_d160",
-                          "flash_attention_bwd_dv_f32_d160", float, 160)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f32_d192", "flash_attention_bwd_dk_f32_d192",
-                          "flash_attention_bwd_dv_f32_d192", float, 192)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f32_d256", "flash_attention_bwd_dk_f32_d256",
-                          "flash_attention_bwd_dv_f32_d256", float, 256)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d8", "flash_attention_bwd_dkdv_f16_d8", half, 8)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d16", "flash_attention_bwd_dkdv_f16_d16", half, 16)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d32", "flash_attention_bwd_dkdv_f16_d32", half, 32)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d48", "flash_attention_bwd_dkdv_f16_d48", half, 48)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d64", "flash_attention_bwd_dkdv_f16_d64", half, 64)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d72", "flash_attention_bwd_dkdv_f16_d72", half, 72)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d80", "flash_attention_bwd_dkdv_f16_d80", half, 80)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d96", "flash_attention_bwd_dkdv_f16_d96", half, 96)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d112", "flash_attention_bwd_dkdv_f16_d112",
-                    half, 112)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_f16_d128", "flash_attention_bwd_dkdv_f16_d128",
-                    half, 128)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f16_d160", "flash_attention_bwd_dk_f16_d160",
-                          "flash_attention_bwd_dv_f16_d160", half, 160)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f16_d192", "flash_attention_bwd_dk_f16_d192",
-                          "flash_attention_bwd_dv_f16_d192", half, 192)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_f16_d256", "flash_attention_bwd_dk_f16_d256",
-                          "flash_attention_bwd_dv_f16_d256", half, 256)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d8", "flash_attention_bwd_dkdv_bf16_d8", ushort, 8)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d16", "flash_attention_bwd_dkdv_bf16_d16",
-                    ushort, 16)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d32", "flash_attention_bwd_dkdv_bf16_d32",
-                    ushort, 32)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d48", "flash_attention_bwd_dkdv_bf16_d48",
-                    ushort, 48)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d64", "flash_attention_bwd_dkdv_bf16_d64",
-                    ushort, 64)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d72", "flash_attention_bwd_dkdv_bf16_d72",
-                    ushort, 72)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d80", "flash_attention_bwd_dkdv_bf16_d80",
-                    ushort, 80)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d96", "flash_attention_bwd_dkdv_bf16_d96",
-                    ushort, 96)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d112", "flash_attention_bwd_dkdv_bf16_d112",
-                    ushort, 112)
-JFM_INSTANTIATE_BWD("flash_attention_bwd_dq_bf16_d128", "flash_attention_bwd_dkdv_bf16_d128",
-                    ushort, 128)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_bf16_d160", "flash_attention_bwd_dk_bf16_d160",
-                          "flash_attention_bwd_dv_bf16_d160", ushort, 160)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_bf16_d192", "flash_attention_bwd_dk_bf16_d192",
-                          "flash_attention_bwd_dv_bf16_d192", ushort, 192)
-JFM_INSTANTIATE_BWD_SPLIT("flash_attention_bwd_dq_bf16_d256", "flash_attention_bwd_dk_bf16_d256",
-                          "flash_attention_bwd_dv_bf16_d256", ushort, 256)
+#define JFM_INSTANTIATE_BWD_OF_TYPE(T, SUFFIX, UNUSED)     \
+  JFM_JOINT_BWD_HEAD_DIMS(T, SUFFIX, JFM_INSTANTIATE_BWD) \
+  JFM_SPLIT_BWD_HEAD_DIMS(T, SUFFIX, JFM_INSTANTIATE_BWD_SPLIT)
+
+JFM_ELEMENT_TYPES(JFM_INSTANTIATE_BWD_OF_TYPE, ~)

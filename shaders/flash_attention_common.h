@@ -8,6 +8,7 @@
 #include <metal_stdlib>
 
 #include "attention_params.h"
+#include "kernel_families.h"
 
 using namespace metal;
 

@@ -58,18 +58,21 @@ inline JfmRange32 jfm_decode_chunk(int union_lo, int union_hi, bool any_row, uin
 template <typename T, int D>
 [[max_total_threads_per_threadgroup(JFM_DECODE_THREADS(T, D))]] kernel void
 flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
-  constexpr int EB = int(sizeof(T));
-  constexpr int BQ = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, EB, D);
-  constexpr int BK = jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, EB, D);
-  constexpr int THREADS = JFM_DECODE_THREADS(T, D);
-  constexpr bool Q_IN_REGISTERS = jfm_fwd_q_in_registers(EB, D);
-  constexpr int LD = jfm_tile_stride<T>(D);
-  constexpr int DF = D / 8;
-  static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
+  typedef JfmFwdTraits<T, D> Traits;  // pass 1 runs the forward's tiles
+  constexpr int BQ = Traits::BQ;
+  constexpr int BK = Traits::BK;
+  constexpr int THREADS = Traits::THREADS;
+  constexpr bool Q_IN_REGISTERS = Traits::Q_IN_REGISTERS;
+  constexpr int LD = Traits::LD;
+  constexpr int DF = Traits::DF;
+  static_assert(D % 8 == 0 && BQ == jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, D) &&
+                    THREADS == JFM_DECODE_THREADS(T, D) &&
+                    BK == jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, D),
+                "tile shape");
 
   // The forward's tiles (Q staged through the K/V tiles where it lives in registers).
-  constexpr int ROW_WORDS = LD * EB / 16;
-  threadgroup uint4 tile_words[jfm_fwd_tile_rows(EB, D) * ROW_WORDS];
+  constexpr int ROW_WORDS = Traits::ROW_WORDS;
+  threadgroup uint4 tile_words[Traits::TILE_ROWS * ROW_WORDS];
   threadgroup int nonfinite_v_block[1];
   threadgroup T* q_tile = (threadgroup T*)tile_words;
   threadgroup T* kv_tile = q_tile + (Q_IN_REGISTERS ? 0 : BQ * LD);
@@ -132,15 +135,16 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const bool rows_full = q_valid == long(params.q_len);
+    const JfmKeyBlocks<T> blocks = {q_tile + band * LD, kv_tile,   nonfinite_v_block,
+                                    k_head,             v_head,    kv_stride,
+                                    first_keys,         last_keys, rows_full,
+                                    chunk_lo,           chunk_hi,  keys,
+                                    at,                 thread_index};
     if (features) {  // rows [0, q_valid) hold every valid position once
       jfm_lane_segments<T, D>(params, q_tile, r, int(q_valid), f);
-      jfm_attend_key_blocks<T, D, THREADS, true>(
-          q_tile + band * LD, kv_tile, nonfinite_v_block, k_head, v_head, kv_stride, first_keys,
-          last_keys, rows_full, chunk_lo, chunk_hi, keys, params, f, at, thread_index, m, l, acc);
+      jfm_attend_key_blocks<T, D, true>(blocks, params, f, m, l, acc);
     } else {
-      jfm_attend_key_blocks<T, D, THREADS, false>(
-          q_tile + band * LD, kv_tile, nonfinite_v_block, k_head, v_head, kv_stride, first_keys,
-          last_keys, rows_full, chunk_lo, chunk_hi, keys, params, f, at, thread_index, m, l, acc);
+      jfm_attend_key_blocks<T, D, false>(blocks, params, f, m, l, acc);
     }
   }
 
@@ -439,130 +443,14 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
   }
 }
 
-// Explicit instantiations, one line per (type, head dim), under the host names.
-#define JFM_INSTANTIATE_DECODE(PARTIAL, COMBINE, VECTOR, T, D)                             \
-  JFM_IF_FAMILY(T, D,                                                                      \
-      template [[host_name(PARTIAL)]] kernel void flash_attention_decode_partial<T, D>     \
-          JFM_DECODE_PARTIAL_SIGNATURE(T);                                                 \
-      template [[host_name(COMBINE)]] kernel void flash_attention_decode_combine<T, D>     \
-          JFM_DECODE_COMBINE_SIGNATURE(T);                                                 \
-      template [[host_name(VECTOR)]] kernel void flash_attention_decode_vector<T, D>       \
-          JFM_DECODE_VECTOR_SIGNATURE(T);)
+// The instantiation grid: every family of kernel_families.h, under its host names.
+#define JFM_INSTANTIATE_DECODE(T, SUFFIX, D)                                                 \
+  JFM_IF_FAMILY(T, D,                                                                        \
+      template [[host_name(JFM_HOST_NAME(flash_attention_decode_partial, SUFFIX, D))]]       \
+      kernel void flash_attention_decode_partial<T, D> JFM_DECODE_PARTIAL_SIGNATURE(T);      \
+      template [[host_name(JFM_HOST_NAME(flash_attention_decode_combine, SUFFIX, D))]]       \
+      kernel void flash_attention_decode_combine<T, D> JFM_DECODE_COMBINE_SIGNATURE(T);      \
+      template [[host_name(JFM_HOST_NAME(flash_attention_decode_vector, SUFFIX, D))]]        \
+      kernel void flash_attention_decode_vector<T, D> JFM_DECODE_VECTOR_SIGNATURE(T);)
 
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d8",
-                       "flash_attention_decode_combine_f32_d8",
-                       "flash_attention_decode_vector_f32_d8", float, 8)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d16",
-                       "flash_attention_decode_combine_f32_d16",
-                       "flash_attention_decode_vector_f32_d16", float, 16)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d32",
-                       "flash_attention_decode_combine_f32_d32",
-                       "flash_attention_decode_vector_f32_d32", float, 32)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d48",
-                       "flash_attention_decode_combine_f32_d48",
-                       "flash_attention_decode_vector_f32_d48", float, 48)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d64",
-                       "flash_attention_decode_combine_f32_d64",
-                       "flash_attention_decode_vector_f32_d64", float, 64)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d72",
-                       "flash_attention_decode_combine_f32_d72",
-                       "flash_attention_decode_vector_f32_d72", float, 72)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d80",
-                       "flash_attention_decode_combine_f32_d80",
-                       "flash_attention_decode_vector_f32_d80", float, 80)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d96",
-                       "flash_attention_decode_combine_f32_d96",
-                       "flash_attention_decode_vector_f32_d96", float, 96)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d112",
-                       "flash_attention_decode_combine_f32_d112",
-                       "flash_attention_decode_vector_f32_d112", float, 112)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d128",
-                       "flash_attention_decode_combine_f32_d128",
-                       "flash_attention_decode_vector_f32_d128", float, 128)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d160",
-                       "flash_attention_decode_combine_f32_d160",
-                       "flash_attention_decode_vector_f32_d160", float, 160)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d192",
-                       "flash_attention_decode_combine_f32_d192",
-                       "flash_attention_decode_vector_f32_d192", float, 192)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f32_d256",
-                       "flash_attention_decode_combine_f32_d256",
-                       "flash_attention_decode_vector_f32_d256", float, 256)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d8",
-                       "flash_attention_decode_combine_f16_d8",
-                       "flash_attention_decode_vector_f16_d8", half, 8)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d16",
-                       "flash_attention_decode_combine_f16_d16",
-                       "flash_attention_decode_vector_f16_d16", half, 16)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d32",
-                       "flash_attention_decode_combine_f16_d32",
-                       "flash_attention_decode_vector_f16_d32", half, 32)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d48",
-                       "flash_attention_decode_combine_f16_d48",
-                       "flash_attention_decode_vector_f16_d48", half, 48)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d64",
-                       "flash_attention_decode_combine_f16_d64",
-                       "flash_attention_decode_vector_f16_d64", half, 64)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d72",
-                       "flash_attention_decode_combine_f16_d72",
-                       "flash_attention_decode_vector_f16_d72", half, 72)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d80",
-                       "flash_attention_decode_combine_f16_d80",
-                       "flash_attention_decode_vector_f16_d80", half, 80)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d96",
-                       "flash_attention_decode_combine_f16_d96",
-                       "flash_attention_decode_vector_f16_d96", half, 96)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d112",
-                       "flash_attention_decode_combine_f16_d112",
-                       "flash_attention_decode_vector_f16_d112", half, 112)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d128",
-                       "flash_attention_decode_combine_f16_d128",
-                       "flash_attention_decode_vector_f16_d128", half, 128)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d160",
-                       "flash_attention_decode_combine_f16_d160",
-                       "flash_attention_decode_vector_f16_d160", half, 160)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d192",
-                       "flash_attention_decode_combine_f16_d192",
-                       "flash_attention_decode_vector_f16_d192", half, 192)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_f16_d256",
-                       "flash_attention_decode_combine_f16_d256",
-                       "flash_attention_decode_vector_f16_d256", half, 256)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d8",
-                       "flash_attention_decode_combine_bf16_d8",
-                       "flash_attention_decode_vector_bf16_d8", ushort, 8)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d16",
-                       "flash_attention_decode_combine_bf16_d16",
-                       "flash_attention_decode_vector_bf16_d16", ushort, 16)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d32",
-                       "flash_attention_decode_combine_bf16_d32",
-                       "flash_attention_decode_vector_bf16_d32", ushort, 32)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d48",
-                       "flash_attention_decode_combine_bf16_d48",
-                       "flash_attention_decode_vector_bf16_d48", ushort, 48)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d64",
-                       "flash_attention_decode_combine_bf16_d64",
-                       "flash_attention_decode_vector_bf16_d64", ushort, 64)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d72",
-                       "flash_attention_decode_combine_bf16_d72",
-                       "flash_attention_decode_vector_bf16_d72", ushort, 72)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d80",
-                       "flash_attention_decode_combine_bf16_d80",
-                       "flash_attention_decode_vector_bf16_d80", ushort, 80)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d96",
-                       "flash_attention_decode_combine_bf16_d96",
-                       "flash_attention_decode_vector_bf16_d96", ushort, 96)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d112",
-                       "flash_attention_decode_combine_bf16_d112",
-                       "flash_attention_decode_vector_bf16_d112", ushort, 112)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d128",
-                       "flash_attention_decode_combine_bf16_d128",
-                       "flash_attention_decode_vector_bf16_d128", ushort, 128)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d160",
-                       "flash_attention_decode_combine_bf16_d160",
-                       "flash_attention_decode_vector_bf16_d160", ushort, 160)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d192",
-                       "flash_attention_decode_combine_bf16_d192",
-                       "flash_attention_decode_vector_bf16_d192", ushort, 192)
-JFM_INSTANTIATE_DECODE("flash_attention_decode_partial_bf16_d256",
-                       "flash_attention_decode_combine_bf16_d256",
-                       "flash_attention_decode_vector_bf16_d256", ushort, 256)
+JFM_FAMILIES(JFM_INSTANTIATE_DECODE)

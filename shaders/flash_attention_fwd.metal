@@ -32,20 +32,20 @@
 template <typename T, int D>
 [[max_total_threads_per_threadgroup(JFM_FWD_THREADS(T, D))]] kernel void flash_attention_fwd
     JFM_FWD_SIGNATURE(T) {
-  constexpr int EB = int(sizeof(T));
-  constexpr int BQ = jfm_fwd_block_q(EB, D);
-  constexpr int BK = jfm_fwd_block_k(EB, D);
-  constexpr int THREADS = JFM_FWD_THREADS(T, D);
-  constexpr bool Q_IN_REGISTERS = jfm_fwd_q_in_registers(EB, D);
-  constexpr int LD = jfm_tile_stride<T>(D);
-  constexpr int DF = D / 8;   // fragments along the head dim
+  typedef JfmFwdTraits<T, D> Traits;
+  constexpr int BQ = Traits::BQ;
+  constexpr int BK = Traits::BK;
+  constexpr int THREADS = Traits::THREADS;
+  constexpr bool Q_IN_REGISTERS = Traits::Q_IN_REGISTERS;
+  constexpr int LD = Traits::LD;
+  constexpr int DF = Traits::DF;
   static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
   // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned. Where Q
   // lives in registers it is staged through the K/V tiles (the key-block loop reads it into
   // registers before its first barrier), else it has its own tile before them.
-  constexpr int ROW_WORDS = LD * EB / 16;
-  threadgroup uint4 tile_words[jfm_fwd_tile_rows(EB, D) * ROW_WORDS];
+  constexpr int ROW_WORDS = Traits::ROW_WORDS;
+  threadgroup uint4 tile_words[Traits::TILE_ROWS * ROW_WORDS];
   threadgroup int nonfinite_v_block[1];  // start of the latest key block whose V had Inf/NaN
   threadgroup T* q_tile = (threadgroup T*)tile_words;
   threadgroup T* kv_tile = q_tile + (Q_IN_REGISTERS ? 0 : BQ * LD);
@@ -104,17 +104,16 @@ template <typename T, int D>
       nonfinite_v_block[0] = -1;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    const JfmKeyBlocks<T> blocks = {q_tile + band * LD, kv_tile,        nonfinite_v_block,
+                                    k_head,             v_head,         kv_stride,
+                                    first_keys,         last_keys,      valid_rows == BQ,
+                                    union_lo,           union_hi,       keys,
+                                    at,                 thread_index};
     if (features) {
       jfm_lane_segments<T, D>(params, q_tile, band + int(at.row), valid_rows, f);
-      jfm_attend_key_blocks<T, D, THREADS, true>(
-          q_tile + band * LD, kv_tile, nonfinite_v_block, k_head, v_head, kv_stride, first_keys,
-          last_keys, valid_rows == BQ, union_lo, union_hi, keys, params, f, at, thread_index, m,
-          l, acc);
+      jfm_attend_key_blocks<T, D, true>(blocks, params, f, m, l, acc);
     } else {
-      jfm_attend_key_blocks<T, D, THREADS, false>(
-          q_tile + band * LD, kv_tile, nonfinite_v_block, k_head, v_head, kv_stride, first_keys,
-          last_keys, valid_rows == BQ, union_lo, union_hi, keys, params, f, at, thread_index, m,
-          l, acc);
+      jfm_attend_key_blocks<T, D, false>(blocks, params, f, m, l, acc);
     }
   }
 
@@ -142,47 +141,9 @@ template <typename T, int D>
   }
 }
 
-// Explicit instantiations, one line per (type, head dim), under the host names.
-#define JFM_INSTANTIATE_FWD(NAME, T, D) \
-  JFM_IF_FAMILY(T, D,                  \
-      template [[host_name(NAME)]] kernel void flash_attention_fwd<T, D> JFM_FWD_SIGNATURE(T);)
+// The instantiation grid: every family of kernel_families.h, under its host name.
+#define JFM_INSTANTIATE_FWD(T, SUFFIX, D)                                                     \
+  JFM_IF_FAMILY(T, D, template [[host_name(JFM_HOST_NAME(flash_attention_fwd, SUFFIX, D))]]   \
+                kernel void flash_attention_fwd<T, D> JFM_FWD_SIGNATURE(T);)
 
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d8", float, 8)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d16", float, 16)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d32", float, 32)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d48", float, 48)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d64", float, 64)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d72", float, 72)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d80", float, 80)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d96", float, 96)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d112", float, 112)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d128", float, 128)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d160", float, 160)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d192", float, 192)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f32_d256", float, 256)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d8", half, 8)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d16", half, 16)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d32", half, 32)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d48", half, 48)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d64", half, 64)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d72", half, 72)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d80", half, 80)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d96", half, 96)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d112", half, 112)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d128", half, 128)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d160", half, 160)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d192", half, 192)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_f16_d256", half, 256)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d8", ushort, 8)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d16", ushort, 16)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d32", ushort, 32)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d48", ushort, 48)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d64", ushort, 64)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d72", ushort, 72)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d80", ushort, 80)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d96", ushort, 96)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d112", ushort, 112)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d128", ushort, 128)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d160", ushort, 160)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d192", ushort, 192)
-JFM_INSTANTIATE_FWD("flash_attention_fwd_bf16_d256", ushort, 256)
+JFM_FAMILIES(JFM_INSTANTIATE_FWD)

@@ -7,6 +7,7 @@
 #define JAX_FLASH_METAL_FLASH_ATTENTION_KEY_BLOCKS_H_
 
 #include "flash_attention_features.h"
+#include "kernel_traits.h"
 
 // Online softmax update of one block for this lane's row: s holds the block's scores S in KF
 // fragments, JFM_MASKED_SCORE where hidden, and bit 2 n + e of `visible` says whether element e
@@ -134,33 +135,47 @@ inline float jfm_online_softmax_features(thread JfmFrag* s, constant AttentionPa
   return jfm_softmax_update<KF>(s, visible, m, l);
 }
 
-// Key blocks [j0, j0 + BK) from the one holding union_lo to the one holding union_hi (a
-// threadgroup-uniform range): stage K and V (zero-filled outside [union_lo, union_hi], V
-// sanitized), S = Q K^T by MMA, online softmax, O = alpha O + P V by MMA. q_band: the
-// simdgroup's 8 rows of the staged Q tile (loaded, barrier passed; where Q lives in registers
-// it may lie in kv_tile's memory: it is read into registers before the first block's
-// barrier, after which K overwrites it); kv_tile: the K/V tiles;
-// first_keys/last_keys: the intervals bounding every row's (block classification); rows_full:
-// every row of the tile is a real row; keys: this lane's row interval. On return m, l and acc
+// What the key-block loop is given of its threadgroup and lane (jfm_attend_key_blocks).
+template <typename T>
+struct JfmKeyBlocks {
+  threadgroup const T* q_band;  // the simdgroup's 8 rows of the staged Q tile (where Q lives in
+                                // registers it may lie in kv_tile's memory: it is read into
+                                // registers before the first block's barrier, after which K
+                                // overwrites it)
+  threadgroup T* kv_tile;              // the K/V tiles
+  threadgroup int* nonfinite_v_block;  // start of the latest block whose V had Inf/NaN
+  device const T* k_head;              // K and V of the (batch, kv head), kv_stride apart
+  device const T* v_head;
+  uint kv_stride;
+  JfmRange32 first_keys, last_keys;  // intervals bounding every row's (block classification)
+  bool rows_full;                    // every row of the tile is a real row
+  int union_lo, union_hi;            // the threadgroup-uniform range of keys to visit
+  JfmRange32 keys;                   // this lane's row interval
+  JfmFragCoord at;
+  uint thread_index;
+};
+
+// Key blocks [j0, j0 + BK) from the one holding c.union_lo to the one holding c.union_hi: stage
+// K and V (zero-filled outside [union_lo, union_hi], V sanitized), S = Q K^T by MMA, online
+// softmax, O = alpha O + P V by MMA. c.q_band is loaded (barrier passed). On return m, l and acc
 // hold this lane's running max, sum share and unnormalised O (DF fragments). FEATURES: the score
 // features of `f` apply (flash_attention_features.h): a key block whose segment ids cannot meet
 // the rows' is skipped before K and V are staged; without them the loop is the plain one.
-template <typename T, int D, int THREADS, bool FEATURES>
-inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv_tile,
-                                  threadgroup int* nonfinite_v_block, device const T* k_head,
-                                  device const T* v_head, uint kv_stride, JfmRange32 first_keys,
-                                  JfmRange32 last_keys, bool rows_full, int union_lo,
-                                  int union_hi, JfmRange32 keys, constant AttentionParams& params,
-                                  thread const JfmFeatureLane& f, JfmFragCoord at,
-                                  uint thread_index, thread float& m, thread float& l,
-                                  thread JfmFrag* acc) {
-  constexpr int EB = int(sizeof(T));
-  constexpr int BK = jfm_fwd_block_k(EB, D);
-  constexpr bool Q_IN_REGISTERS = jfm_fwd_q_in_registers(EB, D);
-  constexpr bool ONE_KV_BUFFER = jfm_fwd_kv_one_buffer(EB, D);
-  constexpr int LD = jfm_tile_stride<T>(D);
-  constexpr int DF = D / 8;   // fragments along the head dim
-  constexpr int KF = BK / 8;  // fragments along a key block
+template <typename T, int D, bool FEATURES>
+inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
+                                  constant AttentionParams& params,
+                                  thread const JfmFeatureLane& f, thread float& m,
+                                  thread float& l, thread JfmFrag* acc) {
+  typedef JfmFwdTraits<T, D> Traits;
+  constexpr int BK = Traits::BK;
+  constexpr int THREADS = Traits::THREADS;
+  constexpr bool Q_IN_REGISTERS = Traits::Q_IN_REGISTERS;
+  constexpr bool ONE_KV_BUFFER = Traits::ONE_KV_BUFFER;
+  constexpr int LD = Traits::LD;
+  constexpr int DF = Traits::DF;
+  constexpr int KF = Traits::KF;
+  threadgroup const T* q_band = c.q_band;
+  const JfmFragCoord at = c.at;
   JfmFrag q_frag[Q_IN_REGISTERS ? DF : 1];
   if (Q_IN_REGISTERS) {
     JFM_PRAGMA_UNROLL
@@ -168,23 +183,23 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
       q_frag[d] = jfm_frag_load(q_band + d * 8, LD, at);
     }
   }
-  threadgroup T* k_tile = kv_tile;
-  threadgroup T* v_tile = kv_tile + (ONE_KV_BUFFER ? 0 : BK * LD);
+  threadgroup T* k_tile = c.kv_tile;
+  threadgroup T* v_tile = c.kv_tile + (ONE_KV_BUFFER ? 0 : BK * LD);
 
-  for (int j0 = union_lo / BK * BK; j0 <= union_hi; j0 += BK) {
-    int kind = jfm_classify_tile(first_keys, last_keys, rows_full, j0, j0 + BK - 1);
+  for (int j0 = c.union_lo / BK * BK; j0 <= c.union_hi; j0 += BK) {
+    int kind = jfm_classify_tile(c.first_keys, c.last_keys, c.rows_full, j0, j0 + BK - 1);
     if (kind == JFM_TILE_SKIP) {
       continue;  // uniform
     }
     // Rows of the key block inside the union are loaded; the rest are zero-filled.
-    const int load_begin = max(union_lo - j0, 0);
-    const int load_end = min(union_hi - j0 + 1, BK);
-    const ulong block_offset = ulong(j0) * kv_stride;
+    const int load_begin = max(c.union_lo - j0, 0);
+    const int load_end = min(c.union_hi - j0 + 1, BK);
+    const ulong block_offset = ulong(j0) * c.kv_stride;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
     JfmRange32 block_segments = f.row_segments;
     if (FEATURES && params.has_segment_ids != 0) {  // uniform
       jfm_stage_segment_ids<T, BK, D, THREADS>(k_tile, f.kv_segments + j0, uint(BK), BK,
-                                               load_begin, load_end, thread_index);
+                                               load_begin, load_end, c.thread_index);
       threadgroup_barrier(mem_flags::mem_threadgroup);
       block_segments = jfm_segment_range<T, D>(k_tile, load_begin, load_end);
     }
@@ -194,12 +209,12 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
         continue;  // uniform: the next block's first barrier orders the ids' reads
       }
     }
-    jfm_load_tile<T, BK, D, THREADS, false>(k_tile, k_head + block_offset, kv_stride,
-                                            load_begin, load_end, thread_index);
+    jfm_load_tile<T, BK, D, THREADS, false>(k_tile, c.k_head + block_offset, c.kv_stride,
+                                            load_begin, load_end, c.thread_index);
     if (!ONE_KV_BUFFER && jfm_load_tile<T, BK, D, THREADS, true>(
-                              v_tile, v_head + block_offset, kv_stride, load_begin, load_end,
-                              thread_index)) {
-      nonfinite_v_block[0] = j0;
+                              v_tile, c.v_head + block_offset, c.kv_stride, load_begin, load_end,
+                              c.thread_index)) {
+      c.nonfinite_v_block[0] = j0;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -220,11 +235,11 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
     }
 
     const float alpha =
-        FEATURES ? jfm_online_softmax_features<T, D, KF>(s, params, f, k_tile, keys,
+        FEATURES ? jfm_online_softmax_features<T, D, KF>(s, params, f, k_tile, c.keys,
                                                          kind == JFM_TILE_EDGE, j0, at, m, l)
         : kind == JFM_TILE_EDGE
-            ? jfm_online_softmax<KF, true>(s, params.scale, keys, j0, at, m, l)
-            : jfm_online_softmax<KF, false>(s, params.scale, keys, j0, at, m, l);
+            ? jfm_online_softmax<KF, true>(s, params.scale, c.keys, j0, at, m, l)
+            : jfm_online_softmax<KF, false>(s, params.scale, c.keys, j0, at, m, l);
     JFM_PRAGMA_UNROLL
     for (int d = 0; d < DF; ++d) {
       acc[d].thread_elements() *= alpha;
@@ -232,9 +247,9 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
 
     if (ONE_KV_BUFFER) {  // V replaces K in the one buffer
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (jfm_load_tile<T, BK, D, THREADS, true>(v_tile, v_head + block_offset, kv_stride,
-                                                 load_begin, load_end, thread_index)) {
-        nonfinite_v_block[0] = j0;
+      if (jfm_load_tile<T, BK, D, THREADS, true>(v_tile, c.v_head + block_offset, c.kv_stride,
+                                                 load_begin, load_end, c.thread_index)) {
+        c.nonfinite_v_block[0] = j0;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
@@ -247,15 +262,15 @@ inline void jfm_attend_key_blocks(threadgroup const T* q_band, threadgroup T* kv
         jfm_mma(acc[d], s[n], jfm_frag_load(v_tile + n * 8 * LD + d * 8, LD, at));
       }
     }
-    if (nonfinite_v_block[0] == j0) {
+    if (c.nonfinite_v_block[0] == j0) {
       // Rare: the staged V had Inf/NaN, stored as 0. Poison exactly the O elements whose row
       // sees such a value, reading only this row's visible keys.
-      const int hi = min(keys.hi, j0 + BK - 1);
-      for (int j = max(keys.lo, j0); j <= hi; ++j) {
+      const int hi = min(c.keys.hi, j0 + BK - 1);
+      for (int j = max(c.keys.lo, j0); j <= hi; ++j) {
         if (FEATURES && !jfm_lane_keeps<T>(params, f, j)) {
           continue;
         }
-        device const T* v_row = v_head + ulong(j) * kv_stride;
+        device const T* v_row = c.v_head + ulong(j) * c.kv_stride;
         JFM_PRAGMA_UNROLL
         for (int d = 0; d < DF; ++d) {
           JFM_PRAGMA_UNROLL

@@ -1,8 +1,8 @@
 // Tile shapes of every kernel family, per element size and head dim: the one table the kernels
-// (template constants), the host's dispatch (ffi/attention_ffi.cc) and the Python kernel harness
-// (through the extension's `tile_shape` binding) read. Valid both as Metal Shading Language and
-// as C++14 (constexpr functions of plain ints), like attention_params.h. The choices and their
-// threadgroup-memory and register budgets are justified in shaders/README.md.
+// (template constants), the host's dispatch plan (ffi/dispatch_plan.cc) and the Python kernel
+// harness (through the extension's `tile_shape` binding) read. Valid both as Metal Shading
+// Language and as C++14 (constexpr functions of plain ints), like attention_params.h. The choices
+// and their threadgroup-memory and register budgets are justified in shaders/README.md.
 //
 // Dispatch: a threadgroup of jfm_tile_threads(...) threads (32 per simdgroup) owns
 // jfm_tile_rows(...) consecutive rows of one (batch, head); the grid is

@@ -1,5 +1,8 @@
 """Helpers for the API tests: inputs, running flash_attention forward + VJP, oracle comparison."""
 
+import os
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +11,23 @@ import tolerance
 from jax_flash_metal import flash_attention, xla_schedule
 
 DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
+
+
+def _kernel_head_dims():
+    """The head dims of the kernel families, in order, as shaders/kernel_families.h lists them
+    (its two backward lists), read from the header itself: the tests that run without the
+    extension need them too."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "shaders", "kernel_families.h"), encoding="utf-8") as f:
+        text = f.read()
+    dims = []
+    for macro in ("JFM_JOINT_BWD_HEAD_DIMS", "JFM_SPLIT_BWD_HEAD_DIMS"):
+        body = re.search(r"#define " + macro + r"\(T, SUFFIX, X\)((?:.*\\\n)*.*)", text)[1]
+        dims += [int(d) for d in re.findall(r"X\(T, SUFFIX, (\d+)\)", body)]
+    return tuple(dims)
+
+
+HEAD_DIMS = _kernel_head_dims()
 MASK_KEYS = ("scale", "is_causal", "local_window_size", "query_seq_lengths",
              "key_value_seq_lengths", "causal_alignment")
 

@@ -22,7 +22,7 @@ def attributes(**overrides):
     attrs = dict(scale=np.float32(0.25), is_causal=False, window_left=np.int32(-1),
                  window_right=np.int32(-1), bottom_right=False, has_q_lengths=False,
                  has_kv_lengths=False, has_segment_ids=False, has_bias=False, has_mask=False,
-                 has_sinks=False, logits_soft_cap=np.float32(0.0))
+                 has_sinks=False, logits_soft_cap=np.float32(0.0), bias_grad=False)
     attrs.update(overrides)
     return attrs
 
@@ -59,16 +59,16 @@ def bwd_call(q, k, v, o, residuals, do, g_lse, *optional, bias_grad=False, **att
            jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dbias, jnp.float32),
            jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
     return jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
-        q, k, v, o, *residuals, do, g_lse, *optional, bias_grad=np.bool_(bias_grad),
-        **attributes(**attrs)))
+        q, k, v, o, *residuals, do, g_lse, *optional,
+        **attributes(bias_grad=np.bool_(bias_grad), **attrs)))
 
 
 @contextlib.contextmanager
 def submission_budget(seconds):
     """Plan submissions under a budget of ``seconds`` of estimated GPU time (the extension's test
     hook), restoring the previous budget afterwards."""
-    previous = ext._set_submission_budget(seconds)
+    previous = ext.testing.set_submission_budget(seconds)
     try:
         yield
     finally:
-        ext._set_submission_budget(previous)
+        ext.testing.set_submission_budget(previous)

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_flash_metal._ext import bwd_stages, emulator, tile_shape
+from jax_flash_metal._ext import bwd_stages, emulator, kernel_families, tile_shape
 from jax_flash_metal.profile import NO_COUNTING_MESSAGE
 
 # The kernel profile's counting variants are built only with JFM_EMULATOR_COUNTING=ON (.ci/run
@@ -25,7 +25,8 @@ needs_counting = pytest.mark.skipif(not emulator.has_counting_variant(),
 
 UNBOUNDED = -1  # JFM_UNBOUNDED
 EMPTY_ROW_MAX = np.float32(8.50705917e37)  # JFM_EMPTY_ROW_MAX
-HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
+# The kernel families of shaders/kernel_families.h, as the extension lists them.
+HEAD_DIMS = tuple(d for suffix, d in kernel_families() if suffix == "f32")
 DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
           "bf16": np.dtype(ml_dtypes.bfloat16)}
 

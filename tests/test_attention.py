@@ -12,10 +12,9 @@ import pytest
 
 import oracle
 import tolerance
-from api_helpers import DTYPES, check_against_oracle, f64, make_inputs, run_flash
+from api_helpers import DTYPES, HEAD_DIMS, check_against_oracle, f64, make_inputs, run_flash
 from jax_flash_metal import flash_attention, reference_attention
 
-HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
 MASKS = [
     dict(),
     dict(is_causal=True),

@@ -90,7 +90,7 @@ def test_default_budget_keeps_small_calls_whole_and_splits_long_ones():
     assert len(_plan("bwd", 4, 512, 512, 8, 8)) == 1
     # One long sequence of one head: 2 * 65536^2 * 128 multiply-adds, far beyond 0.1 s at the
     # initial throughput figure, is cut into runs of row blocks.
-    plan = _check_plan("fwd", 1, 65536, 65536, 1, 1, 128, ext._set_submission_budget(0.1))
+    plan = _check_plan("fwd", 1, 65536, 65536, 1, 1, 128, ext.testing.set_submission_budget(0.1))
     seconds = 2 * 65536**2 * 128 / ext.multiply_adds_per_second("emulator")
     assert len(plan) >= math.floor(seconds / 0.1)
     assert {d["block_offset"] for s in plan for d in s} != {0}
@@ -150,13 +150,13 @@ def test_barriers_only_between_dependent_kernels():
     dq = [("dq", [(q, 100, False), (k, 100, False), (o, 100, False), (delta, 50, True)])] * 2
     dk_ = ("dk", [(q, 100, False), (delta, 50, False), (dk, 100, True)])
     dv_ = ("dv", [(q, 100, False), (delta, 50, False), (dv, 100, True)])
-    assert ext._mark_barriers([*dq, dk_, dk_, dv_]) == [False, False, True, False, False]
+    assert ext.testing.mark_barriers([*dq, dk_, dk_, dv_]) == [False, False, True, False, False]
     # overlapping, not equal, ranges count; touching ones do not
-    assert ext._mark_barriers([("a", [(o, 100, True)]), ("b", [(o + 99, 1, False)])]) == [
+    assert ext.testing.mark_barriers([("a", [(o, 100, True)]), ("b", [(o + 99, 1, False)])]) == [
         False, True]
-    assert ext._mark_barriers([("a", [(o, 100, True)]), ("b", [(o + 100, 8, False)])]) == [
+    assert ext.testing.mark_barriers([("a", [(o, 100, True)]), ("b", [(o + 100, 8, False)])]) == [
         False, False]
     # write after read, and write after write, need one too; a barrier clears the history
-    assert ext._mark_barriers([("a", [(q, 8, False)]), ("b", [(q, 8, True)]),
+    assert ext.testing.mark_barriers([("a", [(q, 8, False)]), ("b", [(q, 8, True)]),
                                ("c", [(q, 8, False)])]) == [False, True, True]
-    assert ext._mark_barriers([("a", [(dv, 8, True)]), ("b", [(dv, 8, True)])]) == [False, True]
+    assert ext.testing.mark_barriers([("a", [(dv, 8, True)]), ("b", [(dv, 8, True)])]) == [False, True]

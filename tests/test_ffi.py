@@ -19,16 +19,16 @@ import pytest
 
 import oracle
 import tolerance
-from api_helpers import check_against_oracle, make_inputs
+from api_helpers import HEAD_DIMS, check_against_oracle, make_inputs
 
 ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import ffi_lowering, flash_attention, implementations  # noqa: E402
 from jax_flash_metal import reference_attention  # noqa: E402
+from jax_flash_metal.contract import HOST_ONLY_PARAMS, StaticParams  # noqa: E402
 from jax_flash_metal.validation import ENV_IMPLEMENTATION as ENV  # noqa: E402
 from ffi_targets import (BWD, FWD, attributes, bwd_call, forward_workspace,  # noqa: E402
                          fwd_call, submission_budget)
 
-HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
 EMPTY_ROW_MAX = np.float32(8.50705917e37)  # JFM_EMPTY_ROW_MAX of shaders/attention_params.h
 
 requires_metal = pytest.mark.skipif(not ext.metal_available(),
@@ -41,11 +41,11 @@ def _normal(rng, shape, dtype=jnp.float32):
 
 @contextlib.contextmanager
 def _emulator_fault(kernel):
-    ext._set_emulator_fault(kernel)
+    ext.testing.set_emulator_fault(kernel)
     try:
         yield
     finally:
-        ext._set_emulator_fault("")
+        ext.testing.set_emulator_fault("")
 
 
 @contextlib.contextmanager
@@ -112,7 +112,7 @@ def test_public_helpers_report_this_build():
 def test_metal_gate_accepts_only_apple_silicon_traits(traits, reason):
     """The gate the Metal device applies at creation (family, unified memory) and to every
     pipeline (threadExecutionWidth); plain C++, so it is checked here on every platform."""
-    got = ext._metal_gate(*traits)
+    got = ext.testing.metal_gate(*traits)
     assert got == "" if not reason else reason in got
 
 
@@ -164,6 +164,7 @@ _K = jnp.zeros((1, 5, 1, 16), jnp.float32)
 
 @pytest.mark.parametrize("args, kwargs, message", [
     ((_Q, _K, _K), dict(window_left=np.int32(-2)), "window_left/window_right must be >= 0"),
+    ((_Q, _K, _K), dict(bias_grad=True), "bias_grad is the backward's attribute"),
     ((_Q, _K, _K), dict(has_q_lengths=True), "expected 1 length operand"),
     ((_Q, _K, _K, jnp.zeros((1,), jnp.int32)), dict(), "expected 0 length operand"),
     ((_Q, _K, _K, jnp.zeros((2,), jnp.int32)), dict(has_kv_lengths=True),
@@ -204,6 +205,15 @@ def test_handler_rejects_missing_and_mistyped_attributes():
             fwd_call(_Q, _K, _K, scale=np.float64(0.25))
     finally:
         jax.config.update("jax_enable_x64", False)
+
+
+def test_ffi_attributes_are_the_static_params():
+    """One list of attributes: the handlers' (JFM_FFI_ATTRIBUTES, as the extension lists it) is
+    the primitives' static params without the host-only ones, plus the backward's bias_grad, so
+    no static param is dropped or invented on the way to the kernels."""
+    names = [name for name, _ in ext.ffi_attributes()]
+    assert names == [*(f for f in StaticParams._fields if f not in HOST_ONLY_PARAMS), "bias_grad"]
+    assert set(attributes()) == set(names)  # the direct calls' helper (ffi_targets.attributes)
 
 
 def test_lowering_types_attributes_exactly_under_x64():
@@ -338,7 +348,7 @@ def test_backward_handler_checks_the_dbias_result():
                        match=r"output dbias must be float32 \[1, 2, 4, 4\]"):
         jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
             q, q, q, o, *residuals, q, g, jnp.zeros((1, 1, 1, 4), jnp.float32),
-            bias_grad=np.bool_(True), **attributes(has_bias=True)))
+            **attributes(has_bias=True, bias_grad=np.bool_(True))))
 
 
 def test_compiled_hlo_has_custom_calls_only_on_the_fused_path():
@@ -496,10 +506,10 @@ def test_debug_environment_variable_syntax():
 def test_gpu_core_count_prefers_a_plausible_registry_value():
     """The Metal device's rule: the IORegistry's gpu-core-count when in 1..1024, else the name
     table (0 = the property could not be read)."""
-    assert ext._gpu_core_count(24, "Apple M2 Max") == 24
-    assert ext._gpu_core_count(0, "Apple M2 Max") == 38
-    assert ext._gpu_core_count(-3, "Apple M1") == 8
-    assert ext._gpu_core_count(5000, "Some future GPU") == 10
+    assert ext.testing.gpu_core_count(24, "Apple M2 Max") == 24
+    assert ext.testing.gpu_core_count(0, "Apple M2 Max") == 38
+    assert ext.testing.gpu_core_count(-3, "Apple M1") == 8
+    assert ext.testing.gpu_core_count(5000, "Some future GPU") == 10
 
 
 def test_gpu_seconds_total_is_metal_only():
@@ -553,7 +563,7 @@ def test_metal_gate_and_compile_warnings_on_this_mac():
     kept and reported as text."""
     _check_against_oracle("metal", jnp.float16, "plain", 64)
     assert ext.metal_available() and ext.metal_unavailable_reason() == ""
-    assert ext._metal_gate(ext.device_name("metal"), True, True, 32) == ""
+    assert ext.testing.metal_gate(ext.device_name("metal"), True, True, 32) == ""
     assert isinstance(ext.library_warnings("metal"), str)
     assert ext.library_error("metal") == ""
 
@@ -574,14 +584,14 @@ def test_metal_command_buffer_error_surfaces_as_jax_exception(kernel, debug):
                 else rf"kernels in it: .*{dispatch}.*JAX_FLASH_METAL_DEBUG")
     before = ext.metal_debug()
     ext.set_metal_debug(debug)
-    ext._set_metal_fault(kernel)
+    ext.testing.set_metal_fault(kernel)
     try:
         with pytest.raises(jax.errors.JaxRuntimeError,
                            match=rf"metal device error: command buffer failed: injected fault "
                                  rf".*{expected}"):
             jax.block_until_ready(f(q))
     finally:
-        ext._set_metal_fault("")
+        ext.testing.set_metal_fault("")
         ext.set_metal_debug(before)
     assert np.isfinite(np.asarray(f(q))).all()
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from kernel_harness import needs_counting
+from kernel_harness import HEAD_DIMS, needs_counting
 from jax_flash_metal import profile, roofline
 from jax_flash_metal import _ext as ext
 from jax_flash_metal._ext import emulator
@@ -467,7 +467,6 @@ def test_occupancy_model():
 
 STAGES = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_dk", "bwd_dv", "decode_partial", "decode_combine",
           "decode_vector")  # every stage of the tile table
-HEAD_DIMS = (8, 16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
 
 
 def test_no_family_register_estimate_exceeds_the_budget():
@@ -497,11 +496,11 @@ def test_split_submissions_share_counts_and_useful_flops():
                             "12", "--kv-len", "20", "--heads", "2", "--kv-heads", "1",
                             "--q-lengths", "12,5", "--window", "4,"])
     whole = profile.profile_records(problem, profile.PASSES, ["M1"])
-    previous = _ext._set_submission_budget(1e-12)
+    previous = _ext.testing.set_submission_budget(1e-12)
     try:
         split = profile.profile_records(problem, profile.PASSES, ["M1"])
     finally:
-        _ext._set_submission_budget(previous)
+        _ext.testing.set_submission_budget(previous)
     assert len(split) > len(whole)
     additive = [k for k in profile.COUNT_KEYS
                 if k not in ("threads_per_threadgroup", "threadgroup_memory_bytes")]

@@ -1,0 +1,73 @@
+// jax_flash_metal._ext.testing: the test hooks. Fault injection on both devices, the submission
+// budget that forces the dispatch plan to split, and the plain C++ rules the Metal device applies
+// (its GPU gate, its core count, the barriers between dispatches), so Linux CI can check them.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "device.h"
+#include "dispatch_plan.h"
+
+namespace nb = nanobind;
+
+namespace jfm {
+namespace {
+
+// A dispatch for mark_barriers: its kernel and its host ranges (address, bytes, written).
+using RangesOf = std::pair<std::string, std::vector<std::tuple<uint64_t, uint64_t, bool>>>;
+
+}  // namespace
+
+void bind_testing(nb::module_& m) {
+  m.def("metal_gate", &apple_gpu_gate, nb::arg("name"), nb::arg("apple7"),
+        nb::arg("unified_memory"), nb::arg("simd_width"),
+        "The Metal device's GPU requirement (GPU family Apple7+, unified memory, 32-wide "
+        "simdgroups) applied to these traits: '' when they qualify, else why not.");
+#ifdef JFM_HAVE_METAL
+  m.def(
+      "set_metal_fault", [](const std::string& kernel) { set_metal_fault(kernel); },
+      nb::arg("kernel"),
+      "Metal command buffers holding this kernel are reported as failed ('' turns it off).");
+#endif
+  m.def(
+      "set_emulator_fault", [](const std::string& kernel) { set_emulator_fault(kernel); },
+      nb::arg("kernel"),
+      "Emulated runs of this kernel fail with a device error ('' turns it off).");
+  m.def(
+      "mark_barriers",
+      [](const std::vector<RangesOf>& dispatches) {
+        Submission submission;
+        for (const auto& [kernel, ranges] : dispatches) {
+          Dispatch d;
+          d.kernel = kernel;
+          for (const auto& [address, size, written] : ranges) {
+            void* data = reinterpret_cast<void*>(static_cast<uintptr_t>(address));
+            d.buffers.push_back(Binding{0, data, static_cast<size_t>(size), written, false});
+          }
+          submission.push_back(std::move(d));
+        }
+        mark_barriers(&submission);
+        std::vector<bool> barriers;
+        for (const Dispatch& d : submission) barriers.push_back(d.barrier_before);
+        return barriers;
+      },
+      nb::arg("dispatches"),
+      "mark_barriers (ffi/dispatch_plan.h) on dispatches given as (kernel, [(address, "
+      "bytes, written), ...]); returns each dispatch's barrier_before.");
+  m.def("set_submission_budget", &set_submission_budget_seconds, nb::arg("seconds"),
+        "Sets the estimated GPU time per submission (command buffer), in seconds, before "
+        "a call is split by batch, head and row block; returns the previous value.");
+  m.def("gpu_core_count", &gpu_core_count, nb::arg("registry_cores"), nb::arg("name"),
+        "int: the Metal device's rule: the IORegistry's gpu-core-count when plausible (1 to "
+        "1024; 0 = could not be read), else gpu_cores_by_name(name).");
+}
+
+}  // namespace jfm
