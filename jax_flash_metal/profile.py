@@ -359,28 +359,28 @@ def format_tables(records: list[dict], gpus) -> str:
             f"{_ratio(r['mma_flops'], r['executed_flops'], '{:.0%}'):>9} "
             f"{_ratio(2 * r['alu_ops'], r['useful_flops'], '{:.2f}'):>6} "
             f"{_registers_cell(r['registers']):>5}")
-    cell = 23  # "comp 12345.678ms 100.0%"
-    head = f"{'kernel':<40} " + " ".join(f"{g:>{cell}}" for g in gpus)
-    lines += ["", "roofline MODEL (not measured; per GPU: bound (comp = compute, dev = device "
-              "memory, tg = threadgroup memory), modelled time, modelled % of peak FLOP/s; see "
-              "jax_flash_metal/roofline.py):", head, "-" * len(head)]
-    for r in records:
-        cells = []
-        for g in gpus:
-            m = r["model"][g]
-            cells.append(f"{BOUND_ABBREVIATIONS[m['bound']]:>4} {m['seconds'] * 1e3:>9.3f}ms "
-                         f"{m['percent_of_peak']:>5.1f}%")
-        lines.append(f"{r['kernel']:<40} " + " ".join(f"{c:>{cell}}" for c in cells))
-    cell = 14  # "24/24 reg"
-    head = f"{'kernel':<40} " + " ".join(f"{g:>{cell}}" for g in gpus)
-    lines += ["", "occupancy MODEL (per core: threadgroups/simdgroups that fit, and the binding "
-              "limit: mem = threadgroup memory, thr = threads, reg = registers; "
-              "jax_flash_metal/roofline.py):", head, "-" * len(head)]
-    for r in records:
-        cells = [f"{o['threadgroups']}/{o['simdgroups']} {OCCUPANCY_LIMITS[o['limit']]}"
-                 for o in (r["occupancy"][g] for g in gpus)]
-        lines.append(f"{r['kernel']:<40} " + " ".join(f"{c:>{cell}}" for c in cells))
+    lines += _per_gpu_table(
+        records, gpus, 23,  # "comp 12345.678ms 100.0%"
+        "roofline MODEL (not measured; per GPU: bound (comp = compute, dev = device memory, "
+        "tg = threadgroup memory), modelled time, modelled % of peak FLOP/s; see "
+        "jax_flash_metal/roofline.py):",
+        lambda m: (f"{BOUND_ABBREVIATIONS[m['bound']]:>4} {m['seconds'] * 1e3:>9.3f}ms "
+                   f"{m['percent_of_peak']:>5.1f}%"), "model")
+    lines += _per_gpu_table(
+        records, gpus, 14,  # "24/24 reg"
+        "occupancy MODEL (per core: threadgroups/simdgroups that fit, and the binding limit: "
+        "mem = threadgroup memory, thr = threads, reg = registers; jax_flash_metal/roofline.py):",
+        lambda o: f"{o['threadgroups']}/{o['simdgroups']} {OCCUPANCY_LIMITS[o['limit']]}",
+        "occupancy")
     return "\n".join(lines)
+
+
+def _per_gpu_table(records, gpus, cell, title, cell_text, key) -> list[str]:
+    """A titled table of one column per GPU, each cell ``cell_text(record[key][gpu])``."""
+    head = f"{'kernel':<40} " + " ".join(f"{g:>{cell}}" for g in gpus)
+    return ["", title, head, "-" * len(head)] + [
+        f"{r['kernel']:<40} " + " ".join(f"{cell_text(r[key][g]):>{cell}}" for g in gpus)
+        for r in records]
 
 
 OCCUPANCY_LIMITS = {"memory": "mem", "threads": "thr", "registers": "reg"}
