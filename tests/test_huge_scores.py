@@ -133,13 +133,13 @@ def test_emulator_half_precision(dtype):
 
 
 def test_emulator_decode():
-    """q_len 2 against 600 keys: the split-KV decode (3 splits, merged in pass 2) writes the
-    residuals, the regular backward reads them."""
+    """q_len 2 against 600 keys: the split-KV decode (several splits, merged in pass 2) writes
+    the residuals, the regular backward reads them."""
     from jax_flash_metal import _ext
 
     offsets = (-1e9, -1e30, -np.inf)
     q, k, v, do, g = inputs(jnp.float32, len(offsets), 2, 600, H, HKV, seed=5)
-    assert _ext.decode_splits("f32", len(offsets), 2, 600, H, HKV, 16)[0] == 3
+    assert _ext.decode_splits("f32", len(offsets), 2, 600, H, HKV, 16)[0] > 1
     kw = dict(bias=offset_bias(offsets, H, 1, 600).repeat(2, axis=2), sinks=SINKS)
     check(run(q, k, v, do, g, implementation="emulator", **kw), q, k, v, do, g, saturates=True,
           **kw)
