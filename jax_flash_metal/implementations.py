@@ -121,7 +121,7 @@ def resolve(implementation: str | None, platform: str, call=None, missing=None) 
         raise NotImplementedError(
             f"flash_attention {source}={implementation!r} runs only when lowering for the 'cpu' "
             f"platform (an XLA FFI call on the host), but this computation lowers for "
-            f"{platform!r}; use implementation=None or 'xla' there"
+            f"{platform!r}; {_fallback_advice(source)} there"
         )
     names, _ = _fused_available()
     if implementation not in names:
@@ -132,9 +132,17 @@ def resolve(implementation: str | None, platform: str, call=None, missing=None) 
         )
     if missing:
         raise NotImplementedError(
-            f"flash_attention {source}={implementation!r} does not implement {missing} yet; use "
-            f"implementation=None (which runs such a call on 'xla') or 'xla'")
+            f"flash_attention {source}={implementation!r} does not implement {missing} yet; "
+            f"{_fallback_advice(source)} (such a call then runs on 'xla')")
     return implementation
+
+
+def _fallback_advice(source: str) -> str:
+    """How to leave a fused implementation chosen by ``source`` (the argument, or the
+    environment variable that ``implementation=None`` reads)."""
+    if source == "implementation":
+        return "use implementation=None or 'xla'"
+    return f"unset {source} or pass implementation='xla'"
 
 
 def lower_fused(direction: str, ctx, *args, implementation: str, **params):
