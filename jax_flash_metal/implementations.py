@@ -82,15 +82,14 @@ def _best_available(platform: str, call) -> str:
     return "xla"
 
 
-def missing_features(params, key_head_dim: int, value_head_dim: int) -> str | None:
-    """The features of a call (the primitives' static ``params`` and head dims) that the fused
-    kernels do not implement yet, named for an error message, or None."""
+def missing_features(params) -> str | None:
+    """The features of a call (the primitives' static ``params``) that the fused kernels do not
+    implement yet, named for an error message, or None. (Head dims are the kernel families'
+    matter: ``ffi_lowering.unsupported_reason``.)"""
     missing = [name for name, present in (
         ("alibi_slopes", params.get("has_alibi")),
         ("page_table (a paged KV cache)", params.get("has_page_table")),
-        ("dropout (dropout_rate > 0)", params.get("dropout_rate", 0.0) > 0),
-        (f"a value head dim ({value_head_dim}) other than the key's ({key_head_dim})",
-         value_head_dim != key_head_dim)) if present]
+        ("dropout (dropout_rate > 0)", params.get("dropout_rate", 0.0) > 0)) if present]
     return ", ".join(missing) or None
 
 

@@ -32,8 +32,8 @@ occupancy: threadgroups and simdgroups per core that fit the GPU's threadgroup m
 limit and register file (``roofline.occupancy``).
 
 ``--json PATH`` writes a JSON list with one record per launch, in launch order, with exactly the
-keys of ``JSON_KEYS``: the problem (kernel, dtype, head_dim, batch, q_len, kv_len, heads,
-kv_heads, causal), the exact counts (threadgroups, threads_per_threadgroup,
+keys of ``JSON_KEYS``: the problem (kernel, dtype, head_dim, value_head_dim, batch, q_len,
+kv_len, heads, kv_heads, causal), the exact counts (threadgroups, threads_per_threadgroup,
 threadgroup_memory_bytes, device_bytes_read, device_bytes_written, threadgroup_bytes_read,
 threadgroup_bytes_written: bytes; mma_ops, simd_ops, barriers, fma_ops, math_ops: counts as
 defined in ffi/emulator/README.md), useful_flops (analytic), registers (estimated live 32-bit
@@ -63,7 +63,8 @@ from .roofline import GPUS, REGISTER_BUDGET, model_launch, occupancy
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
 PASSES = ("forward", "backward")
 
-PROBLEM_KEYS = ("dtype", "head_dim", "batch", "q_len", "kv_len", "heads", "kv_heads", "causal")
+PROBLEM_KEYS = ("dtype", "head_dim", "value_head_dim", "batch", "q_len", "kv_len", "heads",
+                "kv_heads", "causal")
 # Exact counts of one launch, as the emulator reports them.
 COUNT_KEYS = ("threadgroups", "threads_per_threadgroup", "threadgroup_memory_bytes",
               "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
@@ -72,15 +73,19 @@ COUNT_KEYS = ("threadgroups", "threads_per_threadgroup", "threadgroup_memory_byt
 JSON_KEYS = ("kernel", *PROBLEM_KEYS, *COUNT_KEYS, "useful_flops", "registers", "model",
              "occupancy")
 
-# Useful FLOPs per visible (query, key) pair, in units of the head dim D, credited to each kernel
-# stage (kernel names are flash_attention_<stage>_<dtype>_d<D>). Forward 4·D; backward 10·D as a
-# whole. A new kernel stage must be added here.
-USEFUL_FLOPS_PER_PAIR = {"fwd": 4, "decode_partial": 4, "decode_vector": 4, "decode_combine": 0,
-                         "bwd_dq": 2,
-                         "bwd_dkdv": 8,
-                         "bwd_dk": 6, "bwd_dv": 2}  # the split pair: 8 as bwd_dkdv
+# Useful FLOPs per visible (query, key) pair credited to each kernel stage (kernel names are
+# flash_attention_<stage>_<dtype>_d<Dk>[_v<Dv>]), as (coefficient of the key head dim Dk,
+# coefficient of the value head dim Dv): forward Q K^T and P V, 2·Dk + 2·Dv (4·D); backward
+# S = Q K^T recomputed and dS K, dS^T Q over Dk, dP = dO V^T and P^T dO over Dv, 6·Dk + 4·Dv
+# (10·D) as a whole. A new kernel stage must be added here.
+USEFUL_FLOPS_PER_PAIR = {"fwd": (2, 2), "decode_partial": (2, 2), "decode_vector": (2, 2),
+                         "decode_combine": (0, 0),
+                         "bwd_dq": (2, 0),  # dS K (its S and dP are counted with dK/dV)
+                         "bwd_dkdv": (4, 4),
+                         "bwd_dk": (4, 2), "bwd_dv": (0, 2)}  # the split pair: as bwd_dkdv
 MMA_FLOPS = 2 * 8 * 8 * 8  # one simdgroup_multiply_accumulate: an 8x8x8 multiply-add
-KERNEL_NAME = re.compile(r"^flash_attention_(?P<stage>\w+?)_(?P<dtype>f32|f16|bf16)_d(?P<d>\d+)$")
+KERNEL_NAME = re.compile(
+    r"^flash_attention_(?P<stage>\w+?)_(?P<dtype>f32|f16|bf16)_d(?P<d>\d+)(?:_v(?P<dv>\d+))?$")
 
 # The counting variants are built only when asked (ffi/emulator/CMakeLists.txt).
 NO_COUNTING_MESSAGE = ("this build has no counting kernel variants (they are built only when "
@@ -135,6 +140,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="input dtype(s)")
     p.add_argument("--head-dim", nargs="+", type=_positive, default=[64, 128],
                    help="head dim(s) D")
+    p.add_argument("--value-head-dim", type=_positive, default=None,
+                   help="head dim of value (and O) for every --head-dim (default: each --head-dim)")
     p.add_argument("--batch", type=_positive, default=1, help="batch size")
     p.add_argument("--q-len", type=_positive, default=1024, help="query length")
     p.add_argument("--kv-len", type=_positive, default=None,
@@ -167,6 +174,7 @@ class Problem:
 
     def __init__(self, args, dtype: str, head_dim: int):
         self.dtype, self.head_dim = dtype, head_dim
+        self.value_head_dim = args.value_head_dim or head_dim
         self.batch, self.q_len, self.heads, self.kv_heads = (args.batch, args.q_len, args.heads,
                                                              args.kv_heads)
         self.kv_len = args.kv_len or args.q_len
@@ -177,11 +185,16 @@ class Problem:
         self.seed = args.seed
 
     def shapes(self):
-        q = jax.ShapeDtypeStruct((self.batch, self.q_len, self.heads, self.head_dim),
-                                 DTYPES[self.dtype])
-        kv = jax.ShapeDtypeStruct((self.batch, self.kv_len, self.kv_heads, self.head_dim),
-                                  DTYPES[self.dtype])
-        return q, kv
+        """(q, k, v) shapes; v has the value head dim."""
+        dtype = DTYPES[self.dtype]
+        return (jax.ShapeDtypeStruct((self.batch, self.q_len, self.heads, self.head_dim), dtype),
+                *(jax.ShapeDtypeStruct((self.batch, self.kv_len, self.kv_heads, d), dtype)
+                  for d in (self.head_dim, self.value_head_dim)))
+
+    def dims(self) -> str:
+        """The head dim, or "Dk/Dv" where the value head dim differs."""
+        return (str(self.head_dim) if self.value_head_dim == self.head_dim
+                else f"{self.head_dim}/{self.value_head_dim}")
 
     def attention(self, q, k, v):
         lengths = {}
@@ -197,10 +210,10 @@ class Problem:
     def check(self):
         """Lowers the forward and backward (the kernels of this dtype and head dim must exist);
         raises the library's ValueError / TypeError / NotImplementedError otherwise."""
-        q, kv = self.shapes()
-        jax.jit(self.attention).lower(q, kv, kv)
+        shapes = self.shapes()
+        jax.jit(self.attention).lower(*shapes)
         loss = lambda q, k, v: self.attention(q, k, v).astype(jnp.float32).sum()
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv)
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*shapes)
 
     def visibility(self) -> np.ndarray:
         """bool [batch, q_len, kv_len]: may query row i see key j (reference.visibility)."""
@@ -218,8 +231,7 @@ class Problem:
 
     def inputs(self):
         rng = np.random.default_rng(self.seed)
-        q, kv = self.shapes()
-        return [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in (q, kv, kv)]
+        return [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in self.shapes()]
 
 
 def _recorded(fn, *args):
@@ -259,7 +271,8 @@ def _stage(kernel: str) -> str:
 def useful_flops(problem: Problem, runs: list[tuple[str, dict]]) -> list[int]:
     """Analytic useful FLOPs of each launch of ``runs`` ((pass, record) pairs).
 
-    A stage's total (USEFUL_FLOPS_PER_PAIR[stage] · D · visible pairs · query heads) is exact.
+    A stage's total ((USEFUL_FLOPS_PER_PAIR[stage] · (Dk, Dv)) · visible pairs · query heads) is
+    exact.
     When a call is split into several submissions a stage has several launches; they share the
     total in proportion to their executed matmul FLOPs (exact for today's kernels, whose fma count
     is proportional to the visible pairs they cover; by threadgroups if a stage executes none).
@@ -273,7 +286,8 @@ def useful_flops(problem: Problem, runs: list[tuple[str, dict]]) -> list[int]:
         members.setdefault((pass_name, stage), []).append(n)
     flops = [0] * len(runs)
     for (_, stage), launches in members.items():
-        total = USEFUL_FLOPS_PER_PAIR[stage] * problem.head_dim * pairs
+        per_key_dim, per_value_dim = USEFUL_FLOPS_PER_PAIR[stage]
+        total = (per_key_dim * problem.head_dim + per_value_dim * problem.value_head_dim) * pairs
         w = [weights[n] for n in launches]
         if not sum(w):
             w = [runs[n][1]["threadgroups"] for n in launches]
@@ -301,7 +315,9 @@ def registers(kernel: str) -> int:
     m = KERNEL_NAME.match(kernel)
     if not m:
         raise ValueError(f"profile: not an attention kernel name: {kernel!r}")
-    return _ext().tile_shape(m.group("stage"), m.group("dtype"), int(m.group("d")))["registers"]
+    d = int(m.group("d"))
+    tile_dim = _ext().tile_head_dim(d, int(m.group("dv") or d))
+    return _ext().tile_shape(m.group("stage"), m.group("dtype"), tile_dim)["registers"]
 
 
 def profile_records(problem: Problem, passes, gpus) -> list[dict]:
@@ -406,7 +422,8 @@ def main(argv=None) -> int:
         try:
             problem.check()
         except (TypeError, ValueError, NotImplementedError) as e:
-            parser.error(f"--dtype {problem.dtype} --head-dim {problem.head_dim}: {e}")
+            parser.error(f"--dtype {problem.dtype} --head-dim {problem.head_dim} "
+                         f"--value-head-dim {problem.value_head_dim}: {e}")
     if not _ext().emulator.has_counting_variant():
         parser.error(NO_COUNTING_MESSAGE)
     records = []
@@ -415,11 +432,11 @@ def main(argv=None) -> int:
         for problem in problems:
             start, new = time.perf_counter(), []
             for pass_name in (p for p in PASSES if p in args.passes):
-                bar.set_postfix_str(f"{problem.dtype} D={problem.head_dim} {pass_name}")
+                bar.set_postfix_str(f"{problem.dtype} D={problem.dims()} {pass_name}")
                 new += profile_records(problem, (pass_name,), args.gpu)
                 bar.update(1)
             records += new
-            bar.write(f"# {problem.dtype} D={problem.head_dim} batch={problem.batch} "
+            bar.write(f"# {problem.dtype} D={problem.dims()} batch={problem.batch} "
                       f"q_len={problem.q_len} kv_len={problem.kv_len} heads={problem.heads} "
                       f"kv_heads={problem.kv_heads} causal={problem.causal} "
                       f"window={problem.window}: {len(new)} launches, "

@@ -26,11 +26,12 @@
   JFM_SAME_DIMS(T, SUFFIX, X, 32) JFM_SAME_DIMS(T, SUFFIX, X, 48)                       \
   JFM_SAME_DIMS(T, SUFFIX, X, 64) JFM_SAME_DIMS(T, SUFFIX, X, 72)                       \
   JFM_SAME_DIMS(T, SUFFIX, X, 80) JFM_SAME_DIMS(T, SUFFIX, X, 96)                       \
-  JFM_SAME_DIMS(T, SUFFIX, X, 112) JFM_SAME_DIMS(T, SUFFIX, X, 128)
+  JFM_SAME_DIMS(T, SUFFIX, X, 112) JFM_SAME_DIMS(T, SUFFIX, X, 128)                     \
+  X(T, SUFFIX, 128, 64, 128_v64)
 // ... and for each family whose backward splits them into two kernels.
 #define JFM_SPLIT_BWD_HEAD_DIMS(T, SUFFIX, X)                                           \
   JFM_SAME_DIMS(T, SUFFIX, X, 160) JFM_SAME_DIMS(T, SUFFIX, X, 192)                     \
-  JFM_SAME_DIMS(T, SUFFIX, X, 256)
+  JFM_SAME_DIMS(T, SUFFIX, X, 256) X(T, SUFFIX, 192, 128, 192_v128)
 
 #define JFM_ALL_HEAD_DIMS(T, SUFFIX, X) \
   JFM_JOINT_BWD_HEAD_DIMS(T, SUFFIX, X) JFM_SPLIT_BWD_HEAD_DIMS(T, SUFFIX, X)

@@ -3,9 +3,10 @@ docs/design.md#value-head-dim) against the float64 oracle, forward and gradients
 
 ALiBi is judged against the oracle given the bias materialised from the formula
 (``api_helpers.alibi_bias``); the slopes' gradient against sum_ij dbias_ij * -|i + off - j| of
-the oracle's bias gradient. Run on the xla implementation, dense and blockwise; the fused
-implementations do not implement either feature yet: an explicit one refuses the call naming
-the feature, and implementation=None runs it on xla.
+the oracle's bias gradient. Run on the xla implementation, dense and blockwise. The fused
+implementations do not implement ALiBi yet, and have kernels for a few (Dk, Dv) pairs only
+(tests/test_value_dim_kernels.py): an explicit one refuses another call naming the feature or
+the pair, and implementation=None runs it on xla.
 """
 
 import re
@@ -146,19 +147,22 @@ def test_value_head_dim_half_precision(dtype):
     assert o.shape == (TQ, H, 8) and o.dtype == dtype
 
 
-FEATURES = [  # (name in the error, keyword arguments, value head dim)
-    ("alibi_slopes", dict(alibi_slopes=np.ones(H, np.float32)), 16),
-    ("a value head dim (8) other than the key's (16)", {}, 8),
+FEATURES = [  # (error, its message, keyword arguments, value head dim)
+    (NotImplementedError, "does not implement alibi_slopes",
+     dict(alibi_slopes=np.ones(H, np.float32)), 16),
+    (ValueError, "key head dim 16 with value head dim 8 with dtype float32 is not supported",
+     {}, 8),
 ]
 
 
 @pytest.mark.skipif("emulator" not in implementations.available(), reason="needs the extension")
-@pytest.mark.parametrize("name,kw,dv", FEATURES, ids=["alibi", "dv"])
-def test_fused_implementations_refuse_by_name(monkeypatch, name, kw, dv):
-    """Explicit fused: NotImplementedError naming the feature. implementation=None with a
-    fused implementation preferred: the call runs on xla, forward and backward."""
+@pytest.mark.parametrize("error,message,kw,dv", FEATURES, ids=["alibi", "dv"])
+def test_fused_implementations_refuse_by_name(monkeypatch, error, message, kw, dv):
+    """Explicit fused: an error naming the feature (NotImplementedError) or the head-dim pair
+    without kernels (ValueError). implementation=None with a fused implementation preferred:
+    the call runs on xla, forward and backward."""
     q, k, v, do, g = inputs(9, 16, dv)
-    with pytest.raises(NotImplementedError, match=f"does not implement {re.escape(name)}"):
+    with pytest.raises(error, match=re.escape(message)):
         jax.jit(lambda q: flash_attention(q, k, v, implementation="emulator", **kw))(q)
     monkeypatch.delenv("JAX_FLASH_METAL_IMPLEMENTATION", raising=False)
     monkeypatch.setattr(implementations, "_PREFERENCE", ("emulator",))

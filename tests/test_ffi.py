@@ -285,7 +285,7 @@ def test_one_family_preprocessing_keeps_exactly_that_family(request):
             continue
         found |= every
         for type_, suffix, d in (("half", "f16", 64), ("ushort", "bf16", 16),
-                                 ("float", "f32", 256)):
+                                 ("float", "f32", 256), ("half", "f16", "192_v128")):
             one = host_names(text, "-DJFM_ONE_FAMILY", f"-DJFM_FAMILY_{type_}_{d}=JFM_SELECTED")
             assert one and one == {n for n in every if n.endswith(f"_{suffix}_d{d}")}
         assert host_names(text, "-DJFM_ONE_FAMILY") == set()
