@@ -10,6 +10,7 @@
    device const T* v [[buffer(JFM_BUFFER_V)]],                            \
    device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],          \
    device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],        \
+   device const int* page_table [[buffer(JFM_BUFFER_PAGE_TABLE)]],        \
    device T* o [[buffer(JFM_BUFFER_O)]],                                  \
    device float* lse [[buffer(JFM_BUFFER_LSE)]],                          \
    device float* row_max [[buffer(JFM_BUFFER_ROW_MAX)]],                  \
@@ -80,8 +81,8 @@ template <typename T, int D>
 
   const uint q_stride = params.num_heads * uint(D);  // elements between consecutive rows
   const uint kv_stride = params.num_kv_heads * uint(D);
-  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
-  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
+  device const T* k_head = k + jfm_kv_head_offset(params, b, hk, D);
+  device const T* v_head = v + jfm_kv_head_offset(params, b, hk, D);
 
   float m = JFM_MAX_SENTINEL;  // running max of the row's scores
   float l = 0.0f;              // this lane's share of the running sum of exp(S - m)
@@ -106,9 +107,10 @@ template <typename T, int D>
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const JfmKeyBlocks<T> blocks = {q_tile + band * LD, kv_tile,        nonfinite_v_block,
                                     k_head,             v_head,         kv_stride,
+                                    jfm_kv_rows(params, page_table, b),
                                     first_keys,         last_keys,      valid_rows == BQ,
                                     union_lo,           union_hi,       keys,
-                                    at,                 thread_index};
+                                    at,                 thread_index,   lane};
     if (features) {
       jfm_lane_segments<T, D>(params, q_tile, band + int(at.row), valid_rows, f);
       jfm_attend_key_blocks<T, D, true>(blocks, params, f, m, l, acc);
