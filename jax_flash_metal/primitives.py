@@ -304,7 +304,7 @@ def _make_cpu_lowering(prim):
         q, k, v = ctx.avals_in[:3]
         page_size = k.shape[1] if params["has_page_table"] else None  # k holds pages
         impl = implementations.resolve(
-            params["implementation"], "cpu", call=(direction, q.dtype, q.shape[3]),
+            params["implementation"], "cpu", call=(direction, q.dtype, q.shape[3], v.shape[3]),
             missing=implementations.missing_features(params, q.shape[3], v.shape[3], page_size))
         # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):

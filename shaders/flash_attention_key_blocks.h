@@ -168,11 +168,12 @@ inline uint jfm_page_of(JfmKvRows rows, uint n) {
 }
 
 // The rows of key block [j0, j0 + BK) (j0 a multiple of BK) as jfm_load_tile_runs reads them:
-// runs of `run` rows, row t of run s at offset + s * run_stride + t * kv_stride. Contiguous, or
-// a page size BK divides: one run. A page of 16 under blocks of 32: two runs, one per page.
+// runs of `run` rows, row t of run s at row + s * run_rows + t (rows of the kv head, each the K
+// or V stride apart). Contiguous, or a page size BK divides: one run. A page of 16 under blocks
+// of 32: two runs, one per page.
 struct JfmKvBlock {
-  ulong offset;
-  jfm_long run_stride;
+  ulong row;
+  jfm_long run_rows;
   uint run;
 };
 
@@ -180,11 +181,11 @@ struct JfmKvBlock {
 // table entries of its first and second page (the second only when it holds a visited key), and
 // broadcast them, so the table costs 4 or 8 bytes per simdgroup and block. Uniform control flow.
 template <int BK>
-inline JfmKvBlock jfm_kv_block(JfmKvRows rows, int j0, int last, uint kv_stride, uint lane) {
+inline JfmKvBlock jfm_kv_block(JfmKvRows rows, int j0, int last, uint lane) {
   JfmKvBlock block;
   block.run = uint(BK);
-  block.run_stride = 0;
-  block.offset = ulong(j0) * kv_stride;
+  block.run_rows = 0;
+  block.row = ulong(j0);
   if (rows.page_size == 0) {  // uniform
     return block;
   }
@@ -195,16 +196,16 @@ inline JfmKvBlock jfm_kv_block(JfmKvRows rows, int j0, int last, uint kv_stride,
   const uint first = simd_shuffle(page, ushort(0));
   const uint second = simd_shuffle(page, ushort(1));
   block.run = min(size, uint(BK));
-  block.offset = (ulong(first) * size + uint(j0) % size) * kv_stride;
-  block.run_stride = (jfm_long(second) - jfm_long(first)) * jfm_long(size) * jfm_long(kv_stride);
+  block.row = ulong(first) * size + uint(j0) % size;
+  block.run_rows = (jfm_long(second) - jfm_long(first)) * jfm_long(size);
   return block;
 }
 
-// Element offset of row r of a block (jfm_kv_block).
-inline ulong jfm_kv_block_row(JfmKvBlock block, int r, uint kv_stride) {
+// The kv head's row of row r of a block (jfm_kv_block).
+inline ulong jfm_kv_block_row(JfmKvBlock block, int r) {
   const uint s = uint(r) / block.run;
-  return ulong(jfm_long(block.offset) + jfm_long(s) * block.run_stride +
-               jfm_long(uint(r) - s * block.run) * jfm_long(kv_stride));
+  return ulong(jfm_long(block.row) + jfm_long(s) * block.run_rows +
+               jfm_long(uint(r) - s * block.run));
 }
 
 // The row of key j0 + lane, of a run of keys [j0, last] with one key per lane (last < j0 + 32):
@@ -234,9 +235,9 @@ struct JfmKeyBlocks {
                                 // overwrites it)
   threadgroup T* kv_tile;              // the K/V tiles
   threadgroup int* nonfinite_v_block;  // start of the latest block whose V had Inf/NaN
-  device const T* k_head;              // row 0 of K and V of the kv head (jfm_kv_head_offset),
-  device const T* v_head;              // the rows kv_stride apart or paged (rows)
-  uint kv_stride;
+  device const T* k_head;              // row 0 of K and V of the kv head (jfm_kv_head_offset):
+  device const T* v_head;              // rows k_stride and v_stride elements apart, contiguous
+  uint k_stride, v_stride;             // or paged (rows)
   JfmKvRows rows;
   JfmRange32 first_keys, last_keys;  // intervals bounding every row's (block classification)
   bool rows_full;                    // every row of the tile is a real row
@@ -250,33 +251,36 @@ struct JfmKeyBlocks {
 // Key blocks [j0, j0 + BK) from the one holding c.union_lo to the one holding c.union_hi: stage
 // K and V (zero-filled outside [union_lo, union_hi], V sanitized), S = Q K^T by MMA, online
 // softmax, O = alpha O + P V by MMA. c.q_band is loaded (barrier passed). On return m, l and acc
-// hold this lane's running max, sum share and unnormalised O (DF fragments). FEATURES: the score
+// hold this lane's running max, sum share and unnormalised O (DV / 8 fragments); Q and K have DK
+// columns, V and O DV. FEATURES: the score
 // features of `f` apply (flash_attention_features.h): a key block whose segment ids cannot meet
 // the rows' is skipped before K and V are staged; without them the loop is the plain one.
-template <typename T, int D, bool FEATURES>
+template <typename T, int DK, int DV, bool FEATURES>
 inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
                                   constant AttentionParams& params,
                                   thread const JfmFeatureLane& f, thread float& m,
                                   thread float& l, thread JfmFrag* acc) {
-  typedef JfmFwdTraits<T, D> Traits;
+  typedef JfmFwdTraits<T, DK, DV> Traits;
   constexpr int BK = Traits::BK;
   constexpr int THREADS = Traits::THREADS;
   constexpr bool Q_IN_REGISTERS = Traits::Q_IN_REGISTERS;
   constexpr bool ONE_KV_BUFFER = Traits::ONE_KV_BUFFER;
-  constexpr int LD = Traits::LD;
-  constexpr int DF = Traits::DF;
+  constexpr int LDK = Traits::LDK;
+  constexpr int LDV = Traits::LDV;
+  constexpr int DKF = Traits::DKF;
+  constexpr int DVF = Traits::DVF;
   constexpr int KF = Traits::KF;
   threadgroup const T* q_band = c.q_band;
   const JfmFragCoord at = c.at;
-  JfmFrag q_frag[Q_IN_REGISTERS ? DF : 1];
+  JfmFrag q_frag[Q_IN_REGISTERS ? DKF : 1];
   if (Q_IN_REGISTERS) {
     JFM_PRAGMA_UNROLL
-    for (int d = 0; d < DF; ++d) {
-      q_frag[d] = jfm_frag_load(q_band + d * 8, LD, at);
+    for (int d = 0; d < DKF; ++d) {
+      q_frag[d] = jfm_frag_load(q_band + d * 8, LDK, at);
     }
   }
   threadgroup T* k_tile = c.kv_tile;
-  threadgroup T* v_tile = c.kv_tile + (ONE_KV_BUFFER ? 0 : BK * LD);
+  threadgroup T* v_tile = c.kv_tile + (ONE_KV_BUFFER ? 0 : BK * LDK);
 
   for (int j0 = c.union_lo / BK * BK; j0 <= c.union_hi; j0 += BK) {
     int kind = jfm_classify_tile(c.first_keys, c.last_keys, c.rows_full, j0, j0 + BK - 1);
@@ -289,10 +293,10 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
     JfmRange32 block_segments = f.row_segments;
     if (FEATURES && params.has_segment_ids != 0) {  // uniform
-      jfm_stage_segment_ids<T, BK, D, THREADS>(k_tile, f.kv_segments + j0, uint(BK), BK,
+      jfm_stage_segment_ids<T, BK, DK, THREADS>(k_tile, f.kv_segments + j0, uint(BK), BK,
                                                load_begin, load_end, c.thread_index);
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      block_segments = jfm_segment_range<T, D>(k_tile, load_begin, load_end);
+      block_segments = jfm_segment_range<T, DK>(k_tile, load_begin, load_end);
     }
     if (FEATURES) {
       kind = jfm_classify_feature_tile(params, kind, f.row_segments, block_segments);
@@ -300,13 +304,14 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
         continue;  // uniform: the next block's first barrier orders the ids' reads
       }
     }
-    const JfmKvBlock kv = jfm_kv_block<BK>(c.rows, j0, c.union_hi, c.kv_stride, c.lane);
-    jfm_load_tile_runs<T, BK, D, THREADS, false>(k_tile, c.k_head + kv.offset, c.kv_stride,
-                                                 kv.run, kv.run_stride, load_begin,
-                                                 load_end, 0, BK, c.thread_index);
-    if (!ONE_KV_BUFFER && jfm_load_tile_runs<T, BK, D, THREADS, true>(
-                              v_tile, c.v_head + kv.offset, c.kv_stride, kv.run,
-                              kv.run_stride, load_begin, load_end, 0, BK, c.thread_index)) {
+    const JfmKvBlock kv = jfm_kv_block<BK>(c.rows, j0, c.union_hi, c.lane);
+    jfm_load_tile_runs<T, BK, DK, THREADS, false>(
+        k_tile, c.k_head + kv.row * c.k_stride, c.k_stride, kv.run, kv.run_rows * c.k_stride,
+        load_begin, load_end, 0, BK, c.thread_index);
+    if (!ONE_KV_BUFFER && jfm_load_tile_runs<T, BK, DV, THREADS, true>(
+                              v_tile, c.v_head + kv.row * c.v_stride, c.v_stride, kv.run,
+                              kv.run_rows * c.v_stride, load_begin, load_end, 0, BK,
+                              c.thread_index)) {
       c.nonfinite_v_block[0] = j0;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -318,32 +323,31 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
       s[n] = jfm_frag_zero();
     }
     JFM_PRAGMA_UNROLL
-    for (int d = 0; d < DF; ++d) {
-      const JfmFrag qd =
-          Q_IN_REGISTERS ? q_frag[Q_IN_REGISTERS ? d : 0] : jfm_frag_load(q_band + d * 8, LD, at);
+    for (int d = 0; d < DKF; ++d) {
+      const JfmFrag qd = Q_IN_REGISTERS ? q_frag[Q_IN_REGISTERS ? d : 0]
+                                        : jfm_frag_load(q_band + d * 8, LDK, at);
       JFM_PRAGMA_UNROLL
       for (int n = 0; n < KF; ++n) {
-        jfm_mma(s[n], qd, jfm_frag_load_transposed(k_tile + n * 8 * LD + d * 8, LD, at));
+        jfm_mma(s[n], qd, jfm_frag_load_transposed(k_tile + n * 8 * LDK + d * 8, LDK, at));
       }
     }
 
     const float alpha =
-        FEATURES ? jfm_online_softmax_features<T, D, KF>(s, params, f, k_tile, c.keys,
+        FEATURES ? jfm_online_softmax_features<T, DK, KF>(s, params, f, k_tile, c.keys,
                                                          kind == JFM_TILE_EDGE, j0, at, m, l)
         : kind == JFM_TILE_EDGE
             ? jfm_online_softmax<KF, true>(s, params.scale, c.keys, j0, at, m, l)
             : jfm_online_softmax<KF, false>(s, params.scale, c.keys, j0, at, m, l);
     JFM_PRAGMA_UNROLL
-    for (int d = 0; d < DF; ++d) {
+    for (int d = 0; d < DVF; ++d) {
       acc[d].thread_elements() *= alpha;
     }
 
     if (ONE_KV_BUFFER) {  // V replaces K in the one buffer
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (jfm_load_tile_runs<T, BK, D, THREADS, true>(v_tile, c.v_head + kv.offset,
-                                                      c.kv_stride, kv.run, kv.run_stride,
-                                                      load_begin, load_end, 0, BK,
-                                                      c.thread_index)) {
+      if (jfm_load_tile_runs<T, BK, DV, THREADS, true>(
+              v_tile, c.v_head + kv.row * c.v_stride, c.v_stride, kv.run,
+              kv.run_rows * c.v_stride, load_begin, load_end, 0, BK, c.thread_index)) {
         c.nonfinite_v_block[0] = j0;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -353,8 +357,8 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
     JFM_PRAGMA_UNROLL
     for (int n = 0; n < KF; ++n) {
       JFM_PRAGMA_UNROLL
-      for (int d = 0; d < DF; ++d) {
-        jfm_mma(acc[d], s[n], jfm_frag_load(v_tile + n * 8 * LD + d * 8, LD, at));
+      for (int d = 0; d < DVF; ++d) {
+        jfm_mma(acc[d], s[n], jfm_frag_load(v_tile + n * 8 * LDV + d * 8, LDV, at));
       }
     }
     if (c.nonfinite_v_block[0] == j0) {
@@ -365,9 +369,9 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
         if (FEATURES && !jfm_lane_keeps<T>(params, f, j)) {
           continue;
         }
-        device const T* v_row = c.v_head + jfm_kv_block_row(kv, j - j0, c.kv_stride);
+        device const T* v_row = c.v_head + jfm_kv_block_row(kv, j - j0) * c.v_stride;
         JFM_PRAGMA_UNROLL
-        for (int d = 0; d < DF; ++d) {
+        for (int d = 0; d < DVF; ++d) {
           JFM_PRAGMA_UNROLL
           for (int e = 0; e < 2; ++e) {
             if (!jfm_is_finite(v_row[d * 8 + int(at.col) + e])) {
