@@ -59,9 +59,10 @@ inline JfmFrag jfm_frag_load_transposed_rows(device const T* rows, uint stride, 
 }
 
 // acc[f] = A B^T for the simdgroup's 8 rows: A rows from `a` (its 8-row band), B rows from `b`
-// (BR rows, fragment f covering rows 8f..8f+7), both tiles of D columns with row stride LD; the
-// sum over the head dim runs over chunks of 8 in ascending order (the forward's score order).
-template <typename T, int D, int LD, int BF>
+// (BR rows, fragment f covering rows 8f..8f+7), both tiles of D columns with row strides LDA and
+// LDB; the sum over the head dim runs over chunks of 8 in ascending order (the forward's score
+// order).
+template <typename T, int D, int LDA, int LDB, int BF>
 inline void jfm_mma_abt(thread JfmFrag* acc, threadgroup const T* a, threadgroup const T* b,
                         JfmFragCoord at) {
   JFM_PRAGMA_UNROLL
@@ -69,10 +70,10 @@ inline void jfm_mma_abt(thread JfmFrag* acc, threadgroup const T* a, threadgroup
     acc[f] = jfm_frag_zero();
   }
   for (int d = 0; d < D / 8; ++d) {
-    const JfmFrag ad = jfm_frag_load(a + d * 8, LD, at);
+    const JfmFrag ad = jfm_frag_load(a + d * 8, LDA, at);
     JFM_PRAGMA_UNROLL
     for (int f = 0; f < BF; ++f) {
-      jfm_mma(acc[f], ad, jfm_frag_load_transposed(b + f * 8 * LD + d * 8, LD, at));
+      jfm_mma(acc[f], ad, jfm_frag_load_transposed(b + f * 8 * LDB + d * 8, LDB, at));
     }
   }
 }
@@ -131,6 +132,10 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   constexpr bool ONE_KV_BUFFER = Traits::ONE_STREAM_BUFFER;
   constexpr int LDK = Traits::LDK;
   constexpr int LDV = Traits::LDV;
+  // V's stride in the streamed buffer: K's where they share it, so that V leaves the key ids in
+  // K's row padding alone.
+  constexpr int LDV_STREAM = ONE_KV_BUFFER ? LDK : LDV;
+  static_assert(!ONE_KV_BUFFER || DV <= DK, "V fits K's rows in the shared buffer");
   constexpr int DKF = Traits::DKF;
   constexpr int DVF = Traits::DVF;
   constexpr int KF = Traits::SF;
@@ -258,8 +263,8 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
     }
     const ulong k_offset = ulong(j0) * k_stride;
     const ulong v_offset = ulong(j0) * v_stride;
-    jfm_load_tile<T, BK, DV, THREADS, false>(v_tile, v_head + v_offset, v_stride, load_begin,
-                                             load_end, thread_index);
+    jfm_load_tile<T, BK, DV, THREADS, false, LDV_STREAM>(v_tile, v_head + v_offset, v_stride,
+                                                         load_begin, load_end, thread_index);
     if (!ONE_KV_BUFFER) {
       jfm_load_tile<T, BK, DK, THREADS, false>(k_tile, k_head + k_offset, k_stride, load_begin,
                                                load_end, thread_index);
@@ -267,7 +272,7 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     JfmFrag dp[KF];
-    jfm_mma_abt<T, DV, LDV, KF>(dp, do_band, v_tile, at);  // dP = dO V^T
+    jfm_mma_abt<T, DV, LDV, LDV_STREAM, KF>(dp, do_band, v_tile, at);  // dP = dO V^T
     if (ONE_KV_BUFFER) {  // K replaces V in the one buffer
       threadgroup_barrier(mem_flags::mem_threadgroup);
       jfm_load_tile<T, BK, DK, THREADS, false>(k_tile, k_head + k_offset, k_stride, load_begin,
@@ -275,7 +280,7 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
     JfmFrag s[KF];
-    jfm_mma_abt<T, DK, LDK, KF>(s, q_band, k_tile, at);  // S = Q K^T
+    jfm_mma_abt<T, DK, LDK, LDK, KF>(s, q_band, k_tile, at);  // S = Q K^T
 
     // dS = P (dP - D) into s (dbias), times the cap's derivative; edge blocks select 0 where
     // not visible, so a masked pair adds nothing even when its score or dP is NaN.
@@ -347,6 +352,10 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   static_assert(!ONE_QDO_BUFFER || FAMILY != JFM_KERNEL_BWD_DKDV, "one buffer serves one output");
   constexpr int LDK = Traits::LDK;
   constexpr int LDV = Traits::LDV;
+  // dO's stride in the streamed buffer: Q's where they share it, so that dO leaves the query ids
+  // in Q's row padding alone.
+  constexpr int LDO_STREAM = ONE_QDO_BUFFER ? LDK : LDV;
+  static_assert(!ONE_QDO_BUFFER || DV <= DK, "dO fits Q's rows in the shared buffer");
   constexpr int DKF = Traits::DKF;
   constexpr int DVF = Traits::DVF;
   constexpr int QF = Traits::SF;
@@ -465,8 +474,9 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
       }
       const JfmFeatureRow block_row = jfm_feature_row(params, b, h, i0);
       if (!ONE_QDO_BUFFER || WANT_DK) {
-        jfm_load_tile<T, BQ, DV, THREADS, false>(do_tile, do_head + do_offset, o_stride,
-                                                 load_begin, load_end, thread_index);
+        jfm_load_tile<T, BQ, DV, THREADS, false, LDO_STREAM>(do_tile, do_head + do_offset,
+                                                             o_stride, load_begin, load_end,
+                                                             thread_index);
       }
       if (!ONE_QDO_BUFFER || !WANT_DK) {
         jfm_load_tile<T, BQ, DK, THREADS, false>(q_tile, q_head + q_offset, q_stride, load_begin,
@@ -483,7 +493,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
 
       JfmFrag dp[WANT_DK ? QF : 1];
       if (WANT_DK) {
-        jfm_mma_abt<T, DV, LDV, QF>(dp, v_band, do_tile, at);  // dP^T = V dO^T
+        jfm_mma_abt<T, DV, LDV, LDO_STREAM, QF>(dp, v_band, do_tile, at);  // dP^T = V dO^T
         if (ONE_QDO_BUFFER) {  // Q replaces dO in the one buffer
           threadgroup_barrier(mem_flags::mem_threadgroup);
           jfm_load_tile<T, BQ, DK, THREADS, false>(q_tile, q_head + q_offset, q_stride,
@@ -492,7 +502,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
         }
       }
       JfmFrag st[QF];
-      jfm_mma_abt<T, DK, LDK, QF>(st, k_band, q_tile, at);  // S^T = K Q^T
+      jfm_mma_abt<T, DK, LDK, LDK, QF>(st, k_band, q_tile, at);  // S^T = K Q^T
 
       // P^T into st, dS^T = P^T (dP^T - D) (1 - tanh^2) into dp; edge blocks select 0 where
       // not visible.
@@ -531,11 +541,11 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
       if (WANT_DV) {
         if (ONE_QDO_BUFFER) {  // dO replaces Q in the one buffer
           threadgroup_barrier(mem_flags::mem_threadgroup);
-          jfm_load_tile<T, BQ, DV, THREADS, false>(do_tile, do_head + do_offset, o_stride,
-                                                   load_begin, load_end, thread_index);
+          jfm_load_tile<T, BQ, DV, THREADS, false, LDO_STREAM>(
+              do_tile, do_head + do_offset, o_stride, load_begin, load_end, thread_index);
           threadgroup_barrier(mem_flags::mem_threadgroup);
         }
-        jfm_mma_ab<T, DV, LDV, QF, false>(dv_acc, st, do_tile, at);  // dV += P^T dO
+        jfm_mma_ab<T, DV, LDO_STREAM, QF, false>(dv_acc, st, do_tile, at);  // dV += P^T dO
       }
     }
   }

@@ -40,14 +40,17 @@ inline uint jfm_finite_mask(uint word, ushort) { return jfm_finite_mask16(word, 
 // elements are stored as 0 and the return value says whether this thread met one (the caller
 // publishes it): a value invisible to one row of an MMA must not reach it as 0 * NaN.
 // src, src_stride, run_stride and dst must keep 16-byte alignment (D * sizeof(T) is a multiple
-// of 16; declare the tile as threadgroup uint4 words and point a T* at it).
-template <typename T, int R, int D, int THREADS, bool SANITIZE>
+// of 16; declare the tile as threadgroup uint4 words and point a T* at it). LD: the tile's row
+// stride in elements, by default its own; a narrower operand takes the wider one's in a buffer
+// they share, so that it leaves the wider rows' padding (segment ids) untouched.
+template <typename T, int R, int D, int THREADS, bool SANITIZE, int LD = jfm_tile_stride<T>(D)>
 inline bool jfm_load_tile_runs(threadgroup T* dst, device const T* src, uint src_stride,
                                uint run, jfm_long run_stride, int row_begin, int row_end,
                                int valid_begin, int valid_end, uint thread_index) {
   static_assert((D * int(sizeof(T))) % 16 == 0, "tile rows must be whole 16-byte words");
   constexpr int WORDS = D * int(sizeof(T)) / 16;  // 16-byte words per row
-  constexpr int STRIDE = jfm_tile_stride<T>(D);
+  constexpr int STRIDE = LD;
+  static_assert(LD >= jfm_tile_stride<T>(D), "a row's elements and padding fit its stride");
   bool nonfinite = false;
   for (uint w = thread_index; w < uint(R * WORDS); w += THREADS) {
     const int r = int(w / WORDS);
@@ -70,12 +73,12 @@ inline bool jfm_load_tile_runs(threadgroup T* dst, device const T* src, uint src
 }
 
 // The common case: one run, row r at src + r * src_stride.
-template <typename T, int R, int D, int THREADS, bool SANITIZE>
+template <typename T, int R, int D, int THREADS, bool SANITIZE, int LD = jfm_tile_stride<T>(D)>
 inline bool jfm_load_tile(threadgroup T* dst, device const T* src, uint src_stride,
                           int valid_begin, int valid_end, uint thread_index) {
-  return jfm_load_tile_runs<T, R, D, THREADS, SANITIZE>(dst, src, src_stride, uint(R), 0,
-                                                        valid_begin, valid_end, 0, R,
-                                                        thread_index);
+  return jfm_load_tile_runs<T, R, D, THREADS, SANITIZE, LD>(dst, src, src_stride, uint(R), 0,
+                                                            valid_begin, valid_end, 0, R,
+                                                            thread_index);
 }
 
 inline bool jfm_is_finite(float x) { return jfm_finite_mask(as_type<uint>(x), x) != 0u; }
