@@ -55,11 +55,14 @@ SCHEDULES = {
     # and 256 MiB in float32, which keeps the temporaries flat in the length (under a quarter of
     # jax.nn's at 4096 on an H200; 1024 x 2048 and 2048 x 1024 tiles ran 5-10% faster there and
     # at 16384 but reach a quarter at 4096 causal, 2048 x 2048 goes over it).
-    # Where the band skips no block, 1024 x 4096 forward tiles (4096 x 1024 backward) cut an
-    # H200's bf16 forward+backward at 4096 from 15.9 to 11.8 ms and at 16384 from 231 to
-    # 202 ms at under a fifth of jax.nn's temporaries at 4096 (2048-wide strips: 11.4 ms but a
-    # third); with causal masks they ran slower than squares (14.2 against 11.8 ms at 4096) at
-    # over a third of jax.nn's temporaries.
+    # Where the band skips no block, half-precision inputs take 1024 x 4096 forward tiles
+    # (4096 x 1024 backward): an H200's bf16 forward+backward at 4096 took 13.3 ms against
+    # 17.3 ms with 1024 x 1024 tiles and the same tile math, and 12.2 ms once P and dP - D are
+    # rounded (xla_tiles), which XLA fuses into the matmuls of such tiles (16384: 218 against
+    # 255 ms), at under a fifth of jax.nn's temporaries at 4096 (2048 x 4096: 3% faster, a
+    # third). With causal masks they ran slower than squares (14.2 against 11.8 ms at 4096, at
+    # a third of jax.nn's temporaries); float32 operands, bound by their matmuls, ran 5% faster
+    # with twice the temporaries (0.29 of jax.nn's).
     # Up to 1024, one dense tile is jax.nn's algorithm at about jax.nn's memory.
     # Half-precision operands run the matmuls on the half-precision matrix units (float32
     # operands at float32 precision ran an H200 at about 34 TFLOP/s). Its matmuls read either
