@@ -68,6 +68,8 @@ std::string dtype_name(ffi::DataType t) {
       return "bool";
     case ffi::DataType::U8:
       return "uint8";
+    case ffi::DataType::U32:
+      return "uint32";
     default:
       return "dtype #" + std::to_string(static_cast<int>(t));
   }
@@ -91,6 +93,7 @@ struct Problem {
   int64_t batch = 0, q_len = 0, kv_len = 0, heads = 0, kv_heads = 0, head_dim = 0;
   ffi::DataType dtype = ffi::DataType::F32;
   const char* suffix = nullptr;  // f32 / f16 / bf16
+  bool dropout = false;          // dropout_rate > 0: the forward runs the tiled kernel
 
   std::vector<int64_t> q_shape() const { return {batch, q_len, heads, head_dim}; }
   std::vector<int64_t> kv_shape() const { return {batch, kv_len, kv_heads, head_dim}; }
@@ -161,6 +164,9 @@ ffi::Error check_attributes(const Attributes& o) {
     return invalid("logits_soft_cap must be a positive finite float, or 0 for none; got " +
                    std::to_string(o.logits_soft_cap));
   }
+  if (!(o.dropout_rate >= 0.0 && o.dropout_rate < 1.0)) {
+    return invalid("dropout_rate must be in [0, 1); got " + std::to_string(o.dropout_rate));
+  }
   return ffi::Error::Success();
 }
 
@@ -180,7 +186,7 @@ struct OptionalOperands {
   // (jfm_valid_len), so nothing indexes out of bounds whatever the caller passes. When a length
   // is absent, the full length fills the buffer the kernel does not read.
   std::vector<int32_t> q_lengths, kv_lengths;
-  // Buffers 16-20 for every kernel of the call; an absent one is bound to `placeholder`, never
+  // Buffers 16-20 and 23 for every kernel of the call; an absent one is bound to `placeholder`, never
   // read (its flag is 0), so every kernel argument is bound on Metal.
   std::vector<Binding> features;
   uint32_t bias_kind = JFM_BIAS_NONE;
@@ -218,14 +224,16 @@ ffi::Error expect_broadcastable(const char* what, ffi::AnyBuffer buffer, const P
 }
 
 // Reads the optional operands after the main ones, in the contract's order (q_lengths,
-// kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks; each present iff its flag is
-// set), checks their dtypes and shapes, and prepares their bindings and strides. One function
+// kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks, dropout; each present iff its
+// flag is set), checks their dtypes and shapes, and prepares their bindings and strides. One function
 // for both directions, so both see one set of rules.
 ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Problem& p,
                          OptionalOperands* out) {
   const size_t length_operands = size_t{o.has_q_lengths} + size_t{o.has_kv_lengths};
+  const bool has_dropout = o.dropout_rate > 0.0;
   const size_t feature_operands = 2 * size_t{o.has_segment_ids} + size_t{o.has_bias} +
-                          size_t{o.has_mask} + size_t{o.has_sinks};
+                                  size_t{o.has_mask} + size_t{o.has_sinks} +
+                                  size_t{has_dropout};
   if (rest.size() != length_operands + feature_operands) {
     return invalid("expected " + std::to_string(length_operands) + " length operand(s) and " +
                    std::to_string(feature_operands) + " feature operand(s) after the arrays " +
@@ -234,7 +242,8 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
                    ", has_segment_ids=" + std::to_string(o.has_segment_ids) +
                    ", has_bias=" + std::to_string(o.has_bias) +
                    ", has_mask=" + std::to_string(o.has_mask) +
-                   ", has_sinks=" + std::to_string(o.has_sinks) + "), got " +
+                   ", has_sinks=" + std::to_string(o.has_sinks) +
+                   ", dropout_rate=" + std::to_string(o.dropout_rate) + "), got " +
                    std::to_string(rest.size()));
   }
   size_t next = 0;
@@ -320,9 +329,15 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
       e.failure()) {
     return e;
   }
-  return feature(o.has_sinks, "sinks", JFM_BUFFER_SINKS, [&](ffi::AnyBuffer b) {
-    out->sinks = static_cast<const float*>(b.untyped_data());
-    return expect("sinks", b, ffi::DataType::F32, {p.heads});
+  if (ffi::Error e = feature(o.has_sinks, "sinks", JFM_BUFFER_SINKS, [&](ffi::AnyBuffer b) {
+        out->sinks = static_cast<const float*>(b.untyped_data());
+        return expect("sinks", b, ffi::DataType::F32, {p.heads});
+      });
+      e.failure()) {
+    return e;
+  }
+  return feature(has_dropout, "dropout", JFM_BUFFER_DROPOUT, [&](ffi::AnyBuffer b) {
+    return expect("dropout", b, ffi::DataType::U32, {p.batch, p.heads, 4});
   });
 }
 
@@ -357,6 +372,10 @@ AttentionParams make_params(const Problem& p, const Attributes& o, const Optiona
   params.has_sinks = o.has_sinks ? 1u : 0u;
   params.soft_cap = o.logits_soft_cap;
   params.bias_grad = o.bias_grad ? 1u : 0u;
+  if (o.dropout_rate > 0.0) {  // jax_flash_metal/dropout.py's threshold and keep_scale, exactly
+    params.dropout_threshold = static_cast<uint32_t>(std::floor(o.dropout_rate * 4294967296.0));
+    params.dropout_scale = static_cast<float>(1.0 / (1.0 - o.dropout_rate));
+  }
   std::copy(x.bias_strides, x.bias_strides + 4, params.bias_strides);
   std::copy(x.mask_strides, x.mask_strides + 4, params.mask_strides);
   return params;
@@ -366,7 +385,7 @@ Binding lengths_binding(int index, std::vector<int32_t>& values) {
   return Binding{index, values.data(), values.size() * sizeof(int32_t), false, true};
 }
 
-// `main` followed by the optional operands' bindings: the lengths, then buffers 16-20.
+// `main` followed by the optional operands' bindings: the lengths, then buffers 16-20 and 23.
 std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& x) {
   main.push_back(lengths_binding(JFM_BUFFER_Q_LENGTHS, x.q_lengths));
   main.push_back(lengths_binding(JFM_BUFFER_KV_LENGTHS, x.kv_lengths));
@@ -376,12 +395,12 @@ std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& 
 
 std::vector<StageShape> stages_of(bool backward, const Problem& p, int gpu_cores) {
   return attention_stages(backward, p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads,
-                          p.head_dim, gpu_cores);
+                          p.head_dim, gpu_cores, p.dropout);
 }
 
 int64_t splits_of(const Problem& p, int gpu_cores) {
   return decode_splits(p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads, p.head_dim,
-                       gpu_cores);
+                       gpu_cores, p.dropout);
 }
 
 ffi::Error require_kernels(Device& device, const std::vector<StageShape>& stages,
@@ -465,6 +484,7 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
   if (ffi::Error e = check_attributes(opt); e.failure()) return e;
+  p.dropout = opt.dropout_rate > 0.0;
   if (ffi::Error e = expect("output o", o, p.dtype, p.q_shape()); e.failure()) return e;
   for (auto [what, buffer] :
        {std::make_pair("output lse", lse), std::make_pair("output row_max", row_max),
@@ -516,6 +536,7 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
   if (ffi::Error e = check_attributes(opt); e.failure()) return e;
+  p.dropout = opt.dropout_rate > 0.0;
   const ffi::DataType f32 = ffi::DataType::F32;
   for (auto [what, buffer, dtype, shape] :
        {std::make_tuple("o", o, p.dtype, p.q_shape()),

@@ -312,7 +312,7 @@ void bind_planning(nb::module_& m) {
       "dispatch_plan",
       [](const std::string& direction, const std::string& dtype, int64_t batch, int64_t q_len,
          int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-         const std::string& implementation) {
+         const std::string& implementation, bool dropout) {
         if (direction != "fwd" && direction != "bwd") {
           throw nb::value_error(("direction must be 'fwd' or 'bwd', not " + direction).c_str());
         }
@@ -322,7 +322,7 @@ void bind_planning(nb::module_& m) {
         Device& device = device_named(implementation);
         const std::vector<StageShape> stages =
             attention_stages(direction == "bwd", dtype.c_str(), batch, q_len, kv_len, num_heads,
-                             num_kv_heads, head_dim, device.gpu_cores());
+                             num_kv_heads, head_dim, device.gpu_cores(), dropout);
         nb::list submissions;
         for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
           nb::list dispatches;
@@ -345,9 +345,10 @@ void bind_planning(nb::module_& m) {
       },
       nb::arg("direction"), nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"),
       nb::arg("kv_len"), nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
-      nb::arg("implementation") = "emulator",
+      nb::arg("implementation") = "emulator", nb::arg("dropout") = false,
       "list[list[dict]]: the submissions (command buffers) the handler of `direction` ('fwd' or "
-      "'bwd') would run for this problem on that device, each a list of dispatches {kernel, "
+      "'bwd') would run for this problem on that device (`dropout`: a call with dropout_rate > "
+      "0, whose forward never takes the decode kernels), each a list of dispatches {kernel, "
       "groups (x, y, z), threads, rows_per_group, block_offset, head_offset, batch_offset, "
       "multiply_adds (estimate)}. Dispatch x covers row blocks block_offset.., y heads "
       "head_offset.., z batch elements batch_offset... ValueError for bad names.");
@@ -355,21 +356,21 @@ void bind_planning(nb::module_& m) {
       "decode_splits",
       [](const std::string& dtype, int64_t batch, int64_t q_len, int64_t kv_len,
          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-         const std::string& implementation) {
+         const std::string& implementation, bool dropout) {
         if (dtype != "f32" && dtype != "f16" && dtype != "bf16") {
           throw nb::value_error(("dtype must be 'f32', 'f16' or 'bf16', not " + dtype).c_str());
         }
         Device& device = device_named(implementation);
         const int64_t splits = decode_splits(dtype.c_str(), batch, q_len, kv_len, num_heads,
-                                             num_kv_heads, head_dim, device.gpu_cores());
+                                             num_kv_heads, head_dim, device.gpu_cores(), dropout);
         return nb::make_tuple(splits, decode_workspace_elements(batch, q_len, num_heads,
                                                                 head_dim, splits));
       },
       nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"), nb::arg("kv_len"),
       nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
-      nb::arg("implementation") = "emulator",
+      nb::arg("implementation") = "emulator", nb::arg("dropout") = false,
       "(splits, workspace_elements): the split-KV decode's key splits per (batch, kv head) for "
-      "this forward problem on that device (0: the tiled forward runs) and the float32 elements "
+      "this forward problem on that device (0: the tiled forward runs, always with `dropout`) and the float32 elements "
       "of the forward's workspace result, as the handler requires them. ValueError for bad "
       "names.");
   m.def(
