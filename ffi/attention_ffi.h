@@ -36,6 +36,7 @@
 //     bias  [b, h, tq, tkv], dtype of q or f32                      (has_bias)
 //     mask  bool or uint8 [b, h, tq, tkv], 0 = hidden, else visible (has_mask; JAX bool bytes)
 //     sinks float32 [H]                                              (has_sinks)
+//     page_table int32 [B, max_pages]                                (has_page_table; forward)
 //     dropout uint32 [B, H, 4]                                       (dropout_rate > 0)
 //   bias and mask are rank 4 with each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv]
 //   (jax_flash_metal.validation makes them so; the lowering converts a bias of another float
@@ -63,6 +64,13 @@
 //   in XLA. A reduced layout would need several owners per entry (atomics) or a second pass.
 //   Without bias_grad the result is [0] (like the forward's workspace): no Tq x Tkv buffer
 //   exists. The soft cap's derivative (1 - tanh^2) multiplies dS before dQ and dK, not dbias.
+//   A paged K/V cache (has_page_table, the forward only; the backward refuses it): k and v are
+//   pages [num_pages, page_size, HKV, D], page_size a power of two >= 16
+//   (jfm_page_size_supported), kv_len = max_pages * page_size is the logical length that the
+//   segment ids, bias and mask are laid out over, and logical key j of batch b is row
+//   j % page_size of page page_table[b, j / page_size]. The kernels read the table entries of
+//   the pages that hold keys they visit only (never one past kv_lengths[b], which is then
+//   required), and clamp an entry to [0, num_pages).
 #ifndef JAX_FLASH_METAL_ATTENTION_FFI_H_
 #define JAX_FLASH_METAL_ATTENTION_FFI_H_
 
@@ -102,6 +110,7 @@
   X(bool, has_mask)           \
   X(bool, has_sinks)          \
   X(float, logits_soft_cap)   \
+  X(bool, has_page_table)     \
   X(double, dropout_rate)     \
   X(bool, bias_grad)
 

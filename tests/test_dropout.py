@@ -109,15 +109,15 @@ def inputs(seed=0, dtype=jnp.float32, **kw):
     return make_inputs(seed, *shape.values(), dtype)
 
 
-def check(q, k, v, do, g, rate, rng=KEY, implementation="xla", **kw):
-    """run() with dropout against the oracle given ``dropout_mask``'s M; on xla also the
-    reference."""
+def check(q, k, v, do, g, rate, rng=KEY, implementation="xla", reference=False, **kw):
+    """run() with dropout against the oracle given ``dropout_mask``'s M; with ``reference``
+    also reference_attention's O and LSE."""
     got = run(q, k, v, do, g, implementation=implementation, dropout_rate=rate, dropout_rng=rng,
               **kw)
     keep = np.asarray(dropout_mask(rng, (q.shape[0], q.shape[2], q.shape[1], k.shape[1]), rate))
     want = tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got),
                                              dropout_mask=keep, dropout_rate=rate, **kw)
-    if implementation != "xla":
+    if not reference:
         return got, want
     ref = reference_attention(q, k, v, dropout_rate=rate, dropout_rng=rng, return_lse=True, **kw)
     for name, x in zip(("o", "lse"), ref):
@@ -150,11 +150,13 @@ COMBINED = {
 @pytest.mark.parametrize("combination", list(COMBINED))
 def test_every_feature_against_the_oracle(implementation, combination):
     """Grouped-query heads (4 query heads, 2 KV heads) at rate 0.5 with the features of
-    ``combination`` together: O, LSE, dQ, dK, dV (and dbias, dsinks)."""
+    ``combination`` together: O, LSE, dQ, dK, dV (and dbias, dsinks); on xla also
+    reference_attention."""
     kw = {}
     for feature in COMBINED[combination]:
         kw.update(FEATURES[feature])
-    check(*inputs(1), 0.5, implementation=implementation, **kw)
+    check(*inputs(1), 0.5, implementation=implementation,
+          reference=implementation == "xla", **kw)
 
 
 BLOCKS = xla_schedule.Schedule(dense_max_len=4, block_q=4, block_k=4)  # 4 rows x 4 keys
