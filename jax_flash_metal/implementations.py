@@ -96,8 +96,7 @@ def missing_features(params, page_size: int | None = None) -> str | None:
     missing = [name for name, present in (
         ("alibi_slopes", params.get("has_alibi")),
         (f"page_table with page_size {page_size} (the fused kernels take powers of two >= 16)",
-         params.get("has_page_table") and not fused_page_size(page_size or 0)),
-        ("dropout (dropout_rate > 0)", params.get("dropout_rate", 0.0) > 0)) if present]
+         params.get("has_page_table") and not fused_page_size(page_size or 0))) if present]
     return ", ".join(missing) or None
 
 

@@ -39,8 +39,8 @@ the table's own bytes.
 
 ``--json PATH`` writes a JSON list with one record per launch, in launch order, with exactly the
 keys of ``JSON_KEYS``: the problem (kernel, dtype, head_dim, value_head_dim, batch, q_len,
-kv_len, heads, kv_heads, causal), the exact counts (threadgroups, threads_per_threadgroup,
-threadgroup_memory_bytes, device_bytes_read, device_bytes_written, threadgroup_bytes_read,
+kv_len, heads, kv_heads, causal, dropout: the rate), the exact counts (threadgroups,
+threads_per_threadgroup, threadgroup_memory_bytes, device_bytes_read, device_bytes_written, threadgroup_bytes_read,
 threadgroup_bytes_written: bytes; mma_ops, simd_ops, barriers, fma_ops, math_ops: counts as
 defined in ffi/emulator/README.md), useful_flops (analytic), registers (estimated live 32-bit
 registers per thread), ``model``: the roofline MODEL, not a measurement, {GPU name: {"bound":
@@ -70,7 +70,7 @@ DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float
 PASSES = ("forward", "backward")
 
 PROBLEM_KEYS = ("dtype", "head_dim", "value_head_dim", "batch", "q_len", "kv_len", "heads",
-                "kv_heads", "causal")
+                "kv_heads", "causal", "dropout")
 # Exact counts of one launch, as the emulator reports them.
 COUNT_KEYS = ("threadgroups", "threads_per_threadgroup", "threadgroup_memory_bytes",
               "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
@@ -136,6 +136,16 @@ def _lengths(text):
     return values
 
 
+def _rate(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a rate in [0, 1), got {text!r}")
+    return value
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jax_flash_metal.profile",
@@ -164,6 +174,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="valid query length per batch entry (default: all of --q-len)")
     p.add_argument("--kv-lengths", type=_lengths, default=None, metavar="N,N,...",
                    help="valid key/value length per batch entry (default: all of --kv-len)")
+    p.add_argument("--dropout", type=_rate, default=0.0, metavar="RATE",
+                   help="attention dropout rate (a fixed key from --seed; default: none)")
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES),
                    help="which kernels to run: the forward's and/or the backward's")
     p.add_argument("--page-size", nargs="+", type=_positive, default=None, metavar="N",
@@ -192,6 +204,7 @@ class Problem:
         self.window = args.window
         self.q_lengths, self.kv_lengths = args.q_lengths, args.kv_lengths
         self.seed = args.seed
+        self.dropout = args.dropout
         self.page_size = None  # a paged K/V cache of this many keys per page (paged())
 
     def paged(self, page_size: int) -> Problem:
@@ -243,6 +256,8 @@ class Problem:
         return flash_attention(
             q, k, v, is_causal=self.causal, local_window_size=self.window,
             causal_alignment="bottom_right" if self.bottom_right else "top_left",
+            dropout_rate=self.dropout,
+            dropout_rng=jax.random.key(self.seed) if self.dropout > 0 else None,
             implementation="emulator", **lengths, **paged)
 
     def check(self):
@@ -510,7 +525,7 @@ def main(argv=None) -> int:
             bar.write(f"# {problem.dtype} D={problem.dims()} batch={problem.batch} "
                       f"q_len={problem.q_len} kv_len={problem.kv_len} heads={problem.heads} "
                       f"kv_heads={problem.kv_heads} causal={problem.causal} "
-                      f"window={problem.window}: {len(new)} launches, "
+                      f"window={problem.window} dropout={problem.dropout}: {len(new)} launches, "
                       f"{time.perf_counter() - start:.0f} s on the emulator", file=sys.stderr)
     finally:
         bar.close()

@@ -6,6 +6,7 @@
 #ifndef JAX_FLASH_METAL_FLASH_ATTENTION_FEATURES_H_
 #define JAX_FLASH_METAL_FLASH_ATTENTION_FEATURES_H_
 
+#include "flash_attention_dropout.h"
 #include "flash_attention_tiles.h"
 
 // The optional buffers as the kernel binds them (the host binds a placeholder where a flag in
@@ -17,29 +18,33 @@ struct JfmFeatureBuffers {
   device const uchar* bias;          // [b, h, tq, tkv] through params.bias_strides
   device const uchar* mask;          // uchar, same, through params.mask_strides; 0 = hidden
   device const float* sinks;         // float32 [H], natural-log logits
+  device const uint* dropout;        // uint32 [B, H, 4] (flash_attention_dropout.h)
 };
 
 // The kernel arguments of the optional buffers (every kernel that reads a feature declares all
-// five, the host binds all five), and the struct made from them inside the kernel.
+// six, the host binds all six), and the struct made from them inside the kernel.
 #define JFM_FEATURE_BUFFER_ARGS                                             \
   device const int* q_segment_ids [[buffer(JFM_BUFFER_Q_SEGMENT_IDS)]],     \
       device const int* kv_segment_ids [[buffer(JFM_BUFFER_KV_SEGMENT_IDS)]], \
       device const uchar* bias [[buffer(JFM_BUFFER_BIAS)]],                 \
       device const uchar* mask [[buffer(JFM_BUFFER_MASK)]],                 \
-      device const float* sinks [[buffer(JFM_BUFFER_SINKS)]]
+      device const float* sinks [[buffer(JFM_BUFFER_SINKS)]],               \
+      device const uint* dropout [[buffer(JFM_BUFFER_DROPOUT)]]
 #define JFM_FEATURE_BUFFERS \
-  jfm_feature_buffers(q_segment_ids, kv_segment_ids, bias, mask, sinks)
+  jfm_feature_buffers(q_segment_ids, kv_segment_ids, bias, mask, sinks, dropout)
 
 inline JfmFeatureBuffers jfm_feature_buffers(device const int* q_segment_ids,
                                              device const int* kv_segment_ids,
                                              device const uchar* bias, device const uchar* mask,
-                                             device const float* sinks) {
+                                             device const float* sinks,
+                                             device const uint* dropout) {
   JfmFeatureBuffers in;
   in.q_segment_ids = q_segment_ids;
   in.kv_segment_ids = kv_segment_ids;
   in.bias = bias;
   in.mask = mask;
   in.sinks = sinks;
+  in.dropout = dropout;
   return in;
 }
 
