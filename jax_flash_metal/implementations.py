@@ -86,7 +86,6 @@ def missing_features(params, key_head_dim: int, value_head_dim: int) -> str | No
     """The features of a call (the primitives' static ``params`` and head dims) that the fused
     kernels do not implement yet, named for an error message, or None."""
     missing = [name for name, present in (
-        ("alibi_slopes", params.get("has_alibi")),
         ("page_table (a paged KV cache)", params.get("has_page_table")),
         ("dropout (dropout_rate > 0)", params.get("dropout_rate", 0.0) > 0),
         (f"a value head dim ({value_head_dim}) other than the key's ({key_head_dim})",

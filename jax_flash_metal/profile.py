@@ -151,6 +151,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="valid query length per batch entry (default: all of --q-len)")
     p.add_argument("--kv-lengths", type=_lengths, default=None, metavar="N,N,...",
                    help="valid key/value length per batch entry (default: all of --kv-len)")
+    p.add_argument("--alibi", action="store_true",
+                   help="ALiBi with BLOOM's slopes 2^(-8n/heads); the backward also forms the "
+                        "slopes' gradient")
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES),
                    help="which kernels to run: the forward's and/or the backward's")
     p.add_argument("--gpu", nargs="+", choices=list(GPUS), default=list(GPUS),
@@ -174,16 +177,19 @@ class Problem:
         self.bottom_right = args.causal_alignment == "bottom_right"
         self.window = args.window
         self.q_lengths, self.kv_lengths = args.q_lengths, args.kv_lengths
+        self.alibi = args.alibi
         self.seed = args.seed
 
     def shapes(self):
+        """The operands' shapes: q, k, v, and with ALiBi the float32 [heads] slopes."""
         q = jax.ShapeDtypeStruct((self.batch, self.q_len, self.heads, self.head_dim),
                                  DTYPES[self.dtype])
         kv = jax.ShapeDtypeStruct((self.batch, self.kv_len, self.kv_heads, self.head_dim),
                                   DTYPES[self.dtype])
-        return q, kv
+        slopes = [jax.ShapeDtypeStruct((self.heads,), jnp.float32)] if self.alibi else []
+        return [q, kv, kv, *slopes]
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, alibi_slopes=None):
         lengths = {}
         if self.q_lengths is not None:
             lengths["query_seq_lengths"] = jnp.asarray(self.q_lengths, jnp.int32)
@@ -192,15 +198,15 @@ class Problem:
         return flash_attention(
             q, k, v, is_causal=self.causal, local_window_size=self.window,
             causal_alignment="bottom_right" if self.bottom_right else "top_left",
-            implementation="emulator", **lengths)
+            alibi_slopes=alibi_slopes, implementation="emulator", **lengths)
 
     def check(self):
         """Lowers the forward and backward (the kernels of this dtype and head dim must exist);
         raises the library's ValueError / TypeError / NotImplementedError otherwise."""
-        q, kv = self.shapes()
-        jax.jit(self.attention).lower(q, kv, kv)
-        loss = lambda q, k, v: self.attention(q, k, v).astype(jnp.float32).sum()
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv)
+        shapes = self.shapes()
+        jax.jit(self.attention).lower(*shapes)
+        loss = lambda *x: self.attention(*x).astype(jnp.float32).sum()
+        jax.jit(jax.grad(loss, argnums=tuple(range(len(shapes))))).lower(*shapes)
 
     def visibility(self) -> np.ndarray:
         """bool [batch, q_len, kv_len]: may query row i see key j (reference.visibility)."""
@@ -217,9 +223,12 @@ class Problem:
         return self.visibility().sum(axis=(1, 2), dtype=np.int64)
 
     def inputs(self):
+        """Random q, k, v, and with ALiBi BLOOM's slopes."""
         rng = np.random.default_rng(self.seed)
-        q, kv = self.shapes()
-        return [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in (q, kv, kv)]
+        q, kv, _, *slopes = self.shapes()
+        bloom = [2.0 ** (-8.0 * jnp.arange(1, self.heads + 1, dtype=jnp.float32) / self.heads)]
+        return [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in (q, kv, kv)] + (
+            bloom if slopes else [])
 
 
 def _recorded(fn, *args):
@@ -235,12 +244,12 @@ def _recorded(fn, *args):
 
 def run_problem(problem: Problem, passes) -> list[tuple[str, dict]]:
     """(pass name, launch record) for every kernel launch of the forward and/or backward."""
-    q, k, v = problem.inputs()
+    inputs = problem.inputs()
     runs = []
     if "forward" in passes:
-        runs += [("forward", r) for r in _recorded(jax.jit(problem.attention), q, k, v)]
+        runs += [("forward", r) for r in _recorded(jax.jit(problem.attention), *inputs)]
     if "backward" in passes:
-        out, vjp = jax.vjp(problem.attention, q, k, v)  # forward run without profiling
+        out, vjp = jax.vjp(problem.attention, *inputs)  # forward run without profiling
         ct = jnp.asarray(np.random.default_rng(problem.seed + 1).standard_normal(out.shape),
                          out.dtype)
         backward = jax.jit(lambda vjp, ct: vjp(ct))  # vjp is a pytree (jax.tree_util.Partial)
@@ -422,7 +431,7 @@ def main(argv=None) -> int:
             bar.write(f"# {problem.dtype} D={problem.head_dim} batch={problem.batch} "
                       f"q_len={problem.q_len} kv_len={problem.kv_len} heads={problem.heads} "
                       f"kv_heads={problem.kv_heads} causal={problem.causal} "
-                      f"window={problem.window}: {len(new)} launches, "
+                      f"window={problem.window} alibi={problem.alibi}: {len(new)} launches, "
                       f"{time.perf_counter() - start:.0f} s on the emulator", file=sys.stderr)
     finally:
         bar.close()

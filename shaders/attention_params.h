@@ -44,6 +44,8 @@ typedef long jfm_long;  // 64-bit in MSL
 #define JFM_BUFFER_SINKS 20
 #define JFM_BUFFER_DBIAS 21
 #define JFM_BUFFER_LOG_SUM 22   // ... and log(l) of its softmax sum (JFM_EMPTY_ROW_MAX)
+#define JFM_BUFFER_ALIBI_SLOPES 23
+#define JFM_BUFFER_DALIBI 24
 
 // AttentionParams::has_bias: no bias, a bias in the dtype of q, or a float32 bias.
 #define JFM_BIAS_NONE 0
@@ -77,7 +79,7 @@ struct AttentionParams {
   uint num_kv_heads;  // HKV, divides H (grouped-query attention)
   uint head_dim;      // D, equal to the kernel's template head dim
   float scale;        // softmax scale, used literally
-  uint padding;       // keeps the 8-byte fields at offset 96
+  uint padding;       // keeps the 8-byte fields at offset 104
   int window_left;    // local window, inclusive; JFM_UNBOUNDED = none
   int window_right;
   uint causal;        // 1: key j visible only if j <= i + off
@@ -98,14 +100,17 @@ struct AttentionParams {
   uint has_sinks;        // 1: float [H] at JFM_BUFFER_SINKS
   uint bias_grad;        // 1: the dQ kernel writes dbias float [B, H, Tq, Tkv] at JFM_BUFFER_DBIAS
   float soft_cap;        // c > 0: scores become c * tanh(score / c) before the bias; 0 = none
+  uint has_alibi;        // 1: float [B, H] slopes at JFM_BUFFER_ALIBI_SLOPES
+  uint alibi_grad;       // 1: the dQ kernel writes float [B, H, Tq] at JFM_BUFFER_DALIBI, row i's
+                         // share -sum_j dS_ij |i + off - j| of d(loss)/d(slope[b, h])
   // Element strides over [B, H, Tq, Tkv], 0 on a broadcast axis; 64-bit because b and h
-  // strides of a full bias exceed 2^31 elements at long lengths. 8-byte aligned (offset 96).
+  // strides of a full bias exceed 2^31 elements at long lengths. 8-byte aligned (offset 104).
   jfm_long bias_strides[4];
   jfm_long mask_strides[4];
 };
 
 #ifndef __METAL_VERSION__
-static_assert(offsetof(AttentionParams, bias_strides) == 96 && sizeof(AttentionParams) == 160,
+static_assert(offsetof(AttentionParams, bias_strides) == 104 && sizeof(AttentionParams) == 168,
               "AttentionParams layout must match the shaders");
 }  // namespace jfm
 #endif

@@ -76,7 +76,8 @@ template <typename T, int D>
   const int i = i0 + band + int(at.row);
   const JfmRange32 keys = jfm_range32(jfm_keys_of_query(params, i, q_valid, kv_valid), kv_valid);
   const bool features = jfm_has_score_features(params);  // uniform
-  JfmFeatureLane f = jfm_feature_lane(params, JFM_FEATURE_BUFFERS, b, h, i);
+  JfmFeatureLane f = jfm_feature_lane(params, JFM_FEATURE_BUFFERS, b, h, i,
+                                      jfm_alignment_offset(params, q_valid, kv_valid));
 
   const uint q_stride = params.num_heads * uint(D);  // elements between consecutive rows
   const uint kv_stride = params.num_kv_heads * uint(D);
