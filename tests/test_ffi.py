@@ -164,7 +164,8 @@ _K = jnp.zeros((1, 5, 1, 16), jnp.float32)
 
 @pytest.mark.parametrize("args, kwargs, message", [
     ((_Q, _K, _K), dict(window_left=np.int32(-2)), "window_left/window_right must be >= 0"),
-    ((_Q, _K, _K), dict(bias_grad=True), "bias_grad is the backward's attribute"),
+    ((_Q, _K, _K), dict(bias_grad=True), "bias_grad and alibi_grad are the backward's"),
+    ((_Q, _K, _K), dict(alibi_grad=True), "bias_grad and alibi_grad are the backward's"),
     ((_Q, _K, _K), dict(has_q_lengths=True), "expected 1 length operand"),
     ((_Q, _K, _K, jnp.zeros((1,), jnp.int32)), dict(), "expected 0 length operand"),
     ((_Q, _K, _K, jnp.zeros((2,), jnp.int32)), dict(has_kv_lengths=True),
