@@ -89,11 +89,14 @@ bool same_dims(ffi::AnyBuffer::Dimensions dims, const std::vector<int64_t>& want
 
 struct Problem {
   int64_t batch = 0, q_len = 0, kv_len = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t value_head_dim = 0;  // of V, O, dO and dV (head_dim: of Q, K, dQ and dK)
   ffi::DataType dtype = ffi::DataType::F32;
   const char* suffix = nullptr;  // f32 / f16 / bf16
 
   std::vector<int64_t> q_shape() const { return {batch, q_len, heads, head_dim}; }
-  std::vector<int64_t> kv_shape() const { return {batch, kv_len, kv_heads, head_dim}; }
+  std::vector<int64_t> o_shape() const { return {batch, q_len, heads, value_head_dim}; }
+  std::vector<int64_t> k_shape() const { return {batch, kv_len, kv_heads, head_dim}; }
+  std::vector<int64_t> v_shape() const { return {batch, kv_len, kv_heads, value_head_dim}; }
   std::vector<int64_t> row_shape() const { return {batch, heads, q_len}; }
 };
 
@@ -118,8 +121,10 @@ ffi::Error read_problem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, Pr
     return invalid("key shape " + dims_string(kd) + " does not match query shape " +
                    dims_string(qd) + " in batch or head_dim");
   }
-  if (!same_dims(vd, p->kv_shape())) {
-    return invalid("value shape " + dims_string(vd) + " must equal key shape " + dims_string(kd));
+  p->value_head_dim = vd.size() == 4 ? vd[3] : 0;
+  if (!same_dims(vd, p->v_shape())) {
+    return invalid("value shape " + dims_string(vd) + " must have rank 4 and match key shape " +
+                   dims_string(kd) + " in batch, kv_len and num_kv_heads");
   }
   p->dtype = q.element_type();
   p->suffix = dtype_suffix(p->dtype);
@@ -134,7 +139,8 @@ ffi::Error read_problem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, Pr
                    ") must be a multiple of num_kv_heads (" + std::to_string(p->kv_heads) + ")");
   }
   // AttentionParams holds 32-bit dims.
-  for (int64_t dim : {p->batch, p->q_len, p->kv_len, p->heads, p->kv_heads, p->head_dim}) {
+  for (int64_t dim : {p->batch, p->q_len, p->kv_len, p->heads, p->kv_heads, p->head_dim,
+                      p->value_head_dim}) {
     if (dim > std::numeric_limits<int32_t>::max()) {
       return invalid("dimension " + std::to_string(dim) + " exceeds 2^31 - 1");
     }
@@ -343,7 +349,11 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
 
 ffi::Error require_kernel(Device& device, const std::string& kernel, const Problem& p) {
   if (device.has_kernel(kernel)) return ffi::Error::Success();
-  std::string message = "head_dim " + std::to_string(p.head_dim) + " with dtype " + p.suffix +
+  std::string message = (p.value_head_dim == p.head_dim
+                             ? "head_dim " + std::to_string(p.head_dim)
+                             : "key head dim " + std::to_string(p.head_dim) +
+                                   " with value head dim " + std::to_string(p.value_head_dim)) +
+                        " with dtype " + p.suffix +
                         " is not supported by the " + device.kind() + " device (no kernel '" +
                         kernel + "')";
   std::string why = device.library_error();
@@ -393,12 +403,12 @@ std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& 
 
 std::vector<StageShape> stages_of(bool backward, const Problem& p, int gpu_cores) {
   return attention_stages(backward, p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads,
-                          p.head_dim, gpu_cores);
+                          p.head_dim, p.value_head_dim, gpu_cores);
 }
 
 int64_t splits_of(const Problem& p, int gpu_cores) {
-  return decode_splits(p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads, p.head_dim,
-                       gpu_cores);
+  return decode_splits(p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads,
+                       tile_head_dim(p.head_dim, p.value_head_dim), gpu_cores);
 }
 
 ffi::Error require_kernels(Device& device, const std::vector<StageShape>& stages,
@@ -482,7 +492,7 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
   if (ffi::Error e = check_attributes(opt); e.failure()) return e;
-  if (ffi::Error e = expect("output o", o, p.dtype, p.q_shape()); e.failure()) return e;
+  if (ffi::Error e = expect("output o", o, p.dtype, p.o_shape()); e.failure()) return e;
   for (auto [what, buffer] :
        {std::make_pair("output lse", lse), std::make_pair("output row_max", row_max),
         std::make_pair("output log_sum", log_sum)}) {
@@ -492,8 +502,8 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   }
   const int64_t splits = splits_of(p, device->gpu_cores());
   if (ffi::Error e = expect("workspace", workspace, ffi::DataType::F32,
-                            {decode_workspace_elements(p.batch, p.q_len, p.heads, p.head_dim,
-                                                       splits)});
+                            {decode_workspace_elements(p.batch, p.q_len, p.heads,
+                                                       p.value_head_dim, splits)});
       e.failure()) {
     return e;
   }
@@ -535,14 +545,14 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   if (ffi::Error e = check_attributes(opt); e.failure()) return e;
   const ffi::DataType f32 = ffi::DataType::F32;
   for (auto [what, buffer, dtype, shape] :
-       {std::make_tuple("o", o, p.dtype, p.q_shape()),
+       {std::make_tuple("o", o, p.dtype, p.o_shape()),
         std::make_tuple("row_max", row_max, f32, p.row_shape()),
         std::make_tuple("log_sum", log_sum, f32, p.row_shape()),
-        std::make_tuple("do", d_o, p.dtype, p.q_shape()),
+        std::make_tuple("do", d_o, p.dtype, p.o_shape()),
         std::make_tuple("g_lse", g_lse, f32, p.row_shape()),
         std::make_tuple("output dq", dq, p.dtype, p.q_shape()),
-        std::make_tuple("output dk", dk, p.dtype, p.kv_shape()),
-        std::make_tuple("output dv", dv, p.dtype, p.kv_shape()),
+        std::make_tuple("output dk", dk, p.dtype, p.k_shape()),
+        std::make_tuple("output dv", dv, p.dtype, p.v_shape()),
         std::make_tuple("output dbias", dbias, f32, dbias_shape(p, opt.bias_grad)),
         std::make_tuple("output dalibi", dalibi, f32, dalibi_shape(p, opt.alibi_grad)),
         std::make_tuple("workspace delta", delta, f32, p.row_shape())}) {

@@ -17,10 +17,6 @@ namespace {
 
 std::atomic<double> g_budget_seconds{0.1};
 
-std::string kernel_name(const char* stage, const char* suffix, int64_t head_dim) {
-  return std::string("flash_attention_") + stage + "_" + suffix + "_d" + std::to_string(head_dim);
-}
-
 // Cuts one stage's grid into boxes of at most `per_chunk` threadgroups (at least one).
 void chunk_stage(size_t index, const StageShape& s, int64_t per_chunk, std::vector<Chunk>* out) {
   const int64_t blocks = s.blocks(), heads = s.heads, batch = s.batch;
@@ -144,44 +140,65 @@ int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, in
                            gpu_cores, decode_is_vector(q_len, heads, kv_heads, head_dim));
 }
 
-int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t head_dim,
-                                  int64_t splits) {
-  return splits * batch * heads * q_len * (head_dim + 2);  // kv_heads * G * q_len rows
+int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads,
+                                  int64_t value_head_dim, int64_t splits) {
+  return splits * batch * heads * q_len * (value_head_dim + 2);  // kv_heads * G * q_len rows
+}
+
+std::string family_name(int64_t head_dim, int64_t value_head_dim) {
+  return value_head_dim == head_dim
+             ? std::to_string(head_dim)
+             : std::to_string(head_dim) + "_v" + std::to_string(value_head_dim);
+}
+
+std::string kernel_name(const std::string& stage, const std::string& dtype_suffix,
+                        int64_t head_dim, int64_t value_head_dim) {
+  return "flash_attention_" + stage + "_" + dtype_suffix + "_d" +
+         family_name(head_dim, value_head_dim);
+}
+
+int tile_head_dim(int64_t head_dim, int64_t value_head_dim) {
+  return jfm_tile_head_dim(static_cast<int>(head_dim), static_cast<int>(value_head_dim));
 }
 
 std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
                                          int64_t q_len, int64_t kv_len, int64_t heads,
-                                         int64_t kv_heads, int64_t head_dim, int gpu_cores) {
+                                         int64_t kv_heads, int64_t head_dim,
+                                         int64_t value_head_dim, int gpu_cores) {
   const int bytes = element_bytes(dtype_suffix);
+  const int tile_dim = tile_head_dim(head_dim, value_head_dim);
   auto stage = [&](const char* name, int64_t rows, int64_t stage_heads,
                    double multiply_adds_per_row) {
     StageShape s;
-    s.kernel = kernel_name(name, dtype_suffix, head_dim);
+    s.kernel = kernel_name(name, dtype_suffix, head_dim, value_head_dim);
     s.rows = rows;
     s.heads = stage_heads;
     s.batch = batch;
     TileShape shape{};
-    tile_shape(name, bytes, static_cast<int>(head_dim), &shape);
+    tile_shape(name, bytes, tile_dim, &shape);
     s.rows_per_group = static_cast<uint32_t>(shape.rows);
     s.threads = static_cast<uint32_t>(shape.threads);
     s.multiply_adds_per_group = multiply_adds_per_row * s.rows_per_group;
     return s;
   };
-  const double d = static_cast<double>(head_dim), tq = static_cast<double>(q_len),
+  // Products over the key head dim (S, dQ, dK) and the value head dim (P V, dP, dV) alike: the
+  // mean of the two per product pair.
+  const double d = static_cast<double>(head_dim + value_head_dim) / 2,
+               tq = static_cast<double>(q_len),
                tkv = static_cast<double>(kv_len),
                group = kv_heads > 0 ? static_cast<double>(heads / kv_heads) : 0.0;
   const int64_t splits = backward ? 0
                                   : decode_splits(dtype_suffix, batch, q_len, kv_len, heads,
-                                                  kv_heads, head_dim, gpu_cores);
+                                                  kv_heads, tile_dim, gpu_cores);
   if (splits > 0) {
     // Pass 1: a split of the keys for one tile of rows (the vector kernel: the rows only);
     // pass 2: one row over every split.
-    const bool vector = decode_is_vector(q_len, heads, kv_heads, head_dim);
+    const bool vector = decode_is_vector(q_len, heads, kv_heads, tile_dim);
     const int family = vector ? JFM_KERNEL_DECODE_VECTOR : JFM_KERNEL_DECODE_PARTIAL;
     const double tile_rows =
-        vector ? group * q_len : jfm_tile_rows(family, bytes, static_cast<int>(head_dim));
-    const double chunk = std::ceil(tkv / static_cast<double>(splits)) +
-                         jfm_tile_cols(family, bytes, static_cast<int>(head_dim));
+        vector ? group * q_len : jfm_tile_rows(family, bytes, tile_dim);
+    const double chunk =
+        std::ceil(tkv / static_cast<double>(splits)) + jfm_tile_cols(family, bytes, tile_dim);
     StageShape partial = stage(vector ? "decode_vector" : "decode_partial", splits, kv_heads, 0);
     partial.rows_per_group = 1;  // grid x: one split per threadgroup
     partial.multiply_adds_per_group = 2 * chunk * d * tile_rows;
@@ -189,7 +206,7 @@ std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix
     return {partial, combine};
   }
   if (!backward) return {stage("fwd", q_len, heads, 2 * tkv * d)};  // Q·K^T and P·V
-  const std::vector<std::string> names = bwd_stages(static_cast<int>(head_dim));
+  const std::vector<std::string> names = bwd_stages(tile_dim);
   // D (the diagonal of an 8x8 dO·O^T per row band), S, dP and dS·K
   std::vector<StageShape> stages = {stage("bwd_dq", q_len, heads, (3 * tkv + 8) * d)};
   for (size_t n = 1; n < names.size(); ++n) {

@@ -69,14 +69,30 @@ std::vector<ChunkedSubmission> plan_for(Device& device, const std::vector<StageS
 double set_submission_budget_seconds(double seconds);
 double submission_budget_seconds();
 
-// The kernels a call runs, in order, with their grids and estimated work: forward the fwd
+// The kernels a call runs, in order, with their grids and estimated work, for query/key head dim
+// `head_dim` and value head dim `value_head_dim` (one family of shaders/kernel_families.h):
+// forward the fwd
 // kernel, or for a decode call (decode_splits > 0) its pass 1 (decode_vector where
 // decode_is_vector, else decode_partial) then decode_combine; backward
 // bwd_stages: bwd_dq (and D), bwd_dkdv or bwd_dk, bwd_dv. The handlers cut these into
 // submissions with plan_submissions (dispatch_plan.h); tests read them through _ext.
 std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
                                          int64_t q_len, int64_t kv_len, int64_t heads,
-                                         int64_t kv_heads, int64_t head_dim, int gpu_cores);
+                                         int64_t kv_heads, int64_t head_dim,
+                                         int64_t value_head_dim, int gpu_cores);
+
+// The kernel name of a stage ("fwd", "bwd_dq", ...) for a dtype suffix and head dims:
+// "flash_attention_STAGE_SUFFIX_dNAME" with NAME = family_name(head_dim, value_head_dim), the
+// tag shaders/kernel_families.h gives the family: "64" where the value head dim is the key's,
+// "128_v64" otherwise.
+std::string family_name(int64_t head_dim, int64_t value_head_dim);
+std::string kernel_name(const std::string& stage, const std::string& dtype_suffix,
+                        int64_t head_dim, int64_t value_head_dim);
+
+// The head dim a family's tiles are chosen by (jfm_tile_head_dim of tile_shapes.h): the wider
+// of the key and value head dims. tile_shape, bwd_stages, decode_is_vector and decode_splits
+// take it.
+int tile_head_dim(int64_t head_dim, int64_t value_head_dim);
 
 // Whether a decode call's pass 1 is the vector kernel: its (heads / kv_heads) * q_len rows of
 // one KV head are at most jfm_decode_vector_rows (tile_shapes.h).
@@ -90,10 +106,11 @@ bool decode_is_vector(int64_t q_len, int64_t heads, int64_t kv_heads, int64_t he
 int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, int64_t kv_len,
                       int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores);
 
-// float32 elements of the decode workspace: [batch, kv_heads, splits, G * q_len, head_dim + 2]
-// (partial O, then m and l, per row; kv_heads * G = heads); 0 when splits is 0.
-int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads, int64_t head_dim,
-                                  int64_t splits);
+// float32 elements of the decode workspace: [batch, kv_heads, splits, G * q_len,
+// value_head_dim + 2] (partial O, then m and l, per row; kv_heads * G = heads); 0 when splits
+// is 0.
+int64_t decode_workspace_elements(int64_t batch, int64_t q_len, int64_t heads,
+                                  int64_t value_head_dim, int64_t splits);
 
 // One kernel family's dispatch shape from shaders/tile_shapes.h: rows per threadgroup, block size
 // of the traversed dimension, simdgroups and threads per threadgroup, (forward only) whether

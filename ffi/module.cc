@@ -210,13 +210,23 @@ void bind_devices(nb::module_& m) {
   m.def(
       "kernel_families",
       [] {
-        std::vector<std::pair<std::string, int>> families;
-        for (const KernelFamily& f : kernel_families()) families.emplace_back(f.suffix, f.head_dim);
+        std::vector<std::tuple<std::string, int, int>> families;
+        for (const KernelFamily& f : kernel_families()) {
+          families.emplace_back(f.suffix, f.key_head_dim, f.value_head_dim);
+        }
         return families;
       },
-      "list[tuple[str, int]]: every (dtype suffix, head dim) family the kernels are instantiated "
-      "for, in order (shaders/kernel_families.h): 'f32', 'f16', 'bf16', each with every head "
-      "dim.");
+      "list[tuple[str, int, int]]: every (dtype suffix, key head dim, value head dim) family the "
+      "kernels are instantiated for, in order (shaders/kernel_families.h): 'f32', 'f16', "
+      "'bf16', each with every pair of head dims.");
+  m.def("kernel_name", &kernel_name, nb::arg("stage"), nb::arg("dtype"), nb::arg("head_dim"),
+        nb::arg("value_head_dim"),
+        "str: the kernel name of a stage ('fwd', 'bwd_dq', ...), dtype suffix ('f32', 'f16', "
+        "'bf16') and key and value head dims, e.g. 'flash_attention_fwd_f16_d64', "
+        "'flash_attention_fwd_f16_d128_v64' (shaders/kernel_families.h).");
+  m.def("tile_head_dim", &tile_head_dim, nb::arg("head_dim"), nb::arg("value_head_dim"),
+        "int: the head dim the tiles of the (key, value) head-dim family are chosen by, the "
+        "wider of the two: what tile_shape and bwd_stages take.");
   m.def(
       "shader_library",
       [](const std::string& kernel) {
@@ -312,7 +322,7 @@ void bind_planning(nb::module_& m) {
       "dispatch_plan",
       [](const std::string& direction, const std::string& dtype, int64_t batch, int64_t q_len,
          int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-         const std::string& implementation) {
+         const std::string& implementation, std::optional<int64_t> value_head_dim) {
         if (direction != "fwd" && direction != "bwd") {
           throw nb::value_error(("direction must be 'fwd' or 'bwd', not " + direction).c_str());
         }
@@ -322,7 +332,8 @@ void bind_planning(nb::module_& m) {
         Device& device = device_named(implementation);
         const std::vector<StageShape> stages =
             attention_stages(direction == "bwd", dtype.c_str(), batch, q_len, kv_len, num_heads,
-                             num_kv_heads, head_dim, device.gpu_cores());
+                             num_kv_heads, head_dim, value_head_dim.value_or(head_dim),
+                             device.gpu_cores());
         nb::list submissions;
         for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
           nb::list dispatches;
@@ -345,9 +356,10 @@ void bind_planning(nb::module_& m) {
       },
       nb::arg("direction"), nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"),
       nb::arg("kv_len"), nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
-      nb::arg("implementation") = "emulator",
+      nb::arg("implementation") = "emulator", nb::arg("value_head_dim") = nb::none(),
       "list[list[dict]]: the submissions (command buffers) the handler of `direction` ('fwd' or "
-      "'bwd') would run for this problem on that device, each a list of dispatches {kernel, "
+      "'bwd') would run for this problem on that device (value_head_dim: that of value, default "
+      "head_dim), each a list of dispatches {kernel, "
       "groups (x, y, z), threads, rows_per_group, block_offset, head_offset, batch_offset, "
       "multiply_adds (estimate)}. Dispatch x covers row blocks block_offset.., y heads "
       "head_offset.., z batch elements batch_offset... ValueError for bad names.");
@@ -355,23 +367,25 @@ void bind_planning(nb::module_& m) {
       "decode_splits",
       [](const std::string& dtype, int64_t batch, int64_t q_len, int64_t kv_len,
          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-         const std::string& implementation) {
+         const std::string& implementation, std::optional<int64_t> value_head_dim) {
         if (dtype != "f32" && dtype != "f16" && dtype != "bf16") {
           throw nb::value_error(("dtype must be 'f32', 'f16' or 'bf16', not " + dtype).c_str());
         }
         Device& device = device_named(implementation);
-        const int64_t splits = decode_splits(dtype.c_str(), batch, q_len, kv_len, num_heads,
-                                             num_kv_heads, head_dim, device.gpu_cores());
-        return nb::make_tuple(splits, decode_workspace_elements(batch, q_len, num_heads,
-                                                                head_dim, splits));
+        const int64_t dv = value_head_dim.value_or(head_dim);
+        const int64_t splits =
+            decode_splits(dtype.c_str(), batch, q_len, kv_len, num_heads, num_kv_heads,
+                          tile_head_dim(head_dim, dv), device.gpu_cores());
+        return nb::make_tuple(splits,
+                              decode_workspace_elements(batch, q_len, num_heads, dv, splits));
       },
       nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"), nb::arg("kv_len"),
       nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
-      nb::arg("implementation") = "emulator",
+      nb::arg("implementation") = "emulator", nb::arg("value_head_dim") = nb::none(),
       "(splits, workspace_elements): the split-KV decode's key splits per (batch, kv head) for "
       "this forward problem on that device (0: the tiled forward runs) and the float32 elements "
-      "of the forward's workspace result, as the handler requires them. ValueError for bad "
-      "names.");
+      "of the forward's workspace result, as the handler requires them (value_head_dim: that "
+      "of value, default head_dim). ValueError for bad names.");
   m.def(
       "gpu_cores",
       [](const std::string& implementation) { return device_named(implementation).gpu_cores(); },

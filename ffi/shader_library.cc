@@ -21,7 +21,7 @@ const ShaderSource* source_with(const std::vector<ShaderSource>& sources,
 }  // namespace
 
 const std::vector<KernelFamily>& kernel_families() {
-#define JFM_FAMILY_ENTRY(T, SUFFIX, D) KernelFamily{#T, #SUFFIX, D},
+#define JFM_FAMILY_ENTRY(T, SUFFIX, DK, DV, NAME) KernelFamily{#T, #SUFFIX, DK, DV, #NAME},
   static const std::vector<KernelFamily> families = {JFM_FAMILIES(JFM_FAMILY_ENTRY)};
 #undef JFM_FAMILY_ENTRY
   return families;
@@ -30,7 +30,7 @@ const std::vector<KernelFamily>& kernel_families() {
 ShaderLibrary shader_library(const std::vector<ShaderSource>& sources, const std::string& kernel) {
   ShaderLibrary library;
   for (const KernelFamily& f : kernel_families()) {
-    const std::string tail = std::string("_") + f.suffix + "_d" + std::to_string(f.head_dim);
+    const std::string tail = std::string("_") + f.suffix + "_d" + f.name;
     if (kernel.size() <= tail.size() ||
         kernel.compare(kernel.size() - tail.size(), tail.size(), tail) != 0) {
       continue;
@@ -39,7 +39,7 @@ ShaderLibrary shader_library(const std::vector<ShaderSource>& sources, const std
     library.source = source_with(
         sources, "JFM_HOST_NAME(" + kernel.substr(0, kernel.size() - tail.size()) + ",");
     if (library.source == nullptr) return library;
-    library.family = std::string(f.type) + "_" + std::to_string(f.head_dim);
+    library.family = std::string(f.type) + "_" + f.name;
     library.macros = {{"JFM_ONE_FAMILY", "1"}, {"JFM_FAMILY_" + library.family, "JFM_SELECTED"}};
     return library;
   }

@@ -115,10 +115,12 @@ def kernel_names(implementation: str) -> frozenset[str]:
     return frozenset(_ext.kernel_names(implementation))
 
 
-def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int) -> str | None:
+def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int,
+                       value_head_dim: int) -> str | None:
     """Why the fused kernels of ``implementation`` cannot run a ``direction`` ("fwd" or "bwd")
-    call with this dtype and head dim, or None when every kernel it needs exists. The optional
-    features need no kernels of their own: every kernel implements all of them.
+    call with this dtype, query/key head dim and value head dim, or None when every kernel it
+    needs exists (one family of shaders/kernel_families.h per dtype and pair of head dims). The
+    optional features need no kernels of their own: every kernel implements all of them.
 
     The device's kernel list is asked (on Metal without compiling anything), so a build whose
     shaders lack a head dim is reported at trace time rather than when the computation runs.
@@ -130,28 +132,35 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
                 f"(float32, float16, bfloat16 only)")
     # The kernels (stages) the direction runs, as ffi/dispatch_plan.cc plans them.
     stages = (("fwd", "decode_partial", "decode_combine") if direction == "fwd"
-              else tuple(_ext.bwd_stages(head_dim)))
+              else tuple(_ext.bwd_stages(_ext.tile_head_dim(head_dim, value_head_dim))))
     names = kernel_names(implementation)
-    missing = [f"flash_attention_{s}_{suffix}_d{head_dim}" for s in stages
-               if f"flash_attention_{s}_{suffix}_d{head_dim}" not in names]
+    missing = [name for name in (_ext.kernel_name(s, suffix, head_dim, value_head_dim)
+                                 for s in stages) if name not in names]
     if not missing:
         return None
+    # The families of this dtype the device has: "_dD" (Dv = Dk) or "_dDK_vDV" name tags.
     prefix = f"flash_attention_{stages[0]}_{suffix}_d"
-    dims = sorted(int(n[len(prefix):]) for n in names
-                  if n.startswith(prefix) and n[len(prefix):].isdigit())
-    message = (f"flash_attention: head_dim {head_dim} with dtype {dtype} is not supported by "
+    tags = [n[len(prefix):].split("_v") for n in names if n.startswith(prefix)]
+    dims = sorted(int(t[0]) for t in tags if len(t) == 1 and t[0].isdigit())
+    pairs = sorted((int(t[0]), int(t[1])) for t in tags
+                   if len(t) == 2 and t[0].isdigit() and t[1].isdigit())
+    asked = (f"head_dim {head_dim}" if value_head_dim == head_dim else
+             f"key head dim {head_dim} with value head dim {value_head_dim}")
+    message = (f"flash_attention: {asked} with dtype {dtype} is not supported by "
                f"the {implementation!r} implementation (missing kernels {missing}); "
-               f"supported head dims for {dtype}: {dims}")
+               f"supported head dims for {dtype}: {dims}, and (key, value) head-dim pairs "
+               f"{pairs}")
     library_error = _ext.library_error(implementation)
     if library_error:
         message += f". Shader library error: {library_error}"
     return message
 
 
-def check_supported(implementation: str, direction: str, dtype, head_dim: int) -> None:
-    """Raise ``unsupported_reason`` as TypeError (a dtype without kernels) or ValueError (a head
-    dim without kernels), if any."""
-    reason = unsupported_reason(implementation, direction, dtype, head_dim)
+def check_supported(implementation: str, direction: str, dtype, head_dim: int,
+                    value_head_dim: int) -> None:
+    """Raise ``unsupported_reason`` as TypeError (a dtype without kernels) or ValueError (head
+    dims without kernels), if any."""
+    reason = unsupported_reason(implementation, direction, dtype, head_dim, value_head_dim)
     if reason is None:
         return
     raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
@@ -204,16 +213,16 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
 
     ``implementation`` is "metal" or "emulator"; ``params`` are the primitive's other static
     params (``contract.StaticParams``, coerced by ``contract.coerce_params``), sent as the FFI
-    attributes. Raises ValueError for a head dim the device has no kernel for or when
+    attributes. Raises ValueError for head dims the device has no kernels for or when
     ``implementation`` is not in this build, TypeError for a dtype without kernels.
     """
-    q, k = (cast(ShapedArray, aval) for aval in ctx.avals_in[:2])
+    q, k, v = (cast(ShapedArray, aval) for aval in ctx.avals_in[:3])
     _check_built(implementation)
-    check_supported(implementation, "fwd", q.dtype, q.shape[3])
+    check_supported(implementation, "fwd", q.dtype, q.shape[3], v.shape[3])
     batch, q_len, num_heads, head_dim = q.shape
     _, workspace_elements = _ext.decode_splits(
         _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, k.shape[1], num_heads, k.shape[2],
-        head_dim, implementation)
+        head_dim, implementation, v.shape[3])
     workspace = ShapedArray((workspace_elements,), np.float32)
     avals, args = _contract_operands(ctx, args, "fwd", params)
     call_ctx = ctx.replace(avals_in=avals, avals_out=(*ctx.avals_out, workspace))
@@ -238,9 +247,9 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_gr
     they show up in memory_analysis() and need no allocator inside the handler. Errors as for
     ``lower_fwd``.
     """
-    q, k = (cast(ShapedArray, aval) for aval in ctx.avals_in[:2])
+    q, k, v = (cast(ShapedArray, aval) for aval in ctx.avals_in[:3])
     _check_built(implementation)
-    check_supported(implementation, "bwd", q.dtype, q.shape[3])
+    check_supported(implementation, "bwd", q.dtype, q.shape[3], v.shape[3])
     batch, q_len, num_heads, _ = q.shape
     full = (batch, num_heads, q_len, k.shape[1])
     rows = (batch, num_heads, q_len)

@@ -96,8 +96,8 @@ def missing_features(params, key_head_dim: int, value_head_dim: int) -> str | No
 def resolve(implementation: str | None, platform: str, call=None, missing=None) -> str:
     """The implementation to lower with for ``platform`` (a JAX platform name such as "cpu").
 
-    ``call``: ``(direction, dtype, head_dim)`` of the primitive being lowered (direction "fwd"
-    or "bwd"); with ``implementation=None`` and no environment override, a call the fused
+    ``call``: ``(direction, dtype, head_dim, value_head_dim)`` of the primitive being lowered
+    (direction "fwd" or "bwd"); with ``implementation=None`` and no environment override, a call the fused
     kernels do not cover goes to "xla". Without it only availability is considered.
     ``missing``: the call's features the fused kernels lack (``missing_features``): such a call
     goes to "xla" under ``implementation=None``.

@@ -303,7 +303,7 @@ def _make_cpu_lowering(prim):
         params = coerce_params(**params)
         q, v = ctx.avals_in[0], ctx.avals_in[2]
         impl = implementations.resolve(
-            params["implementation"], "cpu", call=(direction, q.dtype, q.shape[3]),
+            params["implementation"], "cpu", call=(direction, q.dtype, q.shape[3], v.shape[3]),
             missing=implementations.missing_features(params, q.shape[3], v.shape[3]))
         # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):

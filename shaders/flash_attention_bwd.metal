@@ -44,7 +44,8 @@
   (JFM_BWD_INPUTS(T), device const float* delta [[buffer(JFM_BUFFER_DELTA)]], \
    device T* dk [[buffer(JFM_BUFFER_DK)]], device T* dv [[buffer(JFM_BUFFER_DV)]])
 
-#define JFM_BWD_THREADS(FAMILY, T, D) jfm_tile_threads(FAMILY, int(sizeof(T)), D)
+#define JFM_BWD_THREADS(FAMILY, T, DK, DV) \
+  jfm_tile_threads(FAMILY, int(sizeof(T)), jfm_tile_head_dim(DK, DV))
 
 // Transposed fragment straight from device rows `stride` elements apart: (r, c) = rows[c *
 // stride + r], 0 for rows c >= valid (never read).
@@ -122,24 +123,26 @@ inline void jfm_zero_dbias_block(device float* dbias_row, int j0, int kv_len, Jf
 //     dQ_i += dS (1 - tanh^2) K_j              (the soft cap's derivative, 1 without a cap)
 //   dQ_i *= scale;  dalibi_i = -dslope_i       (row i's share of dL/dslope[b, h], with alibi_grad)
 // With segment ids, a key block whose id range cannot meet the query block's is skipped.
-template <typename T, int D>
-[[max_total_threads_per_threadgroup(JFM_BWD_THREADS(JFM_KERNEL_BWD_DQ, T, D))]] kernel void
+// Q, K and dQ have DK columns, V, O and dO DV.
+template <typename T, int DK, int DV>
+[[max_total_threads_per_threadgroup(JFM_BWD_THREADS(JFM_KERNEL_BWD_DQ, T, DK, DV))]] kernel void
 flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
-  typedef JfmBwdTraits<T, D, JFM_KERNEL_BWD_DQ> Traits;
+  typedef JfmBwdTraits<T, DK, DV, JFM_KERNEL_BWD_DQ> Traits;
   constexpr int THREADS = Traits::THREADS;
   constexpr int BQ = Traits::OWNED;
   constexpr int BK = Traits::STREAMED;
   constexpr bool ONE_KV_BUFFER = Traits::ONE_STREAM_BUFFER;
-  constexpr int LD = Traits::LD;
-  constexpr int DF = Traits::DF;
+  constexpr int LDK = Traits::LDK;
+  constexpr int LDV = Traits::LDV;
+  constexpr int DKF = Traits::DKF;
+  constexpr int DVF = Traits::DVF;
   constexpr int KF = Traits::SF;
-  static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
+  static_assert(BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
   // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned.
-  constexpr int ROW_WORDS = Traits::ROW_WORDS;
-  threadgroup uint4 q_words[BQ * ROW_WORDS];
-  threadgroup uint4 do_words[BQ * ROW_WORDS];
-  threadgroup uint4 kv_words[(ONE_KV_BUFFER ? 1 : 2) * BK * ROW_WORDS];
+  threadgroup uint4 q_words[BQ * Traits::ROW_WORDS_K];
+  threadgroup uint4 do_words[BQ * Traits::ROW_WORDS_V];
+  threadgroup uint4 kv_words[Traits::STREAM_WORDS];
   threadgroup T* q_tile = (threadgroup T*)q_words;
   threadgroup T* do_tile = (threadgroup T*)do_words;
   threadgroup T* kv_tile = (threadgroup T*)kv_words;
@@ -169,17 +172,22 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   const int i = i0 + band + int(at.row);
   const JfmRange32 keys = jfm_range32(jfm_keys_of_query(params, i, q_valid, kv_valid), kv_valid);
 
-  const uint q_stride = params.num_heads * uint(D);
-  const uint kv_stride = params.num_kv_heads * uint(D);
-  const ulong q_block = jfm_row_offset(b, i0, h, params.q_len, params.num_heads, D);
+  // Rows of Q and dQ are q_stride elements apart, of O and dO o_stride; of K k_stride, of V
+  // v_stride.
+  const uint q_stride = params.num_heads * uint(DK);
+  const uint o_stride = params.num_heads * uint(DV);
+  const uint k_stride = params.num_kv_heads * uint(DK);
+  const uint v_stride = params.num_kv_heads * uint(DV);
+  const ulong q_block = jfm_row_offset(b, i0, h, params.q_len, params.num_heads, DK);
+  const ulong o_block = jfm_row_offset(b, i0, h, params.q_len, params.num_heads, DV);
   const ulong stat = jfm_stat_offset(b, h, i0, params.num_heads, params.q_len);
-  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
-  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
+  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DK);
+  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DV);
 
-  jfm_load_tile<T, BQ, D, THREADS, false>(q_tile, q + q_block, q_stride, 0, valid_rows,
-                                          thread_index);
-  jfm_load_tile<T, BQ, D, THREADS, false>(do_tile, d_o + q_block, q_stride, 0, valid_rows,
-                                          thread_index);
+  jfm_load_tile<T, BQ, DK, THREADS, false>(q_tile, q + q_block, q_stride, 0, valid_rows,
+                                           thread_index);
+  jfm_load_tile<T, BQ, DV, THREADS, false>(do_tile, d_o + o_block, o_stride, 0, valid_rows,
+                                           thread_index);
   const bool features = jfm_has_score_features(params);
   const bool segments = params.has_segment_ids != 0;
   const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
@@ -188,22 +196,23 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
                       jfm_alibi_slope(params, in, b, h));
   device const int* kv_ids = kv_segment_ids + ulong(b) * params.kv_len;
   if (segments) {  // the query ids in the Q tile's row padding
-    jfm_stage_segment_ids<T, BQ, D, THREADS>(q_tile, q_segment_ids + ulong(b) * params.q_len + i0,
-                                             uint(BQ), BQ, 0, valid_rows, thread_index);
+    jfm_stage_segment_ids<T, BQ, DK, THREADS>(q_tile,
+                                              q_segment_ids + ulong(b) * params.q_len + i0,
+                                              uint(BQ), BQ, 0, valid_rows, thread_index);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const JfmRange32 q_ids = jfm_segment_range<T, D>(q_tile, 0, segments ? valid_rows : 0);
-  const int q_segment = segments ? jfm_segment_of<T, D>(q_tile, band + int(at.row)) : 0;
-  threadgroup const T* q_band = q_tile + band * LD;
-  threadgroup const T* do_band = do_tile + band * LD;
+  const JfmRange32 q_ids = jfm_segment_range<T, DK>(q_tile, 0, segments ? valid_rows : 0);
+  const int q_segment = segments ? jfm_segment_of<T, DK>(q_tile, band + int(at.row)) : 0;
+  threadgroup const T* q_band = q_tile + band * LDK;
+  threadgroup const T* do_band = do_tile + band * LDV;
 
   // D = rowsum(dO * O) as the diagonal of dO O^T, by MMA in the order dP = dO V^T is formed, so
   // a one-hot row (O_i = V_j bit for bit) gets dP - D = 0 exactly; 0 for rows past q_len_b.
   JfmFrag dot = jfm_frag_zero();
-  device const T* o_band = o + q_block + uint(band) * q_stride;
-  for (int d = 0; d < DF; ++d) {
-    jfm_mma(dot, jfm_frag_load(do_band + d * 8, LD, at),
-            jfm_frag_load_transposed_rows(o_band + d * 8, q_stride, valid_rows - band, at));
+  device const T* o_band = o + o_block + uint(band) * o_stride;
+  for (int d = 0; d < DVF; ++d) {
+    jfm_mma(dot, jfm_frag_load(do_band + d * 8, LDV, at),
+            jfm_frag_load_transposed_rows(o_band + d * 8, o_stride, valid_rows - band, at));
   }
   const bool own_diagonal = at.col == (at.row & ~1u);  // this lane holds (row, row)
   const float rowsum = jfm_row_sum(own_diagonal ? dot.thread_elements()[at.row & 1u] : 0.0f);
@@ -215,13 +224,13 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   const float row_m = i < q_valid ? row_max[stat + band + at.row] : JFM_EMPTY_ROW_MAX;
   const float row_log2_l = i < q_valid ? jfm_log2_sum(log_sum[stat + band + at.row]) : 0.0f;
 
-  JfmFrag acc[DF];  // the band's dQ / scale
+  JfmFrag acc[DKF];  // the band's dQ / scale
   JFM_PRAGMA_UNROLL
-  for (int d = 0; d < DF; ++d) {
+  for (int d = 0; d < DKF; ++d) {
     acc[d] = jfm_frag_zero();
   }
   threadgroup T* k_tile = kv_tile;
-  threadgroup T* v_tile = kv_tile + (ONE_KV_BUFFER ? 0 : BK * LD);
+  threadgroup T* v_tile = kv_tile + (ONE_KV_BUFFER ? 0 : BK * LDK);
   // With bias_grad the loop runs over every key block, so that the blocks it skips get their
   // dbias zeros (XLA does not zero results); this lane's row exists below q_len.
   const bool dbias_row = params.bias_grad != 0 && i < int(params.q_len);
@@ -240,10 +249,10 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
       JfmRange32 kv_block_ids = q_ids;
       if (segments) {  // the key ids in the K tile's row padding, then their range
-        jfm_stage_segment_ids<T, BK, D, THREADS>(k_tile, kv_ids + j0, uint(BK), BK, load_begin,
-                                                 load_end, thread_index);
+        jfm_stage_segment_ids<T, BK, DK, THREADS>(k_tile, kv_ids + j0, uint(BK), BK, load_begin,
+                                                  load_end, thread_index);
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        kv_block_ids = jfm_segment_range<T, D>(k_tile, load_begin, load_end);
+        kv_block_ids = jfm_segment_range<T, DK>(k_tile, load_begin, load_end);
       }
       kind = features ? jfm_classify_feature_tile(params, kind, q_ids, kv_block_ids) : kind;
     }
@@ -253,25 +262,26 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
       }
       continue;  // uniform
     }
-    const ulong block_offset = ulong(j0) * kv_stride;
-    jfm_load_tile<T, BK, D, THREADS, false>(v_tile, v_head + block_offset, kv_stride, load_begin,
-                                            load_end, thread_index);
+    const ulong k_offset = ulong(j0) * k_stride;
+    const ulong v_offset = ulong(j0) * v_stride;
+    jfm_load_tile<T, BK, DV, THREADS, false>(v_tile, v_head + v_offset, v_stride, load_begin,
+                                             load_end, thread_index);
     if (!ONE_KV_BUFFER) {
-      jfm_load_tile<T, BK, D, THREADS, false>(k_tile, k_head + block_offset, kv_stride,
-                                              load_begin, load_end, thread_index);
+      jfm_load_tile<T, BK, DK, THREADS, false>(k_tile, k_head + k_offset, k_stride, load_begin,
+                                               load_end, thread_index);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     JfmFrag dp[KF];
-    jfm_mma_abt<T, D, LD, KF>(dp, do_band, v_tile, at);  // dP = dO V^T
+    jfm_mma_abt<T, DV, LDV, KF>(dp, do_band, v_tile, at);  // dP = dO V^T
     if (ONE_KV_BUFFER) {  // K replaces V in the one buffer
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      jfm_load_tile<T, BK, D, THREADS, false>(k_tile, k_head + block_offset, kv_stride,
-                                              load_begin, load_end, thread_index);
+      jfm_load_tile<T, BK, DK, THREADS, false>(k_tile, k_head + k_offset, k_stride, load_begin,
+                                               load_end, thread_index);
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
     JfmFrag s[KF];
-    jfm_mma_abt<T, D, LD, KF>(s, q_band, k_tile, at);  // S = Q K^T
+    jfm_mma_abt<T, DK, LDK, KF>(s, q_band, k_tile, at);  // S = Q K^T
 
     // dS = P (dP - D) into s (dbias), times the cap's derivative; edge blocks select 0 where
     // not visible, so a masked pair adds nothing even when its score or dP is NaN.
@@ -285,7 +295,7 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
         float score;
         const bool visible = jfm_element<T>(
             params, features, in, element, q_segment,
-            segments ? jfm_segment_of<T, D>(k_tile, c) : 0,
+            segments ? jfm_segment_of<T, DK>(k_tile, c) : 0,
             kind == JFM_TILE_FULL || jfm_visible(keys, j0 + c), qk, score);
         const float ds = jfm_probability(score, row_m, row_log2_l) *
                          (dp[n].thread_elements()[e] - row_delta);
@@ -304,9 +314,9 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
     // dQ += dS K. In an edge block a key that another row sees may hold Inf/NaN: it enters as
     // 0 (no 0 * Inf in rows that do not see it), and every row that sees it already has NaN dS.
     if (kind == JFM_TILE_EDGE) {
-      jfm_mma_ab<T, D, LD, KF, true>(acc, s, k_tile, at);
+      jfm_mma_ab<T, DK, LDK, KF, true>(acc, s, k_tile, at);
     } else {
-      jfm_mma_ab<T, D, LD, KF, false>(acc, s, k_tile, at);
+      jfm_mma_ab<T, DK, LDK, KF, false>(acc, s, k_tile, at);
     }
   }
 
@@ -319,7 +329,7 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   if (i < int(params.q_len)) {
     device T* dq_row = dq + q_block + uint(band + int(at.row)) * q_stride;
     JFM_PRAGMA_UNROLL
-    for (int d = 0; d < DF; ++d) {
+    for (int d = 0; d < DKF; ++d) {
       jfm_frag_store_row(dq_row + d * 8, acc[d], params.scale, at);
     }
   }
@@ -337,11 +347,12 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
 //     dP^T = V_j dO_i^T;  dS^T = P^T (dP^T - D_i) (1 - tanh^2);  dK_j += dS^T Q_i
 //   dK_j *= scale
 // With segment ids, a query block whose id range cannot meet the key block's is skipped.
-// FAMILY: JFM_KERNEL_BWD_DKDV (both outputs), JFM_KERNEL_BWD_DK or JFM_KERNEL_BWD_DV.
-template <typename T, int D, int FAMILY>
-[[max_total_threads_per_threadgroup(JFM_BWD_THREADS(FAMILY, T, D))]] kernel void
+// FAMILY: JFM_KERNEL_BWD_DKDV (both outputs), JFM_KERNEL_BWD_DK or JFM_KERNEL_BWD_DV. Q, K and
+// dK have DK columns, V, dO and dV DV.
+template <typename T, int DK, int DV, int FAMILY>
+[[max_total_threads_per_threadgroup(JFM_BWD_THREADS(FAMILY, T, DK, DV))]] kernel void
 flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
-  typedef JfmBwdTraits<T, D, FAMILY> Traits;
+  typedef JfmBwdTraits<T, DK, DV, FAMILY> Traits;
   constexpr bool WANT_DK = FAMILY != JFM_KERNEL_BWD_DV;
   constexpr bool WANT_DV = FAMILY != JFM_KERNEL_BWD_DK;
   constexpr int THREADS = Traits::THREADS;
@@ -350,17 +361,18 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   // One streamed buffer: the operand needed first (dO for dK, Q for dV), then the other.
   constexpr bool ONE_QDO_BUFFER = Traits::ONE_STREAM_BUFFER;
   static_assert(!ONE_QDO_BUFFER || FAMILY != JFM_KERNEL_BWD_DKDV, "one buffer serves one output");
-  constexpr int LD = Traits::LD;
-  constexpr int DF = Traits::DF;
+  constexpr int LDK = Traits::LDK;
+  constexpr int LDV = Traits::LDV;
+  constexpr int DKF = Traits::DKF;
+  constexpr int DVF = Traits::DVF;
   constexpr int QF = Traits::SF;
-  static_assert(D % 8 == 0 && BKV == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
+  static_assert(BKV == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
   // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned; the dV
   // kernel needs no V tile.
-  constexpr int ROW_WORDS = Traits::ROW_WORDS;
-  threadgroup uint4 k_words[BKV * ROW_WORDS];
-  threadgroup uint4 v_words[WANT_DK ? BKV * ROW_WORDS : 1];
-  threadgroup uint4 qdo_words[(ONE_QDO_BUFFER ? 1 : 2) * BQ * ROW_WORDS];
+  threadgroup uint4 k_words[BKV * Traits::ROW_WORDS_K];
+  threadgroup uint4 v_words[WANT_DK ? BKV * Traits::ROW_WORDS_V : 1];
+  threadgroup uint4 qdo_words[Traits::STREAM_WORDS];
   // (m, log(l) log2(e), D, unused) of the block's query rows, read as one vector.
   threadgroup float4 stats_tile[BQ];
   threadgroup T* k_tile = (threadgroup T*)k_words;
@@ -392,54 +404,58 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   const JfmRange32 queries =
       jfm_range32(jfm_queries_of_key(params, j, q_valid, kv_valid), q_valid);
 
-  const uint q_stride = params.num_heads * uint(D);
-  const uint kv_stride = params.num_kv_heads * uint(D);
-  const ulong kv_block = jfm_row_offset(b, j0, hk, params.kv_len, params.num_kv_heads, D);
+  // Rows of Q are q_stride elements apart, of dO o_stride; of K and dK k_stride, of V and dV
+  // v_stride.
+  const uint q_stride = params.num_heads * uint(DK);
+  const uint o_stride = params.num_heads * uint(DV);
+  const uint k_stride = params.num_kv_heads * uint(DK);
+  const uint v_stride = params.num_kv_heads * uint(DV);
+  const ulong k_block = jfm_row_offset(b, j0, hk, params.kv_len, params.num_kv_heads, DK);
+  const ulong v_block = jfm_row_offset(b, j0, hk, params.kv_len, params.num_kv_heads, DV);
   const bool features = jfm_has_score_features(params);
   const bool segments = params.has_segment_ids != 0;
   const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
   const long off = jfm_alignment_offset(params, q_valid, kv_valid);
   device const int* q_ids = q_segment_ids + ulong(b) * params.q_len;
   if (union_lo <= union_hi) {  // uniform; the first query block's barrier publishes the tiles
-    jfm_load_tile<T, BKV, D, THREADS, false>(k_tile, k + kv_block, kv_stride, 0, valid_keys,
-                                             thread_index);
+    jfm_load_tile<T, BKV, DK, THREADS, false>(k_tile, k + k_block, k_stride, 0, valid_keys,
+                                              thread_index);
     if (WANT_DK) {
-      jfm_load_tile<T, BKV, D, THREADS, false>(v_tile, v + kv_block, kv_stride, 0, valid_keys,
-                                               thread_index);
+      jfm_load_tile<T, BKV, DV, THREADS, false>(v_tile, v + v_block, v_stride, 0, valid_keys,
+                                                thread_index);
     }
   }
   JfmRange32 kv_ids = {0, -1};
   int kv_segment = 0;
   if (segments) {  // the key ids in the K tile's row padding, and their range
-    jfm_stage_segment_ids<T, BKV, D, THREADS>(k_tile, kv_segment_ids + ulong(b) * params.kv_len +
-                                                          j0,
-                                              uint(BKV), BKV, 0, valid_keys, thread_index);
+    jfm_stage_segment_ids<T, BKV, DK, THREADS>(
+        k_tile, kv_segment_ids + ulong(b) * params.kv_len + j0, uint(BKV), BKV, 0, valid_keys,
+        thread_index);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    kv_ids = jfm_segment_range<T, D>(k_tile, 0, valid_keys);
-    kv_segment = jfm_segment_of<T, D>(k_tile, band + int(at.row));
+    kv_ids = jfm_segment_range<T, DK>(k_tile, 0, valid_keys);
+    kv_segment = jfm_segment_of<T, DK>(k_tile, band + int(at.row));
   }
-  threadgroup const T* k_band = k_tile + band * LD;
-  threadgroup const T* v_band = v_tile + band * LD;
+  threadgroup const T* k_band = k_tile + band * LDK;
+  threadgroup const T* v_band = v_tile + band * LDV;
   threadgroup T* q_tile = qdo_tile;
-  threadgroup T* do_tile = qdo_tile + (ONE_QDO_BUFFER ? 0 : BQ * LD);
+  threadgroup T* do_tile = qdo_tile + (ONE_QDO_BUFFER ? 0 : BQ * LDK);
 
-  JfmFrag dk_acc[WANT_DK ? DF : 1];  // the band's dK / scale
-  JfmFrag dv_acc[WANT_DV ? DF : 1];
+  JfmFrag dk_acc[WANT_DK ? DKF : 1];  // the band's dK / scale
+  JfmFrag dv_acc[WANT_DV ? DVF : 1];
   JFM_PRAGMA_UNROLL
-  for (int d = 0; d < DF; ++d) {
-    if (WANT_DK) {
-      dk_acc[d] = jfm_frag_zero();
-    }
-    if (WANT_DV) {
-      dv_acc[d] = jfm_frag_zero();
-    }
+  for (int d = 0; d < (WANT_DK ? DKF : 0); ++d) {
+    dk_acc[d] = jfm_frag_zero();
+  }
+  JFM_PRAGMA_UNROLL
+  for (int d = 0; d < (WANT_DV ? DVF : 0); ++d) {
+    dv_acc[d] = jfm_frag_zero();
   }
 
   const uint group_size = params.num_heads / params.num_kv_heads;
   for (uint g = 0; g < group_size; ++g) {
     const uint h = hk * group_size + g;
-    device const T* q_head = q + jfm_row_offset(b, 0, h, params.q_len, params.num_heads, D);
-    device const T* do_head = d_o + jfm_row_offset(b, 0, h, params.q_len, params.num_heads, D);
+    device const T* q_head = q + jfm_row_offset(b, 0, h, params.q_len, params.num_heads, DK);
+    device const T* do_head = d_o + jfm_row_offset(b, 0, h, params.q_len, params.num_heads, DV);
     const ulong stat_head = jfm_stat_offset(b, h, 0, params.num_heads, params.q_len);
     const float slope = jfm_alibi_slope(params, in, b, h);
     for (int i0 = union_lo / BQ * BQ; i0 <= union_hi; i0 += BQ) {
@@ -450,14 +466,15 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
       }
       const int load_begin = max(union_lo - i0, 0);
       const int load_end = min(union_hi - i0 + 1, BQ);
-      const ulong block_offset = ulong(i0) * q_stride;
+      const ulong q_offset = ulong(i0) * q_stride;
+      const ulong do_offset = ulong(i0) * o_stride;
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
       if (segments) {  // the query ids in the Q tile's row padding, then their range
-        jfm_stage_segment_ids<T, BQ, D, THREADS>(q_tile, q_ids + i0, uint(BQ), BQ, load_begin,
-                                                 load_end, thread_index);
+        jfm_stage_segment_ids<T, BQ, DK, THREADS>(q_tile, q_ids + i0, uint(BQ), BQ, load_begin,
+                                                  load_end, thread_index);
         threadgroup_barrier(mem_flags::mem_threadgroup);
         kind = jfm_classify_feature_tile(params, kind, kv_ids,
-                                         jfm_segment_range<T, D>(q_tile, load_begin, load_end));
+                                         jfm_segment_range<T, DK>(q_tile, load_begin, load_end));
         if (kind == JFM_TILE_SKIP) {
           continue;  // uniform
         }
@@ -466,12 +483,12 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
       }
       const JfmFeatureRow block_row = jfm_feature_row(params, b, h, i0, off, slope);
       if (!ONE_QDO_BUFFER || WANT_DK) {
-        jfm_load_tile<T, BQ, D, THREADS, false>(do_tile, do_head + block_offset, q_stride,
-                                                load_begin, load_end, thread_index);
+        jfm_load_tile<T, BQ, DV, THREADS, false>(do_tile, do_head + do_offset, o_stride,
+                                                 load_begin, load_end, thread_index);
       }
       if (!ONE_QDO_BUFFER || !WANT_DK) {
-        jfm_load_tile<T, BQ, D, THREADS, false>(q_tile, q_head + block_offset, q_stride,
-                                                load_begin, load_end, thread_index);
+        jfm_load_tile<T, BQ, DK, THREADS, false>(q_tile, q_head + q_offset, q_stride, load_begin,
+                                                 load_end, thread_index);
       }
       if (int(thread_index) < BQ) {
         const bool loaded = int(thread_index) >= load_begin && int(thread_index) < load_end;
@@ -484,16 +501,16 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
 
       JfmFrag dp[WANT_DK ? QF : 1];
       if (WANT_DK) {
-        jfm_mma_abt<T, D, LD, QF>(dp, v_band, do_tile, at);  // dP^T = V dO^T
+        jfm_mma_abt<T, DV, LDV, QF>(dp, v_band, do_tile, at);  // dP^T = V dO^T
         if (ONE_QDO_BUFFER) {  // Q replaces dO in the one buffer
           threadgroup_barrier(mem_flags::mem_threadgroup);
-          jfm_load_tile<T, BQ, D, THREADS, false>(q_tile, q_head + block_offset, q_stride,
-                                                  load_begin, load_end, thread_index);
+          jfm_load_tile<T, BQ, DK, THREADS, false>(q_tile, q_head + q_offset, q_stride,
+                                                   load_begin, load_end, thread_index);
           threadgroup_barrier(mem_flags::mem_threadgroup);
         }
       }
       JfmFrag st[QF];
-      jfm_mma_abt<T, D, LD, QF>(st, k_band, q_tile, at);  // S^T = K Q^T
+      jfm_mma_abt<T, DK, LDK, QF>(st, k_band, q_tile, at);  // S^T = K Q^T
 
       // P^T into st, dS^T = P^T (dP^T - D) (1 - tanh^2) into dp; edge blocks select 0 where
       // not visible.
@@ -507,7 +524,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
           float score;
           const bool visible = jfm_element<T>(
               params, features, in, jfm_feature_below(params, block_row, c, j),
-              segments ? jfm_segment_of<T, D>(q_tile, c) : 0, kv_segment,
+              segments ? jfm_segment_of<T, DK>(q_tile, c) : 0, kv_segment,
               kind == JFM_TILE_FULL || jfm_visible(queries, i0 + c), qk, score);
           const float p = jfm_probability(score, stats.x, stats.y);
           st[n].thread_elements()[e] = visible ? p : 0.0f;
@@ -524,33 +541,33 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
       // enters as 0, and every key that sees it already has NaN dS^T from its score.
       if (WANT_DK) {
         if (kind == JFM_TILE_EDGE) {
-          jfm_mma_ab<T, D, LD, QF, true>(dk_acc, dp, q_tile, at);
+          jfm_mma_ab<T, DK, LDK, QF, true>(dk_acc, dp, q_tile, at);
         } else {
-          jfm_mma_ab<T, D, LD, QF, false>(dk_acc, dp, q_tile, at);
+          jfm_mma_ab<T, DK, LDK, QF, false>(dk_acc, dp, q_tile, at);
         }
       }
       if (WANT_DV) {
         if (ONE_QDO_BUFFER) {  // dO replaces Q in the one buffer
           threadgroup_barrier(mem_flags::mem_threadgroup);
-          jfm_load_tile<T, BQ, D, THREADS, false>(do_tile, do_head + block_offset, q_stride,
-                                                  load_begin, load_end, thread_index);
+          jfm_load_tile<T, BQ, DV, THREADS, false>(do_tile, do_head + do_offset, o_stride,
+                                                   load_begin, load_end, thread_index);
           threadgroup_barrier(mem_flags::mem_threadgroup);
         }
-        jfm_mma_ab<T, D, LD, QF, false>(dv_acc, st, do_tile, at);  // dV += P^T dO
+        jfm_mma_ab<T, DV, LDV, QF, false>(dv_acc, st, do_tile, at);  // dV += P^T dO
       }
     }
   }
 
   if (j < int(params.kv_len)) {
-    const ulong row = kv_block + uint(band + int(at.row)) * kv_stride;
+    const ulong k_row = k_block + uint(band + int(at.row)) * k_stride;
+    const ulong v_row = v_block + uint(band + int(at.row)) * v_stride;
     JFM_PRAGMA_UNROLL
-    for (int d = 0; d < DF; ++d) {
-      if (WANT_DK) {
-        jfm_frag_store_row(dk + row + d * 8, dk_acc[d], params.scale, at);
-      }
-      if (WANT_DV) {
-        jfm_frag_store_row(dv + row + d * 8, dv_acc[d], 1.0f, at);
-      }
+    for (int d = 0; d < (WANT_DK ? DKF : 0); ++d) {
+      jfm_frag_store_row(dk + k_row + d * 8, dk_acc[d], params.scale, at);
+    }
+    JFM_PRAGMA_UNROLL
+    for (int d = 0; d < (WANT_DV ? DVF : 0); ++d) {
+      jfm_frag_store_row(dv + v_row + d * 8, dv_acc[d], 1.0f, at);
     }
   }
 }
@@ -558,25 +575,29 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
 // ---- the instantiation grid: every family of kernel_families.h under its host names, dQ and
 // one dK/dV kernel, or dQ, dK and dV where jfm_bwd_split_dkdv (the list says which) ----
 
-#define JFM_INSTANTIATE_DQ(T, SUFFIX, D)                                                \
-  template [[host_name(JFM_HOST_NAME(flash_attention_bwd_dq, SUFFIX, D))]] kernel void \
-      flash_attention_bwd_dq<T, D> JFM_BWD_DQ_SIGNATURE(T);
-#define JFM_INSTANTIATE_DKDV(NAME, T, D, FAMILY)                                        \
-  template [[host_name(NAME)]] kernel void flash_attention_bwd_dkdv<T, D, FAMILY>      \
+#define JFM_INSTANTIATE_DQ(T, SUFFIX, DK, DV, NAME)                                       \
+  template [[host_name(JFM_HOST_NAME(flash_attention_bwd_dq, SUFFIX, NAME))]] kernel void \
+      flash_attention_bwd_dq<T, DK, DV> JFM_BWD_DQ_SIGNATURE(T);
+#define JFM_INSTANTIATE_DKDV(HOST_NAME, T, DK, DV, FAMILY)                                 \
+  template [[host_name(HOST_NAME)]] kernel void flash_attention_bwd_dkdv<T, DK, DV, FAMILY> \
       JFM_BWD_DKDV_SIGNATURE(T);
 
-#define JFM_INSTANTIATE_BWD(T, SUFFIX, D)                                               \
-  JFM_IF_FAMILY(T, D, static_assert(!jfm_bwd_split_dkdv(D), "a joint dK/dV head dim"); \
-                JFM_INSTANTIATE_DQ(T, SUFFIX, D)                                        \
-                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dkdv, SUFFIX, D), \
-                                     T, D, JFM_KERNEL_BWD_DKDV))
-#define JFM_INSTANTIATE_BWD_SPLIT(T, SUFFIX, D)                                         \
-  JFM_IF_FAMILY(T, D, static_assert(jfm_bwd_split_dkdv(D), "a split dK/dV head dim");  \
-                JFM_INSTANTIATE_DQ(T, SUFFIX, D)                                        \
-                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dk, SUFFIX, D),   \
-                                     T, D, JFM_KERNEL_BWD_DK)                           \
-                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dv, SUFFIX, D),   \
-                                     T, D, JFM_KERNEL_BWD_DV))
+#define JFM_INSTANTIATE_BWD(T, SUFFIX, DK, DV, NAME)                                       \
+  JFM_IF_FAMILY(T, NAME,                                                                 \
+                static_assert(!jfm_bwd_split_dkdv(jfm_tile_head_dim(DK, DV)),            \
+                              "a joint dK/dV family");                                   \
+                JFM_INSTANTIATE_DQ(T, SUFFIX, DK, DV, NAME)                              \
+                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dkdv, SUFFIX, NAME), \
+                                     T, DK, DV, JFM_KERNEL_BWD_DKDV))
+#define JFM_INSTANTIATE_BWD_SPLIT(T, SUFFIX, DK, DV, NAME)                                 \
+  JFM_IF_FAMILY(T, NAME,                                                                 \
+                static_assert(jfm_bwd_split_dkdv(jfm_tile_head_dim(DK, DV)),             \
+                              "a split dK/dV family");                                   \
+                JFM_INSTANTIATE_DQ(T, SUFFIX, DK, DV, NAME)                              \
+                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dk, SUFFIX, NAME),   \
+                                     T, DK, DV, JFM_KERNEL_BWD_DK)                       \
+                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dv, SUFFIX, NAME),   \
+                                     T, DK, DV, JFM_KERNEL_BWD_DV))
 
 #define JFM_INSTANTIATE_BWD_OF_TYPE(T, SUFFIX, UNUSED)     \
   JFM_JOINT_BWD_HEAD_DIMS(T, SUFFIX, JFM_INSTANTIATE_BWD) \

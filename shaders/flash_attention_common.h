@@ -30,11 +30,12 @@ using namespace metal;
 
 // ---- instantiation families (lazy compiles) ----
 
-// JFM_IF_FAMILY(T, D, code) is `code` when the (element type, head dim) family (T, D) is being
-// compiled, else nothing; every kernel instantiation goes through it. The emulator and the
-// strict pass compile every family (JFM_ONE_FAMILY undefined). The Metal device compiles one
-// family at a time, on first use, by defining JFM_ONE_FAMILY and JFM_FAMILY_<T>_<D> as
-// JFM_SELECTED (e.g. JFM_FAMILY_half_64=JFM_SELECTED); an undefined JFM_FAMILY_<T>_<D> selects 0.
+// JFM_IF_FAMILY(T, NAME, code) is `code` when the family (T, NAME) of kernel_families.h (element
+// type, head-dim tag such as 64 or 128_v64) is being compiled, else nothing; every kernel
+// instantiation goes through it. The emulator and the strict pass compile every family
+// (JFM_ONE_FAMILY undefined). The Metal device compiles one family at a time, on first use, by
+// defining JFM_ONE_FAMILY and JFM_FAMILY_<T>_<NAME> as JFM_SELECTED (e.g.
+// JFM_FAMILY_half_64=JFM_SELECTED); an undefined JFM_FAMILY_<T>_<NAME> selects 0.
 #ifdef JFM_ONE_FAMILY
 #define JFM_SELECTED ~, 1
 #define JFM_SECOND_(a, b, ...) b
@@ -43,10 +44,10 @@ using namespace metal;
 #define JFM_CAT(a, b) JFM_CAT_(a, b)
 #define JFM_KEEP_1(...) __VA_ARGS__
 #define JFM_KEEP_0(...)
-#define JFM_IF_FAMILY(T, D, ...) \
-  JFM_CAT(JFM_KEEP_, JFM_SECOND(JFM_FAMILY_##T##_##D, 0, ~))(__VA_ARGS__)
+#define JFM_IF_FAMILY(T, NAME, ...) \
+  JFM_CAT(JFM_KEEP_, JFM_SECOND(JFM_FAMILY_##T##_##NAME, 0, ~))(__VA_ARGS__)
 #else
-#define JFM_IF_FAMILY(T, D, ...) __VA_ARGS__
+#define JFM_IF_FAMILY(T, NAME, ...) __VA_ARGS__
 #endif
 
 // ---- element types: float, half, and bf16 held as ushort bits (bfloat needs MSL 3.1) ----

@@ -9,12 +9,12 @@
 // shapes: tile_shapes.h (decode rows); memory and the split rule: shaders/README.md.
 #include "flash_attention_key_blocks.h"
 
-// Workspace row (b, hk, split, r): D partial-O floats, then m and l.
+// Workspace row (b, hk, split, r): DV partial-O floats (the value head dim), then m and l.
+template <int DV>
 inline ulong jfm_decode_workspace_row(uint b, uint hk, uint split, uint r, constant
                                       AttentionParams& p) {
   const uint rows = p.num_heads / p.num_kv_heads * p.q_len;
-  return (((ulong(b) * p.num_kv_heads + hk) * p.splits + split) * rows + r) *
-         ulong(p.head_dim + 2);
+  return (((ulong(b) * p.num_kv_heads + hk) * p.splits + split) * rows + r) * ulong(DV + 2);
 }
 
 // The keys [lo, hi] of split `split` of `splits`: the rows' visible union [union_lo, union_hi]
@@ -49,33 +49,33 @@ inline JfmRange32 jfm_decode_chunk(int union_lo, int union_hi, bool any_row, uin
    uint simd_index [[simdgroup_index_in_threadgroup]],                    \
    uint lane [[thread_index_in_simdgroup]])
 
-#define JFM_DECODE_THREADS(T, D) jfm_tile_threads(JFM_KERNEL_DECODE_PARTIAL, int(sizeof(T)), D)
+#define JFM_DECODE_THREADS(T, DK, DV) \
+  jfm_tile_threads(JFM_KERNEL_DECODE_PARTIAL, int(sizeof(T)), jfm_tile_head_dim(DK, DV))
 
 // One threadgroup per (split, kv head, batch), over its chunk of keys (jfm_decode_chunk, blocks
 // of BK keys); a split past the union writes empty rows (m the sentinel, l = 0, O = 0), so every
 // workspace row pass 2 reads is written. Score features run
 // the loop's FEATURES variant (as the forward), the rows' segment ids staged by position.
-template <typename T, int D>
-[[max_total_threads_per_threadgroup(JFM_DECODE_THREADS(T, D))]] kernel void
+template <typename T, int DK, int DV>
+[[max_total_threads_per_threadgroup(JFM_DECODE_THREADS(T, DK, DV))]] kernel void
 flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
-  typedef JfmFwdTraits<T, D> Traits;  // pass 1 runs the forward's tiles
+  typedef JfmFwdTraits<T, DK, DV> Traits;  // pass 1 runs the forward's tiles
   constexpr int BQ = Traits::BQ;
   constexpr int BK = Traits::BK;
   constexpr int THREADS = Traits::THREADS;
   constexpr bool Q_IN_REGISTERS = Traits::Q_IN_REGISTERS;
-  constexpr int LD = Traits::LD;
-  constexpr int DF = Traits::DF;
-  static_assert(D % 8 == 0 && BQ == jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, D) &&
-                    THREADS == JFM_DECODE_THREADS(T, D) &&
-                    BK == jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, D),
+  constexpr int LDK = Traits::LDK;
+  constexpr int DVF = Traits::DVF;
+  static_assert(BQ == jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, Traits::D) &&
+                    THREADS == JFM_DECODE_THREADS(T, DK, DV) &&
+                    BK == jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, Traits::D),
                 "tile shape");
 
   // The forward's tiles (Q staged through the K/V tiles where it lives in registers).
-  constexpr int ROW_WORDS = Traits::ROW_WORDS;
-  threadgroup uint4 tile_words[Traits::TILE_ROWS * ROW_WORDS];
+  threadgroup uint4 tile_words[Traits::TILE_WORDS];
   threadgroup int nonfinite_v_block[1];
   threadgroup T* q_tile = (threadgroup T*)tile_words;
-  threadgroup T* kv_tile = q_tile + (Q_IN_REGISTERS ? 0 : BQ * LD);
+  threadgroup T* kv_tile = q_tile + (Q_IN_REGISTERS ? 0 : BQ * LDK);
 
   const JfmTile tile = jfm_tile_of(params, group);
   const uint split = tile.block;
@@ -108,59 +108,69 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
                        hk * G + uint(min(r, rows - 1)) / params.q_len, i,
                        jfm_alignment_offset(params, q_valid, kv_valid));
 
-  const uint q_stride = params.num_heads * uint(D);
-  const uint kv_stride = params.num_kv_heads * uint(D);
-  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
-  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
+  const uint q_stride = params.num_heads * uint(DK);
+  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DK);
+  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DV);
 
   float m = JFM_MAX_SENTINEL;
   float l = 0.0f;
-  JfmFrag acc[DF];
+  JfmFrag acc[DVF];
   JFM_PRAGMA_UNROLL
-  for (int d = 0; d < DF; ++d) {
+  for (int d = 0; d < DVF; ++d) {
     acc[d] = jfm_frag_zero();
   }
 
   if (chunk_lo <= chunk_hi) {  // uniform
     // Runs of q_len rows, one per query head of the group (rows of one head are q_stride apart,
-    // consecutive heads D apart); positions past q_valid are zero-filled.
-    jfm_load_tile_runs<T, BQ, D, THREADS, false>(
-        q_tile, q + jfm_row_offset(b, 0, hk * G, params.q_len, params.num_heads, D), q_stride,
-        params.q_len, uint(D), rows, 0, int(q_valid), thread_index);
+    // consecutive heads DK apart); positions past q_valid are zero-filled.
+    jfm_load_tile_runs<T, BQ, DK, THREADS, false>(
+        q_tile, q + jfm_row_offset(b, 0, hk * G, params.q_len, params.num_heads, DK), q_stride,
+        params.q_len, uint(DK), rows, 0, int(q_valid), thread_index);
     if (features && params.has_segment_ids != 0) {  // row r holds the id of position r % q_len
-      jfm_stage_segment_ids<T, BQ, D, THREADS>(q_tile,
-                                               f.in.q_segment_ids + ulong(b) * params.q_len,
-                                               params.q_len, rows, 0, int(q_valid), thread_index);
+      jfm_stage_segment_ids<T, BQ, DK, THREADS>(q_tile,
+                                                f.in.q_segment_ids + ulong(b) * params.q_len,
+                                                params.q_len, rows, 0, int(q_valid), thread_index);
     }
     if (thread_index == 0) {
       nonfinite_v_block[0] = -1;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const bool rows_full = q_valid == long(params.q_len);
-    const JfmKeyBlocks<T> blocks = {q_tile + band * LD, kv_tile,   nonfinite_v_block,
-                                    k_head,             v_head,    kv_stride,
-                                    first_keys,         last_keys, rows_full,
-                                    chunk_lo,           chunk_hi,  keys,
-                                    at,                 thread_index};
+    const JfmKeyBlocks<T> blocks = {q_tile + band * LDK,
+                                    kv_tile,
+                                    nonfinite_v_block,
+                                    k_head,
+                                    v_head,
+                                    params.num_kv_heads * uint(DK),
+                                    params.num_kv_heads * uint(DV),
+                                    first_keys,
+                                    last_keys,
+                                    rows_full,
+                                    chunk_lo,
+                                    chunk_hi,
+                                    keys,
+                                    at,
+                                    thread_index};
     if (features) {  // rows [0, q_valid) hold every valid position once
-      jfm_lane_segments<T, D>(params, q_tile, r, int(q_valid), f);
-      jfm_attend_key_blocks<T, D, true>(blocks, params, f, m, l, acc);
+      jfm_lane_segments<T, DK>(params, q_tile, r, int(q_valid), f);
+      jfm_attend_key_blocks<T, DK, DV, true>(blocks, params, f, m, l, acc);
     } else {
-      jfm_attend_key_blocks<T, D, false>(blocks, params, f, m, l, acc);
+      jfm_attend_key_blocks<T, DK, DV, false>(blocks, params, f, m, l, acc);
     }
   }
 
   const float row_l = jfm_row_sum(l);
   if (r < rows) {
-    device float* w_row = workspace + jfm_decode_workspace_row(b, hk, split, uint(r), params);
+    device float* w_row =
+        workspace + jfm_decode_workspace_row<DV>(b, hk, split, uint(r), params);
     JFM_PRAGMA_UNROLL
-    for (int d = 0; d < DF; ++d) {
+    for (int d = 0; d < DVF; ++d) {
       // A row with no key in the chunk accumulated only P = 0 times finite V: acc is 0.
       jfm_frag_store_row(w_row + d * 8, acc[d], row_l == 0.0f ? 0.0f : 1.0f / row_l, at);
     }
     if (at.col == 0) {
-      w_row[D] = m;
-      w_row[D + 1] = row_l;
+      w_row[DV] = m;
+      w_row[DV + 1] = row_l;
     }
   }
 }
@@ -177,23 +187,26 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
    uint3 group [[threadgroup_position_in_grid]],                          \
    uint lane [[thread_index_in_simdgroup]])
 
-// Pass 1 without MMA, for G * q_len <= R = jfm_decode_vector_rows(D) rows (a grouped-query
+// Pass 1 without MMA, for G * q_len <= R = jfm_decode_vector_rows(max(DK, DV)) rows (a grouped-query
 // decode of one token has one row, which a 32-row MMA tile would pad 32-fold). One simdgroup
 // per (split, kv head, batch) walks its chunk (jfm_decode_chunk, blocks of 32 keys) reading K and
 // V straight from device memory, each key once: lane t holds elements t, t + 32, ... of every
-// row's q and O. Per block of 32 keys: each key's q.k for every row by fma and simd_sum, kept by
+// row's q (DK elements) and O (DV). Per block of 32 keys: each key's q.k for every row by fma and simd_sum, kept by
 // the lane whose key it is; then, lane-parallel, the score and visibility of the lane's key
 // (the band, and the score features through jfm_element as every kernel forms them), one online
 // softmax update per row and block (simd_max, exp, simd_sum), O rescaled once per block, and
 // O += p V key by key (p broadcast by simd_shuffle). A visible non-finite V element makes its O
 // element NaN, as the other kernels poison it. Writes the same workspace rows as the MMA pass 1,
 // which pass 2 combines. No threadgroup memory.
-template <typename T, int D>
+template <typename T, int DK, int DV>
 [[max_total_threads_per_threadgroup(JFM_SIMD_WIDTH)]] kernel void
 flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
-  constexpr int R = jfm_decode_vector_rows(D);
-  constexpr int DL = (D + JFM_SIMD_WIDTH - 1) / JFM_SIMD_WIDTH;  // elements per lane
-  constexpr bool FULL_LANES = D % JFM_SIMD_WIDTH == 0;
+  constexpr int R = jfm_decode_vector_rows(jfm_tile_head_dim(DK, DV));
+  // Elements per lane of a q or K row, and of a V or O row.
+  constexpr int DLK = (DK + JFM_SIMD_WIDTH - 1) / JFM_SIMD_WIDTH;
+  constexpr int DLV = (DV + JFM_SIMD_WIDTH - 1) / JFM_SIMD_WIDTH;
+  constexpr bool FULL_LANES_K = DK % JFM_SIMD_WIDTH == 0;
+  constexpr bool FULL_LANES_V = DV % JFM_SIMD_WIDTH == 0;
   const JfmTile tile = jfm_tile_of(params, group);
   const uint split = tile.block;
   const uint hk = tile.head;
@@ -212,14 +225,15 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
   const bool features = jfm_has_score_features(params);  // uniform
   const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
   const long off = jfm_alignment_offset(params, q_valid, kv_valid);
-  const uint kv_stride = params.num_kv_heads * uint(D);
-  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
-  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
+  const uint k_stride = params.num_kv_heads * uint(DK);
+  const uint v_stride = params.num_kv_heads * uint(DV);
+  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DK);
+  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DV);
 
   // Row r is query position r % q_len of head hk * G + r / q_len; rows past `rows` and
   // positions past q_valid see no key (empty intervals) and are never computed.
-  float qr[R][DL];
-  float o[R][DL];
+  float qr[R][DLK];
+  float o[R][DLV];
   float m[R];
   float l[R];
   float slope[R];  // ALiBi (0 without)
@@ -233,12 +247,15 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
     l[r] = 0.0f;
     slope[r] = jfm_alibi_slope(params, in, b, h);
     device const T* q_row =
-        q + jfm_row_offset(b, min(i, int(params.q_len) - 1), h, params.q_len, params.num_heads, D);
+        q + jfm_row_offset(b, min(i, int(params.q_len) - 1), h, params.q_len, params.num_heads, DK);
     JFM_PRAGMA_UNROLL
-    for (int n = 0; n < DL; ++n) {
+    for (int n = 0; n < DLK; ++n) {
       const int d = int(lane) + n * JFM_SIMD_WIDTH;
-      qr[r][n] = keys[r].lo <= keys[r].hi && (FULL_LANES || d < D) ? jfm_to_float(q_row[d])
-                                                                   : 0.0f;
+      qr[r][n] = keys[r].lo <= keys[r].hi && (FULL_LANES_K || d < DK) ? jfm_to_float(q_row[d])
+                                                                      : 0.0f;
+    }
+    JFM_PRAGMA_UNROLL
+    for (int n = 0; n < DLV; ++n) {
       o[r][n] = 0.0f;
     }
   }
@@ -253,19 +270,19 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
       sc[r] = 0.0f;
     }
     for (int c = 0; c <= j_end - j0; ++c) {
-      device const T* k_row = k_head + ulong(j0 + c) * kv_stride;
-      float kd[DL];
+      device const T* k_row = k_head + ulong(j0 + c) * k_stride;
+      float kd[DLK];
       JFM_PRAGMA_UNROLL
-      for (int n = 0; n < DL; ++n) {
+      for (int n = 0; n < DLK; ++n) {
         const int d = int(lane) + n * JFM_SIMD_WIDTH;
-        kd[n] = FULL_LANES || d < D ? jfm_to_float(k_row[d]) : 0.0f;
+        kd[n] = FULL_LANES_K || d < DK ? jfm_to_float(k_row[d]) : 0.0f;
       }
       JFM_PRAGMA_UNROLL
       for (int r = 0; r < R; ++r) {
         if (keys[r].lo <= j_end && keys[r].hi >= j0) {  // uniform: the row sees the block
           float part = 0.0f;
           JFM_PRAGMA_UNROLL
-          for (int n = 0; n < DL; ++n) {
+          for (int n = 0; n < DLK; ++n) {
             part = fma(qr[r][n], kd[n], part);
           }
           const float qk = simd_sum(part);
@@ -300,7 +317,7 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
         l[r] = l[r] * alpha + simd_sum(p);
         m[r] = m_new;
         JFM_PRAGMA_UNROLL
-        for (int n = 0; n < DL; ++n) {
+        for (int n = 0; n < DLV; ++n) {
           o[r][n] *= alpha;
         }
         sc[r] = seen ? p : -1.0f;
@@ -319,18 +336,18 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
       if (!any_seen) {
         continue;  // uniform
       }
-      device const T* v_row = v_head + ulong(j0 + c) * kv_stride;
-      float vd[DL];
+      device const T* v_row = v_head + ulong(j0 + c) * v_stride;
+      float vd[DLV];
       JFM_PRAGMA_UNROLL
-      for (int n = 0; n < DL; ++n) {
+      for (int n = 0; n < DLV; ++n) {
         const int d = int(lane) + n * JFM_SIMD_WIDTH;
-        vd[n] = FULL_LANES || d < D ? jfm_to_float(v_row[d]) : 0.0f;
+        vd[n] = FULL_LANES_V || d < DV ? jfm_to_float(v_row[d]) : 0.0f;
       }
       JFM_PRAGMA_UNROLL
       for (int r = 0; r < R; ++r) {
         if (!(w[r] < 0.0f)) {  // uniform
           JFM_PRAGMA_UNROLL
-          for (int n = 0; n < DL; ++n) {
+          for (int n = 0; n < DLV; ++n) {
             o[r][n] = jfm_is_finite(vd[n]) ? fma(w[r], vd[n], o[r][n])
                                            : as_type<float>(0x7fc00000u);
           }
@@ -342,19 +359,20 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
   JFM_PRAGMA_UNROLL
   for (int r = 0; r < R; ++r) {
     if (r < rows) {
-      device float* w_row = workspace + jfm_decode_workspace_row(b, hk, split, uint(r), params);
+      device float* w_row =
+          workspace + jfm_decode_workspace_row<DV>(b, hk, split, uint(r), params);
       // A row with no key in the chunk has l = 0 and O = 0.
       const float inv_l = l[r] == 0.0f ? 0.0f : 1.0f / l[r];
       JFM_PRAGMA_UNROLL
-      for (int n = 0; n < DL; ++n) {
+      for (int n = 0; n < DLV; ++n) {
         const int d = int(lane) + n * JFM_SIMD_WIDTH;
-        if (FULL_LANES || d < D) {
+        if (FULL_LANES_V || d < DV) {
           w_row[d] = o[r][n] * inv_l;
         }
       }
       if (lane == 0) {
-        w_row[D] = m[r];
-        w_row[D + 1] = l[r];
+        w_row[DV] = m[r];
+        w_row[DV + 1] = l[r];
       }
     }
   }
@@ -377,10 +395,11 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
 // does (jfm_fold_sink), O = sum w_s O_s / W, and LSE = M + log(W) with the residuals M and
 // log(W) (jfm_store_statistics, as the forward: a row with W = 0 saw no key and has no sink,
 // O = 0 and LSE = -inf).
-template <typename T, int D>
+// DV: the value head dim (O and the workspace rows); DK only names the family.
+template <typename T, int DK, int DV>
 [[max_total_threads_per_threadgroup(JFM_SIMD_WIDTH)]] kernel void
 flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
-  constexpr int DL = (D + JFM_SIMD_WIDTH - 1) / JFM_SIMD_WIDTH;  // head dims per lane
+  constexpr int DL = (DV + JFM_SIMD_WIDTH - 1) / JFM_SIMD_WIDTH;  // head dims per lane
   const JfmTile tile = jfm_tile_of(params, group);
   const uint r = tile.block;
   const uint hk = tile.head;
@@ -392,7 +411,7 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
 
   float big_m = JFM_MAX_SENTINEL;
   for (uint s = lane; s < splits; s += JFM_SIMD_WIDTH) {
-    big_m = max(big_m, workspace[jfm_decode_workspace_row(b, hk, s, r, params) + D]);
+    big_m = max(big_m, workspace[jfm_decode_workspace_row<DV>(b, hk, s, r, params) + DV]);
   }
   big_m = simd_max(big_m);
 
@@ -409,17 +428,17 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
       lane_w = 0.0f;
       if (mine < splits) {
         device const float* stats =
-            workspace + jfm_decode_workspace_row(b, hk, mine, r, params) + D;
+            workspace + jfm_decode_workspace_row<DV>(b, hk, mine, r, params) + DV;
         lane_w = stats[1] * jfm_exp(stats[0], big_m);
       }
     }
     const float w = simd_shuffle(lane_w, ushort(s % JFM_SIMD_WIDTH));
     weights += w;
-    device const float* w_row = workspace + jfm_decode_workspace_row(b, hk, s, r, params);
+    device const float* w_row = workspace + jfm_decode_workspace_row<DV>(b, hk, s, r, params);
     JFM_PRAGMA_UNROLL
     for (int n = 0; n < DL; ++n) {
       const uint d = lane + uint(n) * JFM_SIMD_WIDTH;
-      if (d < uint(D)) {
+      if (d < uint(DV)) {
         sum[n] += w * w_row[d];
       }
     }
@@ -432,11 +451,11 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
     }
   }
   const bool empty = weights == 0.0f;
-  device T* o_row = o + jfm_row_offset(b, i, h, params.q_len, params.num_heads, D);
+  device T* o_row = o + jfm_row_offset(b, i, h, params.q_len, params.num_heads, DV);
   JFM_PRAGMA_UNROLL
   for (int n = 0; n < DL; ++n) {
     const uint d = lane + uint(n) * JFM_SIMD_WIDTH;
-    if (d < uint(D)) {
+    if (d < uint(DV)) {
       jfm_store(o_row + d, empty ? 0.0f : sum[n] / weights);
     }
   }
@@ -448,13 +467,13 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
 }
 
 // The instantiation grid: every family of kernel_families.h, under its host names.
-#define JFM_INSTANTIATE_DECODE(T, SUFFIX, D)                                                 \
-  JFM_IF_FAMILY(T, D,                                                                        \
-      template [[host_name(JFM_HOST_NAME(flash_attention_decode_partial, SUFFIX, D))]]       \
-      kernel void flash_attention_decode_partial<T, D> JFM_DECODE_PARTIAL_SIGNATURE(T);      \
-      template [[host_name(JFM_HOST_NAME(flash_attention_decode_combine, SUFFIX, D))]]       \
-      kernel void flash_attention_decode_combine<T, D> JFM_DECODE_COMBINE_SIGNATURE(T);      \
-      template [[host_name(JFM_HOST_NAME(flash_attention_decode_vector, SUFFIX, D))]]        \
-      kernel void flash_attention_decode_vector<T, D> JFM_DECODE_VECTOR_SIGNATURE(T);)
+#define JFM_INSTANTIATE_DECODE(T, SUFFIX, DK, DV, NAME)                                      \
+  JFM_IF_FAMILY(T, NAME,                                                                     \
+      template [[host_name(JFM_HOST_NAME(flash_attention_decode_partial, SUFFIX, NAME))]]    \
+      kernel void flash_attention_decode_partial<T, DK, DV> JFM_DECODE_PARTIAL_SIGNATURE(T); \
+      template [[host_name(JFM_HOST_NAME(flash_attention_decode_combine, SUFFIX, NAME))]]    \
+      kernel void flash_attention_decode_combine<T, DK, DV> JFM_DECODE_COMBINE_SIGNATURE(T); \
+      template [[host_name(JFM_HOST_NAME(flash_attention_decode_vector, SUFFIX, NAME))]]     \
+      kernel void flash_attention_decode_vector<T, DK, DV> JFM_DECODE_VECTOR_SIGNATURE(T);)
 
 JFM_FAMILIES(JFM_INSTANTIATE_DECODE)

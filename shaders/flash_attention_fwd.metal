@@ -21,7 +21,8 @@
    uint simd_index [[simdgroup_index_in_threadgroup]],                    \
    uint lane [[thread_index_in_simdgroup]])
 
-#define JFM_FWD_THREADS(T, D) jfm_tile_threads(JFM_KERNEL_FWD, int(sizeof(T)), D)
+#define JFM_FWD_THREADS(T, DK, DV) \
+  jfm_tile_threads(JFM_KERNEL_FWD, int(sizeof(T)), jfm_tile_head_dim(DK, DV))
 
 // One threadgroup per block of BQ query rows of head h in batch b, 8 rows per simdgroup; lane
 // coordinates give each thread one query row. Per visible key block [j0, j0 + BK): stage K and V
@@ -29,26 +30,25 @@
 // O = alpha O + P V by MMA. With score features (flash_attention_features.h) the key-block loop
 // is its FEATURES variant and the rows' segment ids sit in the Q tile's row padding; sinks join
 // each row's statistic after the loop. Every early return is threadgroup-uniform.
-template <typename T, int D>
-[[max_total_threads_per_threadgroup(JFM_FWD_THREADS(T, D))]] kernel void flash_attention_fwd
+template <typename T, int DK, int DV>
+[[max_total_threads_per_threadgroup(JFM_FWD_THREADS(T, DK, DV))]] kernel void flash_attention_fwd
     JFM_FWD_SIGNATURE(T) {
-  typedef JfmFwdTraits<T, D> Traits;
+  typedef JfmFwdTraits<T, DK, DV> Traits;
   constexpr int BQ = Traits::BQ;
   constexpr int BK = Traits::BK;
   constexpr int THREADS = Traits::THREADS;
   constexpr bool Q_IN_REGISTERS = Traits::Q_IN_REGISTERS;
-  constexpr int LD = Traits::LD;
-  constexpr int DF = Traits::DF;
-  static_assert(D % 8 == 0 && BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
+  constexpr int LDK = Traits::LDK;
+  constexpr int DVF = Traits::DVF;
+  static_assert(BQ == 8 * (THREADS / JFM_SIMD_WIDTH), "tile shape");
 
   // Tiles are declared as 16-byte words so the loader's uint4 accesses are aligned. Where Q
   // lives in registers it is staged through the K/V tiles (the key-block loop reads it into
   // registers before its first barrier), else it has its own tile before them.
-  constexpr int ROW_WORDS = Traits::ROW_WORDS;
-  threadgroup uint4 tile_words[Traits::TILE_ROWS * ROW_WORDS];
+  threadgroup uint4 tile_words[Traits::TILE_WORDS];
   threadgroup int nonfinite_v_block[1];  // start of the latest key block whose V had Inf/NaN
   threadgroup T* q_tile = (threadgroup T*)tile_words;
-  threadgroup T* kv_tile = q_tile + (Q_IN_REGISTERS ? 0 : BQ * LD);
+  threadgroup T* kv_tile = q_tile + (Q_IN_REGISTERS ? 0 : BQ * LDK);
 
   const JfmTile tile = jfm_tile_of(params, group);
   const int i0 = int(tile.block) * BQ;
@@ -79,25 +79,24 @@ template <typename T, int D>
   JfmFeatureLane f = jfm_feature_lane(params, JFM_FEATURE_BUFFERS, b, h, i,
                                       jfm_alignment_offset(params, q_valid, kv_valid));
 
-  const uint q_stride = params.num_heads * uint(D);  // elements between consecutive rows
-  const uint kv_stride = params.num_kv_heads * uint(D);
-  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
-  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, D);
+  const uint q_stride = params.num_heads * uint(DK);  // elements between consecutive rows
+  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DK);
+  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DV);
 
   float m = JFM_MAX_SENTINEL;  // running max of the row's scores
   float l = 0.0f;              // this lane's share of the running sum of exp(S - m)
-  JfmFrag acc[DF];             // the row band's unnormalised O
+  JfmFrag acc[DVF];            // the row band's unnormalised O
   JFM_PRAGMA_UNROLL
-  for (int d = 0; d < DF; ++d) {
+  for (int d = 0; d < DVF; ++d) {
     acc[d] = jfm_frag_zero();
   }
 
   if (union_lo <= union_hi) {  // uniform: some row of the block sees some key
-    jfm_load_tile<T, BQ, D, THREADS, false>(
-        q_tile, q + jfm_row_offset(b, i0, h, params.q_len, params.num_heads, D), q_stride, 0,
+    jfm_load_tile<T, BQ, DK, THREADS, false>(
+        q_tile, q + jfm_row_offset(b, i0, h, params.q_len, params.num_heads, DK), q_stride, 0,
         valid_rows, thread_index);
     if (features && params.has_segment_ids != 0) {
-      jfm_stage_segment_ids<T, BQ, D, THREADS>(
+      jfm_stage_segment_ids<T, BQ, DK, THREADS>(
           q_tile, f.in.q_segment_ids + ulong(b) * params.q_len + i0, uint(BQ), BQ, 0, valid_rows,
           thread_index);
     }
@@ -105,16 +104,26 @@ template <typename T, int D>
       nonfinite_v_block[0] = -1;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    const JfmKeyBlocks<T> blocks = {q_tile + band * LD, kv_tile,        nonfinite_v_block,
-                                    k_head,             v_head,         kv_stride,
-                                    first_keys,         last_keys,      valid_rows == BQ,
-                                    union_lo,           union_hi,       keys,
-                                    at,                 thread_index};
+    const JfmKeyBlocks<T> blocks = {q_tile + band * LDK,
+                                    kv_tile,
+                                    nonfinite_v_block,
+                                    k_head,
+                                    v_head,
+                                    params.num_kv_heads * uint(DK),
+                                    params.num_kv_heads * uint(DV),
+                                    first_keys,
+                                    last_keys,
+                                    valid_rows == BQ,
+                                    union_lo,
+                                    union_hi,
+                                    keys,
+                                    at,
+                                    thread_index};
     if (features) {
-      jfm_lane_segments<T, D>(params, q_tile, band + int(at.row), valid_rows, f);
-      jfm_attend_key_blocks<T, D, true>(blocks, params, f, m, l, acc);
+      jfm_lane_segments<T, DK>(params, q_tile, band + int(at.row), valid_rows, f);
+      jfm_attend_key_blocks<T, DK, DV, true>(blocks, params, f, m, l, acc);
     } else {
-      jfm_attend_key_blocks<T, D, false>(blocks, params, f, m, l, acc);
+      jfm_attend_key_blocks<T, DK, DV, false>(blocks, params, f, m, l, acc);
     }
   }
 
@@ -123,15 +132,15 @@ template <typename T, int D>
   if (params.has_sinks != 0) {  // uniform
     const float alpha = jfm_fold_sink(f.in.sinks[h], m, row_l);
     JFM_PRAGMA_UNROLL
-    for (int d = 0; d < DF; ++d) {
+    for (int d = 0; d < DVF; ++d) {
       acc[d].thread_elements() *= alpha;
     }
   }
   if (i < int(params.q_len)) {
     const bool empty = row_l == 0.0f;  // no visible key (and no sink): l is >= 1 otherwise
-    device T* o_row = o + jfm_row_offset(b, i, h, params.q_len, params.num_heads, D);
+    device T* o_row = o + jfm_row_offset(b, i, h, params.q_len, params.num_heads, DV);
     JFM_PRAGMA_UNROLL
-    for (int d = 0; d < DF; ++d) {
+    for (int d = 0; d < DVF; ++d) {
       // An empty row accumulated only P = 0 times finite (sanitized) V: acc is exactly 0.
       jfm_frag_store_row(o_row + d * 8, acc[d], empty ? 0.0f : 1.0f / row_l, at);
     }
@@ -143,8 +152,9 @@ template <typename T, int D>
 }
 
 // The instantiation grid: every family of kernel_families.h, under its host name.
-#define JFM_INSTANTIATE_FWD(T, SUFFIX, D)                                                     \
-  JFM_IF_FAMILY(T, D, template [[host_name(JFM_HOST_NAME(flash_attention_fwd, SUFFIX, D))]]   \
-                kernel void flash_attention_fwd<T, D> JFM_FWD_SIGNATURE(T);)
+#define JFM_INSTANTIATE_FWD(T, SUFFIX, DK, DV, NAME)                                           \
+  JFM_IF_FAMILY(T, NAME,                                                                      \
+                template [[host_name(JFM_HOST_NAME(flash_attention_fwd, SUFFIX, NAME))]]      \
+                kernel void flash_attention_fwd<T, DK, DV> JFM_FWD_SIGNATURE(T);)
 
 JFM_FAMILIES(JFM_INSTANTIATE_FWD)

@@ -144,9 +144,9 @@ struct JfmKeyBlocks {
                                 // overwrites it)
   threadgroup T* kv_tile;              // the K/V tiles
   threadgroup int* nonfinite_v_block;  // start of the latest block whose V had Inf/NaN
-  device const T* k_head;              // K and V of the (batch, kv head), kv_stride apart
-  device const T* v_head;
-  uint kv_stride;
+  device const T* k_head;              // K and V of the (batch, kv head): rows k_stride and
+  device const T* v_head;              // v_stride elements apart
+  uint k_stride, v_stride;
   JfmRange32 first_keys, last_keys;  // intervals bounding every row's (block classification)
   bool rows_full;                    // every row of the tile is a real row
   int union_lo, union_hi;            // the threadgroup-uniform range of keys to visit
@@ -158,33 +158,36 @@ struct JfmKeyBlocks {
 // Key blocks [j0, j0 + BK) from the one holding c.union_lo to the one holding c.union_hi: stage
 // K and V (zero-filled outside [union_lo, union_hi], V sanitized), S = Q K^T by MMA, online
 // softmax, O = alpha O + P V by MMA. c.q_band is loaded (barrier passed). On return m, l and acc
-// hold this lane's running max, sum share and unnormalised O (DF fragments). FEATURES: the score
+// hold this lane's running max, sum share and unnormalised O (DV / 8 fragments); Q and K have DK
+// columns, V and O DV. FEATURES: the score
 // features of `f` apply (flash_attention_features.h): a key block whose segment ids cannot meet
 // the rows' is skipped before K and V are staged; without them the loop is the plain one.
-template <typename T, int D, bool FEATURES>
+template <typename T, int DK, int DV, bool FEATURES>
 inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
                                   constant AttentionParams& params,
                                   thread const JfmFeatureLane& f, thread float& m,
                                   thread float& l, thread JfmFrag* acc) {
-  typedef JfmFwdTraits<T, D> Traits;
+  typedef JfmFwdTraits<T, DK, DV> Traits;
   constexpr int BK = Traits::BK;
   constexpr int THREADS = Traits::THREADS;
   constexpr bool Q_IN_REGISTERS = Traits::Q_IN_REGISTERS;
   constexpr bool ONE_KV_BUFFER = Traits::ONE_KV_BUFFER;
-  constexpr int LD = Traits::LD;
-  constexpr int DF = Traits::DF;
+  constexpr int LDK = Traits::LDK;
+  constexpr int LDV = Traits::LDV;
+  constexpr int DKF = Traits::DKF;
+  constexpr int DVF = Traits::DVF;
   constexpr int KF = Traits::KF;
   threadgroup const T* q_band = c.q_band;
   const JfmFragCoord at = c.at;
-  JfmFrag q_frag[Q_IN_REGISTERS ? DF : 1];
+  JfmFrag q_frag[Q_IN_REGISTERS ? DKF : 1];
   if (Q_IN_REGISTERS) {
     JFM_PRAGMA_UNROLL
-    for (int d = 0; d < DF; ++d) {
-      q_frag[d] = jfm_frag_load(q_band + d * 8, LD, at);
+    for (int d = 0; d < DKF; ++d) {
+      q_frag[d] = jfm_frag_load(q_band + d * 8, LDK, at);
     }
   }
   threadgroup T* k_tile = c.kv_tile;
-  threadgroup T* v_tile = c.kv_tile + (ONE_KV_BUFFER ? 0 : BK * LD);
+  threadgroup T* v_tile = c.kv_tile + (ONE_KV_BUFFER ? 0 : BK * LDK);
 
   for (int j0 = c.union_lo / BK * BK; j0 <= c.union_hi; j0 += BK) {
     int kind = jfm_classify_tile(c.first_keys, c.last_keys, c.rows_full, j0, j0 + BK - 1);
@@ -194,14 +197,15 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
     // Rows of the key block inside the union are loaded; the rest are zero-filled.
     const int load_begin = max(c.union_lo - j0, 0);
     const int load_end = min(c.union_hi - j0 + 1, BK);
-    const ulong block_offset = ulong(j0) * c.kv_stride;
+    const ulong k_offset = ulong(j0) * c.k_stride;
+    const ulong v_offset = ulong(j0) * c.v_stride;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
     JfmRange32 block_segments = f.row_segments;
     if (FEATURES && params.has_segment_ids != 0) {  // uniform
-      jfm_stage_segment_ids<T, BK, D, THREADS>(k_tile, f.kv_segments + j0, uint(BK), BK,
+      jfm_stage_segment_ids<T, BK, DK, THREADS>(k_tile, f.kv_segments + j0, uint(BK), BK,
                                                load_begin, load_end, c.thread_index);
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      block_segments = jfm_segment_range<T, D>(k_tile, load_begin, load_end);
+      block_segments = jfm_segment_range<T, DK>(k_tile, load_begin, load_end);
     }
     if (FEATURES) {
       kind = jfm_classify_feature_tile(params, kind, f.row_segments, block_segments);
@@ -209,10 +213,10 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
         continue;  // uniform: the next block's first barrier orders the ids' reads
       }
     }
-    jfm_load_tile<T, BK, D, THREADS, false>(k_tile, c.k_head + block_offset, c.kv_stride,
-                                            load_begin, load_end, c.thread_index);
-    if (!ONE_KV_BUFFER && jfm_load_tile<T, BK, D, THREADS, true>(
-                              v_tile, c.v_head + block_offset, c.kv_stride, load_begin, load_end,
+    jfm_load_tile<T, BK, DK, THREADS, false>(k_tile, c.k_head + k_offset, c.k_stride,
+                                             load_begin, load_end, c.thread_index);
+    if (!ONE_KV_BUFFER && jfm_load_tile<T, BK, DV, THREADS, true>(
+                              v_tile, c.v_head + v_offset, c.v_stride, load_begin, load_end,
                               c.thread_index)) {
       c.nonfinite_v_block[0] = j0;
     }
@@ -225,30 +229,30 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
       s[n] = jfm_frag_zero();
     }
     JFM_PRAGMA_UNROLL
-    for (int d = 0; d < DF; ++d) {
-      const JfmFrag qd =
-          Q_IN_REGISTERS ? q_frag[Q_IN_REGISTERS ? d : 0] : jfm_frag_load(q_band + d * 8, LD, at);
+    for (int d = 0; d < DKF; ++d) {
+      const JfmFrag qd = Q_IN_REGISTERS ? q_frag[Q_IN_REGISTERS ? d : 0]
+                                        : jfm_frag_load(q_band + d * 8, LDK, at);
       JFM_PRAGMA_UNROLL
       for (int n = 0; n < KF; ++n) {
-        jfm_mma(s[n], qd, jfm_frag_load_transposed(k_tile + n * 8 * LD + d * 8, LD, at));
+        jfm_mma(s[n], qd, jfm_frag_load_transposed(k_tile + n * 8 * LDK + d * 8, LDK, at));
       }
     }
 
     const float alpha =
-        FEATURES ? jfm_online_softmax_features<T, D, KF>(s, params, f, k_tile, c.keys,
+        FEATURES ? jfm_online_softmax_features<T, DK, KF>(s, params, f, k_tile, c.keys,
                                                          kind == JFM_TILE_EDGE, j0, at, m, l)
         : kind == JFM_TILE_EDGE
             ? jfm_online_softmax<KF, true>(s, params.scale, c.keys, j0, at, m, l)
             : jfm_online_softmax<KF, false>(s, params.scale, c.keys, j0, at, m, l);
     JFM_PRAGMA_UNROLL
-    for (int d = 0; d < DF; ++d) {
+    for (int d = 0; d < DVF; ++d) {
       acc[d].thread_elements() *= alpha;
     }
 
     if (ONE_KV_BUFFER) {  // V replaces K in the one buffer
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (jfm_load_tile<T, BK, D, THREADS, true>(v_tile, c.v_head + block_offset, c.kv_stride,
-                                                 load_begin, load_end, c.thread_index)) {
+      if (jfm_load_tile<T, BK, DV, THREADS, true>(v_tile, c.v_head + v_offset, c.v_stride,
+                                                  load_begin, load_end, c.thread_index)) {
         c.nonfinite_v_block[0] = j0;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -258,8 +262,8 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
     JFM_PRAGMA_UNROLL
     for (int n = 0; n < KF; ++n) {
       JFM_PRAGMA_UNROLL
-      for (int d = 0; d < DF; ++d) {
-        jfm_mma(acc[d], s[n], jfm_frag_load(v_tile + n * 8 * LD + d * 8, LD, at));
+      for (int d = 0; d < DVF; ++d) {
+        jfm_mma(acc[d], s[n], jfm_frag_load(v_tile + n * 8 * LDV + d * 8, LDV, at));
       }
     }
     if (c.nonfinite_v_block[0] == j0) {
@@ -270,9 +274,9 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
         if (FEATURES && !jfm_lane_keeps<T>(params, f, j)) {
           continue;
         }
-        device const T* v_row = c.v_head + ulong(j) * c.kv_stride;
+        device const T* v_row = c.v_head + ulong(j) * c.v_stride;
         JFM_PRAGMA_UNROLL
-        for (int d = 0; d < DF; ++d) {
+        for (int d = 0; d < DVF; ++d) {
           JFM_PRAGMA_UNROLL
           for (int e = 0; e < 2; ++e) {
             if (!jfm_is_finite(v_row[d * 8 + int(at.col) + e])) {

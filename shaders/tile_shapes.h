@@ -29,6 +29,13 @@ namespace jfm {
 
 #define JFM_SIMD_WIDTH 32
 
+// The head dim a family's tiles are chosen by: the wider of the key head dim (Q, K, dQ, dK) and
+// the value head dim (V, O, dO, dV), so that the narrower side's tiles fit the same budgets.
+// Every choice below takes it as `head_dim`.
+constexpr int jfm_tile_head_dim(int key_head_dim, int value_head_dim) {
+  return key_head_dim > value_head_dim ? key_head_dim : value_head_dim;
+}
+
 // Forward, docs/kernels.md#forward-tiles: 8 query rows per simdgroup; 32-key blocks up to D 64,
 // 16 up to D 128 (as MLX's forward), so that with Q in registers the K and V tiles, which Q is
 // staged through first, take at most 16 KiB in f16/bf16 (9 KiB at D 64, 8.5 KiB at D 128).
@@ -48,19 +55,6 @@ constexpr bool jfm_fwd_q_in_registers(int element_bytes, int head_dim) {
 constexpr bool jfm_fwd_kv_one_buffer(int element_bytes, int head_dim) {
   return head_dim > 128 && element_bytes > 0;
 }
-// Rows of the forward's threadgroup tiles (each jfm_tile_stride elements): the K/V tiles, which
-// hold the staged Q first where Q lives in registers, else Q's own tile and the K/V tiles.
-constexpr int jfm_fwd_tile_rows(int element_bytes, int head_dim) {
-  return jfm_fwd_q_in_registers(element_bytes, head_dim)
-             ? (jfm_fwd_block_q(element_bytes, head_dim) >
-                        2 * jfm_fwd_block_k(element_bytes, head_dim)
-                    ? jfm_fwd_block_q(element_bytes, head_dim)
-                    : 2 * jfm_fwd_block_k(element_bytes, head_dim))
-             : jfm_fwd_block_q(element_bytes, head_dim) +
-                   (jfm_fwd_kv_one_buffer(element_bytes, head_dim) ? 1 : 2) *
-                       jfm_fwd_block_k(element_bytes, head_dim);
-}
-
 // Backward, docs/kernels.md#backward-tiles. Every backward kernel holds two owner tiles (Q and dO
 // for dQ; K and V for dK/dV) of 8 * simdgroups rows and two streamed tiles (K and V; Q and dO) of
 // `block` rows, each row head_dim * element_bytes + 16 bytes, so threadgroup memory depends on

@@ -13,21 +13,26 @@ from jax_flash_metal import flash_attention, xla_schedule
 DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
 
 
-def _kernel_head_dims():
-    """The head dims of the kernel families, in order, as shaders/kernel_families.h lists them
-    (its two backward lists), read from the header itself: the tests that run without the
-    extension need them too."""
+def _kernel_families():
+    """The (key head dim, value head dim) of the kernel families, in order, as
+    shaders/kernel_families.h lists them (its two backward lists; JFM_SAME_DIMS(..., D) is
+    (D, D)), read from the header itself: the tests that run without the extension need them
+    too."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "shaders", "kernel_families.h"), encoding="utf-8") as f:
         text = f.read()
-    dims = []
+    families = []
     for macro in ("JFM_JOINT_BWD_HEAD_DIMS", "JFM_SPLIT_BWD_HEAD_DIMS"):
         body = re.search(r"#define " + macro + r"\(T, SUFFIX, X\)((?:.*\\\n)*.*)", text)[1]
-        dims += [int(d) for d in re.findall(r"X\(T, SUFFIX, (\d+)\)", body)]
-    return tuple(dims)
+        for same, dk, dv in re.findall(
+                r"JFM_SAME_DIMS\(T, SUFFIX, X, (\d+)\)|X\(T, SUFFIX, (\d+), (\d+), \w+\)", body):
+            families.append((int(same), int(same)) if same else (int(dk), int(dv)))
+    return tuple(families)
 
 
-HEAD_DIMS = _kernel_head_dims()
+FAMILIES = _kernel_families()
+HEAD_DIMS = tuple(dk for dk, dv in FAMILIES if dk == dv)  # the families with Dv = Dk
+VALUE_HEAD_DIM_PAIRS = tuple(f for f in FAMILIES if f[0] != f[1])  # (Dk, Dv), Dv != Dk
 MASK_KEYS = ("scale", "is_causal", "local_window_size", "query_seq_lengths",
              "key_value_seq_lengths", "causal_alignment")
 

@@ -25,8 +25,9 @@ needs_counting = pytest.mark.skipif(not emulator.has_counting_variant(),
 
 UNBOUNDED = -1  # JFM_UNBOUNDED
 EMPTY_ROW_MAX = np.float32(8.50705917e37)  # JFM_EMPTY_ROW_MAX
-# The kernel families of shaders/kernel_families.h, as the extension lists them.
-HEAD_DIMS = tuple(d for suffix, d in kernel_families() if suffix == "f32")
+# The head dims of the kernel families of shaders/kernel_families.h with Dv = Dk, as the
+# extension lists them.
+HEAD_DIMS = tuple(dk for suffix, dk, dv in kernel_families() if suffix == "f32" and dk == dv)
 DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
           "bf16": np.dtype(ml_dtypes.bfloat16)}
 

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from api_helpers import HEAD_DIMS
+from api_helpers import FAMILIES, HEAD_DIMS
 
 ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import shader_libraries  # noqa: E402
@@ -50,7 +50,8 @@ def test_libraries_cover_every_kernel_the_host_runs():
     product = {n for n in ext.kernel_names("emulator") if n.startswith("flash_attention_")}
     assert set(kernels) == product | {"jfm_simdgroup_layout_probe"}
     families = {library.family for library in libraries if library.family}
-    assert families == {f"{t}_{d}" for t in ("float", "half", "ushort") for d in HEAD_DIMS}
+    assert families == {f"{t}_{dk}" if dk == dv else f"{t}_{dk}_v{dv}"
+                        for t in ("float", "half", "ushort") for dk, dv in FAMILIES}
     for library in libraries:
         if library.family:
             assert library.macros == {"JFM_ONE_FAMILY": "1",
@@ -60,12 +61,14 @@ def test_libraries_cover_every_kernel_the_host_runs():
 
 
 def test_one_family_list():
-    """shaders/kernel_families.h is the one list of (dtype, head dim) families: the host reads it
-    (kernel_families), the kernel list holds every family's kernels and nothing else, and the
-    READMEs' head-dim lists say the same."""
-    assert ext.kernel_families() == [(s, d) for s in ("f32", "f16", "bf16") for d in HEAD_DIMS]
+    """shaders/kernel_families.h is the one list of (dtype, key head dim, value head dim)
+    families: the host reads it (kernel_families), the kernel list holds every family's kernels
+    and nothing else, and the READMEs' head-dim lists say the same."""
+    assert ext.kernel_families() == [(s, dk, dv) for s in ("f32", "f16", "bf16")
+                                     for dk, dv in FAMILIES]
     fwd = {n for n in ext.kernel_names("emulator") if n.startswith("flash_attention_fwd_")}
-    assert fwd == {f"flash_attention_fwd_{s}_d{d}" for s, d in ext.kernel_families()}
+    assert fwd == {ext.kernel_name("fwd", s, dk, dv) for s, dk, dv in ext.kernel_families()}
+    assert ext.kernel_name("fwd", "f16", 128, 64) == "flash_attention_fwd_f16_d128_v64"
     listed = ", ".join(str(d) for d in HEAD_DIMS)
     for readme, line in (("README.md", "head dims "), ("shaders/README.md", "- Head dims ")):
         with open(os.path.join(ROOT, readme), encoding="utf-8") as f:
