@@ -90,6 +90,7 @@ bool same_dims(ffi::AnyBuffer::Dimensions dims, const std::vector<int64_t>& want
 struct Problem {
   int64_t batch = 0, q_len = 0, kv_len = 0, heads = 0, kv_heads = 0, head_dim = 0;
   int64_t value_head_dim = 0;  // of V, O, dO and dV (head_dim: of Q, K, dQ and dK)
+  int64_t page_size = 0, num_pages = 0;  // a paged K/V cache (has_page_table), else 0
   ffi::DataType dtype = ffi::DataType::F32;
   const char* suffix = nullptr;  // f32 / f16 / bf16
 
@@ -100,31 +101,39 @@ struct Problem {
   std::vector<int64_t> row_shape() const { return {batch, heads, q_len}; }
 };
 
-// q, k, v: ranks, matching dims, one supported dtype, divisible heads.
-ffi::Error read_problem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, Problem* p) {
+// q, k, v: ranks, matching dims, one supported dtype, divisible heads. With `paged` k and v are
+// pages [num_pages, page_size, HKV, D] and kv_len is left to read_page_table.
+ffi::Error read_problem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, bool paged,
+                        Problem* p) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4) {
     return invalid("query must have rank 4 [batch, q_len, num_heads, head_dim], got shape " +
                    dims_string(qd));
   }
   if (kd.size() != 4) {
-    return invalid("key must have rank 4 [batch, kv_len, num_kv_heads, head_dim], got shape " +
-                   dims_string(kd));
+    return invalid(std::string("key must have rank 4 ") +
+                   (paged ? "[num_pages, page_size" : "[batch, kv_len") +
+                   ", num_kv_heads, head_dim], got shape " + dims_string(kd));
   }
   p->batch = qd[0];
   p->q_len = qd[1];
   p->heads = qd[2];
   p->head_dim = qd[3];
-  p->kv_len = kd[1];
+  p->kv_len = paged ? 0 : kd[1];
   p->kv_heads = kd[2];
-  if (kd[0] != p->batch || kd[3] != p->head_dim) {
+  if (paged) {
+    p->num_pages = kd[0];
+    p->page_size = kd[1];
+  }
+  if ((!paged && kd[0] != p->batch) || kd[3] != p->head_dim) {
     return invalid("key shape " + dims_string(kd) + " does not match query shape " +
                    dims_string(qd) + " in batch or head_dim");
   }
   p->value_head_dim = vd.size() == 4 ? vd[3] : 0;
-  if (!same_dims(vd, p->v_shape())) {
+  if (!same_dims(vd, {kd[0], kd[1], kd[2], p->value_head_dim})) {
     return invalid("value shape " + dims_string(vd) + " must have rank 4 and match key shape " +
-                   dims_string(kd) + " in batch, kv_len and num_kv_heads");
+                   dims_string(kd) + " in " +
+                   (paged ? "num_pages, page_size" : "batch, kv_len") + " and num_kv_heads");
   }
   p->dtype = q.element_type();
   p->suffix = dtype_suffix(p->dtype);
@@ -170,6 +179,42 @@ ffi::Error check_attributes(const Attributes& o) {
   return ffi::Error::Success();
 }
 
+// The operands before the page table (attention_ffi.h's order).
+size_t operands_before_page_table(const Attributes& o) {
+  return size_t{o.has_q_lengths} + size_t{o.has_kv_lengths} + 2 * size_t{o.has_segment_ids} +
+         size_t{o.has_bias} + size_t{o.has_mask} + size_t{o.has_sinks};
+}
+
+// A paged call's table, ahead of the other optional operands (their shapes use the logical
+// kv_len it gives): int32 [batch, max_pages], a supported page size, kv_lengths present.
+ffi::Error read_page_table(ffi::RemainingArgs rest, const Attributes& o, Problem* p) {
+  if (!o.has_kv_lengths) {
+    return invalid("page_table needs kv_lengths (the keys in use of each row's pages)");
+  }
+  if (!jfm_page_size_supported(p->page_size)) {
+    return invalid("page_table: page_size " + std::to_string(p->page_size) +
+                   " is not a power of two >= 16 (the kernels' key blocks must tile pages)");
+  }
+  const size_t index = operands_before_page_table(o);
+  if (index >= rest.size()) return invalid("page_table: operand missing");
+  auto arg = rest.get<ffi::AnyBuffer>(index);
+  if (arg.has_error()) return invalid("page_table: " + arg.error().message());
+  auto dims = arg.value().dimensions();
+  if (arg.value().element_type() != ffi::DataType::S32 || dims.size() != 2 ||
+      dims[0] != p->batch) {
+    return invalid("page_table must be int32 [" + std::to_string(p->batch) +
+                   ", max_pages], got " + dtype_name(arg.value().element_type()) + " " +
+                   dims_string(dims));
+  }
+  p->kv_len = dims[1] * p->page_size;
+  if (p->kv_len > std::numeric_limits<int32_t>::max() ||
+      p->num_pages * p->page_size > std::numeric_limits<int32_t>::max()) {
+    return invalid("page_table: max_pages * page_size and num_pages * page_size must not "
+                   "exceed 2^31 - 1");
+  }
+  return ffi::Error::Success();
+}
+
 // The backward's dbias result: the full score layout with bias_grad, else empty.
 std::vector<int64_t> dbias_shape(const Problem& p, bool bias_grad) {
   if (!bias_grad) return {0};
@@ -193,8 +238,8 @@ struct OptionalOperands {
   // (jfm_valid_len), so nothing indexes out of bounds whatever the caller passes. When a length
   // is absent, the full length fills the buffer the kernel does not read.
   std::vector<int32_t> q_lengths, kv_lengths;
-  // Buffers 16-20 and 23 for every kernel of the call; an absent one is bound to `placeholder`,
-  // never read (its flag is 0), so every kernel argument is bound on Metal.
+  // Buffers 16-20, 23 and 25 for every kernel of the call; an absent one is bound to
+  // `placeholder`, never read (its flag is 0), so every kernel argument is bound on Metal.
   std::vector<Binding> features;
   uint32_t bias_kind = JFM_BIAS_NONE;
   int64_t bias_strides[4] = {0, 0, 0, 0}, mask_strides[4] = {0, 0, 0, 0};
@@ -231,15 +276,15 @@ ffi::Error expect_broadcastable(const char* what, ffi::AnyBuffer buffer, const P
 }
 
 // Reads the optional operands after the main ones, in the contract's order (q_lengths,
-// kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks, alibi_slopes; each present iff
-// its flag is set), checks their dtypes and shapes, and prepares their bindings and strides. One function
-// for both directions, so both see one set of rules.
+// kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks, alibi_slopes, page_table; each
+// present iff its flag is set), checks their dtypes and shapes, and prepares their bindings and
+// strides. One function for both directions, so both see one set of rules.
 ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Problem& p,
                          OptionalOperands* out) {
   const size_t length_operands = size_t{o.has_q_lengths} + size_t{o.has_kv_lengths};
   const size_t feature_operands = 2 * size_t{o.has_segment_ids} + size_t{o.has_bias} +
                                   size_t{o.has_mask} + size_t{o.has_sinks} +
-                                  size_t{o.has_alibi};
+                                  size_t{o.has_alibi} + size_t{o.has_page_table};
   if (rest.size() != length_operands + feature_operands) {
     return invalid("expected " + std::to_string(length_operands) + " length operand(s) and " +
                    std::to_string(feature_operands) + " feature operand(s) after the arrays " +
@@ -249,7 +294,8 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
                    ", has_bias=" + std::to_string(o.has_bias) +
                    ", has_mask=" + std::to_string(o.has_mask) +
                    ", has_sinks=" + std::to_string(o.has_sinks) +
-                   ", has_alibi=" + std::to_string(o.has_alibi) + "), got " +
+                   ", has_alibi=" + std::to_string(o.has_alibi) +
+                   ", has_page_table=" + std::to_string(o.has_page_table) + "), got " +
                    std::to_string(rest.size()));
   }
   size_t next = 0;
@@ -342,9 +388,17 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
       e.failure()) {
     return e;
   }
-  return feature(o.has_alibi, "alibi_slopes", JFM_BUFFER_ALIBI_SLOPES, [&](ffi::AnyBuffer b) {
-    return expect("alibi_slopes", b, ffi::DataType::F32, {p.batch, p.heads});
-  });
+  if (ffi::Error e = feature(o.has_alibi, "alibi_slopes", JFM_BUFFER_ALIBI_SLOPES,
+                             [&](ffi::AnyBuffer b) {
+                               return expect("alibi_slopes", b, ffi::DataType::F32,
+                                             {p.batch, p.heads});
+                             });
+      e.failure()) {
+    return e;
+  }
+  // Checked by read_page_table; bound in place.
+  return feature(o.has_page_table, "page_table", JFM_BUFFER_PAGE_TABLE,
+                 [&](ffi::AnyBuffer) { return ffi::Error::Success(); });
 }
 
 ffi::Error require_kernel(Device& device, const std::string& kernel, const Problem& p) {
@@ -384,6 +438,8 @@ AttentionParams make_params(const Problem& p, const Attributes& o, const Optiona
   params.bias_grad = o.bias_grad ? 1u : 0u;
   params.has_alibi = o.has_alibi ? 1u : 0u;
   params.alibi_grad = o.alibi_grad ? 1u : 0u;
+  params.page_size = static_cast<uint32_t>(p.page_size);
+  params.num_pages = static_cast<uint32_t>(p.num_pages);
   std::copy(x.bias_strides, x.bias_strides + 4, params.bias_strides);
   std::copy(x.mask_strides, x.mask_strides + 4, params.mask_strides);
   return params;
@@ -393,7 +449,7 @@ Binding lengths_binding(int index, std::vector<int32_t>& values) {
   return Binding{index, values.data(), values.size() * sizeof(int32_t), false, true};
 }
 
-// `main` followed by the optional operands' bindings: the lengths, then buffers 16-20 and 23.
+// `main` followed by the optional operands' bindings: the lengths, then buffers 16-20, 23 and 25.
 std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& x) {
   main.push_back(lengths_binding(JFM_BUFFER_Q_LENGTHS, x.q_lengths));
   main.push_back(lengths_binding(JFM_BUFFER_KV_LENGTHS, x.kv_lengths));
@@ -490,8 +546,11 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
                    ffi::AnyBuffer row_max, ffi::AnyBuffer log_sum, ffi::AnyBuffer workspace,
                    const Attributes& opt) {
   Problem p;
-  if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
+  if (ffi::Error e = read_problem(q, k, v, opt.has_page_table, &p); e.failure()) return e;
   if (ffi::Error e = check_attributes(opt); e.failure()) return e;
+  if (opt.has_page_table) {
+    if (ffi::Error e = read_page_table(rest, opt, &p); e.failure()) return e;
+  }
   if (ffi::Error e = expect("output o", o, p.dtype, p.o_shape()); e.failure()) return e;
   for (auto [what, buffer] :
        {std::make_pair("output lse", lse), std::make_pair("output row_max", row_max),
@@ -540,8 +599,11 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
                     ffi::AnyBuffer dq,
                     ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer dbias,
                     ffi::AnyBuffer dalibi, ffi::AnyBuffer delta, const Attributes& opt) {
+  if (opt.has_page_table) {
+    return invalid("a paged K/V cache (has_page_table) has no backward: the forward only");
+  }
   Problem p;
-  if (ffi::Error e = read_problem(q, k, v, &p); e.failure()) return e;
+  if (ffi::Error e = read_problem(q, k, v, false, &p); e.failure()) return e;
   if (ffi::Error e = check_attributes(opt); e.failure()) return e;
   const ffi::DataType f32 = ffi::DataType::F32;
   for (auto [what, buffer, dtype, shape] :

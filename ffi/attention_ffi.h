@@ -38,6 +38,7 @@
 //     mask  bool or uint8 [b, h, tq, tkv], 0 = hidden, else visible (has_mask; JAX bool bytes)
 //     sinks float32 [H]                                              (has_sinks)
 //     alibi_slopes float32 [B, H]                                    (has_alibi)
+//     page_table int32 [B, max_pages]                                (has_page_table; forward)
 //   bias and mask are rank 4 with each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv]
 //   (jax_flash_metal.validation makes them so; the lowering converts a bias of another float
 //   dtype to float32). An absent operand's buffer index is bound to a placeholder the kernels
@@ -63,6 +64,13 @@
 //   With alibi_grad the dQ kernel also writes dalibi float32 [B, H, Tq], per row
 //   -sum_j dS_ij |i + off_b - j| (0 for rows past the valid length); the lowering sums it over
 //   Tq to the slopes' gradient [B, H]. Without alibi_grad it is [0].
+//   A paged K/V cache (has_page_table, the forward only; the backward refuses it): k and v are
+//   pages [num_pages, page_size, HKV, D], page_size a power of two >= 16
+//   (jfm_page_size_supported), kv_len = max_pages * page_size is the logical length that the
+//   segment ids, bias and mask are laid out over, and logical key j of batch b is row
+//   j % page_size of page page_table[b, j / page_size]. The kernels read the table entries of
+//   the pages that hold keys they visit only (never one past kv_lengths[b], which is then
+//   required), and clamp an entry to [0, num_pages).
 #ifndef JAX_FLASH_METAL_ATTENTION_FFI_H_
 #define JAX_FLASH_METAL_ATTENTION_FFI_H_
 
@@ -103,6 +111,7 @@
   X(bool, has_sinks)          \
   X(float, logits_soft_cap)   \
   X(bool, has_alibi)          \
+  X(bool, has_page_table)     \
   X(bool, bias_grad)          \
   X(bool, alibi_grad)
 

@@ -175,9 +175,9 @@ _ATTRIBUTES = tuple((name, _NUMPY_TYPES[kind]) for name, kind in _ext.ffi_attrib
 def _attributes(*, bias_grad=False, alibi_grad=False, logits_soft_cap=None, **params):
     """The FFI attributes of a call from the primitive's static ``params`` (``StaticParams``
     without ``contract.HOST_ONLY_PARAMS``): the soft cap is 0.0 when absent, ``bias_grad`` and
-    ``alibi_grad`` False for the forward. Paged and dropout calls never get here
+    ``alibi_grad`` False for the forward. Dropout calls never get here
     (``implementations.missing_features``)."""
-    assert not (params.get("has_page_table") or params.get("dropout_rate"))
+    assert not params.get("dropout_rate")
     values = dict(params, bias_grad=bias_grad, alibi_grad=alibi_grad,
                   logits_soft_cap=0.0 if logits_soft_cap is None else logits_soft_cap)
     return {name: numpy_type(values[name]) for name, numpy_type in _ATTRIBUTES}
@@ -220,8 +220,12 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     _check_built(implementation)
     check_supported(implementation, "fwd", q.dtype, q.shape[3], v.shape[3])
     batch, q_len, num_heads, head_dim = q.shape
+    kv_len = k.shape[1]
+    if params.get("has_page_table"):  # k holds pages: the logical length is the table's
+        table = ctx.avals_in[operand_roles("fwd", params).index("page_table")]
+        kv_len = table.shape[1] * k.shape[1]
     _, workspace_elements = _ext.decode_splits(
-        _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, k.shape[1], num_heads, k.shape[2],
+        _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, kv_len, num_heads, k.shape[2],
         head_dim, implementation, v.shape[3])
     workspace = ShapedArray((workspace_elements,), np.float32)
     avals, args = _contract_operands(ctx, args, "fwd", params)

@@ -82,11 +82,21 @@ def _best_available(platform: str, call) -> str:
     return "xla"
 
 
-def missing_features(params, key_head_dim: int, value_head_dim: int) -> str | None:
-    """The features of a call (the primitives' static ``params`` and head dims) that the fused
-    kernels do not implement yet, named for an error message, or None."""
+def fused_page_size(page_size: int) -> bool:
+    """Whether the fused kernels read a paged KV cache of ``page_size`` keys per page: powers
+    of two >= 16, so that their key blocks (8, 16 or 32 keys) tile pages
+    (``jfm_page_size_supported`` in shaders/tile_shapes.h, which the FFI handler checks too)."""
+    return page_size >= 16 and page_size & (page_size - 1) == 0
+
+
+def missing_features(params, key_head_dim: int, value_head_dim: int,
+                     page_size: int | None = None) -> str | None:
+    """The features of a call (the primitives' static ``params``, head dims and, for a paged
+    call, the page size) that the fused kernels do not implement yet, named for an error
+    message, or None."""
     missing = [name for name, present in (
-        ("page_table (a paged KV cache)", params.get("has_page_table")),
+        (f"page_table with page_size {page_size} (the fused kernels take powers of two >= 16)",
+         params.get("has_page_table") and not fused_page_size(page_size or 0)),
         ("dropout (dropout_rate > 0)", params.get("dropout_rate", 0.0) > 0),
         (f"a value head dim ({value_head_dim}) other than the key's ({key_head_dim})",
          value_head_dim != key_head_dim)) if present]

@@ -301,10 +301,11 @@ def _make_cpu_lowering(prim):
 
     def lowering(ctx, *args, **params):
         params = coerce_params(**params)
-        q, v = ctx.avals_in[0], ctx.avals_in[2]
+        q, k, v = ctx.avals_in[:3]
+        page_size = k.shape[1] if params["has_page_table"] else None  # k holds pages
         impl = implementations.resolve(
             params["implementation"], "cpu", call=(direction, q.dtype, q.shape[3], v.shape[3]),
-            missing=implementations.missing_features(params, q.shape[3], v.shape[3]))
+            missing=implementations.missing_features(params, q.shape[3], v.shape[3], page_size))
         # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):
             return _xla_lowering(prim, ctx, args, params, "cpu")

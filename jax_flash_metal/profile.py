@@ -31,6 +31,12 @@ threadgroup memory), the modelled time and the modelled percent of peak FLOP/s; 
 occupancy: threadgroups and simdgroups per core that fit the GPU's threadgroup memory, thread
 limit and register file (``roofline.occupancy``).
 
+``--page-size N [N ...]`` (forward only) also runs the problem with the K/V cache held as pages
+of N keys (``page_table``, pages in shuffled order) and prints the device bytes each paged
+forward reads next to the contiguous cache's (both with key/value lengths, which a paged call
+needs): paged kernels read K and V in place through the table, so the two should agree up to
+the table's own bytes.
+
 ``--json PATH`` writes a JSON list with one record per launch, in launch order, with exactly the
 keys of ``JSON_KEYS``: the problem (kernel, dtype, head_dim, batch, q_len, kv_len, heads,
 kv_heads, causal), the exact counts (threadgroups, threads_per_threadgroup,
@@ -156,6 +162,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "slopes' gradient")
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES),
                    help="which kernels to run: the forward's and/or the backward's")
+    p.add_argument("--page-size", nargs="+", type=_positive, default=None, metavar="N",
+                   help="also run the forward on the K/V cache as pages of N keys and compare "
+                        "its device bytes read with the contiguous cache's (forward only)")
     p.add_argument("--gpu", nargs="+", choices=list(GPUS), default=list(GPUS),
                    metavar="GPU", help=f"GPUs of the roofline model: {', '.join(GPUS)}")
     p.add_argument("--json", metavar="PATH", default=None,
@@ -179,6 +188,30 @@ class Problem:
         self.q_lengths, self.kv_lengths = args.q_lengths, args.kv_lengths
         self.alibi = args.alibi
         self.seed = args.seed
+        self.page_size = None  # a paged K/V cache of this many keys per page (paged())
+
+    def paged(self, page_size: int) -> Problem:
+        """This problem with its K/V cache held as pages of ``page_size`` keys."""
+        other = Problem.__new__(Problem)
+        other.__dict__.update(self.__dict__, page_size=page_size)
+        return other
+
+    def page_table(self) -> np.ndarray:
+        """int32 [batch, max_pages]: every sequence's pages, handed out in shuffled order."""
+        max_pages = -(-self.kv_len // self.page_size)
+        order = np.random.default_rng(self.seed + 2).permutation(self.batch * max_pages)
+        return order.reshape(self.batch, max_pages).astype(np.int32)
+
+    def _to_pages(self, x):
+        """[batch, kv_len, HKV, D] -> pages [batch * max_pages, page_size, HKV, D] laid out
+        by page_table()."""
+        table = self.page_table()
+        pad = table.shape[1] * self.page_size - self.kv_len
+        x = np.pad(np.asarray(x), ((0, 0), (0, pad), (0, 0), (0, 0)))
+        blocks = x.reshape(table.size, self.page_size, *x.shape[2:])
+        pages = np.empty_like(blocks)
+        pages[table.reshape(-1)] = blocks
+        return jnp.asarray(pages)
 
     def shapes(self):
         """The operands' shapes: q, k, v, and with ALiBi the float32 [heads] slopes."""
@@ -195,15 +228,23 @@ class Problem:
             lengths["query_seq_lengths"] = jnp.asarray(self.q_lengths, jnp.int32)
         if self.kv_lengths is not None:
             lengths["key_value_seq_lengths"] = jnp.asarray(self.kv_lengths, jnp.int32)
+        paged = {}
+        if self.page_size is not None:  # k and v are pages
+            paged["page_table"] = self.page_table()
+            lengths.setdefault("key_value_seq_lengths",
+                               jnp.full(self.batch, self.kv_len, jnp.int32))
         return flash_attention(
             q, k, v, is_causal=self.causal, local_window_size=self.window,
             causal_alignment="bottom_right" if self.bottom_right else "top_left",
-            alibi_slopes=alibi_slopes, implementation="emulator", **lengths)
+            alibi_slopes=alibi_slopes, implementation="emulator", **lengths, **paged)
 
     def check(self):
         """Lowers the forward and backward (the kernels of this dtype and head dim must exist);
         raises the library's ValueError / TypeError / NotImplementedError otherwise."""
         shapes = self.shapes()
+        if self.page_size is not None:  # forward only, on the pages
+            jax.jit(self.attention).lower(*self.inputs())
+            return
         jax.jit(self.attention).lower(*shapes)
         loss = lambda *x: self.attention(*x).astype(jnp.float32).sum()
         jax.jit(jax.grad(loss, argnums=tuple(range(len(shapes))))).lower(*shapes)
@@ -226,9 +267,11 @@ class Problem:
         """Random q, k, v, and with ALiBi BLOOM's slopes."""
         rng = np.random.default_rng(self.seed)
         q, kv, _, *slopes = self.shapes()
+        q, k, v = [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in (q, kv, kv)]
+        if self.page_size is not None:
+            k, v = self._to_pages(k), self._to_pages(v)
         bloom = [2.0 ** (-8.0 * jnp.arange(1, self.heads + 1, dtype=jnp.float32) / self.heads)]
-        return [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in (q, kv, kv)] + (
-            bloom if slopes else [])
+        return [q, k, v] + (bloom if slopes else [])
 
 
 def _recorded(fn, *args):
@@ -384,6 +427,25 @@ def format_tables(records: list[dict], gpus) -> str:
     return "\n".join(lines)
 
 
+def format_paged_table(records: list[dict]) -> str:
+    """Device bytes read by each forward launch of the paged runs (pass "pagedN") over the
+    contiguous forward's launch of the same stage (pass "forward")."""
+    contiguous = {(r["dtype"], r["head_dim"], _stage(r["kernel"])): r["device_bytes_read"]
+                  for r in records if r["pass"] == "forward"}
+    head = (f"{'kernel':<40} {'page size':>9} {'contiguous B rd':>16} {'paged B rd':>16} "
+            f"{'paged/contiguous':>16}")
+    lines = ["paged KV cache: device bytes read (exact counts, emulator), paged over contiguous:",
+             head, "-" * len(head)]
+    for r in records:
+        if not r["pass"].startswith("paged"):
+            continue
+        base = contiguous.get((r["dtype"], r["head_dim"], _stage(r["kernel"])), 0)
+        lines.append(f"{r['kernel']:<40} {r['pass'][len('paged'):]:>9} {base:>16} "
+                     f"{r['device_bytes_read']:>16} "
+                     f"{_ratio(r['device_bytes_read'], base, '{:.4f}'):>16}")
+    return "\n".join(lines)
+
+
 def _per_gpu_table(records, gpus, cell, title, cell_text, key) -> list[str]:
     """A titled table of one column per GPU, each cell ``cell_text(record[key][gpu])``."""
     head = f"{'kernel':<40} " + " ".join(f"{g:>{cell}}" for g in gpus)
@@ -410,8 +472,13 @@ def main(argv=None) -> int:
         if values is not None and len(values) != args.batch:
             parser.error(f"--{name.replace('_', '-')} needs {args.batch} values (--batch), got "
                          f"{len(values)}")
+    if args.page_size and args.passes != ["forward"]:
+        parser.error("--page-size needs --passes forward (a paged cache is forward only)")
+    if args.page_size and args.kv_lengths is None:  # a paged call has them: so has its baseline
+        args.kv_lengths = [args.kv_len or args.q_len] * args.batch
     problems = [Problem(args, d, h) for d in args.dtype for h in args.head_dim]
-    for problem in problems:
+    page_sizes = args.page_size or ()
+    for problem in problems + [p.paged(n) for p in problems for n in page_sizes]:
         try:
             problem.check()
         except (TypeError, ValueError, NotImplementedError) as e:
@@ -427,6 +494,9 @@ def main(argv=None) -> int:
                 bar.set_postfix_str(f"{problem.dtype} D={problem.head_dim} {pass_name}")
                 new += profile_records(problem, (pass_name,), args.gpu)
                 bar.update(1)
+            for n in page_sizes:
+                runs = profile_records(problem.paged(n), ("forward",), args.gpu)
+                new += [dict(r, **{"pass": f"paged{n}"}) for r in runs]
             records += new
             bar.write(f"# {problem.dtype} D={problem.head_dim} batch={problem.batch} "
                       f"q_len={problem.q_len} kv_len={problem.kv_len} heads={problem.heads} "
@@ -436,6 +506,9 @@ def main(argv=None) -> int:
     finally:
         bar.close()
     print(format_tables(records, args.gpu))
+    if page_sizes:
+        print()
+        print(format_paged_table(records))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: r[k] for k in JSON_KEYS} for r in records], f, indent=1)

@@ -41,6 +41,7 @@ inline JfmRange32 jfm_decode_chunk(int union_lo, int union_hi, bool any_row, uin
    device const T* v [[buffer(JFM_BUFFER_V)]],                            \
    device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],          \
    device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],        \
+   device const int* page_table [[buffer(JFM_BUFFER_PAGE_TABLE)]],        \
    device float* workspace [[buffer(JFM_BUFFER_WORKSPACE)]],              \
    JFM_FEATURE_BUFFER_ARGS,                                               \
    constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
@@ -109,8 +110,8 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
                        jfm_alignment_offset(params, q_valid, kv_valid));
 
   const uint q_stride = params.num_heads * uint(DK);
-  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DK);
-  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DV);
+  device const T* k_head = k + jfm_kv_head_offset(params, b, hk, DK);
+  device const T* v_head = v + jfm_kv_head_offset(params, b, hk, DV);
 
   float m = JFM_MAX_SENTINEL;
   float l = 0.0f;
@@ -125,7 +126,7 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
     // consecutive heads DK apart); positions past q_valid are zero-filled.
     jfm_load_tile_runs<T, BQ, DK, THREADS, false>(
         q_tile, q + jfm_row_offset(b, 0, hk * G, params.q_len, params.num_heads, DK), q_stride,
-        params.q_len, uint(DK), rows, 0, int(q_valid), thread_index);
+        params.q_len, uint(DK), 0, rows, 0, int(q_valid), thread_index);
     if (features && params.has_segment_ids != 0) {  // row r holds the id of position r % q_len
       jfm_stage_segment_ids<T, BQ, DK, THREADS>(q_tile,
                                                 f.in.q_segment_ids + ulong(b) * params.q_len,
@@ -143,6 +144,7 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
                                     v_head,
                                     params.num_kv_heads * uint(DK),
                                     params.num_kv_heads * uint(DV),
+                                    jfm_kv_rows(params, page_table, b),
                                     first_keys,
                                     last_keys,
                                     rows_full,
@@ -150,7 +152,8 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
                                     chunk_hi,
                                     keys,
                                     at,
-                                    thread_index};
+                                    thread_index,
+                                    lane};
     if (features) {  // rows [0, q_valid) hold every valid position once
       jfm_lane_segments<T, DK>(params, q_tile, r, int(q_valid), f);
       jfm_attend_key_blocks<T, DK, DV, true>(blocks, params, f, m, l, acc);
@@ -181,6 +184,7 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
    device const T* v [[buffer(JFM_BUFFER_V)]],                            \
    device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],          \
    device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],        \
+   device const int* page_table [[buffer(JFM_BUFFER_PAGE_TABLE)]],        \
    device float* workspace [[buffer(JFM_BUFFER_WORKSPACE)]],              \
    JFM_FEATURE_BUFFER_ARGS,                                               \
    constant AttentionParams& params [[buffer(JFM_BUFFER_PARAMS)]],        \
@@ -227,8 +231,10 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
   const long off = jfm_alignment_offset(params, q_valid, kv_valid);
   const uint k_stride = params.num_kv_heads * uint(DK);
   const uint v_stride = params.num_kv_heads * uint(DV);
-  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DK);
-  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DV);
+  device const T* k_head = k + jfm_kv_head_offset(params, b, hk, DK);
+  device const T* v_head = v + jfm_kv_head_offset(params, b, hk, DV);
+  const JfmKvRows kv_rows = jfm_kv_rows(params, page_table, b);
+  const bool paged = params.page_size != 0;  // uniform
 
   // Row r is query position r % q_len of head hk * G + r / q_len; rows past `rows` and
   // positions past q_valid see no key (empty intervals) and are never computed.
@@ -263,6 +269,7 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
   for (int j0 = chunk.lo; j0 <= chunk.hi; j0 += JFM_SIMD_WIDTH) {  // uniform
     const int j_end = min(j0 + JFM_SIMD_WIDTH - 1, chunk.hi);    // last key of the block
     const int j = j0 + int(lane);                                 // this lane's key
+    const uint kv_row = jfm_kv_lane_row(kv_rows, j0, j_end, lane);  // and its row
     // sc[r]: the q.k of row r and this lane's key, then its weight p (-1: not visible).
     float sc[R];
     JFM_PRAGMA_UNROLL
@@ -270,7 +277,8 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
       sc[r] = 0.0f;
     }
     for (int c = 0; c <= j_end - j0; ++c) {
-      device const T* k_row = k_head + ulong(j0 + c) * k_stride;
+      const uint row = paged ? simd_shuffle(kv_row, ushort(c)) : uint(j0 + c);
+      device const T* k_row = k_head + ulong(row) * k_stride;
       float kd[DLK];
       JFM_PRAGMA_UNROLL
       for (int n = 0; n < DLK; ++n) {
@@ -336,7 +344,8 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
       if (!any_seen) {
         continue;  // uniform
       }
-      device const T* v_row = v_head + ulong(j0 + c) * v_stride;
+      const uint row = paged ? simd_shuffle(kv_row, ushort(c)) : uint(j0 + c);
+      device const T* v_row = v_head + ulong(row) * v_stride;
       float vd[DLV];
       JFM_PRAGMA_UNROLL
       for (int n = 0; n < DLV; ++n) {

@@ -10,6 +10,7 @@
    device const T* v [[buffer(JFM_BUFFER_V)]],                            \
    device const int* q_lengths [[buffer(JFM_BUFFER_Q_LENGTHS)]],          \
    device const int* kv_lengths [[buffer(JFM_BUFFER_KV_LENGTHS)]],        \
+   device const int* page_table [[buffer(JFM_BUFFER_PAGE_TABLE)]],        \
    device T* o [[buffer(JFM_BUFFER_O)]],                                  \
    device float* lse [[buffer(JFM_BUFFER_LSE)]],                          \
    device float* row_max [[buffer(JFM_BUFFER_ROW_MAX)]],                  \
@@ -80,8 +81,8 @@ template <typename T, int DK, int DV>
                                       jfm_alignment_offset(params, q_valid, kv_valid));
 
   const uint q_stride = params.num_heads * uint(DK);  // elements between consecutive rows
-  device const T* k_head = k + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DK);
-  device const T* v_head = v + jfm_row_offset(b, 0, hk, params.kv_len, params.num_kv_heads, DV);
+  device const T* k_head = k + jfm_kv_head_offset(params, b, hk, DK);
+  device const T* v_head = v + jfm_kv_head_offset(params, b, hk, DV);
 
   float m = JFM_MAX_SENTINEL;  // running max of the row's scores
   float l = 0.0f;              // this lane's share of the running sum of exp(S - m)
@@ -111,6 +112,7 @@ template <typename T, int DK, int DV>
                                     v_head,
                                     params.num_kv_heads * uint(DK),
                                     params.num_kv_heads * uint(DV),
+                                    jfm_kv_rows(params, page_table, b),
                                     first_keys,
                                     last_keys,
                                     valid_rows == BQ,
@@ -118,7 +120,8 @@ template <typename T, int DK, int DV>
                                     union_hi,
                                     keys,
                                     at,
-                                    thread_index};
+                                    thread_index,
+                                    lane};
     if (features) {
       jfm_lane_segments<T, DK>(params, q_tile, band + int(at.row), valid_rows, f);
       jfm_attend_key_blocks<T, DK, DV, true>(blocks, params, f, m, l, acc);

@@ -135,6 +135,97 @@ inline float jfm_online_softmax_features(thread JfmFrag* s, constant AttentionPa
   return jfm_softmax_update<KF>(s, visible, m, l);
 }
 
+// ---- where the K/V rows are: contiguous, or a paged cache (docs/design.md#paged-kv-cache) ----
+
+// The K/V rows of one batch: contiguous (page_size 0), key j at row j of the (batch, kv head);
+// or pages, key j at row page_table[b, j / page_size] * page_size + j % page_size of the pool.
+// An entry is read only for a page holding a key the kernel visits (so never past the row's
+// length), and one outside [0, num_pages) is clamped, as the xla implementation gathers.
+struct JfmKvRows {
+  device const int* page_row;  // the batch's row of the page table (page_size > 0)
+  uint page_size;
+  uint num_pages;
+};
+
+inline JfmKvRows jfm_kv_rows(constant AttentionParams& p, device const int* page_table, uint b) {
+  JfmKvRows rows;
+  rows.page_size = p.page_size;
+  rows.num_pages = p.num_pages;
+  rows.page_row = p.page_size != 0 ? page_table + ulong(b) * (p.kv_len / p.page_size)
+                                   : page_table;
+  return rows;
+}
+
+// Element offset of row 0 of kv head hk (batch b when contiguous) in K or V.
+inline ulong jfm_kv_head_offset(constant AttentionParams& p, uint b, uint hk, uint head_dim) {
+  return p.page_size != 0 ? ulong(hk) * head_dim
+                          : jfm_row_offset(b, 0, hk, p.kv_len, p.num_kv_heads, head_dim);
+}
+
+// The pool page of logical page n (a table read).
+inline uint jfm_page_of(JfmKvRows rows, uint n) {
+  return uint(min(max(rows.page_row[n], 0), int(rows.num_pages) - 1));
+}
+
+// The rows of key block [j0, j0 + BK) (j0 a multiple of BK) as jfm_load_tile_runs reads them:
+// runs of `run` rows, row t of run s at row + s * run_rows + t (rows of the kv head, each the K
+// or V stride apart). Contiguous, or a page size BK divides: one run. A page of 16 under blocks
+// of 32: two runs, one per page.
+struct JfmKvBlock {
+  ulong row;
+  jfm_long run_rows;
+  uint run;
+};
+
+// The block whose keys up to `last` are visited: lanes 0 and 1 of each simdgroup read the
+// table entries of its first and second page (the second only when it holds a visited key), and
+// broadcast them, so the table costs 4 or 8 bytes per simdgroup and block. Uniform control flow.
+template <int BK>
+inline JfmKvBlock jfm_kv_block(JfmKvRows rows, int j0, int last, uint lane) {
+  JfmKvBlock block;
+  block.run = uint(BK);
+  block.run_rows = 0;
+  block.row = ulong(j0);
+  if (rows.page_size == 0) {  // uniform
+    return block;
+  }
+  const uint size = rows.page_size;
+  const uint n = uint(j0) / size + lane;  // the lane's logical page
+  const bool read = lane < 2u && ulong(n) * size <= ulong(min(last, j0 + BK - 1));
+  const uint page = read ? jfm_page_of(rows, n) : 0u;
+  const uint first = simd_shuffle(page, ushort(0));
+  const uint second = simd_shuffle(page, ushort(1));
+  block.run = min(size, uint(BK));
+  block.row = ulong(first) * size + uint(j0) % size;
+  block.run_rows = (jfm_long(second) - jfm_long(first)) * jfm_long(size);
+  return block;
+}
+
+// The kv head's row of row r of a block (jfm_kv_block).
+inline ulong jfm_kv_block_row(JfmKvBlock block, int r) {
+  const uint s = uint(r) / block.run;
+  return ulong(jfm_long(block.row) + jfm_long(s) * block.run_rows +
+               jfm_long(uint(r) - s * block.run));
+}
+
+// The row of key j0 + lane, of a run of keys [j0, last] with one key per lane (last < j0 + 32):
+// paged, lane t reads the table entry of the run's t-th page (only lanes whose page holds a key
+// of the run) and each lane takes its key's page by simd_shuffle, so the table costs 4 bytes
+// per page the run touches. A lane past `last` gets a row it must not read. Uniform control
+// flow.
+inline uint jfm_kv_lane_row(JfmKvRows rows, int j0, int last, uint lane) {
+  const int j = j0 + int(lane);
+  if (rows.page_size == 0) {  // uniform
+    return uint(j);
+  }
+  const uint size = rows.page_size;
+  const uint first = uint(j0) / size;
+  const uint n = first + lane;
+  const uint page = ulong(n) * size <= ulong(last) ? jfm_page_of(rows, n) : 0u;
+  const uint mine = simd_shuffle(page, ushort(uint(min(j, last)) / size - first));
+  return mine * size + uint(j) % size;
+}
+
 // What the key-block loop is given of its threadgroup and lane (jfm_attend_key_blocks).
 template <typename T>
 struct JfmKeyBlocks {
@@ -144,15 +235,17 @@ struct JfmKeyBlocks {
                                 // overwrites it)
   threadgroup T* kv_tile;              // the K/V tiles
   threadgroup int* nonfinite_v_block;  // start of the latest block whose V had Inf/NaN
-  device const T* k_head;              // K and V of the (batch, kv head): rows k_stride and
-  device const T* v_head;              // v_stride elements apart
-  uint k_stride, v_stride;
+  device const T* k_head;              // row 0 of K and V of the kv head (jfm_kv_head_offset):
+  device const T* v_head;              // rows k_stride and v_stride elements apart, contiguous
+  uint k_stride, v_stride;             // or paged (rows)
+  JfmKvRows rows;
   JfmRange32 first_keys, last_keys;  // intervals bounding every row's (block classification)
   bool rows_full;                    // every row of the tile is a real row
   int union_lo, union_hi;            // the threadgroup-uniform range of keys to visit
   JfmRange32 keys;                   // this lane's row interval
   JfmFragCoord at;
   uint thread_index;
+  uint lane;
 };
 
 // Key blocks [j0, j0 + BK) from the one holding c.union_lo to the one holding c.union_hi: stage
@@ -197,8 +290,6 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
     // Rows of the key block inside the union are loaded; the rest are zero-filled.
     const int load_begin = max(c.union_lo - j0, 0);
     const int load_end = min(c.union_hi - j0 + 1, BK);
-    const ulong k_offset = ulong(j0) * c.k_stride;
-    const ulong v_offset = ulong(j0) * c.v_stride;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous block's reads are done
     JfmRange32 block_segments = f.row_segments;
     if (FEATURES && params.has_segment_ids != 0) {  // uniform
@@ -213,10 +304,13 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
         continue;  // uniform: the next block's first barrier orders the ids' reads
       }
     }
-    jfm_load_tile<T, BK, DK, THREADS, false>(k_tile, c.k_head + k_offset, c.k_stride,
-                                             load_begin, load_end, c.thread_index);
-    if (!ONE_KV_BUFFER && jfm_load_tile<T, BK, DV, THREADS, true>(
-                              v_tile, c.v_head + v_offset, c.v_stride, load_begin, load_end,
+    const JfmKvBlock kv = jfm_kv_block<BK>(c.rows, j0, c.union_hi, c.lane);
+    jfm_load_tile_runs<T, BK, DK, THREADS, false>(
+        k_tile, c.k_head + kv.row * c.k_stride, c.k_stride, kv.run, kv.run_rows * c.k_stride,
+        load_begin, load_end, 0, BK, c.thread_index);
+    if (!ONE_KV_BUFFER && jfm_load_tile_runs<T, BK, DV, THREADS, true>(
+                              v_tile, c.v_head + kv.row * c.v_stride, c.v_stride, kv.run,
+                              kv.run_rows * c.v_stride, load_begin, load_end, 0, BK,
                               c.thread_index)) {
       c.nonfinite_v_block[0] = j0;
     }
@@ -251,8 +345,9 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
 
     if (ONE_KV_BUFFER) {  // V replaces K in the one buffer
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (jfm_load_tile<T, BK, DV, THREADS, true>(v_tile, c.v_head + v_offset, c.v_stride,
-                                                  load_begin, load_end, c.thread_index)) {
+      if (jfm_load_tile_runs<T, BK, DV, THREADS, true>(
+              v_tile, c.v_head + kv.row * c.v_stride, c.v_stride, kv.run,
+              kv.run_rows * c.v_stride, load_begin, load_end, 0, BK, c.thread_index)) {
         c.nonfinite_v_block[0] = j0;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -274,7 +369,7 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
         if (FEATURES && !jfm_lane_keeps<T>(params, f, j)) {
           continue;
         }
-        device const T* v_row = c.v_head + ulong(j) * c.v_stride;
+        device const T* v_row = c.v_head + jfm_kv_block_row(kv, j - j0) * c.v_stride;
         JFM_PRAGMA_UNROLL
         for (int d = 0; d < DVF; ++d) {
           JFM_PRAGMA_UNROLL

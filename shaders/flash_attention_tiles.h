@@ -32,18 +32,19 @@ inline uint jfm_finite_mask(uint word, half) { return jfm_finite_mask16(word, 0x
 inline uint jfm_finite_mask(uint word, ushort) { return jfm_finite_mask16(word, 0x7f80u); }
 
 // Cooperative copy of rows [0, R) of a block into a tile, the rows read in runs: row
-// r = s * run + t (t < run) starts at src + s * run_stride + t * src_stride. Row r is read when
-// r < rows and t is in [valid_begin, valid_end); every other row is zero-filled and never read
-// (padding past a length, rows outside a block's visible union). All THREADS threads of the
-// group call it with the same arguments; each moves 16 bytes per step. With SANITIZE, non-finite
+// r = s * run + t (t < run) starts at src + s * run_stride + t * src_stride (run_stride may be
+// negative: the runs of a paged block are pages in any order). Row r is read when r is in
+// [row_begin, row_end) and t in [valid_begin, valid_end); every other row is zero-filled and
+// never read (padding past a length, rows outside a block's visible union). All THREADS threads
+// of the group call it with the same arguments; each moves 16 bytes per step. With SANITIZE, non-finite
 // elements are stored as 0 and the return value says whether this thread met one (the caller
 // publishes it): a value invisible to one row of an MMA must not reach it as 0 * NaN.
 // src, src_stride, run_stride and dst must keep 16-byte alignment (D * sizeof(T) is a multiple
 // of 16; declare the tile as threadgroup uint4 words and point a T* at it).
 template <typename T, int R, int D, int THREADS, bool SANITIZE>
 inline bool jfm_load_tile_runs(threadgroup T* dst, device const T* src, uint src_stride,
-                               uint run, uint run_stride, int rows, int valid_begin,
-                               int valid_end, uint thread_index) {
+                               uint run, jfm_long run_stride, int row_begin, int row_end,
+                               int valid_begin, int valid_end, uint thread_index) {
   static_assert((D * int(sizeof(T))) % 16 == 0, "tile rows must be whole 16-byte words");
   constexpr int WORDS = D * int(sizeof(T)) / 16;  // 16-byte words per row
   constexpr int STRIDE = jfm_tile_stride<T>(D);
@@ -54,8 +55,8 @@ inline bool jfm_load_tile_runs(threadgroup T* dst, device const T* src, uint src
     const uint s = uint(r) / run;
     const int t = int(uint(r) - s * run);
     uint4 word = uint4(0u);
-    if (r < rows && t >= valid_begin && t < valid_end) {
-      word = ((device const uint4*)(src + s * run_stride + uint(t) * src_stride))[c];
+    if (r >= row_begin && r < row_end && t >= valid_begin && t < valid_end) {
+      word = ((device const uint4*)(src + jfm_long(s) * run_stride + uint(t) * src_stride))[c];
       if (SANITIZE) {
         const uint4 keep = uint4(jfm_finite_mask(word.x, T()), jfm_finite_mask(word.y, T()),
                                  jfm_finite_mask(word.z, T()), jfm_finite_mask(word.w, T()));
@@ -72,8 +73,9 @@ inline bool jfm_load_tile_runs(threadgroup T* dst, device const T* src, uint src
 template <typename T, int R, int D, int THREADS, bool SANITIZE>
 inline bool jfm_load_tile(threadgroup T* dst, device const T* src, uint src_stride,
                           int valid_begin, int valid_end, uint thread_index) {
-  return jfm_load_tile_runs<T, R, D, THREADS, SANITIZE>(dst, src, src_stride, uint(R), 0u, R,
-                                                        valid_begin, valid_end, thread_index);
+  return jfm_load_tile_runs<T, R, D, THREADS, SANITIZE>(dst, src, src_stride, uint(R), 0,
+                                                        valid_begin, valid_end, 0, R,
+                                                        thread_index);
 }
 
 inline bool jfm_is_finite(float x) { return jfm_finite_mask(as_type<uint>(x), x) != 0u; }

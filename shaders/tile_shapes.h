@@ -45,6 +45,11 @@ constexpr int jfm_fwd_block_q(int element_bytes, int head_dim) {
 constexpr int jfm_fwd_block_k(int element_bytes, int head_dim) {
   return head_dim <= 64 ? 32 : head_dim <= 128 ? 16 : (element_bytes == 2 ? 16 : 8);
 }
+// Page sizes of a paged K/V cache (flash_attention_key_blocks.h): powers of two >= 16, so that an
+// aligned key block of 8, 16 or 32 keys lies in one page, or (pages of 16, blocks of 32) in two.
+constexpr bool jfm_page_size_supported(long size) {
+  return size >= 16 && (size & (size - 1)) == 0;
+}
 // Q fragments live in registers for the whole loop (D <= 128: D / 4 registers; Q is staged
 // through the K/V tiles before the first key block), else they are reloaded from their own
 // threadgroup tile per key block (D / 4 more would pass the 128-register budget at D 256).

@@ -160,6 +160,8 @@ def test_embed_script_inlines_each_header_once_and_escapes_exactly(request, tmp_
 
 _Q = jnp.zeros((1, 4, 2, 16), jnp.float32)
 _K = jnp.zeros((1, 5, 1, 16), jnp.float32)
+_PAGES = jnp.zeros((3, 16, 1, 16), jnp.float32)
+_LENGTH = jnp.ones((1,), jnp.int32)
 
 
 @pytest.mark.parametrize("args, kwargs, message", [
@@ -184,10 +186,23 @@ _K = jnp.zeros((1, 5, 1, 16), jnp.float32)
      "multiple of num_kv_heads"),
     ((jnp.zeros((1, 4, 2, 24)), jnp.zeros((1, 5, 1, 24)), jnp.zeros((1, 5, 1, 24))), dict(),
      "head_dim 24 with dtype f32 is not supported by the emulator device"),
+    # A paged cache: pages [num_pages, page_size, HKV, D], kv_lengths, then the table.
+    ((_Q, _PAGES, _PAGES, jnp.zeros((1, 2), jnp.int32)), dict(has_page_table=True),
+     "page_table needs kv_lengths"),
+    ((_Q, _PAGES[:, :12], _PAGES[:, :12], _LENGTH, jnp.zeros((1, 2), jnp.int32)),
+     dict(has_kv_lengths=True, has_page_table=True), "page_size 12 is not a power of two >= 16"),
+    ((_Q, _PAGES, _PAGES, _LENGTH, jnp.zeros((2, 2), jnp.int32)),
+     dict(has_kv_lengths=True, has_page_table=True), r"page_table must be int32 \[1, max_pages\]"),
 ])
 def test_handler_rejects_bad_operands_and_attributes(args, kwargs, message):
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
         fwd_call(*args, **kwargs)
+
+
+def test_backward_handler_refuses_a_paged_cache():
+    row = jnp.zeros((1, 2, 4), jnp.float32)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="has no backward"):
+        bwd_call(_Q, _K, _K, _Q, (row, row), _Q, row, has_page_table=True)
 
 
 def test_handler_rejects_missing_and_mistyped_attributes():
