@@ -17,8 +17,8 @@ and reports forward+backward TFLOP/s (14 B H P D model FLOPs, P the visible pair
 
 ``--schedules`` names the xla implementation's schedules to compare (``xla_schedule``): "default"
 (the table entry of this device's platform), "cpu" (the cpu entry, run on this device; only at
-lengths up to ``--cpu-max-len``, it is slow here), or "BQxBK" (that entry with block_q BQ and
-block_k BK). For float32 inputs jax.nn's xla path is also timed at ``jax.default_matmul_precision("highest")`` (its default on GPUs is TF32),
+lengths up to ``--cpu-max-len``, it is slow here), "BQxBK" (that entry with block_q BQ and
+block_k BK) or "BQxBKxINNER" (and inner_block INNER, 0 for none). For float32 inputs jax.nn's xla path is also timed at ``jax.default_matmul_precision("highest")`` (its default on GPUs is TF32),
 the precision the xla implementation keeps.
 """
 
@@ -44,8 +44,11 @@ def _fwd_bwd(attention, causal):
 def _schedule(name, platform):
     if name in ("default", "cpu"):
         return xla_schedule.for_platform(platform if name == "default" else name)
-    block_q, block_k = (int(n) for n in name.split("x"))
-    return xla_schedule.for_platform(platform)._replace(block_q=block_q, block_k=block_k)
+    sizes = [int(n) for n in name.split("x")]
+    schedule = xla_schedule.for_platform(platform)._replace(block_q=sizes[0], block_k=sizes[1])
+    if len(sizes) == 3:  # BQxBKxINNER, INNER 0 for none
+        schedule = schedule._replace(inner_block=sizes[2] or None)
+    return schedule
 
 
 def _compile(fn, args):

@@ -50,12 +50,17 @@ class _Tiling(NamedTuple):
         return self.nq == 1 and self.nk == 1
 
 
-def tiling(q_len, kv_len, schedule=CPU):
+def tiling(q_len, kv_len, schedule=CPU, *, long_inner=False, backward=False):
     """The _Tiling the size rule of ``schedule`` (``xla_schedule.Schedule``) picks for these
-    (static, non-zero) lengths."""
+    (static, non-zero) lengths, for the forward or the ``backward``; with ``long_inner`` (half
+    operands and a band that hides no whole block: no causal mask, no window) the inner loop's
+    blocks take the schedule's ``inner_block``, if any."""
     if q_len <= schedule.dense_max_len and kv_len <= schedule.dense_max_len:
         return _Tiling(q_len, kv_len, 1, 1)
-    br, bc = min(schedule.block_q, q_len), min(schedule.block_k, kv_len)
+    br, bc = schedule.block_q, schedule.block_k
+    if schedule.inner_block is not None and long_inner:
+        br, bc = (schedule.inner_block, bc) if backward else (br, schedule.inner_block)
+    br, bc = min(br, q_len), min(bc, kv_len)
     return _Tiling(br, bc, -(-q_len // br), -(-kv_len // bc))
 
 
@@ -443,14 +448,15 @@ def _evaluated_now(static):
 
 
 def _setup(q, k, operands, schedule, is_causal, window_left, window_right, bottom_right,
-           dropout_rate):
+           dropout_rate, backward, half):
     batch, q_len, _, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     with _evaluated_now(operands.q_lengths is None and operands.kv_lengths is None):
         band = visibility.Band(batch, q_len, kv_len, operands.q_lengths, operands.kv_lengths,
                                is_causal=is_causal, window_left=window_left,
                                window_right=window_right, bottom_right=bottom_right)
-    t = tiling(q_len, kv_len, schedule)
+    t = tiling(q_len, kv_len, schedule, backward=backward,
+               long_inner=half and band.left is None and band.right is None)
     return _Blocks(band, t, q_len, kv_len, operands, kv_heads, dropout_rate), t
 
 
@@ -535,10 +541,10 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
     if 0 in (batch, q_len, kv_len):  # every row is empty: m = lse (the sink or -inf), l = 1
         lse = _empty_lse(operands.sinks, batch, num_heads, q_len)
         return jnp.zeros(o_shape, q.dtype), lse, lse, jnp.zeros_like(lse)
-    blocks, t = _setup(q, k, operands, schedule, is_causal, window_left, window_right,
-                       bottom_right, dropout_rate)
-    kv_valid = _valid(operands.kv_lengths, kv_len)
     prec = _precision(q.dtype, scale, schedule)
+    blocks, t = _setup(q, k, operands, schedule, is_causal, window_left, window_right,
+                       bottom_right, dropout_rate, backward=False, half=prec.dtype != F32)
+    kv_valid = _valid(operands.kv_lengths, kv_len)
     qb = _query_blocks(q, kv_heads, t, _valid(operands.q_lengths, q_len), prec.dtype,
                        prec.q_scale)
     kb, vb = _key_blocks(k, t, kv_valid, prec.dtype), _key_blocks(v, t, kv_valid, prec.dtype)
@@ -620,11 +626,11 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
         zeros = [jnp.zeros(x.shape, x.dtype) for x in (q, k, v)]
         return zeros + [jnp.zeros(x.shape, F32) for x, wanted in (
             (operands.bias, bias_grad), (operands.alibi_slopes, alibi_grad)) if wanted]
+    prec = _precision(q.dtype, scale, schedule)
     blocks, t = _setup(q, k, operands, schedule, is_causal, window_left, window_right,
-                       bottom_right, dropout_rate)
+                       bottom_right, dropout_rate, backward=True, half=prec.dtype != F32)
     q_valid = _valid(operands.q_lengths, q_len)
     kv_valid = _valid(operands.kv_lengths, kv_len)
-    prec = _precision(q.dtype, scale, schedule)
     # D from the O given, not as rowsum(P dP) (equal only when O = P V over these keys): ring
     # attention passes the O, m and log l of the whole sequence with a part of its keys.
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(F32), o.astype(F32),
@@ -655,7 +661,8 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
             _of_pass(p, q_r), _weighted(p, q_r, hides), *xs, _of_pass(p, do_r),
             _weighted(p, do_r, hides), _of_pass(p, _block(max_b, r)),
             _of_pass(p, _block(log_sum_b, r)), _of_pass(p, _block(delta_b, r), -1.0)), visible,
-            _of_pass(p, bias), logits_soft_cap, prec.score_scale, _of_pass(p, z, 1.0))
+            _of_pass(p, bias), logits_soft_cap, prec.score_scale, _of_pass(p, z, 1.0),
+            schedule.pinned_transposes)
         rows = dq
         if alibi_grad:  # per row: sum_j dS * -|i + off - j| (0 in the counting pass)
             rows = (dq, _of_pass(p, jnp.sum(ds * blocks.alibi_distance(r, c), axis=-1), 0.0))

@@ -53,6 +53,11 @@ def _dot(spec, a, b):
                       preferred_element_type=F32)
 
 
+def _as_operand(x, like):
+    """float32 x rounded to the dtype of the operand ``like`` (a no-op for float32)."""
+    return x.astype(like.dtype).astype(F32)
+
+
 def _masked(visible, x, fill):
     """x [B, HKV, G, Br, Bc] with ``fill`` at invisible pairs."""
     return x if visible is None else jnp.where(visible, x, fill)
@@ -166,27 +171,36 @@ def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=N
     return o, lse, m, log_l
 
 
-def _key_major(small, big):
+def _key_major(small, big, pinned_transposes):
     """sum over rows (and heads of a group) of big [B, HKV, G, Br, Bc] x small [B, HKV, G, Br, D]
-    -> [B, HKV, Bc, D] (dS^T q, P^T dO), computed as (small^T big)^T: a plain matmul that
-    reads the [rows, keys] operand in its layout. The optimization barriers keep XLA from
-    folding the two small transposes back into the matmul, which XLA:CPU would then run as a
-    transposed-operand matmul about 1.5x slower."""
+    -> [B, HKV, Bc, D] (dS^T q, P^T dO). With ``pinned_transposes``, computed as
+    (small^T big)^T: a plain matmul that reads the [rows, keys] operand in its layout. The
+    optimization barriers keep XLA from folding the two small transposes back into the matmul,
+    which XLA:CPU would then run as a transposed-operand matmul about 1.5x slower."""
+    if not pinned_transposes:
+        return _dot("bhgqd,bhgqk->bhkd", small, big)
     small_t = jax.lax.optimization_barrier(jnp.moveaxis(small, -1, 2))  # [B, HKV, D, G, Br]
     return jnp.swapaxes(jax.lax.optimization_barrier(
         _dot("bhdgq,bhgqk->bhdk", small_t, big)), -1, -2)
 
 
-def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, scale=None, dropout=None):
+def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, scale=None, dropout=None,
+                  pinned_transposes=False):
     """(dq unscaled, dk, dv, dS) contributions of one tile: P = ``probabilities`` from the
     forward's residuals, dV = (P Z)^T dO, dP = (dO V^T) Z (Z = 1 without dropout),
     dS = P (dP - delta) (the bias gradient), then through the soft cap's slope
     dS_raw = dS (1 - tanh^2), dQ = dS_raw K, dK = dS_raw^T q (q as the operands hold it: times
-    scale, or unscaled with ``scale`` given, then dk lacks it too)."""
+    scale, or unscaled with ``scale`` given, then dk lacks it too). With half-precision
+    operands, P (for dV and dS alike) and dP - delta are rounded to the operands' dtype, so XLA
+    can write both in half precision straight from their matmuls instead of float32 tiles; dS is
+    rounded for its matmuls anyway. The difference is rounded, not dP: dP - delta cancels where
+    the softmax is nearly one-hot (case C-07), and a rounded dP would leave its rounding error.
+    ``pinned_transposes``: as ``xla_schedule``'s (``_key_major``)."""
     s, slope = _scores(x.q, x.k_nan, bias, cap, scale)
-    p = probabilities(s, x.row_max, x.log_sum, visible)
+    p = _as_operand(probabilities(s, x.row_max, x.log_sum, visible), x.do)
     dp = _dropped(_dot("bhgqd,bhkd->bhgqk", x.do, x.v), dropout)
-    ds = _masked(visible, p * (dp - x.delta[..., None]), 0.0)
+    ds = _masked(visible, p * _as_operand(dp - x.delta[..., None], x.do), 0.0)
     ds_raw = ds if slope is None else ds * slope
     return (_dot("bhgqk,bhkd->bhgqd", ds_raw, x.k_zeroed),
-            _key_major(x.q_zeroed, ds_raw), _key_major(x.do_zeroed, _dropped(p, dropout)), ds)
+            _key_major(x.q_zeroed, ds_raw, pinned_transposes),
+            _key_major(x.do_zeroed, _dropped(p, dropout), pinned_transposes), ds)

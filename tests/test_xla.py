@@ -36,9 +36,11 @@ SHAPES = [(2, 33, 47, 4, 2), (1, 16, 32, 2, 1), (2, 40, 9, 2, 2), (1, 1, 40, 2, 
           (2, 17, 31, 4, 1), (1, 24, 24, 2, 2), (2, 9, 65, 2, 1)]
 
 
-# Schedules scaled down (many blocks from small shapes, dense only up to 8): square blocks, as
-# every platform's in xla_schedule, and Br != Bc.
-SMALL = {"square": xla_schedule.Schedule(dense_max_len=8, block_q=8, block_k=8),
+# Schedules scaled down (many blocks from small shapes, dense only up to 8): square blocks with
+# pinned transposes, as the cpu one in xla_schedule, and Br != Bc (the accelerators' longer
+# inner blocks, which only half operands take, are HALF["blocks"]'s below).
+SMALL = {"square": xla_schedule.Schedule(dense_max_len=8, block_q=8, block_k=8,
+                                         pinned_transposes=True),
          "wide": xla_schedule.Schedule(dense_max_len=8, block_q=8, block_k=16)}
 
 
@@ -67,6 +69,23 @@ def test_size_rule(platform):
         assert t.br <= schedule.block_q and t.bc <= schedule.block_k
 
 
+def test_inner_block_where_the_band_skips_nothing():
+    """The accelerators' schedule: for half operands without causal or window masks
+    (``long_inner``) the forward's key blocks and the backward's query blocks (each loop's
+    inner ones) take ``inner_block``; otherwise, and on cpu, every tile is block_q x block_k."""
+    schedule = xla_schedule.SCHEDULES["default"]
+    n = 4 * schedule.inner_block
+    forward = xla_attention.tiling(n, n, schedule, long_inner=True)
+    backward = xla_attention.tiling(n, n, schedule, long_inner=True, backward=True)
+    assert (forward.br, forward.bc) == (schedule.block_q, schedule.inner_block)
+    assert (backward.br, backward.bc) == (schedule.inner_block, schedule.block_k)
+    for name, long_inner, is_backward in [("default", False, False), ("default", False, True),
+                                          ("cpu", True, True)]:
+        s = xla_schedule.SCHEDULES[name]
+        t = xla_attention.tiling(n, n, s, long_inner=long_inner, backward=is_backward)
+        assert (t.br, t.bc) == (s.block_q, s.block_k)
+
+
 @pytest.mark.parametrize("q_len,kv_len", [(256, 256), (257, 255), (129, 300)])
 def test_both_sides_of_the_dense_limit(q_len, kv_len):
     """The real size rule and block sizes, with lengths and bottom-right causal."""
@@ -91,11 +110,12 @@ def test_blockwise_half_precision(small_blocks, dtype):
 
 
 # The accelerators' half-precision arithmetic (``half_operands``: half operands, float32
-# accumulation, the scale applied to float32 scores), on the dense tile and on blocks.
+# accumulation, the scale applied to float32 scores), on the dense tile and on blocks (without
+# causal or window masks: forward 8 x 24, backward 24 x 16 tiles).
 HALF = {"dense": xla_schedule.Schedule(dense_max_len=64, block_q=8, block_k=8,
                                        half_operands=True),
         "blocks": xla_schedule.Schedule(dense_max_len=8, block_q=8, block_k=16,
-                                        half_operands=True)}
+                                        half_operands=True, inner_block=24)}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
