@@ -68,6 +68,8 @@ std::string dtype_name(ffi::DataType t) {
       return "bool";
     case ffi::DataType::U8:
       return "uint8";
+    case ffi::DataType::U32:
+      return "uint32";
     default:
       return "dtype #" + std::to_string(static_cast<int>(t));
   }
@@ -93,6 +95,7 @@ struct Problem {
   int64_t page_size = 0, num_pages = 0;  // a paged K/V cache (has_page_table), else 0
   ffi::DataType dtype = ffi::DataType::F32;
   const char* suffix = nullptr;  // f32 / f16 / bf16
+  bool dropout = false;          // dropout_rate > 0: the forward runs the tiled kernel
 
   std::vector<int64_t> q_shape() const { return {batch, q_len, heads, head_dim}; }
   std::vector<int64_t> o_shape() const { return {batch, q_len, heads, value_head_dim}; }
@@ -175,6 +178,9 @@ ffi::Error check_attributes(const Attributes& o) {
   if (!(o.logits_soft_cap >= 0.0f) || std::isinf(o.logits_soft_cap)) {
     return invalid("logits_soft_cap must be a positive finite float, or 0 for none; got " +
                    std::to_string(o.logits_soft_cap));
+  }
+  if (!(o.dropout_rate >= 0.0 && o.dropout_rate < 1.0)) {
+    return invalid("dropout_rate must be in [0, 1); got " + std::to_string(o.dropout_rate));
   }
   return ffi::Error::Success();
 }
@@ -276,15 +282,17 @@ ffi::Error expect_broadcastable(const char* what, ffi::AnyBuffer buffer, const P
 }
 
 // Reads the optional operands after the main ones, in the contract's order (q_lengths,
-// kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks, alibi_slopes, page_table; each
-// present iff its flag is set), checks their dtypes and shapes, and prepares their bindings and
-// strides. One function for both directions, so both see one set of rules.
+// kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks, alibi_slopes, page_table,
+// dropout; each present iff its flag is set), checks their dtypes and shapes, and prepares
+// their bindings and strides. One function for both directions, so both see one set of rules.
 ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Problem& p,
                          OptionalOperands* out) {
   const size_t length_operands = size_t{o.has_q_lengths} + size_t{o.has_kv_lengths};
+  const bool has_dropout = o.dropout_rate > 0.0;
   const size_t feature_operands = 2 * size_t{o.has_segment_ids} + size_t{o.has_bias} +
                                   size_t{o.has_mask} + size_t{o.has_sinks} +
-                                  size_t{o.has_alibi} + size_t{o.has_page_table};
+                                  size_t{o.has_alibi} + size_t{o.has_page_table} +
+                                  size_t{has_dropout};
   if (rest.size() != length_operands + feature_operands) {
     return invalid("expected " + std::to_string(length_operands) + " length operand(s) and " +
                    std::to_string(feature_operands) + " feature operand(s) after the arrays " +
@@ -295,7 +303,8 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
                    ", has_mask=" + std::to_string(o.has_mask) +
                    ", has_sinks=" + std::to_string(o.has_sinks) +
                    ", has_alibi=" + std::to_string(o.has_alibi) +
-                   ", has_page_table=" + std::to_string(o.has_page_table) + "), got " +
+                   ", has_page_table=" + std::to_string(o.has_page_table) +
+                   ", dropout_rate=" + std::to_string(o.dropout_rate) + "), got " +
                    std::to_string(rest.size()));
   }
   size_t next = 0;
@@ -397,8 +406,14 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
     return e;
   }
   // Checked by read_page_table; bound in place.
-  return feature(o.has_page_table, "page_table", JFM_BUFFER_PAGE_TABLE,
-                 [&](ffi::AnyBuffer) { return ffi::Error::Success(); });
+  if (ffi::Error e = feature(o.has_page_table, "page_table", JFM_BUFFER_PAGE_TABLE,
+                             [&](ffi::AnyBuffer) { return ffi::Error::Success(); });
+      e.failure()) {
+    return e;
+  }
+  return feature(has_dropout, "dropout", JFM_BUFFER_DROPOUT, [&](ffi::AnyBuffer b) {
+    return expect("dropout", b, ffi::DataType::U32, {p.batch, p.heads, 4});
+  });
 }
 
 ffi::Error require_kernel(Device& device, const std::string& kernel, const Problem& p) {
@@ -440,6 +455,10 @@ AttentionParams make_params(const Problem& p, const Attributes& o, const Optiona
   params.alibi_grad = o.alibi_grad ? 1u : 0u;
   params.page_size = static_cast<uint32_t>(p.page_size);
   params.num_pages = static_cast<uint32_t>(p.num_pages);
+  if (o.dropout_rate > 0.0) {  // jax_flash_metal/dropout.py's threshold and keep_scale, exactly
+    params.dropout_threshold = static_cast<uint32_t>(std::floor(o.dropout_rate * 4294967296.0));
+    params.dropout_scale = static_cast<float>(1.0 / (1.0 - o.dropout_rate));
+  }
   std::copy(x.bias_strides, x.bias_strides + 4, params.bias_strides);
   std::copy(x.mask_strides, x.mask_strides + 4, params.mask_strides);
   return params;
@@ -449,7 +468,8 @@ Binding lengths_binding(int index, std::vector<int32_t>& values) {
   return Binding{index, values.data(), values.size() * sizeof(int32_t), false, true};
 }
 
-// `main` followed by the optional operands' bindings: the lengths, then buffers 16-20, 23 and 25.
+// `main` followed by the optional operands' bindings: the lengths, then buffers 16-20, 23, 25
+// and 26.
 std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& x) {
   main.push_back(lengths_binding(JFM_BUFFER_Q_LENGTHS, x.q_lengths));
   main.push_back(lengths_binding(JFM_BUFFER_KV_LENGTHS, x.kv_lengths));
@@ -459,12 +479,12 @@ std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& 
 
 std::vector<StageShape> stages_of(bool backward, const Problem& p, int gpu_cores) {
   return attention_stages(backward, p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads,
-                          p.head_dim, p.value_head_dim, gpu_cores);
+                          p.head_dim, p.value_head_dim, gpu_cores, p.dropout);
 }
 
 int64_t splits_of(const Problem& p, int gpu_cores) {
   return decode_splits(p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads,
-                       tile_head_dim(p.head_dim, p.value_head_dim), gpu_cores);
+                       tile_head_dim(p.head_dim, p.value_head_dim), gpu_cores, p.dropout);
 }
 
 ffi::Error require_kernels(Device& device, const std::vector<StageShape>& stages,
@@ -548,6 +568,7 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, opt.has_page_table, &p); e.failure()) return e;
   if (ffi::Error e = check_attributes(opt); e.failure()) return e;
+  p.dropout = opt.dropout_rate > 0.0;
   if (opt.has_page_table) {
     if (ffi::Error e = read_page_table(rest, opt, &p); e.failure()) return e;
   }
@@ -605,6 +626,7 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, false, &p); e.failure()) return e;
   if (ffi::Error e = check_attributes(opt); e.failure()) return e;
+  p.dropout = opt.dropout_rate > 0.0;
   const ffi::DataType f32 = ffi::DataType::F32;
   for (auto [what, buffer, dtype, shape] :
        {std::make_tuple("o", o, p.dtype, p.o_shape()),

@@ -39,6 +39,7 @@
 //     sinks float32 [H]                                              (has_sinks)
 //     alibi_slopes float32 [B, H]                                    (has_alibi)
 //     page_table int32 [B, max_pages]                                (has_page_table; forward)
+//     dropout uint32 [B, H, 4]                                       (dropout_rate > 0)
 //   bias and mask are rank 4 with each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv]
 //   (jax_flash_metal.validation makes them so; the lowering converts a bias of another float
 //   dtype to float32). An absent operand's buffer index is bound to a placeholder the kernels
@@ -52,6 +53,11 @@
 //   a -inf bias entry, a 0 mask byte or unequal segment ids hide the key exactly as the band
 //   rules do (never NaN); +inf/NaN bias propagates. Sinks join each row's denominator:
 //   lse = log(exp(sink_h) + sum exp(score)), o = 0 and lse = sink_h for an empty row.
+//   Dropout (shaders/flash_attention_dropout.h): per (batch row, query head) the key's two
+//   words and the (b, n) of the keep mask's counter; P V takes P * M / (1 - rate), the LSE and
+//   residuals are the undropped scores', and the backward recomputes M (dV from P * M / (1 -
+//   rate), dP times M / (1 - rate)). A forward with dropout always runs the tiled kernel, never
+//   the split-KV decode (dropout is a training feature; decode_splits is 0 then).
 //   Backward: the sinks need no kernel work (lse includes them; dsinks is computed by XLA from
 //   O, LSE, dO and g_lse). With bias_grad (the bias's gradient is wanted) the dbias result is
 //   float32 [B, H, Tq, Tkv], the full layout, written row block by row block by the dQ kernel
@@ -79,7 +85,7 @@
 #include "xla/ffi/api/api.h"
 
 // The static attributes of both targets, once: X(C++ type, name) each, with float = f32,
-// int32_t = i32 and bool = i1 (pred). Both handlers decode them into one jfm::Attributes
+// double = f64, int32_t = i32 and bool = i1 (pred). Both handlers decode them into one jfm::Attributes
 // (attention_ffi.cc), the extension lists them (_ext.ffi_attributes()) and the Python lowering
 // builds its attribute dict from that list (ffi_lowering._attributes), so a lowering and a
 // handler cannot disagree. To add an attribute: one line here, its static parameter in
@@ -93,6 +99,8 @@
 //   bottom_right     i1    the diagonal (and window) aligned to the bottom-right corner
 //   has_*            i1    which optional operands follow the main ones (see below)
 //   logits_soft_cap  f32   c of c * tanh(score / c); 0 = no cap
+//   dropout_rate     f64   in [0, 1); > 0: a dropout operand follows the sinks. f64 so that
+//                          floor(rate 2^32), the keep threshold, is the Python side's exactly
 //   bias_grad        i1    backward only (false on the forward): the dbias result is wanted;
 //                          needs has_bias
 //   alibi_grad       i1    backward only (false on the forward): the dalibi result is wanted;
@@ -112,6 +120,7 @@
   X(float, logits_soft_cap)   \
   X(bool, has_alibi)          \
   X(bool, has_page_table)     \
+  X(double, dropout_rate)     \
   X(bool, bias_grad)          \
   X(bool, alibi_grad)
 

@@ -129,7 +129,9 @@ bool decode_is_vector(int64_t q_len, int64_t heads, int64_t kv_heads, int64_t he
 }
 
 int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, int64_t kv_len,
-                      int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores) {
+                      int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores,
+                      bool dropout) {
+  if (dropout) return 0;  // the tiled forward has dropout; the decode kernels do not
   const int rows = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, element_bytes(dtype_suffix),
                                  static_cast<int>(head_dim));
   if (q_len < 1 || q_len > JFM_DECODE_MAX_Q_LEN || kv_heads < 1 || kv_len < 1 || batch < 1 ||
@@ -164,7 +166,7 @@ int tile_head_dim(int64_t head_dim, int64_t value_head_dim) {
 std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
                                          int64_t q_len, int64_t kv_len, int64_t heads,
                                          int64_t kv_heads, int64_t head_dim,
-                                         int64_t value_head_dim, int gpu_cores) {
+                                         int64_t value_head_dim, int gpu_cores, bool dropout) {
   const int bytes = element_bytes(dtype_suffix);
   const int tile_dim = tile_head_dim(head_dim, value_head_dim);
   auto stage = [&](const char* name, int64_t rows, int64_t stage_heads,
@@ -189,7 +191,7 @@ std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix
                group = kv_heads > 0 ? static_cast<double>(heads / kv_heads) : 0.0;
   const int64_t splits = backward ? 0
                                   : decode_splits(dtype_suffix, batch, q_len, kv_len, heads,
-                                                  kv_heads, tile_dim, gpu_cores);
+                                                  kv_heads, tile_dim, gpu_cores, dropout);
   if (splits > 0) {
     // Pass 1: a split of the keys for one tile of rows (the vector kernel: the rows only);
     // pass 2: one row over every split.

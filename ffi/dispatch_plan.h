@@ -72,14 +72,15 @@ double submission_budget_seconds();
 // The kernels a call runs, in order, with their grids and estimated work, for query/key head dim
 // `head_dim` and value head dim `value_head_dim` (one family of shaders/kernel_families.h):
 // forward the fwd
-// kernel, or for a decode call (decode_splits > 0) its pass 1 (decode_vector where
+// kernel, or for a decode call (decode_splits > 0; never with dropout) its pass 1 (decode_vector where
 // decode_is_vector, else decode_partial) then decode_combine; backward
 // bwd_stages: bwd_dq (and D), bwd_dkdv or bwd_dk, bwd_dv. The handlers cut these into
 // submissions with plan_submissions (dispatch_plan.h); tests read them through _ext.
 std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
                                          int64_t q_len, int64_t kv_len, int64_t heads,
                                          int64_t kv_heads, int64_t head_dim,
-                                         int64_t value_head_dim, int gpu_cores);
+                                         int64_t value_head_dim, int gpu_cores,
+                                         bool dropout = false);
 
 // The kernel name of a stage ("fwd", "bwd_dq", ...) for a dtype suffix and head dims:
 // "flash_attention_STAGE_SUFFIX_dNAME" with NAME = family_name(head_dim, value_head_dim), the
@@ -101,10 +102,12 @@ bool decode_is_vector(int64_t q_len, int64_t heads, int64_t kv_heads, int64_t he
 // The decode's key splits per (batch, kv head) on a GPU of `gpu_cores` cores, or 0 when the
 // forward runs the tiled kernel: decode needs 1 <= q_len <= JFM_DECODE_MAX_Q_LEN and the
 // (heads / kv_heads) * q_len rows of one KV head within one pass-1 tile (tile_shapes.h); the
-// vector pass 1 has its own split rule. The lowering sizes the forward's workspace result with
+// vector pass 1 has its own split rule. Always 0 for a call with dropout: only the tiled
+// forward implements it (ffi/attention_ffi.h). The lowering sizes the forward's workspace result with
 // it (through _ext), the handler checks it.
 int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, int64_t kv_len,
-                      int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores);
+                      int64_t heads, int64_t kv_heads, int64_t head_dim, int gpu_cores,
+                      bool dropout = false);
 
 // float32 elements of the decode workspace: [batch, kv_heads, splits, G * q_len,
 // value_head_dim + 2] (partial O, then m and l, per row; kv_heads * G = heads); 0 when splits

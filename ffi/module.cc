@@ -322,7 +322,8 @@ void bind_planning(nb::module_& m) {
       "dispatch_plan",
       [](const std::string& direction, const std::string& dtype, int64_t batch, int64_t q_len,
          int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-         const std::string& implementation, std::optional<int64_t> value_head_dim) {
+         const std::string& implementation, std::optional<int64_t> value_head_dim,
+         bool dropout) {
         if (direction != "fwd" && direction != "bwd") {
           throw nb::value_error(("direction must be 'fwd' or 'bwd', not " + direction).c_str());
         }
@@ -333,7 +334,7 @@ void bind_planning(nb::module_& m) {
         const std::vector<StageShape> stages =
             attention_stages(direction == "bwd", dtype.c_str(), batch, q_len, kv_len, num_heads,
                              num_kv_heads, head_dim, value_head_dim.value_or(head_dim),
-                             device.gpu_cores());
+                             device.gpu_cores(), dropout);
         nb::list submissions;
         for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
           nb::list dispatches;
@@ -357,9 +358,11 @@ void bind_planning(nb::module_& m) {
       nb::arg("direction"), nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"),
       nb::arg("kv_len"), nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
       nb::arg("implementation") = "emulator", nb::arg("value_head_dim") = nb::none(),
+      nb::arg("dropout") = false,
       "list[list[dict]]: the submissions (command buffers) the handler of `direction` ('fwd' or "
       "'bwd') would run for this problem on that device (value_head_dim: that of value, default "
-      "head_dim), each a list of dispatches {kernel, "
+      "head_dim; dropout: a call with dropout_rate > 0, whose forward never takes the decode "
+      "kernels), each a list of dispatches {kernel, "
       "groups (x, y, z), threads, rows_per_group, block_offset, head_offset, batch_offset, "
       "multiply_adds (estimate)}. Dispatch x covers row blocks block_offset.., y heads "
       "head_offset.., z batch elements batch_offset... ValueError for bad names.");
@@ -367,7 +370,8 @@ void bind_planning(nb::module_& m) {
       "decode_splits",
       [](const std::string& dtype, int64_t batch, int64_t q_len, int64_t kv_len,
          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-         const std::string& implementation, std::optional<int64_t> value_head_dim) {
+         const std::string& implementation, std::optional<int64_t> value_head_dim,
+         bool dropout) {
         if (dtype != "f32" && dtype != "f16" && dtype != "bf16") {
           throw nb::value_error(("dtype must be 'f32', 'f16' or 'bf16', not " + dtype).c_str());
         }
@@ -375,17 +379,18 @@ void bind_planning(nb::module_& m) {
         const int64_t dv = value_head_dim.value_or(head_dim);
         const int64_t splits =
             decode_splits(dtype.c_str(), batch, q_len, kv_len, num_heads, num_kv_heads,
-                          tile_head_dim(head_dim, dv), device.gpu_cores());
+                          tile_head_dim(head_dim, dv), device.gpu_cores(), dropout);
         return nb::make_tuple(splits,
                               decode_workspace_elements(batch, q_len, num_heads, dv, splits));
       },
       nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"), nb::arg("kv_len"),
       nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
       nb::arg("implementation") = "emulator", nb::arg("value_head_dim") = nb::none(),
+      nb::arg("dropout") = false,
       "(splits, workspace_elements): the split-KV decode's key splits per (batch, kv head) for "
-      "this forward problem on that device (0: the tiled forward runs) and the float32 elements "
-      "of the forward's workspace result, as the handler requires them (value_head_dim: that "
-      "of value, default head_dim). ValueError for bad names.");
+      "this forward problem on that device (0: the tiled forward runs, always with `dropout`) "
+      "and the float32 elements of the forward's workspace result, as the handler requires them "
+      "(value_head_dim: that of value, default head_dim). ValueError for bad names.");
   m.def(
       "gpu_cores",
       [](const std::string& implementation) { return device_named(implementation).gpu_cores(); },

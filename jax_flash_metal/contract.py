@@ -24,9 +24,9 @@ FLAG_NAMES = ("has_q_lengths", "has_kv_lengths", "has_segment_ids", "has_bias", 
 
 
 # The static params that are no FFI attribute: the implementation picks the FFI target, and the
-# fused kernels lack dropout (implementations.missing_features keeps those calls off them).
-# Moving one into JFM_FFI_ATTRIBUTES (ffi/attention_ffi.h) takes it out of this list.
-HOST_ONLY_PARAMS = ("implementation", "dropout_rate")
+# fused kernels implement every feature. Moving one into JFM_FFI_ATTRIBUTES (ffi/attention_ffi.h)
+# takes it out of this list.
+HOST_ONLY_PARAMS = ("implementation",)
 
 
 class StaticParams(NamedTuple):

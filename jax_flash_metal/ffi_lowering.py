@@ -168,16 +168,14 @@ def check_supported(implementation: str, direction: str, dtype, head_dim: int,
 
 # The FFI attributes as the extension lists them (JFM_FFI_ATTRIBUTES, ffi/attention_ffi.h), each
 # with the NumPy type of its exact FFI type (a Python float would become f64).
-_NUMPY_TYPES = {"float": np.float32, "int32_t": np.int32, "bool": np.bool_}
+_NUMPY_TYPES = {"float": np.float32, "double": np.float64, "int32_t": np.int32, "bool": np.bool_}
 _ATTRIBUTES = tuple((name, _NUMPY_TYPES[kind]) for name, kind in _ext.ffi_attributes())
 
 
 def _attributes(*, bias_grad=False, alibi_grad=False, logits_soft_cap=None, **params):
     """The FFI attributes of a call from the primitive's static ``params`` (``StaticParams``
     without ``contract.HOST_ONLY_PARAMS``): the soft cap is 0.0 when absent, ``bias_grad`` and
-    ``alibi_grad`` False for the forward. Dropout calls never get here
-    (``implementations.missing_features``)."""
-    assert not params.get("dropout_rate")
+    ``alibi_grad`` False for the forward."""
     values = dict(params, bias_grad=bias_grad, alibi_grad=alibi_grad,
                   logits_soft_cap=0.0 if logits_soft_cap is None else logits_soft_cap)
     return {name: numpy_type(values[name]) for name, numpy_type in _ATTRIBUTES}
@@ -207,7 +205,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     log_sum).
 
     Short queries against a long KV cache take the split-KV decode kernels (the handler decides,
-    ``ffi/dispatch_plan.h`` decode_splits); their float32 workspace is a fourth result of the
+    ``ffi/dispatch_plan.h`` decode_splits; a call with dropout never does); their float32 workspace is a fourth result of the
     custom call, sized here by the extension's own rule (``_ext.decode_splits`` for this device,
     0 elements for the tiled forward) and dropped, like the backward's delta.
 
@@ -226,7 +224,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
         kv_len = table.shape[1] * k.shape[1]
     _, workspace_elements = _ext.decode_splits(
         _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, kv_len, num_heads, k.shape[2],
-        head_dim, implementation, v.shape[3])
+        head_dim, implementation, v.shape[3], params.get("dropout_rate", 0.0) > 0)
     workspace = ShapedArray((workspace_elements,), np.float32)
     avals, args = _contract_operands(ctx, args, "fwd", params)
     call_ctx = ctx.replace(avals_in=avals, avals_out=(*ctx.avals_out, workspace))

@@ -97,7 +97,6 @@ def missing_features(params, key_head_dim: int, value_head_dim: int,
     missing = [name for name, present in (
         (f"page_table with page_size {page_size} (the fused kernels take powers of two >= 16)",
          params.get("has_page_table") and not fused_page_size(page_size or 0)),
-        ("dropout (dropout_rate > 0)", params.get("dropout_rate", 0.0) > 0),
         (f"a value head dim ({value_head_dim}) other than the key's ({key_head_dim})",
          value_head_dim != key_head_dim)) if present]
     return ", ".join(missing) or None

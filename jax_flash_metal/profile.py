@@ -39,7 +39,7 @@ the table's own bytes.
 
 ``--json PATH`` writes a JSON list with one record per launch, in launch order, with exactly the
 keys of ``JSON_KEYS``: the problem (kernel, dtype, head_dim, batch, q_len, kv_len, heads,
-kv_heads, causal), the exact counts (threadgroups, threads_per_threadgroup,
+kv_heads, causal, dropout: the rate), the exact counts (threadgroups, threads_per_threadgroup,
 threadgroup_memory_bytes, device_bytes_read, device_bytes_written, threadgroup_bytes_read,
 threadgroup_bytes_written: bytes; mma_ops, simd_ops, barriers, fma_ops, math_ops: counts as
 defined in ffi/emulator/README.md), useful_flops (analytic), registers (estimated live 32-bit
@@ -69,7 +69,8 @@ from .roofline import GPUS, REGISTER_BUDGET, model_launch, occupancy
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
 PASSES = ("forward", "backward")
 
-PROBLEM_KEYS = ("dtype", "head_dim", "batch", "q_len", "kv_len", "heads", "kv_heads", "causal")
+PROBLEM_KEYS = ("dtype", "head_dim", "batch", "q_len", "kv_len", "heads", "kv_heads", "causal",
+                "dropout")
 # Exact counts of one launch, as the emulator reports them.
 COUNT_KEYS = ("threadgroups", "threads_per_threadgroup", "threadgroup_memory_bytes",
               "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
@@ -131,6 +132,16 @@ def _lengths(text):
     return values
 
 
+def _rate(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a rate in [0, 1), got {text!r}")
+    return value
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jax_flash_metal.profile",
@@ -160,6 +171,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--alibi", action="store_true",
                    help="ALiBi with BLOOM's slopes 2^(-8n/heads); the backward also forms the "
                         "slopes' gradient")
+    p.add_argument("--dropout", type=_rate, default=0.0, metavar="RATE",
+                   help="attention dropout rate (a fixed key from --seed; default: none)")
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES),
                    help="which kernels to run: the forward's and/or the backward's")
     p.add_argument("--page-size", nargs="+", type=_positive, default=None, metavar="N",
@@ -188,6 +201,7 @@ class Problem:
         self.q_lengths, self.kv_lengths = args.q_lengths, args.kv_lengths
         self.alibi = args.alibi
         self.seed = args.seed
+        self.dropout = args.dropout
         self.page_size = None  # a paged K/V cache of this many keys per page (paged())
 
     def paged(self, page_size: int) -> Problem:
@@ -236,7 +250,9 @@ class Problem:
         return flash_attention(
             q, k, v, is_causal=self.causal, local_window_size=self.window,
             causal_alignment="bottom_right" if self.bottom_right else "top_left",
-            alibi_slopes=alibi_slopes, implementation="emulator", **lengths, **paged)
+            alibi_slopes=alibi_slopes, dropout_rate=self.dropout,
+            dropout_rng=jax.random.key(self.seed) if self.dropout > 0 else None,
+            implementation="emulator", **lengths, **paged)
 
     def check(self):
         """Lowers the forward and backward (the kernels of this dtype and head dim must exist);
@@ -501,7 +517,8 @@ def main(argv=None) -> int:
             bar.write(f"# {problem.dtype} D={problem.head_dim} batch={problem.batch} "
                       f"q_len={problem.q_len} kv_len={problem.kv_len} heads={problem.heads} "
                       f"kv_heads={problem.kv_heads} causal={problem.causal} "
-                      f"window={problem.window} alibi={problem.alibi}: {len(new)} launches, "
+                      f"window={problem.window} alibi={problem.alibi} "
+                      f"dropout={problem.dropout}: {len(new)} launches, "
                       f"{time.perf_counter() - start:.0f} s on the emulator", file=sys.stderr)
     finally:
         bar.close()

@@ -116,7 +116,8 @@ inline void jfm_zero_dbias_block(device float* dbias_row, int j0, int kv_len, Jf
 //   stage Q_i, dO_i;  D_i = rowsum(dO_i * O_i) - g_lse_i  (written for the dK/dV kernels)
 //   for each key block j of the block's visible union (skip blocks never visited):
 //     stage K_j, V_j (rows outside the union zero-filled)
-//     dP = dO_i V_j^T;  S = Q_i K_j^T * scale;  P = exp((S - m_i) - log(l_i))
+//     dP = (dO_i V_j^T) * Z    (elementwise; Z = M / (1 - rate) with dropout, else 1)
+//     S = Q_i K_j^T * scale;  P = exp((S - m_i) - log(l_i))
 //     dS = P (dP - D_i)                       (edge blocks: 0 where not visible)
 //     dbias_ij = dS (with bias_grad; 0 in every block or element not visited)
 //     dslope_i += dS_ij |i + off - j|          (with alibi_grad, summed over the row's lanes)
@@ -194,6 +195,8 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   const JfmFeatureRow feature_row =
       jfm_feature_row(params, b, h, i, jfm_alignment_offset(params, q_valid, kv_valid),
                       jfm_alibi_slope(params, in, b, h));
+  const bool dropout_on = jfm_has_dropout(params);
+  const JfmDropout drop = jfm_dropout_of(params, in.dropout, b, h);
   device const int* kv_ids = kv_segment_ids + ulong(b) * params.kv_len;
   if (segments) {  // the query ids in the Q tile's row padding
     jfm_stage_segment_ids<T, BQ, DK, THREADS>(q_tile,
@@ -282,6 +285,9 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
     }
     JfmFrag s[KF];
     jfm_mma_abt<T, DK, LDK, KF>(s, q_band, k_tile, at);  // S = Q K^T
+    if (dropout_on) {  // uniform: dP = (dO V^T) M / (1 - rate), the mask recomputed
+      jfm_drop_row<KF>(dp, params, drop, i, j0, at);
+    }
 
     // dS = P (dP - D) into s (dbias), times the cap's derivative; edge blocks select 0 where
     // not visible, so a masked pair adds nothing even when its score or dP is NaN.
@@ -343,8 +349,8 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
 //     stage Q_i, dO_i, m_i, log(l_i), D_i (rows outside the union zero-filled)
 //     S^T = K_j Q_i^T * scale;  P^T = exp((S^T - m_i) - log(l_i))  (edge blocks: 0 where not
 //     visible)
-//     dV_j += P^T dO_i
-//     dP^T = V_j dO_i^T;  dS^T = P^T (dP^T - D_i) (1 - tanh^2);  dK_j += dS^T Q_i
+//     dV_j += (P^T * Z^T) dO_i          (elementwise *; Z = M / (1 - rate) with dropout, else 1)
+//     dP^T = (V_j dO_i^T) * Z^T;  dS^T = P^T (dP^T - D_i) (1 - tanh^2);  dK_j += dS^T Q_i
 //   dK_j *= scale
 // With segment ids, a query block whose id range cannot meet the key block's is skipped.
 // FAMILY: JFM_KERNEL_BWD_DKDV (both outputs), JFM_KERNEL_BWD_DK or JFM_KERNEL_BWD_DV. Q, K and
@@ -414,6 +420,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   const ulong v_block = jfm_row_offset(b, j0, hk, params.kv_len, params.num_kv_heads, DV);
   const bool features = jfm_has_score_features(params);
   const bool segments = params.has_segment_ids != 0;
+  const bool dropout_on = jfm_has_dropout(params);
   const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
   const long off = jfm_alignment_offset(params, q_valid, kv_valid);
   device const int* q_ids = q_segment_ids + ulong(b) * params.q_len;
@@ -458,6 +465,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
     device const T* do_head = d_o + jfm_row_offset(b, 0, h, params.q_len, params.num_heads, DV);
     const ulong stat_head = jfm_stat_offset(b, h, 0, params.num_heads, params.q_len);
     const float slope = jfm_alibi_slope(params, in, b, h);
+    const JfmDropout drop = jfm_dropout_of(params, in.dropout, b, h);
     for (int i0 = union_lo / BQ * BQ; i0 <= union_hi; i0 += BQ) {
       int kind =
           jfm_classify_tile(first_queries, last_queries, valid_keys == BKV, i0, i0 + BQ - 1);
@@ -527,9 +535,11 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
               segments ? jfm_segment_of<T, DK>(q_tile, c) : 0, kv_segment,
               kind == JFM_TILE_FULL || jfm_visible(queries, i0 + c), qk, score);
           const float p = jfm_probability(score, stats.x, stats.y);
-          st[n].thread_elements()[e] = visible ? p : 0.0f;
+          // M / (1 - rate) of (i0 + c, j), recomputed (1 without dropout).
+          const float z = dropout_on ? jfm_dropout_at(params, drop, i0 + c, j) : 1.0f;
+          st[n].thread_elements()[e] = visible ? p * z : 0.0f;
           if (WANT_DK) {
-            const float ds = p * (dp[n].thread_elements()[e] - stats.z);
+            const float ds = p * (dp[n].thread_elements()[e] * z - stats.z);
             dp[n].thread_elements()[e] = visible ? ds : 0.0f;
             if (params.soft_cap > 0.0f && visible) {  // a hidden pair's q.k may be NaN
               dp[n].thread_elements()[e] *= jfm_soft_cap_slope(params, qk);

@@ -7,6 +7,7 @@
 #ifndef JAX_FLASH_METAL_FLASH_ATTENTION_FEATURES_H_
 #define JAX_FLASH_METAL_FLASH_ATTENTION_FEATURES_H_
 
+#include "flash_attention_dropout.h"
 #include "flash_attention_tiles.h"
 
 // The optional buffers as the kernel binds them (the host binds a placeholder where a flag in
@@ -19,24 +20,28 @@ struct JfmFeatureBuffers {
   device const uchar* mask;          // uchar, same, through params.mask_strides; 0 = hidden
   device const float* sinks;         // float32 [H], natural-log logits
   device const float* alibi_slopes;  // float32 [B, H]
+  device const uint* dropout;        // uint32 [B, H, 4] (flash_attention_dropout.h)
 };
 
 // The kernel arguments of the optional buffers (every kernel that reads a feature declares all
-// six, the host binds all six), and the struct made from them inside the kernel.
+// seven, the host binds all seven), and the struct made from them inside the kernel.
 #define JFM_FEATURE_BUFFER_ARGS                                             \
   device const int* q_segment_ids [[buffer(JFM_BUFFER_Q_SEGMENT_IDS)]],     \
       device const int* kv_segment_ids [[buffer(JFM_BUFFER_KV_SEGMENT_IDS)]], \
       device const uchar* bias [[buffer(JFM_BUFFER_BIAS)]],                 \
       device const uchar* mask [[buffer(JFM_BUFFER_MASK)]],                 \
       device const float* sinks [[buffer(JFM_BUFFER_SINKS)]],               \
+      device const uint* dropout [[buffer(JFM_BUFFER_DROPOUT)]],            \
       device const float* alibi_slopes [[buffer(JFM_BUFFER_ALIBI_SLOPES)]]
-#define JFM_FEATURE_BUFFERS \
-  jfm_feature_buffers(q_segment_ids, kv_segment_ids, bias, mask, sinks, alibi_slopes)
+#define JFM_FEATURE_BUFFERS                                                              \
+  jfm_feature_buffers(q_segment_ids, kv_segment_ids, bias, mask, sinks, dropout, \
+                      alibi_slopes)
 
 inline JfmFeatureBuffers jfm_feature_buffers(device const int* q_segment_ids,
                                              device const int* kv_segment_ids,
                                              device const uchar* bias, device const uchar* mask,
                                              device const float* sinks,
+                                             device const uint* dropout,
                                              device const float* alibi_slopes) {
   JfmFeatureBuffers in;
   in.q_segment_ids = q_segment_ids;
@@ -44,6 +49,7 @@ inline JfmFeatureBuffers jfm_feature_buffers(device const int* q_segment_ids,
   in.bias = bias;
   in.mask = mask;
   in.sinks = sinks;
+  in.dropout = dropout;
   in.alibi_slopes = alibi_slopes;
   return in;
 }

@@ -70,6 +70,8 @@ struct JfmFeatureLane {
   device const int* kv_segments;  // key segment ids of batch b (has_segment_ids)
   int segment;                    // the row's segment id (has_segment_ids)
   JfmRange32 row_segments;        // [min, max] segment id of the tile's valid rows
+  JfmDropout dropout;             // dropout's key and counter indices of (b, h) (with dropout)
+  long query;                     // the row's query position i (dropout's counter)
 };
 
 // The lane context of query row i of head h in batch b, off its alignment offset; segment and
@@ -84,6 +86,8 @@ inline JfmFeatureLane jfm_feature_lane(constant AttentionParams& p, JfmFeatureBu
   f.segment = 0;
   f.row_segments.lo = 0;
   f.row_segments.hi = 0;
+  f.dropout = jfm_dropout_of(p, in.dropout, b, h);
+  f.query = i;
   return f;
 }
 
@@ -250,9 +254,10 @@ struct JfmKeyBlocks {
 
 // Key blocks [j0, j0 + BK) from the one holding c.union_lo to the one holding c.union_hi: stage
 // K and V (zero-filled outside [union_lo, union_hi], V sanitized), S = Q K^T by MMA, online
-// softmax, O = alpha O + P V by MMA. c.q_band is loaded (barrier passed). On return m, l and acc
-// hold this lane's running max, sum share and unnormalised O (DV / 8 fragments); Q and K have DK
-// columns, V and O DV. FEATURES: the score
+// softmax, O = alpha O + P V by MMA (with dropout, P M / (1 - rate) V: the row sum l is of the
+// undropped P, so the LSE is the undropped scores'). c.q_band is loaded (barrier passed). On
+// return m, l and acc hold this lane's running max, sum share and unnormalised O (DV / 8
+// fragments); Q and K have DK columns, V and O DV. FEATURES: the score
 // features of `f` apply (flash_attention_features.h): a key block whose segment ids cannot meet
 // the rows' is skipped before K and V are staged; without them the loop is the plain one.
 template <typename T, int DK, int DV, bool FEATURES>
@@ -341,6 +346,9 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
     JFM_PRAGMA_UNROLL
     for (int d = 0; d < DVF; ++d) {
       acc[d].thread_elements() *= alpha;
+    }
+    if (jfm_has_dropout(params)) {  // uniform: P V takes P M / (1 - rate); l keeps the full P
+      jfm_drop_row<KF>(s, params, f.dropout, f.query, j0, at);
     }
 
     if (ONE_KV_BUFFER) {  // V replaces K in the one buffer

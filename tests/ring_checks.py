@@ -23,29 +23,25 @@ B, T, H, D = 2, 64, 4, 16
 RNG = np.random.default_rng(3)
 LENGTHS = jnp.asarray([50, 23], jnp.int32)
 SEGMENTS = jnp.asarray(np.sort(RNG.integers(0, 4, (B, T)), axis=1), jnp.int32)
+# Each case joins several features, to keep the cases (one compile of 8 devices each) few.
 CASES = {
     "full": dict(),
-    "causal": dict(is_causal=True),
     "window": dict(local_window_size=(9, 3)),
-    "causal_window": dict(is_causal=True, local_window_size=(20, None)),
-    "lengths": dict(is_causal=True, query_seq_lengths=LENGTHS,
-                    key_value_seq_lengths=LENGTHS[::-1]),
+    "causal_window_sinks_cap": dict(is_causal=True, local_window_size=(20, None),
+                                    logits_soft_cap=5.0,
+                                    sinks=jnp.asarray(RNG.normal(size=(H,)), jnp.float32)),
+    "lengths_segments": dict(is_causal=True, query_seq_lengths=LENGTHS,
+                             key_value_seq_lengths=LENGTHS[::-1], query_segment_ids=SEGMENTS,
+                             key_value_segment_ids=SEGMENTS),
     "bottom_right": dict(is_causal=True, causal_alignment="bottom_right",
                          query_seq_lengths=LENGTHS[::-1], key_value_seq_lengths=LENGTHS),
-    "segments": dict(is_causal=True, query_segment_ids=SEGMENTS,
-                     key_value_segment_ids=SEGMENTS),
-    "sinks_cap": dict(is_causal=True, logits_soft_cap=5.0,
-                      sinks=jnp.asarray(RNG.normal(size=(H,)), jnp.float32)),
     "mqa": dict(is_causal=True),
     "value_dim": dict(is_causal=True),
-    "striped_causal": dict(is_causal=True, sequence_layout="striped"),
-    "striped_full": dict(sequence_layout="striped"),
     "striped_window_segments": dict(is_causal=True, local_window_size=(12, 0),
                                     query_segment_ids=SEGMENTS, key_value_segment_ids=SEGMENTS,
                                     query_seq_lengths=LENGTHS, sequence_layout="striped"),
     # Slices of 16 in pieces of 4 (ring_attention.PIECE_LEN): 4 x 4 primitive calls per slice
     # pair, each key piece passed on in place after use.
-    "pieces_causal": dict(is_causal=True),
     "pieces_lengths_segments": dict(is_causal=True, causal_alignment="bottom_right",
                                     query_seq_lengths=LENGTHS[::-1], key_value_seq_lengths=LENGTHS,
                                     query_segment_ids=SEGMENTS, key_value_segment_ids=SEGMENTS),

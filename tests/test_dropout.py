@@ -1,11 +1,13 @@
 """Attention dropout (docs/design.md#dropout): the keep mask ``dropout_mask`` against Philox's
-known answers, its construction and statistics; ``flash_attention`` with dropout against the
-float64 oracle given that mask (every feature, three dtypes, forward and gradients, dense and
-blockwise xla), the mask read back bit for bit through O and dV, finite differences, vmap with
-batched keys, keys as traced operands, and the errors.
+known answers, its construction and statistics, and the kernels' generator
+(shaders/flash_attention_dropout.h) word for word against it; ``flash_attention`` with dropout
+on every implementation against the float64 oracle given that mask (every feature, three rates,
+three dtypes, forward and gradients), the mask read back bit for bit through O and dV on every
+implementation and xla schedule, finite differences, vmap with batched keys, keys as traced
+operands, and the errors.
 
-So far only the xla implementation has dropout: the fused ones are checked to refuse it by
-name (an explicit request) or to hand it to xla (``implementation=None``).
+The non-slow set holds every kind of check once; the exhaustive matrices (each feature alone on
+both xla schedules, every rate with every dtype) are ``slow``.
 """
 
 import jax
@@ -15,8 +17,9 @@ import pytest
 from jax.test_util import check_grads
 
 import tolerance
-from api_helpers import make_inputs, run
-from jax_flash_metal import dropout, dropout_mask, flash_attention, reference_attention
+from api_helpers import make_inputs, run, use_xla_schedule
+from jax_flash_metal import (_ext, dropout, dropout_mask, flash_attention, reference_attention,
+                             xla_schedule)
 
 B, TQ, TK, H, HKV, D = 2, 9, 11, 4, 2, 16
 KEY = jax.random.key(7)
@@ -31,10 +34,40 @@ KNOWN_ANSWERS = [
 ]
 
 
-@pytest.mark.parametrize("counter,key,want", KNOWN_ANSWERS)
-def test_philox_known_answers(counter, key, want):
-    got = dropout.philox4x32([np.uint32(c) for c in counter], [np.uint32(k) for k in key])
-    assert [int(x) for x in got] == list(want)
+def test_philox_known_answers_and_the_kernels_generator():
+    """dropout.philox4x32 gives Random123's answers; the kernels' jfm_philox4x32, run on the
+    emulator, gives them too and equals dropout.philox4x32 word for word on random counters and
+    keys (the mask's counters (j // 4, i, n, b) among them)."""
+    for counter, key, want in KNOWN_ANSWERS:
+        got = dropout.philox4x32([np.uint32(c) for c in counter], [np.uint32(k) for k in key])
+        assert [int(x) for x in got] == list(want)
+    rng = np.random.default_rng(0)
+    counters = rng.integers(0, 2 ** 32, (64, 4), dtype=np.uint32)
+    keys = rng.integers(0, 2 ** 32, (64, 2), dtype=np.uint32)
+    counters[:3] = [c for c, _, _ in KNOWN_ANSWERS]
+    keys[:3] = [k for _, k, _ in KNOWN_ANSWERS]
+    counters[3:6] = [(0, 5, 3, 1), (2, 0, 0, 0), (7, 1023, 31, 7)]
+    words = np.zeros((64, 4), np.uint32)
+    _ext.emulator.run("emu_philox", {0: counters, 1: keys, 2: words}, (2, 1, 1), (32, 1, 1))
+    want = np.stack([np.asarray(w) for w in dropout.philox4x32(list(counters.T), list(keys.T))],
+                    axis=1)
+    np.testing.assert_array_equal(words, want)
+    np.testing.assert_array_equal(words[:3], [w for _, _, w in KNOWN_ANSWERS])
+
+
+def test_mulhi_in_the_emulator():
+    """MSL's mulhi (the high half of the double-width product) for uint and int, against
+    Python's integers."""
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 2 ** 32, 64, dtype=np.uint32)
+    y = rng.integers(0, 2 ** 32, 64, dtype=np.uint32)
+    x[:4], y[:4] = [0, 0xFFFFFFFF, 0x80000000, 0xD2511F53], [5, 0xFFFFFFFF, 0x80000000, 1]
+    high, signed_high = np.zeros(64, np.uint32), np.zeros(64, np.int32)
+    _ext.emulator.run("emu_mulhi", {0: x, 1: y, 2: high, 3: signed_high}, (1, 1, 1),
+                      (64, 1, 1))
+    assert [int(h) for h in high] == [(int(a) * int(b)) >> 32 for a, b in zip(x, y)]
+    sx, sy = x.view(np.int32), y.view(np.int32)
+    assert [int(h) for h in signed_high] == [(int(a) * int(b)) >> 32 for a, b in zip(sx, sy)]
 
 
 def test_mask_construction():
@@ -55,11 +88,11 @@ def test_mask_construction():
     np.testing.assert_array_equal(larger[:2, :3, :5, :10], mask)
 
 
-@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
-def test_keep_rate_within_four_standard_deviations(rate):
-    mask = np.asarray(dropout_mask(KEY, (2, 4, 128, 256), rate))
-    n, p = mask.size, 1.0 - rate
-    assert abs(mask.sum() - n * p) <= 4 * np.sqrt(n * p * (1 - p))
+def test_keep_rate_within_four_standard_deviations():
+    for rate in (0.1, 0.5, 0.9):
+        mask = np.asarray(dropout_mask(KEY, (2, 4, 128, 256), rate))
+        n, p = mask.size, 1.0 - rate
+        assert abs(mask.sum() - n * p) <= 4 * np.sqrt(n * p * (1 - p)), rate
 
 
 def test_different_keys_and_indices_give_different_masks():
@@ -71,20 +104,22 @@ def test_different_keys_and_indices_give_different_masks():
 
 
 def inputs(seed=0, dtype=jnp.float32, **kw):
-    shape = dict(batch=B, q_len=TQ, kv_len=TK, heads=H, kv_heads=HKV)
+    shape = dict(batch=B, q_len=TQ, kv_len=TK, heads=H, kv_heads=HKV, head_dim=D)
     shape.update(kw)
-    return make_inputs(seed, *shape.values(), D, dtype)
+    return make_inputs(seed, *shape.values(), dtype)
 
 
-def check(q, k, v, do, g, rate, rng=KEY, implementation="xla", **kw):
-    """run() with dropout against the oracle given ``dropout_mask``'s M; also the reference."""
+def check(q, k, v, do, g, rate, rng=KEY, implementation="xla", reference=False, **kw):
+    """run() with dropout against the oracle given ``dropout_mask``'s M; with ``reference``
+    also reference_attention's O and LSE."""
     got = run(q, k, v, do, g, implementation=implementation, dropout_rate=rate, dropout_rng=rng,
               **kw)
     keep = np.asarray(dropout_mask(rng, (q.shape[0], q.shape[2], q.shape[1], k.shape[1]), rate))
     want = tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got),
                                              dropout_mask=keep, dropout_rate=rate, **kw)
-    ref = reference_attention(q, k, v, dropout_rate=rate, dropout_rng=rng, return_lse=True,
-                              **{n: x for n, x in kw.items() if n != "implementation"})
+    if not reference:
+        return got, want
+    ref = reference_attention(q, k, v, dropout_rate=rate, dropout_rng=rng, return_lse=True, **kw)
     for name, x in zip(("o", "lse"), ref):
         tolerance.assert_matches_oracle(name, x, want[name],
                                         None if q.dtype == jnp.float32 else
@@ -105,49 +140,106 @@ FEATURES = {
     "soft_cap": dict(logits_soft_cap=2.0),
     "sinks": dict(sinks=np.array([0.5, -1.0, 2.0, 0.0], np.float32)),
 }
+# Every feature in two calls (the non-slow set); each alone is the slow matrix.
+COMBINED = {
+    "causal+lengths+bias+segment_ids": ("causal", "lengths", "bias", "segment_ids"),
+    "window+mask+soft_cap+sinks": ("window", "mask", "soft_cap", "sinks"),
+}
 
 
+@pytest.mark.parametrize("combination", list(COMBINED))
+def test_every_feature_against_the_oracle(implementation, combination):
+    """Grouped-query heads (4 query heads, 2 KV heads) at rate 0.5 with the features of
+    ``combination`` together: O, LSE, dQ, dK, dV (and dbias, dsinks); on xla also
+    reference_attention."""
+    kw = {}
+    for feature in COMBINED[combination]:
+        kw.update(FEATURES[feature])
+    check(*inputs(1), 0.5, implementation=implementation,
+          reference=implementation == "xla", **kw)
+
+
+BLOCKS = xla_schedule.Schedule(dense_max_len=4, block_q=4, block_k=4)  # 4 rows x 4 keys
+
+
+def schedules(implementation):
+    """The xla implementation's two paths (one dense tile, then blocks) or the fused one's."""
+    return [None, BLOCKS] if implementation == "xla" else [None]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("feature", list(FEATURES))
-def test_every_feature_against_the_oracle(blocks, feature):
-    """Grouped-query heads (4 query heads, 2 KV heads) with each feature at rate 0.5."""
-    check(*inputs(1), 0.5, **FEATURES[feature])
+def test_each_feature_alone_against_the_oracle(implementation, feature, monkeypatch):
+    for schedule in schedules(implementation):
+        if schedule is not None:
+            use_xla_schedule(monkeypatch, schedule)
+        check(*inputs(1), 0.5, implementation=implementation, **FEATURES[feature])
+    jax.clear_caches()
 
 
+DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
+
+
+@pytest.mark.parametrize("rate,dtype", [(0.1, "f32"), (0.5, "f16"), (0.9, "bf16")])
+def test_rates_and_dtypes_against_the_oracle(implementation, rate, dtype):
+    """Each rate and each dtype once (causal, grouped-query heads)."""
+    check(*inputs(2, DTYPES[dtype]), rate, implementation=implementation, is_causal=True)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
-@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
-def test_rates_and_dtypes_against_the_oracle(rate, dtype):
-    dtype = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}[dtype]
-    check(*inputs(2, dtype), rate, is_causal=True)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_every_rate_with_every_dtype(implementation, rate, dtype):
+    check(*inputs(2, DTYPES[dtype]), rate, implementation=implementation, is_causal=True)
 
 
-def test_mask_read_back_bit_for_bit(blocks):
+def test_kernel_plans_with_dropout():
+    """On the emulator: a decode-shaped call (one query, a long cache) with dropout runs the
+    tiled forward (the decode kernels have no dropout; the plan's decode_splits is 0 for it), and
+    head dim 160 runs the split dK and dV kernels; both against the oracle."""
+    assert _ext.decode_splits("f32", 1, 1, 40, 4, 2, 16)[0] > 0
+    assert _ext.decode_splits("f32", 1, 1, 40, 4, 2, 16, dropout=True) == (0, 0)
+    plan = _ext.dispatch_plan("fwd", "f32", 1, 1, 40, 4, 2, 16, dropout=True)
+    assert [d["kernel"] for s in plan for d in s] == ["flash_attention_fwd_f32_d16"]
+    check(*inputs(3, batch=1, q_len=1, kv_len=40), 0.5, implementation="emulator",
+          key_value_seq_lengths=np.array([37]))
+    assert _ext.bwd_stages(160) == ["bwd_dq", "bwd_dk", "bwd_dv"]
+    check(*inputs(4, jnp.float16, batch=1, q_len=5, kv_len=7, heads=2, kv_heads=1,
+                  head_dim=160), 0.3, implementation="emulator", is_causal=True)
+
+
+def test_mask_read_back_bit_for_bit(implementation, monkeypatch):
     """O[i, :, j] = P_ij Z_ij with V = the identity over keys, and dV[j, :, i] = P_ij Z_ij with
     dO = the identity over rows: both are non-zero exactly where dropout_mask keeps (every P_ij
-    > 0 here), on the dense and the blockwise schedule, forward and backward."""
+    > 0 here): one M for every implementation, both xla schedules, forward and backward."""
     tq, tk, heads = 7, 13, 2
     q, k, _, _, _ = inputs(4, batch=2, q_len=tq, kv_len=tk, heads=heads, kv_heads=heads)
     v = jnp.broadcast_to(jnp.eye(tk, D)[None, :, None], (2, tk, heads, D))
     do = jnp.broadcast_to(jnp.eye(tq, D)[None, :, None], (2, tq, heads, D))
     rate = 0.5
-    o, vjp = jax.vjp(lambda v: flash_attention(q, k, v, dropout_rate=rate, dropout_rng=KEY,
-                                               implementation="xla"), v)
-    (dv,) = vjp(do)
     keep = np.asarray(dropout_mask(KEY, (2, heads, tq, tk), rate))
-    np.testing.assert_array_equal(np.asarray(o)[..., :tk].transpose(0, 2, 1, 3) != 0, keep)
-    np.testing.assert_array_equal(np.asarray(dv)[..., :tq].transpose(0, 2, 3, 1) != 0, keep)
+    for schedule in schedules(implementation):
+        if schedule is not None:
+            use_xla_schedule(monkeypatch, schedule)
+        o, vjp = jax.vjp(lambda v: flash_attention(q, k, v, dropout_rate=rate, dropout_rng=KEY,
+                                                   implementation=implementation), v)
+        (dv,) = vjp(do)
+        np.testing.assert_array_equal(np.asarray(o)[..., :tk].transpose(0, 2, 1, 3) != 0, keep)
+        np.testing.assert_array_equal(np.asarray(dv)[..., :tq].transpose(0, 2, 3, 1) != 0, keep)
+    jax.clear_caches()
 
 
-def test_check_grads_with_a_fixed_key():
+def test_check_grads_with_a_fixed_key(implementation):
     q, k, v, _, _ = inputs(5, batch=1, q_len=5, kv_len=6, heads=2, kv_heads=1)
 
     def f(q, k, v):
         return flash_attention(q, k, v, is_causal=True, dropout_rate=0.4, dropout_rng=KEY,
-                               implementation="xla")
+                               implementation=implementation)
 
     check_grads(f, (q, k, v), order=1, modes=["rev"], eps=1e-2, atol=5e-3, rtol=5e-3)
 
 
-def test_vmap_with_batched_keys():
+def test_vmap_with_batched_keys(implementation):
     """Each mapped element uses its own key, as a call per element does (outputs and
     gradients); a rank-3 call is batch entry 0."""
     q, k, v, do, _ = inputs(6)
@@ -155,20 +247,23 @@ def test_vmap_with_batched_keys():
 
     def loss(q, key):
         return jnp.sum(flash_attention(q, k, v, dropout_rate=0.5, dropout_rng=key,
-                                       implementation="xla") * do)
+                                       implementation=implementation) * do)
 
     got = jax.vmap(jax.value_and_grad(loss), in_axes=(None, 0))(q, keys)
     for n, key in enumerate(keys):
         want = jax.value_and_grad(loss)(q, key)
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g[n]), np.asarray(w), rtol=1e-6, atol=1e-6)
-    one = flash_attention(q[0], k[0], v[0], dropout_rate=0.5, dropout_rng=KEY)
+    one = flash_attention(q[0], k[0], v[0], dropout_rate=0.5, dropout_rng=KEY,
+                          implementation=implementation)
     np.testing.assert_array_equal(np.asarray(one), np.asarray(flash_attention(
-        q[:1], k[:1], v[:1], dropout_rate=0.5, dropout_rng=KEY))[0])
+        q[:1], k[:1], v[:1], dropout_rate=0.5, dropout_rng=KEY,
+        implementation=implementation))[0])
 
 
 def test_keys_are_traced_operands():
-    """A new key reaches a jitted call without retracing; a different key, a different O."""
+    """A new key reaches a jitted call without retracing; a different key, a different O
+    (implementation=None: the fused one where available)."""
     q, k, v, _, _ = inputs(7)
     traces = []
 
@@ -182,17 +277,6 @@ def test_keys_are_traced_operands():
     plain = flash_attention(q, k, v)
     np.testing.assert_array_equal(np.asarray(flash_attention(q, k, v, dropout_rate=0.0,
                                                              dropout_rng=KEY)), np.asarray(plain))
-
-
-def test_fused_implementations_refuse_dropout_or_fall_back(implementation):
-    q, k, v, _, _ = inputs(8)
-    kw = dict(dropout_rate=0.5, dropout_rng=KEY)
-    want = flash_attention(q, k, v, implementation="xla", **kw)
-    np.testing.assert_array_equal(np.asarray(flash_attention(q, k, v, **kw)), np.asarray(want))
-    if implementation == "xla":
-        return
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flash_attention(q, k, v, implementation=implementation, **kw)
 
 
 @pytest.mark.parametrize("kwargs,error,match", [

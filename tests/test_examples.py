@@ -163,8 +163,9 @@ def test_benchmark_table():
 def test_benchmark_main_prints_table(capsys, tmp_path):
     path = tmp_path / "bench.json"
     rows = benchmark.main(["--seq-lens", "32", "--head-dims", "16", "--causal", "on",
-                           "--heads", "2", "--repeats", "1", "--impls", "flash:xla,jax.nn",
-                           "--decode-kv-lens", "48", "--json", str(path)])
+                           "--heads", "2", "--repeats", "1", "--compile-rounds", "1",
+                           "--impls", "flash:xla,jax.nn", "--decode-kv-lens", "48",
+                           "--json", str(path)])
     out = capsys.readouterr().out
     assert [(r.method, r.q_len) for r in rows] == [("flash:xla", None), ("jax.nn", None),
                                                    ("flash:xla", 1), ("jax.nn", 1)]
@@ -225,8 +226,8 @@ def test_benchmark_rejects_unknown_method():
 def test_benchmark_ratios_and_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
     rows = benchmark.main(["--seq-lens", "16,32", "--head-dims", "8", "--causal", "off",
-                           "--heads", "2", "--repeats", "1", "--impls", "flash:xla,jax.nn",
-                           "--json", str(path)])
+                           "--heads", "2", "--repeats", "1", "--compile-rounds", "1",
+                           "--impls", "flash:xla,jax.nn", "--json", str(path)])
     out = capsys.readouterr().out
     assert "flash:xla / jax.nn" in out and "memory growth" in out
     tables = out.split("\n\n")[1:]  # after the header lines: the table, ratios, growth

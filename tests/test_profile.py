@@ -349,7 +349,7 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
     assert [r["kernel"] for r in records] == [
         f"flash_attention_{s}_f32_d16" for s in ("fwd", "bwd_dq", "bwd_dkdv")]
     keys = ["kernel", "dtype", "head_dim", "batch", "q_len", "kv_len", "heads", "kv_heads",
-            "causal", "threadgroups", "threads_per_threadgroup", "threadgroup_memory_bytes",
+            "causal", "dropout", "threadgroups", "threads_per_threadgroup", "threadgroup_memory_bytes",
             "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
             "threadgroup_bytes_written", "mma_ops", "simd_ops", "barriers", "fma_ops",
             "math_ops", "useful_flops", "registers", "model", "occupancy"]
@@ -552,3 +552,21 @@ def test_alibi_moves_the_plain_calls_device_bytes_but_the_slopes():
             assert slopes <= 8 * 4 * threads, a["kernel"]  # at most 8 rows (heads) a thread
             written = a["buffers"].get(DALIBI, dict(written=0))["written"]
             assert written == (4 * 4 * q_len if "bwd_dq" in a["kernel"] else 0), a["kernel"]
+
+
+@needs_counting
+def test_dropout_moves_the_plain_calls_device_bytes():
+    """Dropout generates its mask in registers: every launch of a dropout call (forward, dQ,
+    dK/dV) writes exactly the plain call's device bytes and reads exactly the plain call's plus
+    the dropout operand's 16-byte entry, once per thread and query head it serves (no mask is
+    read or written: none of it scales with the lengths)."""
+    plain_argv = ["--dtype", "float16", "--head-dim", "32", "--q-len", "40", "--kv-len", "56",
+                  "--heads", "4", "--kv-heads", "2", "--causal"]
+    runs = {rate: profile.run_problem(make_problem([*plain_argv, "--dropout", rate]),
+                                      profile.PASSES) for rate in ("0", "0.5")}
+    assert [r["kernel"] for _, r in runs["0"]] == [r["kernel"] for _, r in runs["0.5"]]
+    for (_, plain), (_, dropped) in zip(runs["0"], runs["0.5"]):
+        heads_per_thread = 2 if "dkdv" in plain["kernel"] else 1  # the dK/dV loop over G = 2
+        entries = plain["threadgroups"] * plain["threads_per_threadgroup"] * heads_per_thread
+        assert dropped["device_bytes_written"] == plain["device_bytes_written"]
+        assert dropped["device_bytes_read"] == plain["device_bytes_read"] + 16 * entries

@@ -574,6 +574,14 @@ inline I popcount(I x) {
   return I(__builtin_popcountll((unsigned long long)(typename std::make_unsigned<I>::type)(x)));
 }
 
+// MSL's mulhi: the high half of the double-width product x * y (signed or unsigned as I).
+template <class I, JFM_ROOT::jfm::shim::enable_integral<I> = 0>
+inline I mulhi(I x, I y) {
+  typedef typename std::conditional<std::is_signed<I>::value, __int128, unsigned __int128>::type
+      Wide;
+  return I((Wide(x) * Wide(y)) >> (8 * sizeof(I)));
+}
+
 inline float clamp(float x, float lo, float hi) { return min(max(x, lo), hi); }
 inline half clamp(half x, half lo, half hi) { return min(max(x, lo), hi); }
 template <class T, int N, class L>

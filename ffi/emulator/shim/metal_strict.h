@@ -119,6 +119,7 @@ JFM_BINARY(atan2)
 JFM_BINARY(copysign)
 JFM_BINARY(step)
 JFM_BINARY(divide)
+JFM_BINARY(mulhi)
 #undef JFM_BINARY
 template <class T, int N>
 T dot(vec<T, N> a, vec<T, N> b);
