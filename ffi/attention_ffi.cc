@@ -227,6 +227,13 @@ std::vector<int64_t> dbias_shape(const Problem& p, bool bias_grad) {
   return {p.batch, p.heads, p.q_len, p.kv_len};
 }
 
+// The backward's dalibi result: one slope-gradient share per query row with alibi_grad, else
+// empty.
+std::vector<int64_t> dalibi_shape(const Problem& p, bool alibi_grad) {
+  if (!alibi_grad) return {0};
+  return p.row_shape();
+}
+
 Binding whole(int index, ffi::AnyBuffer buffer, bool written) {
   return Binding{index, buffer.untyped_data(), buffer.size_bytes(), written, false};
 }
@@ -275,16 +282,17 @@ ffi::Error expect_broadcastable(const char* what, ffi::AnyBuffer buffer, const P
 }
 
 // Reads the optional operands after the main ones, in the contract's order (q_lengths,
-// kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks, dropout; each present iff its
-// flag is set), checks their dtypes and shapes, and prepares their bindings and strides. One function
-// for both directions, so both see one set of rules.
+// kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks, alibi_slopes, page_table,
+// dropout; each present iff its flag is set), checks their dtypes and shapes, and prepares
+// their bindings and strides. One function for both directions, so both see one set of rules.
 ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Problem& p,
                          OptionalOperands* out) {
   const size_t length_operands = size_t{o.has_q_lengths} + size_t{o.has_kv_lengths};
   const bool has_dropout = o.dropout_rate > 0.0;
   const size_t feature_operands = 2 * size_t{o.has_segment_ids} + size_t{o.has_bias} +
                                   size_t{o.has_mask} + size_t{o.has_sinks} +
-                                  size_t{o.has_page_table} + size_t{has_dropout};
+                                  size_t{o.has_alibi} + size_t{o.has_page_table} +
+                                  size_t{has_dropout};
   if (rest.size() != length_operands + feature_operands) {
     return invalid("expected " + std::to_string(length_operands) + " length operand(s) and " +
                    std::to_string(feature_operands) + " feature operand(s) after the arrays " +
@@ -294,6 +302,7 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
                    ", has_bias=" + std::to_string(o.has_bias) +
                    ", has_mask=" + std::to_string(o.has_mask) +
                    ", has_sinks=" + std::to_string(o.has_sinks) +
+                   ", has_alibi=" + std::to_string(o.has_alibi) +
                    ", has_page_table=" + std::to_string(o.has_page_table) +
                    ", dropout_rate=" + std::to_string(o.dropout_rate) + "), got " +
                    std::to_string(rest.size()));
@@ -388,6 +397,14 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
       e.failure()) {
     return e;
   }
+  if (ffi::Error e = feature(o.has_alibi, "alibi_slopes", JFM_BUFFER_ALIBI_SLOPES,
+                             [&](ffi::AnyBuffer b) {
+                               return expect("alibi_slopes", b, ffi::DataType::F32,
+                                             {p.batch, p.heads});
+                             });
+      e.failure()) {
+    return e;
+  }
   // Checked by read_page_table; bound in place.
   if (ffi::Error e = feature(o.has_page_table, "page_table", JFM_BUFFER_PAGE_TABLE,
                              [&](ffi::AnyBuffer) { return ffi::Error::Success(); });
@@ -434,6 +451,8 @@ AttentionParams make_params(const Problem& p, const Attributes& o, const Optiona
   params.has_sinks = o.has_sinks ? 1u : 0u;
   params.soft_cap = o.logits_soft_cap;
   params.bias_grad = o.bias_grad ? 1u : 0u;
+  params.has_alibi = o.has_alibi ? 1u : 0u;
+  params.alibi_grad = o.alibi_grad ? 1u : 0u;
   params.page_size = static_cast<uint32_t>(p.page_size);
   params.num_pages = static_cast<uint32_t>(p.num_pages);
   if (o.dropout_rate > 0.0) {  // jax_flash_metal/dropout.py's threshold and keep_scale, exactly
@@ -449,8 +468,8 @@ Binding lengths_binding(int index, std::vector<int32_t>& values) {
   return Binding{index, values.data(), values.size() * sizeof(int32_t), false, true};
 }
 
-// `main` followed by the optional operands' bindings: the lengths, then buffers 16-20, 23 and
-// 25.
+// `main` followed by the optional operands' bindings: the lengths, then buffers 16-20, 23, 25
+// and 26.
 std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& x) {
   main.push_back(lengths_binding(JFM_BUFFER_Q_LENGTHS, x.q_lengths));
   main.push_back(lengths_binding(JFM_BUFFER_KV_LENGTHS, x.kv_lengths));
@@ -600,7 +619,7 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
                     ffi::AnyBuffer d_o, ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                     ffi::AnyBuffer dq,
                     ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer dbias,
-                    ffi::AnyBuffer delta, const Attributes& opt) {
+                    ffi::AnyBuffer dalibi, ffi::AnyBuffer delta, const Attributes& opt) {
   if (opt.has_page_table) {
     return invalid("a paged K/V cache (has_page_table) has no backward: the forward only");
   }
@@ -619,6 +638,7 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
         std::make_tuple("output dk", dk, p.dtype, p.k_shape()),
         std::make_tuple("output dv", dv, p.dtype, p.v_shape()),
         std::make_tuple("output dbias", dbias, f32, dbias_shape(p, opt.bias_grad)),
+        std::make_tuple("output dalibi", dalibi, f32, dalibi_shape(p, opt.alibi_grad)),
         std::make_tuple("workspace delta", delta, f32, p.row_shape())}) {
     if (ffi::Error e = expect(what, buffer, dtype, shape); e.failure()) return e;
   }
@@ -631,6 +651,7 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
     zero(dk);
     zero(dv);
     zero(dbias);
+    zero(dalibi);
     return ffi::Error::Success();
   }
   const std::vector<StageShape> stages = stages_of(true, p, device->gpu_cores());
@@ -640,13 +661,16 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
                 bmax = whole(JFM_BUFFER_ROW_MAX, row_max, false),
                 bsum = whole(JFM_BUFFER_LOG_SUM, log_sum, false);
   // dQ first: it also writes delta, which the dK/dV kernels (one, or the split pair) read,
-  // and with bias_grad every element of dbias (else a placeholder it never touches is bound).
+  // with bias_grad every element of dbias and with alibi_grad every row of dalibi (else a
+  // placeholder it never touches is bound).
   const Binding bdbias =
       opt.bias_grad ? whole(JFM_BUFFER_DBIAS, dbias, true) : x.unused(JFM_BUFFER_DBIAS);
+  const Binding bdalibi =
+      opt.alibi_grad ? whole(JFM_BUFFER_DALIBI, dalibi, true) : x.unused(JFM_BUFFER_DALIBI);
   std::vector<std::vector<Binding>> buffers = {
       with_optional({bq, bk, bv, bmax, bsum, bdo, whole(JFM_BUFFER_O, o, false),
                      whole(JFM_BUFFER_G_LSE, g_lse, false), whole(JFM_BUFFER_DELTA, delta, true),
-                     whole(JFM_BUFFER_DQ, dq, true), bdbias},
+                     whole(JFM_BUFFER_DQ, dq, true), bdbias, bdalibi},
                     x)};
   buffers.resize(stages.size(),
                  with_optional({bq, bk, bv, bmax, bsum, bdo,
@@ -664,8 +688,9 @@ ffi::Error forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> row_max,
                            ffi::Result<ffi::AnyBuffer> log_sum,
                            ffi::Result<ffi::AnyBuffer> workspace, Attributes attributes) {
-  if (attributes.bias_grad) {
-    return invalid("bias_grad is the backward's attribute (the forward has no dbias result)");
+  if (attributes.bias_grad || attributes.alibi_grad) {
+    return invalid("bias_grad and alibi_grad are the backward's attributes (the forward has no "
+                   "dbias or dalibi result)");
   }
   std::string why;
   Device* device = GetDevice(&why);
@@ -679,15 +704,19 @@ ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
                             ffi::AnyBuffer d_o, ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dbias,
+                            ffi::Result<ffi::AnyBuffer> dalibi,
                             ffi::Result<ffi::AnyBuffer> delta, Attributes attributes) {
   if (attributes.bias_grad && !attributes.has_bias) {
     return invalid("bias_grad needs has_bias (a bias operand)");
+  }
+  if (attributes.alibi_grad && !attributes.has_alibi) {
+    return invalid("alibi_grad needs has_alibi (an alibi_slopes operand)");
   }
   std::string why;
   Device* device = GetDevice(&why);
   if (device == nullptr) return unavailable(why);
   return backward(device, q, k, v, o, row_max, log_sum, d_o, g_lse, rest, *dq, *dk, *dv, *dbias,
-                  *delta, attributes);
+                  *dalibi, *delta, attributes);
 }
 
 auto forward_binding() {
@@ -719,6 +748,7 @@ auto backward_binding() {
       .Ret<ffi::AnyBuffer>()  // dk
       .Ret<ffi::AnyBuffer>()  // dv
       .Ret<ffi::AnyBuffer>()  // dbias ([0] without bias_grad)
+      .Ret<ffi::AnyBuffer>()  // dalibi ([0] without alibi_grad)
       .Ret<ffi::AnyBuffer>()  // delta (workspace)
       .Attrs<Attributes>();
 }

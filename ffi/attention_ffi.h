@@ -19,7 +19,8 @@
 //                   [B,H,Tq] (the LSE cotangent), then the optional
 //                   lengths as above
 //          results: dq, dk, dv (shapes/dtypes of q, k, v), dbias float32 [B,H,Tq,Tkv] with
-//                   bias_grad, else float32 [0] (see the optional features below), delta
+//                   bias_grad, else float32 [0], dalibi float32 [B,H,Tq] with alibi_grad, else
+//                   float32 [0] (see the optional features below), delta
 //                   float32 [B,H,Tq] (workspace for D_i = rowsum(dO*O) - g_lse_i; the lowering
 //                   allocates it as an XLA result so its memory is planned by XLA and shows in
 //                   memory_analysis)
@@ -36,6 +37,7 @@
 //     bias  [b, h, tq, tkv], dtype of q or f32                      (has_bias)
 //     mask  bool or uint8 [b, h, tq, tkv], 0 = hidden, else visible (has_mask; JAX bool bytes)
 //     sinks float32 [H]                                              (has_sinks)
+//     alibi_slopes float32 [B, H]                                    (has_alibi)
 //     page_table int32 [B, max_pages]                                (has_page_table; forward)
 //     dropout uint32 [B, H, 4]                                       (dropout_rate > 0)
 //   bias and mask are rank 4 with each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv]
@@ -46,7 +48,8 @@
 //   over [B, H, Tq, Tkv] from the dims, 0 on a broadcast axis, and passes them in
 //   AttentionParams (bias_strides / mask_strides, 64-bit); a tile reads bias[b, h, i, j] at
 //   b*s0 + h*s1 + i*s2 + j*s3. Query head h of the group of kv head h / (H / HKV) indexes h.
-//   Semantics: score = scale*q.k, then c*tanh(score/c) with logits_soft_cap c > 0, then + bias;
+//   Semantics: score = scale*q.k, then c*tanh(score/c) with logits_soft_cap c > 0, then
+//   + (bias - alibi_slopes[b, h] * |i + off_b - j|) (off_b the alignment offset of the lengths);
 //   a -inf bias entry, a 0 mask byte or unequal segment ids hide the key exactly as the band
 //   rules do (never NaN); +inf/NaN bias propagates. Sinks join each row's denominator:
 //   lse = log(exp(sink_h) + sum exp(score)), o = 0 and lse = sink_h for an empty row.
@@ -64,6 +67,9 @@
 //   in XLA. A reduced layout would need several owners per entry (atomics) or a second pass.
 //   Without bias_grad the result is [0] (like the forward's workspace): no Tq x Tkv buffer
 //   exists. The soft cap's derivative (1 - tanh^2) multiplies dS before dQ and dK, not dbias.
+//   With alibi_grad the dQ kernel also writes dalibi float32 [B, H, Tq], per row
+//   -sum_j dS_ij |i + off_b - j| (0 for rows past the valid length); the lowering sums it over
+//   Tq to the slopes' gradient [B, H]. Without alibi_grad it is [0].
 //   A paged K/V cache (has_page_table, the forward only; the backward refuses it): k and v are
 //   pages [num_pages, page_size, HKV, D], page_size a power of two >= 16
 //   (jfm_page_size_supported), kv_len = max_pages * page_size is the logical length that the
@@ -97,6 +103,8 @@
 //                          floor(rate 2^32), the keep threshold, is the Python side's exactly
 //   bias_grad        i1    backward only (false on the forward): the dbias result is wanted;
 //                          needs has_bias
+//   alibi_grad       i1    backward only (false on the forward): the dalibi result is wanted;
+//                          needs has_alibi
 #define JFM_FFI_ATTRIBUTES(X) \
   X(float, scale)             \
   X(bool, is_causal)          \
@@ -110,9 +118,11 @@
   X(bool, has_mask)           \
   X(bool, has_sinks)          \
   X(float, logits_soft_cap)   \
+  X(bool, has_alibi)          \
   X(bool, has_page_table)     \
   X(double, dropout_rate)     \
-  X(bool, bias_grad)
+  X(bool, bias_grad)          \
+  X(bool, alibi_grad)
 
 namespace jfm {
 

@@ -24,15 +24,16 @@ FLAG_NAMES = ("has_q_lengths", "has_kv_lengths", "has_segment_ids", "has_bias", 
 
 
 # The static params that are no FFI attribute: the implementation picks the FFI target, and the
-# fused kernels lack ALiBi (implementations.missing_features keeps those calls off them).
-# Moving one into JFM_FFI_ATTRIBUTES (ffi/attention_ffi.h) takes it out of this list.
-HOST_ONLY_PARAMS = ("implementation", "has_alibi")
+# fused kernels implement every feature. Moving one into JFM_FFI_ATTRIBUTES (ffi/attention_ffi.h)
+# takes it out of this list.
+HOST_ONLY_PARAMS = ("implementation",)
 
 
 class StaticParams(NamedTuple):
     """The static parameters of both primitives, with their exact types (``coerce_params``).
     Every field but ``HOST_ONLY_PARAMS`` is also an FFI attribute of the same name
-    (``JFM_FFI_ATTRIBUTES`` in ffi/attention_ffi.h, with the backward's ``bias_grad``)."""
+    (``JFM_FFI_ATTRIBUTES`` in ffi/attention_ffi.h, with the backward's ``bias_grad`` and
+    ``alibi_grad``)."""
 
     scale: float
     is_causal: bool

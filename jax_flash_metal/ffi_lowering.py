@@ -172,12 +172,11 @@ _NUMPY_TYPES = {"float": np.float32, "double": np.float64, "int32_t": np.int32, 
 _ATTRIBUTES = tuple((name, _NUMPY_TYPES[kind]) for name, kind in _ext.ffi_attributes())
 
 
-def _attributes(*, bias_grad=False, logits_soft_cap=None, **params):
+def _attributes(*, bias_grad=False, alibi_grad=False, logits_soft_cap=None, **params):
     """The FFI attributes of a call from the primitive's static ``params`` (``StaticParams``
-    without ``contract.HOST_ONLY_PARAMS``): the soft cap is 0.0 when absent, ``bias_grad`` False
-    for the forward. ALiBi calls never get here (``implementations.missing_features``)."""
-    assert not params.get("has_alibi")
-    values = dict(params, bias_grad=bias_grad,
+    without ``contract.HOST_ONLY_PARAMS``): the soft cap is 0.0 when absent, ``bias_grad`` and
+    ``alibi_grad`` False for the forward."""
+    values = dict(params, bias_grad=bias_grad, alibi_grad=alibi_grad,
                   logits_soft_cap=0.0 if logits_soft_cap is None else logits_soft_cap)
     return {name: numpy_type(values[name]) for name, numpy_type in _ATTRIBUTES}
 
@@ -236,13 +235,16 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
 def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_grad=False,
               alibi_grad=False, **params):
     """Emit the backward FFI call for the primitive's args (q, k, v, o, lse, row_max, log_sum,
-    do, g_lse, then the optional operands as for ``lower_fwd``) -> (dq, dk, dv[, dbias]).
+    do, g_lse, then the optional operands as for ``lower_fwd``) -> (dq, dk, dv[, dbias]
+    [, dslopes]).
 
     The kernels recompute P from the residuals row_max and log_sum, so the call takes
     (q, k, v, o, row_max, log_sum, do, g_lse, *optional) and the lse operand is dropped. The custom
-    call has two more results: dbias float32 [batch, num_heads, q_len, kv_len] with
+    call has three more results: dbias float32 [batch, num_heads, q_len, kv_len] with
     ``bias_grad`` (else [0]), summed here over the bias operand's broadcast axes to the
-    primitive's dbias, and the float32 [batch, num_heads, q_len] workspace for
+    primitive's dbias; dalibi float32 [batch, num_heads, q_len] with ``alibi_grad`` (else [0]),
+    each query row's share of the slopes' gradient, summed here over the rows to dslopes
+    [batch, num_heads]; and the float32 [batch, num_heads, q_len] workspace for
     D_i = rowsum(dO_i * O_i) - g_lse_i, dropped here: XLA allocates both like any temporary, so
     they show up in memory_analysis() and need no allocator inside the handler. Errors as for
     ``lower_fwd``.
@@ -252,24 +254,32 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_gr
     check_supported(implementation, "bwd", q.dtype, q.shape[3], v.shape[3])
     batch, q_len, num_heads, _ = q.shape
     full = (batch, num_heads, q_len, k.shape[1])
+    rows = (batch, num_heads, q_len)
     dbias = ShapedArray(full if bias_grad else (0,), np.float32)
-    delta = ShapedArray((batch, num_heads, q_len), np.float32)
+    dalibi = ShapedArray(rows if alibi_grad else (0,), np.float32)
+    delta = ShapedArray(rows, np.float32)
     avals, args = _contract_operands(ctx, args, "bwd", params)
     keep = [n for n in range(len(args)) if n != _BWD_LSE_OPERAND]
     call_ctx = ctx.replace(avals_in=[avals[n] for n in keep],
-                           avals_out=(*ctx.avals_out[:3], dbias, delta))
+                           avals_out=(*ctx.avals_out[:3], dbias, dalibi, delta))
     rule = jax.ffi.ffi_lowering(_target("bwd", implementation))
     results = list(rule(call_ctx, *(args[n] for n in keep),
-                        **_attributes(bias_grad=bias_grad, **params)))
-    if not bias_grad:
-        return results[:3]
-    # The bias's broadcast axes are the size-1 axes of the primitive's dbias result.
-    reduced = cast(ShapedArray, ctx.avals_out[3])
-    axes = tuple(n for n, size in enumerate(reduced.shape) if size == 1 and full[n] != 1)
-    sum_ctx = ctx.replace(avals_in=[dbias], avals_out=[reduced])
-    summed = mlir.lower_fun(lambda d: jnp.sum(d, axis=axes, keepdims=True),
-                            multiple_results=False)(sum_ctx, results[3])
-    return [*results[:3], *summed]
+                        **_attributes(bias_grad=bias_grad, alibi_grad=alibi_grad, **params)))
+    outs, extra = results[:3], iter(ctx.avals_out[3:])
+
+    def reduce(result, aval, fun):
+        out = cast(ShapedArray, next(extra))
+        return mlir.lower_fun(fun, multiple_results=False)(
+            ctx.replace(avals_in=[aval], avals_out=[out]), result)
+
+    if bias_grad:
+        # The bias's broadcast axes are the size-1 axes of the primitive's dbias result.
+        shape = cast(ShapedArray, ctx.avals_out[3]).shape
+        axes = tuple(n for n, size in enumerate(shape) if size == 1 and full[n] != 1)
+        outs += reduce(results[3], dbias, lambda d: jnp.sum(d, axis=axes, keepdims=True))
+    if alibi_grad:
+        outs += reduce(results[4], dalibi, lambda d: jnp.sum(d, axis=2))
+    return outs
 
 
 _BWD_LSE_OPERAND = MAIN_OPERANDS["bwd"].index("lse")

@@ -94,7 +94,6 @@ def missing_features(params, page_size: int | None = None) -> str | None:
     size) that the fused kernels do not implement yet, named for an error message, or None.
     (Head dims are the kernel families' matter: ``ffi_lowering.unsupported_reason``.)"""
     missing = [name for name, present in (
-        ("alibi_slopes", params.get("has_alibi")),
         (f"page_table with page_size {page_size} (the fused kernels take powers of two >= 16)",
          params.get("has_page_table") and not fused_page_size(page_size or 0))) if present]
     return ", ".join(missing) or None

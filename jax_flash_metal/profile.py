@@ -174,6 +174,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="valid query length per batch entry (default: all of --q-len)")
     p.add_argument("--kv-lengths", type=_lengths, default=None, metavar="N,N,...",
                    help="valid key/value length per batch entry (default: all of --kv-len)")
+    p.add_argument("--alibi", action="store_true",
+                   help="ALiBi with BLOOM's slopes 2^(-8n/heads); the backward also forms the "
+                        "slopes' gradient")
     p.add_argument("--dropout", type=_rate, default=0.0, metavar="RATE",
                    help="attention dropout rate (a fixed key from --seed; default: none)")
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES),
@@ -203,6 +206,7 @@ class Problem:
         self.bottom_right = args.causal_alignment == "bottom_right"
         self.window = args.window
         self.q_lengths, self.kv_lengths = args.q_lengths, args.kv_lengths
+        self.alibi = args.alibi
         self.seed = args.seed
         self.dropout = args.dropout
         self.page_size = None  # a paged K/V cache of this many keys per page (paged())
@@ -231,18 +235,21 @@ class Problem:
         return jnp.asarray(pages)
 
     def shapes(self):
-        """(q, k, v) shapes; v has the value head dim."""
+        """The operands' shapes: q, k, v (v with the value head dim), and with ALiBi the
+        float32 [heads] slopes."""
         dtype = DTYPES[self.dtype]
-        return (jax.ShapeDtypeStruct((self.batch, self.q_len, self.heads, self.head_dim), dtype),
-                *(jax.ShapeDtypeStruct((self.batch, self.kv_len, self.kv_heads, d), dtype)
-                  for d in (self.head_dim, self.value_head_dim)))
+        q = jax.ShapeDtypeStruct((self.batch, self.q_len, self.heads, self.head_dim), dtype)
+        k, v = (jax.ShapeDtypeStruct((self.batch, self.kv_len, self.kv_heads, d), dtype)
+                for d in (self.head_dim, self.value_head_dim))
+        slopes = [jax.ShapeDtypeStruct((self.heads,), jnp.float32)] if self.alibi else []
+        return [q, k, v, *slopes]
 
     def dims(self) -> str:
         """The head dim, or "Dk/Dv" where the value head dim differs."""
         return (str(self.head_dim) if self.value_head_dim == self.head_dim
                 else f"{self.head_dim}/{self.value_head_dim}")
 
-    def attention(self, q, k, v):
+    def attention(self, q, k, v, alibi_slopes=None):
         lengths = {}
         if self.q_lengths is not None:
             lengths["query_seq_lengths"] = jnp.asarray(self.q_lengths, jnp.int32)
@@ -256,7 +263,7 @@ class Problem:
         return flash_attention(
             q, k, v, is_causal=self.causal, local_window_size=self.window,
             causal_alignment="bottom_right" if self.bottom_right else "top_left",
-            dropout_rate=self.dropout,
+            alibi_slopes=alibi_slopes, dropout_rate=self.dropout,
             dropout_rng=jax.random.key(self.seed) if self.dropout > 0 else None,
             implementation="emulator", **lengths, **paged)
 
@@ -264,12 +271,12 @@ class Problem:
         """Lowers the forward and backward (the kernels of this dtype and head dim must exist);
         raises the library's ValueError / TypeError / NotImplementedError otherwise."""
         shapes = self.shapes()
-        if self.page_size is not None:
+        if self.page_size is not None:  # forward only, on the pages
             jax.jit(self.attention).lower(*self.inputs())
             return
         jax.jit(self.attention).lower(*shapes)
-        loss = lambda q, k, v: self.attention(q, k, v).astype(jnp.float32).sum()
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*shapes)
+        loss = lambda *x: self.attention(*x).astype(jnp.float32).sum()
+        jax.jit(jax.grad(loss, argnums=tuple(range(len(shapes))))).lower(*shapes)
 
     def visibility(self) -> np.ndarray:
         """bool [batch, q_len, kv_len]: may query row i see key j (reference.visibility)."""
@@ -286,11 +293,14 @@ class Problem:
         return self.visibility().sum(axis=(1, 2), dtype=np.int64)
 
     def inputs(self):
+        """Random q, k, v, and with ALiBi BLOOM's slopes."""
         rng = np.random.default_rng(self.seed)
-        q, k, v = [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in self.shapes()]
+        q, k, v, *slopes = self.shapes()
+        q, k, v = [jnp.asarray(rng.standard_normal(s.shape), s.dtype) for s in (q, k, v)]
         if self.page_size is not None:
             k, v = self._to_pages(k), self._to_pages(v)
-        return q, k, v
+        bloom = [2.0 ** (-8.0 * jnp.arange(1, self.heads + 1, dtype=jnp.float32) / self.heads)]
+        return [q, k, v] + (bloom if slopes else [])
 
 
 def _recorded(fn, *args):
@@ -306,12 +316,12 @@ def _recorded(fn, *args):
 
 def run_problem(problem: Problem, passes) -> list[tuple[str, dict]]:
     """(pass name, launch record) for every kernel launch of the forward and/or backward."""
-    q, k, v = problem.inputs()
+    inputs = problem.inputs()
     runs = []
     if "forward" in passes:
-        runs += [("forward", r) for r in _recorded(jax.jit(problem.attention), q, k, v)]
+        runs += [("forward", r) for r in _recorded(jax.jit(problem.attention), *inputs)]
     if "backward" in passes:
-        out, vjp = jax.vjp(problem.attention, q, k, v)  # forward run without profiling
+        out, vjp = jax.vjp(problem.attention, *inputs)  # forward run without profiling
         ct = jnp.asarray(np.random.default_rng(problem.seed + 1).standard_normal(out.shape),
                          out.dtype)
         backward = jax.jit(lambda vjp, ct: vjp(ct))  # vjp is a pytree (jax.tree_util.Partial)
@@ -525,7 +535,8 @@ def main(argv=None) -> int:
             bar.write(f"# {problem.dtype} D={problem.dims()} batch={problem.batch} "
                       f"q_len={problem.q_len} kv_len={problem.kv_len} heads={problem.heads} "
                       f"kv_heads={problem.kv_heads} causal={problem.causal} "
-                      f"window={problem.window} dropout={problem.dropout}: {len(new)} launches, "
+                      f"window={problem.window} alibi={problem.alibi} "
+                      f"dropout={problem.dropout}: {len(new)} launches, "
                       f"{time.perf_counter() - start:.0f} s on the emulator", file=sys.stderr)
     finally:
         bar.close()

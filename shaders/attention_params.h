@@ -45,7 +45,9 @@ typedef long jfm_long;  // 64-bit in MSL
 #define JFM_BUFFER_DBIAS 21
 #define JFM_BUFFER_LOG_SUM 22   // ... and log(l) of its softmax sum (JFM_EMPTY_ROW_MAX)
 #define JFM_BUFFER_DROPOUT 23   // uint32 [B, H, 4]: dropout's key words and (b, n) per row
+#define JFM_BUFFER_DALIBI 24
 #define JFM_BUFFER_PAGE_TABLE 25  // int32 [B, kv_len / page_size] of a paged K/V cache
+#define JFM_BUFFER_ALIBI_SLOPES 26
 
 // AttentionParams::has_bias: no bias, a bias in the dtype of q, or a float32 bias.
 #define JFM_BIAS_NONE 0
@@ -79,7 +81,7 @@ struct AttentionParams {
   uint num_kv_heads;  // HKV, divides H (grouped-query attention)
   uint head_dim;      // D, equal to the kernel's template head dim
   float scale;        // softmax scale, used literally
-  uint padding;       // keeps the 8-byte fields 8-byte aligned (offset 112)
+  uint padding;       // keeps the 8-byte fields 8-byte aligned (offset 120)
   int window_left;    // local window, inclusive; JFM_UNBOUNDED = none
   int window_right;
   uint causal;        // 1: key j visible only if j <= i + off
@@ -100,6 +102,9 @@ struct AttentionParams {
   uint has_sinks;        // 1: float [H] at JFM_BUFFER_SINKS
   uint bias_grad;        // 1: the dQ kernel writes dbias float [B, H, Tq, Tkv] at JFM_BUFFER_DBIAS
   float soft_cap;        // c > 0: scores become c * tanh(score / c) before the bias; 0 = none
+  uint has_alibi;        // 1: float [B, H] slopes at JFM_BUFFER_ALIBI_SLOPES
+  uint alibi_grad;       // 1: the dQ kernel writes float [B, H, Tq] at JFM_BUFFER_DALIBI, row i's
+                         // share -sum_j dS_ij |i + off - j| of d(loss)/d(slope[b, h])
   // Dropout (flash_attention_dropout.h): a Philox word >= floor(rate 2^32) keeps its entry,
   // weighted float(1 / (1 - rate)); dropout_scale 0 = no dropout.
   uint dropout_threshold;
@@ -110,13 +115,13 @@ struct AttentionParams {
   uint page_size;        // a power of two >= 16 (jfm_page_size_supported); 0 = contiguous K/V
   uint num_pages;
   // Element strides over [B, H, Tq, Tkv], 0 on a broadcast axis; 64-bit because b and h
-  // strides of a full bias exceed 2^31 elements at long lengths. 8-byte aligned (offset 112).
+  // strides of a full bias exceed 2^31 elements at long lengths. 8-byte aligned (offset 120).
   jfm_long bias_strides[4];
   jfm_long mask_strides[4];
 };
 
 #ifndef __METAL_VERSION__
-static_assert(offsetof(AttentionParams, bias_strides) == 112 && sizeof(AttentionParams) == 176,
+static_assert(offsetof(AttentionParams, bias_strides) == 120 && sizeof(AttentionParams) == 184,
               "AttentionParams layout must match the shaders");
 }  // namespace jfm
 #endif

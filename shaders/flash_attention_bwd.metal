@@ -9,8 +9,9 @@
 // the forward forms them (K Q^T multiplies the same pairs in the same order), so P from the
 // forward's residuals, exp((S - m) - log(l)) (jfm_probability), reproduces the forward's
 // probabilities: a one-hot row gives P = 1, and S - m is exact at any offset.
-// The optional features (soft cap, bias, mask, segment ids) form scores and visibility through
-// flash_attention_features.h, as the forward does; a call without them runs the plain code.
+// The optional features (soft cap, bias, ALiBi, mask, segment ids) form scores and visibility
+// through flash_attention_features.h, as the forward does; a call without them runs the plain
+// code.
 // Loops, tiles and memory: shaders/README.md.
 #include "flash_attention_features.h"
 #include "kernel_traits.h"
@@ -36,7 +37,8 @@
    device const float* g_lse [[buffer(JFM_BUFFER_G_LSE)]],                \
    device float* delta [[buffer(JFM_BUFFER_DELTA)]],                      \
    device T* dq [[buffer(JFM_BUFFER_DQ)]],                                \
-   device float* dbias [[buffer(JFM_BUFFER_DBIAS)]])
+   device float* dbias [[buffer(JFM_BUFFER_DBIAS)]],                      \
+   device float* dalibi [[buffer(JFM_BUFFER_DALIBI)]])
 
 #define JFM_BWD_DKDV_SIGNATURE(T)                                             \
   (JFM_BWD_INPUTS(T), device const float* delta [[buffer(JFM_BUFFER_DELTA)]], \
@@ -119,8 +121,9 @@ inline void jfm_zero_dbias_block(device float* dbias_row, int j0, int kv_len, Jf
 //     S = Q_i K_j^T * scale;  P = exp((S - m_i) - log(l_i))
 //     dS = P (dP - D_i)                       (edge blocks: 0 where not visible)
 //     dbias_ij = dS (with bias_grad; 0 in every block or element not visited)
+//     dslope_i += dS_ij |i + off - j|          (with alibi_grad, summed over the row's lanes)
 //     dQ_i += dS (1 - tanh^2) K_j              (the soft cap's derivative, 1 without a cap)
-//   dQ_i *= scale
+//   dQ_i *= scale;  dalibi_i = -dslope_i       (row i's share of dL/dslope[b, h], with alibi_grad)
 // With segment ids, a key block whose id range cannot meet the query block's is skipped.
 // Q, K and dQ have DK columns, V, O and dO DV.
 template <typename T, int DK, int DV>
@@ -194,7 +197,9 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   const bool features = jfm_has_score_features(params);
   const bool segments = params.has_segment_ids != 0;
   const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
-  const JfmFeatureRow feature_row = jfm_feature_row(params, b, h, i);
+  const JfmFeatureRow feature_row =
+      jfm_feature_row(params, b, h, i, jfm_alignment_offset(params, q_valid, kv_valid),
+                      jfm_alibi_slope(params, in, b, h));
   const bool dropout_on = jfm_has_dropout(params);
   const JfmDropout drop = jfm_dropout_of(params, in.dropout, b, h);
   device const int* kv_ids = kv_segment_ids + ulong(b) * params.kv_len;
@@ -241,6 +246,7 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
       dbias + jfm_stat_offset(b, h, i, params.num_heads, params.q_len) * ulong(params.kv_len);
   const int loop_begin = params.bias_grad != 0 ? 0 : union_lo / BK * BK;
   const int loop_end = params.bias_grad != 0 ? int(params.kv_len) - 1 : union_hi;
+  float dslope = 0.0f;  // this lane's share of sum_j dS_ij |i + off - j| (alibi_grad)
   for (int j0 = loop_begin; j0 <= loop_end; j0 += BK) {
     int kind = j0 > union_hi || j0 + BK <= union_lo
                    ? JFM_TILE_SKIP
@@ -296,9 +302,10 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
       for (int e = 0; e < 2; ++e) {
         const int c = n * 8 + int(at.col) + e;
         const float qk = s[n].thread_elements()[e];
+        const JfmFeatureRow element = jfm_feature_at(params, feature_row, j0 + c);
         float score;
         const bool visible = jfm_element<T>(
-            params, features, in, jfm_feature_at(params, feature_row, j0 + c), q_segment,
+            params, features, in, element, q_segment,
             segments ? jfm_segment_of<T, DK>(k_tile, c) : 0,
             kind == JFM_TILE_FULL || jfm_visible(keys, j0 + c), qk, score);
         const float ds = jfm_probability(score, row_m, row_log2_l) *
@@ -306,6 +313,9 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
         s[n].thread_elements()[e] = visible ? ds : 0.0f;
         if (dbias_row && j0 + c < int(params.kv_len)) {
           dbias_out[j0 + c] = s[n].thread_elements()[e];
+        }
+        if (params.alibi_grad != 0) {
+          dslope = fma(s[n].thread_elements()[e], jfm_alibi_distance(element), dslope);
         }
         if (params.soft_cap > 0.0f && visible) {  // a hidden pair's q.k may be NaN
           s[n].thread_elements()[e] *= jfm_soft_cap_slope(params, qk);
@@ -321,6 +331,12 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
     }
   }
 
+  if (params.alibi_grad != 0) {  // uniform: every lane takes part in the row sum
+    const float row_dslope = jfm_row_sum(dslope);
+    if (at.col == 0 && i < int(params.q_len)) {  // one lane per row
+      dalibi[stat + band + at.row] = -row_dslope;
+    }
+  }
   if (i < int(params.q_len)) {
     device T* dq_row = dq + q_block + uint(band + int(at.row)) * q_stride;
     JFM_PRAGMA_UNROLL
@@ -415,6 +431,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   const bool segments = params.has_segment_ids != 0;
   const bool dropout_on = jfm_has_dropout(params);
   const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
+  const long off = jfm_alignment_offset(params, q_valid, kv_valid);
   device const int* q_ids = q_segment_ids + ulong(b) * params.q_len;
   if (union_lo <= union_hi) {  // uniform; the first query block's barrier publishes the tiles
     jfm_load_tile<T, BKV, DK, THREADS, false>(k_tile, k + k_block, k_stride, 0, valid_keys,
@@ -456,6 +473,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
     device const T* q_head = q + jfm_row_offset(b, 0, h, params.q_len, params.num_heads, DK);
     device const T* do_head = d_o + jfm_row_offset(b, 0, h, params.q_len, params.num_heads, DV);
     const ulong stat_head = jfm_stat_offset(b, h, 0, params.num_heads, params.q_len);
+    const float slope = jfm_alibi_slope(params, in, b, h);
     const JfmDropout drop = jfm_dropout_of(params, in.dropout, b, h);
     for (int i0 = union_lo / BQ * BQ; i0 <= union_hi; i0 += BQ) {
       int kind =
@@ -480,7 +498,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
       } else if (features) {
         kind = jfm_classify_feature_tile(params, kind, kv_ids, kv_ids);
       }
-      const JfmFeatureRow block_row = jfm_feature_row(params, b, h, i0);
+      const JfmFeatureRow block_row = jfm_feature_row(params, b, h, i0, off, slope);
       if (!ONE_QDO_BUFFER || WANT_DK) {
         jfm_load_tile<T, BQ, DV, THREADS, false, LDO_STREAM>(do_tile, do_head + do_offset,
                                                              o_stride, load_begin, load_end,

@@ -104,8 +104,10 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
   const int i = r < rows ? r % int(params.q_len) : int(q_valid);
   const JfmRange32 keys = jfm_range32(jfm_keys_of_query(params, i, q_valid, kv_valid), kv_valid);
   const bool features = jfm_has_score_features(params);  // uniform
-  JfmFeatureLane f = jfm_feature_lane(params, JFM_FEATURE_BUFFERS, b,
-                                      hk * G + uint(min(r, rows - 1)) / params.q_len, i);
+  JfmFeatureLane f =
+      jfm_feature_lane(params, JFM_FEATURE_BUFFERS, b,
+                       hk * G + uint(min(r, rows - 1)) / params.q_len, i,
+                       jfm_alignment_offset(params, q_valid, kv_valid));
 
   const uint q_stride = params.num_heads * uint(DK);
   device const T* k_head = k + jfm_kv_head_offset(params, b, hk, DK);
@@ -226,6 +228,7 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
                        split, params.splits, JFM_SIMD_WIDTH);
   const bool features = jfm_has_score_features(params);  // uniform
   const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
+  const long off = jfm_alignment_offset(params, q_valid, kv_valid);
   const uint k_stride = params.num_kv_heads * uint(DK);
   const uint v_stride = params.num_kv_heads * uint(DV);
   device const T* k_head = k + jfm_kv_head_offset(params, b, hk, DK);
@@ -239,17 +242,18 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
   float o[R][DLV];
   float m[R];
   float l[R];
+  float slope[R];  // ALiBi (0 without)
   JfmRange32 keys[R];
   JFM_PRAGMA_UNROLL
   for (int r = 0; r < R; ++r) {
     const int i = r < rows ? r % int(params.q_len) : int(q_valid);
+    const uint h = hk * G + uint(min(r, rows - 1)) / params.q_len;
     keys[r] = jfm_range32(jfm_keys_of_query(params, i, q_valid, kv_valid), kv_valid);
     m[r] = JFM_MAX_SENTINEL;
     l[r] = 0.0f;
+    slope[r] = jfm_alibi_slope(params, in, b, h);
     device const T* q_row =
-        q + jfm_row_offset(b, min(i, int(params.q_len) - 1), hk * G + uint(min(r, rows - 1)) /
-                                                                 params.q_len,
-                           params.q_len, params.num_heads, DK);
+        q + jfm_row_offset(b, min(i, int(params.q_len) - 1), h, params.q_len, params.num_heads, DK);
     JFM_PRAGMA_UNROLL
     for (int n = 0; n < DLK; ++n) {
       const int d = int(lane) + n * JFM_SIMD_WIDTH;
@@ -309,9 +313,9 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
           const int segment = params.has_segment_ids != 0 && band
                                   ? in.q_segment_ids[ulong(b) * params.q_len + ulong(i)]
                                   : 0;
-          seen = jfm_element<T>(params, true, in,
-                                jfm_feature_at(params, jfm_feature_row(params, b, h, i), j),
-                                segment, kv_segment, band, sc[r], s);
+          const JfmFeatureRow row = jfm_feature_row(params, b, h, i, off, slope[r]);
+          seen = jfm_element<T>(params, true, in, jfm_feature_at(params, row, j), segment,
+                                kv_segment, band, sc[r], s);
         } else {
           s = jfm_finite_or_nan(sc[r] * params.scale);
         }

@@ -1,4 +1,5 @@
-// The optional score features of docs/design.md#scores (soft cap, bias, mask, segment ids, sinks)
+// The optional score features of docs/design.md#scores (soft cap, bias, ALiBi, mask, segment ids,
+// sinks)
 // per element and per tile, shared by the forward (and decode) and the backward kernels so that
 // both directions form bit-identical scores and visibility. A kernel without any feature never
 // calls these: its loop keeps the plain score S = (q.k) * scale and the band tests.
@@ -18,26 +19,30 @@ struct JfmFeatureBuffers {
   device const uchar* bias;          // [b, h, tq, tkv] through params.bias_strides
   device const uchar* mask;          // uchar, same, through params.mask_strides; 0 = hidden
   device const float* sinks;         // float32 [H], natural-log logits
+  device const float* alibi_slopes;  // float32 [B, H]
   device const uint* dropout;        // uint32 [B, H, 4] (flash_attention_dropout.h)
 };
 
 // The kernel arguments of the optional buffers (every kernel that reads a feature declares all
-// six, the host binds all six), and the struct made from them inside the kernel.
+// seven, the host binds all seven), and the struct made from them inside the kernel.
 #define JFM_FEATURE_BUFFER_ARGS                                             \
   device const int* q_segment_ids [[buffer(JFM_BUFFER_Q_SEGMENT_IDS)]],     \
       device const int* kv_segment_ids [[buffer(JFM_BUFFER_KV_SEGMENT_IDS)]], \
       device const uchar* bias [[buffer(JFM_BUFFER_BIAS)]],                 \
       device const uchar* mask [[buffer(JFM_BUFFER_MASK)]],                 \
       device const float* sinks [[buffer(JFM_BUFFER_SINKS)]],               \
-      device const uint* dropout [[buffer(JFM_BUFFER_DROPOUT)]]
-#define JFM_FEATURE_BUFFERS \
-  jfm_feature_buffers(q_segment_ids, kv_segment_ids, bias, mask, sinks, dropout)
+      device const uint* dropout [[buffer(JFM_BUFFER_DROPOUT)]],            \
+      device const float* alibi_slopes [[buffer(JFM_BUFFER_ALIBI_SLOPES)]]
+#define JFM_FEATURE_BUFFERS                                                              \
+  jfm_feature_buffers(q_segment_ids, kv_segment_ids, bias, mask, sinks, dropout, \
+                      alibi_slopes)
 
 inline JfmFeatureBuffers jfm_feature_buffers(device const int* q_segment_ids,
                                              device const int* kv_segment_ids,
                                              device const uchar* bias, device const uchar* mask,
                                              device const float* sinks,
-                                             device const uint* dropout) {
+                                             device const uint* dropout,
+                                             device const float* alibi_slopes) {
   JfmFeatureBuffers in;
   in.q_segment_ids = q_segment_ids;
   in.kv_segment_ids = kv_segment_ids;
@@ -45,16 +50,19 @@ inline JfmFeatureBuffers jfm_feature_buffers(device const int* q_segment_ids,
   in.mask = mask;
   in.sinks = sinks;
   in.dropout = dropout;
+  in.alibi_slopes = alibi_slopes;
   return in;
 }
 
 // Features that change the score or hide single elements; a kernel takes its feature loop iff
 // one is set (sinks only enter the row statistic, after the loop).
 inline bool jfm_has_score_features(constant AttentionParams& p) {
-  return p.has_mask != 0 || p.has_bias != 0 || p.has_segment_ids != 0 || p.soft_cap > 0.0f;
+  return p.has_mask != 0 || p.has_bias != 0 || p.has_segment_ids != 0 || p.soft_cap > 0.0f ||
+         p.has_alibi != 0;
 }
 
-// Features that hide elements inside the band: a tile with any of them is never FULL.
+// Features that hide elements inside the band: a tile with any of them is never FULL (ALiBi
+// only changes scores, so it keeps FULL tiles FULL).
 inline bool jfm_has_element_features(constant AttentionParams& p) {
   return p.has_mask != 0 || p.has_bias != 0 || p.has_segment_ids != 0;
 }
@@ -62,10 +70,14 @@ inline bool jfm_has_element_features(constant AttentionParams& p) {
 // ---- addressing ----
 
 // Element offsets of (b, h, i, 0) in the bias and in the mask: 64-bit, computed once per row
-// (or per block), never per element.
+// (or per block), never per element. With ALiBi also the head's slope and the signed distance
+// i + off - j of the element from the aligned diagonal (j = 0 here), which the steps below
+// move with j and i like the offsets.
 struct JfmFeatureRow {
   ulong bias;
   ulong mask;
+  float slope;   // slope[b, h]; 0 without ALiBi
+  int diagonal;  // i + off - j
 };
 
 inline ulong jfm_feature_offset(constant jfm_long* strides, uint b, uint h, long i) {
@@ -73,10 +85,20 @@ inline ulong jfm_feature_offset(constant jfm_long* strides, uint b, uint h, long
          ulong(i) * ulong(strides[2]);
 }
 
-inline JfmFeatureRow jfm_feature_row(constant AttentionParams& p, uint b, uint h, long i) {
+// The ALiBi slope of head h in batch b (b < batch, h < num_heads), 0 without ALiBi: read once
+// per row (or per head of a key block), never per element.
+inline float jfm_alibi_slope(constant AttentionParams& p, JfmFeatureBuffers in, uint b, uint h) {
+  return p.has_alibi != 0 ? in.alibi_slopes[ulong(b) * p.num_heads + h] : 0.0f;
+}
+
+// off: the row's causal alignment offset (jfm_alignment_offset); slope: jfm_alibi_slope.
+inline JfmFeatureRow jfm_feature_row(constant AttentionParams& p, uint b, uint h, long i,
+                                     long off, float slope) {
   JfmFeatureRow r;
   r.bias = jfm_feature_offset(p.bias_strides, b, h, i);
   r.mask = jfm_feature_offset(p.mask_strides, b, h, i);
+  r.slope = slope;
+  r.diagonal = int(i + off);
   return r;
 }
 
@@ -84,6 +106,7 @@ inline JfmFeatureRow jfm_feature_row(constant AttentionParams& p, uint b, uint h
 inline JfmFeatureRow jfm_feature_at(constant AttentionParams& p, JfmFeatureRow row, int j) {
   row.bias += uint(j) * uint(p.bias_strides[3]);
   row.mask += uint(j) * uint(p.mask_strides[3]);
+  row.diagonal -= j;
   return row;
 }
 
@@ -93,6 +116,7 @@ inline JfmFeatureRow jfm_feature_below(constant AttentionParams& p, JfmFeatureRo
                                        int j) {
   row.bias += uint(r) * uint(p.bias_strides[2]) + uint(j) * uint(p.bias_strides[3]);
   row.mask += uint(r) * uint(p.mask_strides[2]) + uint(j) * uint(p.mask_strides[3]);
+  row.diagonal += r - j;
   return row;
 }
 
@@ -114,19 +138,28 @@ inline float jfm_soft_cap_tanh(constant AttentionParams& p, float qk) {
   return precise::tanh(jfm_finite_or_nan(qk * p.scale) / p.soft_cap);
 }
 
-// The score of an element from its q.k sum (the MMA result) and bias, in float32 as the API
-// defines it: cap(scale q.k) + bias, rounded once. Without cap and bias it is the plain kernels'
-// S bit for bit. A non-finite q.k becomes NaN before the cap, and a +inf/NaN bias gives NaN:
-// they propagate.
-inline float jfm_feature_score(constant AttentionParams& p, float qk, float bias) {
+// |i + off - j| of an element (jfm_feature_at), the distance ALiBi multiplies by -slope and the
+// factor of the slope's gradient: exact in float32 below 2^24.
+inline float jfm_alibi_distance(JfmFeatureRow at) {
+  return float(abs(at.diagonal));
+}
+
+// The score of an element from its q.k sum (the MMA result), bias and ALiBi term
+// -slope * |i + off - j|, in float32 as the API defines it: cap(scale q.k) + (bias + ALiBi),
+// the sum as the xla implementation forms it. Without cap, bias and ALiBi it is the plain
+// kernels' S bit for bit. A non-finite q.k becomes NaN before the cap, and a +inf/NaN bias or
+// a non-finite ALiBi term gives NaN: they propagate.
+inline float jfm_feature_score(constant AttentionParams& p, float qk, float bias,
+                               JfmFeatureRow at) {
   const float s =
       p.soft_cap > 0.0f ? p.soft_cap * jfm_soft_cap_tanh(p, qk) : jfm_finite_or_nan(qk * p.scale);
-  if (p.has_bias == 0) {
+  if (p.has_bias == 0 && p.has_alibi == 0) {
     return s;
   }
+  const float added = p.has_alibi != 0 ? bias - at.slope * jfm_alibi_distance(at) : bias;
   // A finite bias at the float range (finfo.min, an additive mask) saturates, as the float32
   // score of jax.nn stays finite. A +inf bias poisons.
-  return jfm_is_finite(bias) ? jfm_saturate_score(s + bias) : jfm_finite_or_nan(bias);
+  return jfm_is_finite(added) ? jfm_saturate_score(s + added) : jfm_finite_or_nan(added);
 }
 
 // d(score)/d(scale q.k) of the soft cap, 1 - tanh^2, the factor dS takes before dQ and dK
@@ -152,7 +185,8 @@ inline bool jfm_feature_keeps(constant AttentionParams& p, device const uchar* m
 // Score and visibility of element (i, j), one definition for every kernel: returns whether it
 // is visible and sets s, its score. band_visible is the band rules' verdict; with `features`
 // the element at `at` (jfm_feature_at) must also pass jfm_feature_keeps and s is
-// jfm_feature_score, else s is the plain S = q.k * scale. The features' buffers
+// jfm_feature_score (bias and ALiBi at `at`), else s is the plain S = q.k * scale. The features'
+// buffers
 // are read for band-visible elements only (others' offsets need not be in bounds).
 template <typename T>
 inline bool jfm_element(constant AttentionParams& p, bool features, JfmFeatureBuffers in,
@@ -163,7 +197,7 @@ inline bool jfm_element(constant AttentionParams& p, bool features, JfmFeatureBu
     return band_visible;
   }
   const float bias = jfm_bias_at<T>(p, in.bias, at.bias);
-  s = jfm_feature_score(p, qk, bias);
+  s = jfm_feature_score(p, qk, bias, at);
   return jfm_feature_keeps(p, in.mask, at.mask, q_segment, kv_segment, bias);
 }
 

@@ -77,7 +77,8 @@ template <typename T, int DK, int DV>
   const int i = i0 + band + int(at.row);
   const JfmRange32 keys = jfm_range32(jfm_keys_of_query(params, i, q_valid, kv_valid), kv_valid);
   const bool features = jfm_has_score_features(params);  // uniform
-  JfmFeatureLane f = jfm_feature_lane(params, JFM_FEATURE_BUFFERS, b, h, i);
+  JfmFeatureLane f = jfm_feature_lane(params, JFM_FEATURE_BUFFERS, b, h, i,
+                                      jfm_alignment_offset(params, q_valid, kv_valid));
 
   const uint q_stride = params.num_heads * uint(DK);  // elements between consecutive rows
   device const T* k_head = k + jfm_kv_head_offset(params, b, hk, DK);

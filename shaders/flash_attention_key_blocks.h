@@ -74,13 +74,13 @@ struct JfmFeatureLane {
   long query;                     // the row's query position i (dropout's counter)
 };
 
-// The lane context of query row i of head h in batch b; segment and row_segments are set by
-// jfm_lane_segments once the rows' ids are staged.
+// The lane context of query row i of head h in batch b, off its alignment offset; segment and
+// row_segments are set by jfm_lane_segments once the rows' ids are staged.
 inline JfmFeatureLane jfm_feature_lane(constant AttentionParams& p, JfmFeatureBuffers in,
-                                       uint b, uint h, long i) {
+                                       uint b, uint h, long i, long off) {
   JfmFeatureLane f;
   f.in = in;
-  f.row = jfm_feature_row(p, b, h, i);
+  f.row = jfm_feature_row(p, b, h, i, off, jfm_alibi_slope(p, in, b, h));
   f.kv_segments = p.has_segment_ids != 0 ? in.kv_segment_ids + ulong(b) * p.kv_len
                                          : in.kv_segment_ids;
   f.segment = 0;
@@ -113,7 +113,7 @@ inline bool jfm_lane_keeps(constant AttentionParams& p, thread const JfmFeatureL
 }
 
 // The online softmax with the score features: every element the band shows (all, in a FULL
-// tile) goes through jfm_element (cap, bias, mask, segment ids); the key block's segment ids
+// tile) goes through jfm_element (cap, bias, ALiBi, mask, segment ids); the key block's segment ids
 // are staged in k_tile's row padding.
 template <typename T, int D, int KF>
 inline float jfm_online_softmax_features(thread JfmFrag* s, constant AttentionParams& p,

@@ -22,8 +22,9 @@ def attributes(**overrides):
     attrs = dict(scale=np.float32(0.25), is_causal=False, window_left=np.int32(-1),
                  window_right=np.int32(-1), bottom_right=False, has_q_lengths=False,
                  has_kv_lengths=False, has_segment_ids=False, has_bias=False, has_mask=False,
-                 has_sinks=False, logits_soft_cap=np.float32(0.0), bias_grad=False,
-                 has_page_table=False, dropout_rate=np.float64(0.0))
+                 has_sinks=False, logits_soft_cap=np.float32(0.0), has_alibi=False,
+                 has_page_table=False, dropout_rate=np.float64(0.0), bias_grad=False,
+                 alibi_grad=False)
     attrs.update(overrides)
     return attrs
 
@@ -51,17 +52,22 @@ def fwd_call(q, k, v, *lengths, lse_shape=None, residual_shape=None, workspace=N
     return o, lse, (row_max, log_sum)
 
 
-def bwd_call(q, k, v, o, residuals, do, g_lse, *optional, bias_grad=False, **attrs):
-    """The backward target called directly: (dq, dk, dv, dbias, delta); residuals the forward's
-    (row_max, log_sum); dbias is float32 [B, H, Tq, Tkv] with bias_grad, else [0]."""
+def bwd_call(q, k, v, o, residuals, do, g_lse, *optional, bias_grad=False, alibi_grad=False,
+             **attrs):
+    """The backward target called directly: (dq, dk, dv, dbias, delta), then dalibi with
+    alibi_grad; residuals the forward's (row_max, log_sum); dbias is float32 [B, H, Tq, Tkv]
+    with bias_grad, else [0]; dalibi float32 [B, H, Tq] (each row's share of the slopes'
+    gradient)."""
     b, tq, h, _ = q.shape
     dbias = (b, h, tq, k.shape[1]) if bias_grad else (0,)
+    dalibi = (b, h, tq) if alibi_grad else (0,)
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
            jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(dbias, jnp.float32),
-           jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
-    return jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
+           jax.ShapeDtypeStruct(dalibi, jnp.float32), jax.ShapeDtypeStruct((b, h, tq), jnp.float32))
+    *grads, dalibi, delta = jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(
         q, k, v, o, *residuals, do, g_lse, *optional,
-        **attributes(bias_grad=np.bool_(bias_grad), **attrs)))
+        **attributes(bias_grad=np.bool_(bias_grad), alibi_grad=np.bool_(alibi_grad), **attrs)))
+    return (*grads, delta) + ((dalibi,) if alibi_grad else ())
 
 
 @contextlib.contextmanager

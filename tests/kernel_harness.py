@@ -34,6 +34,7 @@ DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
 # JFM_BUFFER_* of attention_params.h.
 Q, K, V, O, LSE, DO, DELTA, G_LSE, Q_LENGTHS, KV_LENGTHS, DQ, DK, DV, PARAMS, ROW_MAX = range(15)
 Q_SEGMENT_IDS, KV_SEGMENT_IDS, BIAS, MASK, SINKS, DBIAS, LOG_SUM, DROPOUT = range(16, 24)
+ALIBI_SLOPES, DALIBI = 26, 24
 PAGE_TABLE = 25
 
 PARAMS_DTYPE = np.dtype([
@@ -46,12 +47,13 @@ PARAMS_DTYPE = np.dtype([
     # The optional features of the FFI contract: left 0 here (their tests go through the FFI
     # handler, tests/test_kernels_features_fwd.py).
     ("has_segment_ids", "<u4"), ("has_bias", "<u4"), ("has_mask", "<u4"), ("has_sinks", "<u4"),
-    ("bias_grad", "<u4"), ("soft_cap", "<f4"), ("dropout_threshold", "<u4"),
-    ("dropout_scale", "<f4"), ("page_size", "<u4"), ("num_pages", "<u4"),
+    ("bias_grad", "<u4"), ("soft_cap", "<f4"), ("has_alibi", "<u4"), ("alibi_grad", "<u4"),
+    ("dropout_threshold", "<u4"), ("dropout_scale", "<f4"), ("page_size", "<u4"),
+    ("num_pages", "<u4"),
     ("bias_strides", "<i8", (4,)), ("mask_strides", "<i8", (4,)),
 ])
-assert PARAMS_DTYPE.itemsize == 176  # static_assert in attention_params.h
-assert PARAMS_DTYPE.fields["bias_strides"][1] == 112
+assert PARAMS_DTYPE.itemsize == 184  # static_assert in attention_params.h
+assert PARAMS_DTYPE.fields["bias_strides"][1] == 120
 
 # Bound where a lengths buffer is absent and at the optional feature buffers (flags 0), as the
 # host does; the kernels must not read it (if they did, these values would empty every row and
@@ -85,7 +87,7 @@ def window_bounds(local_window_size):
 def pack_params(q_shape, kv_shape, *, scale=None, is_causal=False, local_window_size=None,
                 query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment="top_left",
                 bias_grad=False):
-    """AttentionParams as uint8 bytes [176] for q [B, Tq, H, D] and k/v [B, Tkv, HKV, D]."""
+    """AttentionParams as uint8 bytes [184] for q [B, Tq, H, D] and k/v [B, Tkv, HKV, D]."""
     batch, q_len, heads, head_dim = q_shape
     _, kv_len, kv_heads, _ = kv_shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -127,7 +129,8 @@ def _dispatch(kind, dtype, head_dim, buffers, rows, heads, batch, schedule, seed
     if 0 in groups:
         return  # the host never dispatches an empty grid
     bound = {index: _device(array) for index, array in buffers.items()}
-    for index in (Q_SEGMENT_IDS, KV_SEGMENT_IDS, BIAS, MASK, SINKS, DROPOUT, PAGE_TABLE):
+    for index in (Q_SEGMENT_IDS, KV_SEGMENT_IDS, BIAS, MASK, SINKS, DROPOUT, PAGE_TABLE,
+                  ALIBI_SLOPES):
         bound.setdefault(index, _PLACEHOLDER)
     # Outputs are created C-contiguous, so `bound` holds them or uint16 views of them.
     emulator.run(kernel_name(kind, dtype, head_dim), bound, groups, (shape["threads"], 1, 1),
@@ -188,7 +191,8 @@ def backward(q, k, v, o, residuals, do, g_lse=None, *, schedule="forward", seed=
     dq_stage, *dkdv_stages = bwd_stages(head_dim)
     _dispatch(dq_stage, q.dtype, head_dim,
               {**inputs, O: o, G_LSE: np.ascontiguousarray(g_lse, dtype=np.float32),
-               DELTA: delta, DQ: dq, DBIAS: dbias}, q_len, heads, batch, schedule, seed)
+               DELTA: delta, DQ: dq, DBIAS: dbias, DALIBI: _output((4,), np.float32)},
+              q_len, heads, batch, schedule, seed)
     for stage in dkdv_stages:
         _dispatch(stage, q.dtype, head_dim, {**inputs, DELTA: delta, DK: dk, DV: dv},
                   kv_len, kv_heads, batch, schedule, seed)

@@ -3,10 +3,11 @@ docs/design.md#value-head-dim) against the float64 oracle, forward and gradients
 
 ALiBi is judged against the oracle given the bias materialised from the formula
 (``api_helpers.alibi_bias``); the slopes' gradient against sum_ij dbias_ij * -|i + off - j| of
-the oracle's bias gradient. Run on the xla implementation, dense and blockwise. The fused
-implementations do not implement ALiBi yet, and have kernels for a few (Dk, Dv) pairs only
-(tests/test_value_dim_kernels.py): an explicit one refuses another call naming the feature or
-the pair, and implementation=None runs it on xla.
+the oracle's bias gradient. Run on the xla implementation, dense and blockwise, and ALiBi on
+the emulator's kernels (tiled forward, both decode pass 1 kernels, the backward with the slopes'
+gradient). The fused kernels have a few (Dk, Dv) pairs only (tests/test_value_dim_kernels.py):
+an explicit fused implementation refuses another pair naming it, and implementation=None runs it
+on xla.
 """
 
 import re
@@ -21,6 +22,9 @@ import tolerance
 from api_helpers import alibi_bias, make_inputs, normal, run
 from jax_flash_metal import flash_attention, implementations, reference_attention
 
+FUSED = pytest.mark.skipif("emulator" not in implementations.available(),
+                           reason="needs the extension")
+
 B, TQ, TK, H, HKV = 2, 9, 11, 4, 2
 
 
@@ -32,9 +36,9 @@ def inputs(seed, dk=16, dv=16, dtype=jnp.float32, q_len=TQ, kv_len=TK, kv_heads=
             normal(rng, (B, q_len, H, dv), dtype), g)
 
 
-def check(q, k, v, do, g, alibi_slopes=None, **kw):
+def check(q, k, v, do, g, alibi_slopes=None, implementation="xla", **kw):
     """run() against the oracle; ALiBi through the materialised bias. Returns run()'s dict."""
-    got = run(q, k, v, do, g, alibi_slopes=alibi_slopes, **kw)
+    got = run(q, k, v, do, g, alibi_slopes=alibi_slopes, implementation=implementation, **kw)
     oracle_kw = dict(kw)
     names = [n for n in ("o", "lse", "dq", "dk", "dv", "dbias", "dsinks") if n in got]
     if alibi_slopes is not None:
@@ -107,6 +111,47 @@ def test_alibi_check_grads():
                 rtol=1e-2)
 
 
+# The emulator's kernels: (q_len, kv_len, slopes shape, band, pass 1 of the decode or None for
+# the tiled forward), with H = 4 query heads over HKV = 2 (GQA).
+FUSED_CASES = [
+    (20, 23, (H,), dict(is_causal=True, causal_alignment="bottom_right",
+                        query_seq_lengths=np.array([20, 13]),
+                        key_value_seq_lengths=np.array([23, 9])), None),
+    (20, 18, (B, H), dict(local_window_size=(5, 3), query_seq_lengths=np.array([17, 20])), None),
+    (9, 30, (B, H), dict(is_causal=True, causal_alignment="bottom_right",
+                         key_value_seq_lengths=np.array([30, 12])), "decode_partial"),
+    (3, 37, (H,), dict(causal_alignment="bottom_right", query_seq_lengths=np.array([3, 2]),
+                       key_value_seq_lengths=np.array([37, 20])), "decode_vector"),
+]
+
+
+@FUSED
+@pytest.mark.parametrize("q_len,kv_len,shape,band,decode", FUSED_CASES,
+                         ids=["fwd-causal-br-lengths", "fwd-window", "decode-partial",
+                              "decode-vector"])
+def test_alibi_in_the_kernels(q_len, kv_len, shape, band, decode):
+    """The emulator's kernels against the oracle with the materialised bias: O, LSE, dQ, dK, dV
+    and the slopes' gradient (the dQ kernel's per-row sums), both alignments, lengths, GQA,
+    the tiled forward and both decode pass 1 kernels."""
+    from jax_flash_metal import _ext
+    plan = _ext.dispatch_plan("fwd", "f32", B, q_len, kv_len, H, HKV, 16, "emulator")
+    assert plan[0][0]["kernel"] == f"flash_attention_{decode or 'fwd'}_f32_d16"
+    q, k, v, do, g = inputs(11, q_len=q_len, kv_len=kv_len)
+    check(q, k, v, do, g, alibi_slopes=slopes_of(shape, 4), implementation="emulator", **band)
+
+
+@FUSED
+@pytest.mark.slow
+def test_alibi_in_the_kernels_with_bias_soft_cap_and_sinks():
+    """The kernels add ALiBi after the soft cap, together with a broadcast bias."""
+    q, k, v, do, g = inputs(12, q_len=20, kv_len=23)
+    rng = np.random.default_rng(13)
+    check(q, k, v, do, g, alibi_slopes=slopes_of((B, H), 5), logits_soft_cap=3.0,
+          bias=np.asarray(normal(rng, (1, H, 20, 23), jnp.float32)),
+          sinks=np.asarray(normal(rng, (H,), jnp.float32)), is_causal=True,
+          implementation="emulator")
+
+
 def test_alibi_equals_reference_attention_under_vmap():
     """vmap over per-example slopes: each example gets its own, as reference_attention."""
     q, k, v, _, _ = inputs(5)
@@ -147,26 +192,18 @@ def test_value_head_dim_half_precision(dtype):
     assert o.shape == (TQ, H, 8) and o.dtype == dtype
 
 
-FEATURES = [  # (error, its message, keyword arguments, value head dim)
-    (NotImplementedError, "does not implement alibi_slopes",
-     dict(alibi_slopes=np.ones(H, np.float32)), 16),
-    (ValueError, "key head dim 16 with value head dim 8 with dtype float32 is not supported",
-     {}, 8),
-]
-
-
-@pytest.mark.skipif("emulator" not in implementations.available(), reason="needs the extension")
-@pytest.mark.parametrize("error,message,kw,dv", FEATURES, ids=["alibi", "dv"])
-def test_fused_implementations_refuse_by_name(monkeypatch, error, message, kw, dv):
-    """Explicit fused: an error naming the feature (NotImplementedError) or the head-dim pair
-    without kernels (ValueError). implementation=None with a fused implementation preferred:
-    the call runs on xla, forward and backward."""
-    q, k, v, do, g = inputs(9, 16, dv)
-    with pytest.raises(error, match=re.escape(message)):
-        jax.jit(lambda q: flash_attention(q, k, v, implementation="emulator", **kw))(q)
+@FUSED
+def test_fused_implementations_refuse_a_pair_without_kernels(monkeypatch):
+    """Explicit fused: ValueError naming the (Dk, Dv) pair that has no kernels.
+    implementation=None with a fused implementation preferred: the call runs on xla, forward
+    and backward."""
+    q, k, v, do, g = inputs(9, 16, 8)
+    message = "key head dim 16 with value head dim 8 with dtype float32 is not supported"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jax.jit(lambda q: flash_attention(q, k, v, implementation="emulator"))(q)
     monkeypatch.delenv("JAX_FLASH_METAL_IMPLEMENTATION", raising=False)
     monkeypatch.setattr(implementations, "_PREFERENCE", ("emulator",))
-    grad = jax.jit(jax.grad(lambda q: flash_attention(q, k, v, **kw).sum()))
+    grad = jax.jit(jax.grad(lambda q: flash_attention(q, k, v).sum()))
     assert "jax_flash_metal_attention" not in grad.lower(q).as_text()
-    want = jax.grad(lambda q: reference_attention(q, k, v, **kw).sum())(q)
+    want = jax.grad(lambda q: reference_attention(q, k, v).sum())(q)
     np.testing.assert_allclose(grad(q), want, rtol=1e-4, atol=1e-5)

@@ -132,7 +132,7 @@ def _ffi_forward(q, k, v, mask):
         window_right=right, bottom_right=mask.get("causal_alignment") == "bottom_right",
         has_q_lengths="query_seq_lengths" in mask, has_kv_lengths="key_value_seq_lengths" in mask,
         has_segment_ids=False, has_bias=False, has_mask=False, has_sinks=False,
-        logits_soft_cap=None, has_page_table=False)
+        has_alibi=False, logits_soft_cap=None, has_page_table=False)
     return [np.asarray(x) for x in jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **attrs)[:4]]
 
 
@@ -177,7 +177,7 @@ def test_decode_is_bit_identical_under_every_schedule(case):
 class _Args:
     def __init__(self, **kw):
         self.__dict__.update(dict(causal=True, causal_alignment="bottom_right", window=None,
-                                  q_lengths=None, kv_lengths=None, seed=0), **kw)
+                                  q_lengths=None, kv_lengths=None, alibi=False, seed=0), **kw)
 
 
 @kh.needs_counting

@@ -166,7 +166,8 @@ _LENGTH = jnp.ones((1,), jnp.int32)
 
 @pytest.mark.parametrize("args, kwargs, message", [
     ((_Q, _K, _K), dict(window_left=np.int32(-2)), "window_left/window_right must be >= 0"),
-    ((_Q, _K, _K), dict(bias_grad=True), "bias_grad is the backward's attribute"),
+    ((_Q, _K, _K), dict(bias_grad=True), "bias_grad and alibi_grad are the backward's"),
+    ((_Q, _K, _K), dict(alibi_grad=True), "bias_grad and alibi_grad are the backward's"),
     ((_Q, _K, _K), dict(has_q_lengths=True), "expected 1 length operand"),
     ((_Q, _K, _K, jnp.zeros((1,), jnp.int32)), dict(), "expected 0 length operand"),
     ((_Q, _K, _K, jnp.zeros((2,), jnp.int32)), dict(has_kv_lengths=True),
@@ -224,10 +225,11 @@ def test_handler_rejects_missing_and_mistyped_attributes():
 
 def test_ffi_attributes_are_the_static_params():
     """One list of attributes: the handlers' (JFM_FFI_ATTRIBUTES, as the extension lists it) is
-    the primitives' static params without the host-only ones, plus the backward's bias_grad, so
-    no static param is dropped or invented on the way to the kernels."""
+    the primitives' static params without the host-only ones, plus the backward's bias_grad and
+    alibi_grad, so no static param is dropped or invented on the way to the kernels."""
     names = [name for name, _ in ext.ffi_attributes()]
-    assert names == [*(f for f in StaticParams._fields if f not in HOST_ONLY_PARAMS), "bias_grad"]
+    assert names == [*(f for f in StaticParams._fields if f not in HOST_ONLY_PARAMS), "bias_grad",
+                     "alibi_grad"]
     assert set(attributes()) == set(names)  # the direct calls' helper (ffi_targets.attributes)
 
 
@@ -349,16 +351,19 @@ def _loss(implementation):
 
 def test_backward_handler_checks_the_dbias_result():
     """bias_grad needs a bias operand, and the dbias result must be float32 [B, H, Tq, Tkv] with
-    it ([0] without it)."""
+    it ([0] without it); alibi_grad needs the slopes."""
     rng = np.random.default_rng(3)
     q = _normal(rng, (1, 4, 2, 16))
     o, lse, residuals = fwd_call(q, q, q)
     g = jnp.zeros(lse.shape, jnp.float32)
     with pytest.raises(jax.errors.JaxRuntimeError, match="bias_grad needs has_bias"):
         bwd_call(q, q, q, o, residuals, q, g, bias_grad=True)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="alibi_grad needs has_alibi"):
+        bwd_call(q, q, q, o, residuals, q, g, alibi_grad=True)
     f32 = jnp.float32
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype),) * 3 + (
-        jax.ShapeDtypeStruct((1, 2, 4, 3), f32), jax.ShapeDtypeStruct(lse.shape, f32))
+        jax.ShapeDtypeStruct((1, 2, 4, 3), f32), jax.ShapeDtypeStruct((0,), f32),
+        jax.ShapeDtypeStruct(lse.shape, f32))
     with pytest.raises(jax.errors.JaxRuntimeError,
                        match=r"output dbias must be float32 \[1, 2, 4, 4\]"):
         jax.block_until_ready(jax.ffi.ffi_call(BWD, out)(

@@ -317,6 +317,8 @@ _IDS = (jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 5), jnp.int32))
     ((jnp.zeros((1, 1, 4, 6), bool),), dict(has_mask=True), r"mask must have rank 4"),
     ((jnp.zeros((3,), jnp.float32),), dict(has_sinks=True), r"sinks must be float32 \[2\]"),
     ((jnp.zeros((2,), jnp.float16),), dict(has_sinks=True), r"sinks must be float32 \[2\]"),
+    ((jnp.zeros((2,), jnp.float32),), dict(has_alibi=True),
+     r"alibi_slopes must be float32 \[1, 2\], got float32 \[2\]"),
     ((), dict(logits_soft_cap=np.float32(-1.0)), "logits_soft_cap must be a positive finite"),
     ((), dict(logits_soft_cap=np.float32(np.inf)), "logits_soft_cap must be a positive finite"),
 ])

@@ -529,6 +529,32 @@ def test_tiled_forward_causal_moves_at_most_six_tenths_of_the_bytes(dtype, head_
 
 
 @needs_counting
+def test_alibi_moves_the_plain_calls_device_bytes_but_the_slopes():
+    """Per launch, forward (the tiled kernel and the decode) and backward with the slopes'
+    gradient: every device buffer but the slopes and dalibi has the plain call's exact bytes
+    (the params, in the constant address space, are read more by the feature path);
+    each thread reads its row's slope once (per head of its kv head's group in the dK/dV
+    kernel, per row in the vector decode), and the dQ kernel writes one float per query row."""
+    from kernel_harness import ALIBI_SLOPES, DALIBI
+    for q_len, kv_len in ((40, 48), (3, 200)):
+        argv = ["--dtype", "float16", "--head-dim", "32", "--q-len", str(q_len), "--kv-len",
+                str(kv_len), "--heads", "4", "--kv-heads", "2", "--causal",
+                "--causal-alignment", "bottom_right"]
+        plain = profile.run_problem(make_problem(argv), profile.PASSES)
+        alibi = profile.run_problem(make_problem(argv + ["--alibi"]), profile.PASSES)
+        assert [r["kernel"] for _, r in plain] == [r["kernel"] for _, r in alibi]
+        for (_, p), (_, a) in zip(plain, alibi):
+            for index, bound in p["buffers"].items():
+                if index not in (ALIBI_SLOPES, DALIBI) and not bound["constant"]:
+                    assert a["buffers"][index] == bound, (a["kernel"], index)
+            slopes = a["buffers"].get(ALIBI_SLOPES, dict(read=0))["read"]
+            threads = a["threadgroups"] * a["threads_per_threadgroup"]
+            assert slopes <= 8 * 4 * threads, a["kernel"]  # at most 8 rows (heads) a thread
+            written = a["buffers"].get(DALIBI, dict(written=0))["written"]
+            assert written == (4 * 4 * q_len if "bwd_dq" in a["kernel"] else 0), a["kernel"]
+
+
+@needs_counting
 def test_dropout_moves_the_plain_calls_device_bytes():
     """Dropout generates its mask in registers: every launch of a dropout call (forward, dQ,
     dK/dV) writes exactly the plain call's device bytes and reads exactly the plain call's plus
