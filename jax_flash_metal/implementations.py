@@ -93,10 +93,9 @@ def missing_features(params, page_size: int | None = None) -> str | None:
     """The features of a call (the primitives' static ``params`` and, for a paged call, the page
     size) that the fused kernels do not implement yet, named for an error message, or None.
     (Head dims are the kernel families' matter: ``ffi_lowering.unsupported_reason``.)"""
-    missing = [name for name, present in (
-        (f"page_table with page_size {page_size} (the fused kernels take powers of two >= 16)",
-         params.get("has_page_table") and not fused_page_size(page_size or 0))) if present]
-    return ", ".join(missing) or None
+    if params.get("has_page_table") and not fused_page_size(page_size or 0):
+        return f"page_table with page_size {page_size} (the fused kernels take powers of two >= 16)"
+    return None
 
 
 def resolve(implementation: str | None, platform: str, call=None, missing=None) -> str:

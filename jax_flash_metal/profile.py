@@ -70,7 +70,7 @@ DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float
 PASSES = ("forward", "backward")
 
 PROBLEM_KEYS = ("dtype", "head_dim", "value_head_dim", "batch", "q_len", "kv_len", "heads",
-                "kv_heads", "causal", "dropout")
+                "kv_heads", "causal", "alibi", "dropout")
 # Exact counts of one launch, as the emulator reports them.
 COUNT_KEYS = ("threadgroups", "threads_per_threadgroup", "threadgroup_memory_bytes",
               "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",

@@ -132,7 +132,7 @@ def _ffi_forward(q, k, v, mask):
         window_right=right, bottom_right=mask.get("causal_alignment") == "bottom_right",
         has_q_lengths="query_seq_lengths" in mask, has_kv_lengths="key_value_seq_lengths" in mask,
         has_segment_ids=False, has_bias=False, has_mask=False, has_sinks=False,
-        has_alibi=False, logits_soft_cap=None, has_page_table=False)
+        has_alibi=False, logits_soft_cap=None, has_page_table=False, dropout_rate=0.0)
     return [np.asarray(x) for x in jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **attrs)[:4]]
 
 
@@ -174,10 +174,11 @@ def test_decode_is_bit_identical_under_every_schedule(case):
             np.testing.assert_array_equal(a, b)
 
 
-class _Args:
-    def __init__(self, **kw):
-        self.__dict__.update(dict(causal=True, causal_alignment="bottom_right", window=None,
-                                  q_lengths=None, kv_lengths=None, alibi=False, seed=0), **kw)
+def _problem(dtype, head_dim, **fields):
+    """A profile problem: the profile's defaults, causal bottom-right, with ``fields`` set."""
+    args = profile.make_parser().parse_args(["--causal", "--causal-alignment", "bottom_right"])
+    vars(args).update(fields)
+    return profile.Problem(args, dtype, head_dim)
 
 
 @kh.needs_counting
@@ -190,8 +191,8 @@ def test_decode_profile_reads_each_visible_key_and_value_about_once(kv_lengths, 
     of a KV head read once, Q and the workspace small next to them: 1.2 for 12 rows and short
     caches); pass 1 has splits x kv heads x batch threadgroups."""
     batch = 1 if kv_lengths is None else len(kv_lengths)
-    problem = profile.Problem(_Args(batch=batch, q_len=q_len, kv_len=2048, heads=8, kv_heads=2,
-                                    kv_lengths=kv_lengths), "float16", 32)
+    problem = _problem("float16", 32, batch=batch, q_len=q_len, kv_len=2048, heads=8, kv_heads=2,
+                       kv_lengths=kv_lengths)
     runs = profile.run_problem(problem, ["forward"])
     kernels = [r["kernel"] for _, r in runs]
     assert kernels == [f"flash_attention_{pass1}_f16_d32",
@@ -229,8 +230,8 @@ def test_vector_decode_profile_reads_keys_once_and_does_no_padded_work():
     """Grouped-query decode of one token (G * q_len = 1, f16, D 128, kv 8192, the issue's shape):
     device bytes read <= 1.05x the visible K/V bytes, and ALU operations (fma and math calls;
     no MMA) <= 3x the useful multiply-adds (2 D per visible pair)."""
-    problem = profile.Problem(_Args(batch=1, q_len=1, kv_len=8192, heads=2, kv_heads=2,
-                                    causal=False), "float16", 128)
+    problem = _problem("float16", 128, batch=1, q_len=1, kv_len=8192, heads=2, kv_heads=2,
+                       causal=False)
     records = profile.profile_records(problem, ["forward"], ["M1"])
     assert [r["kernel"] for r in records] == ["flash_attention_decode_vector_f16_d128",
                                               "flash_attention_decode_combine_f16_d128"]
