@@ -246,8 +246,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         (batch, num_heads, q_len, kv_len), dropout_rate)``: a pure function of the key, the
         batch index, query head, query and key positions and the rate (Philox-4x32-10 with
         the positions as its counter; ``jax_flash_metal.dropout``), the same for every
-        implementation, shape and schedule, recomputed (not stored) by the backward. So far
-        only the xla implementation has it (``implementation=None`` uses xla for such a call).
+        implementation, shape and schedule, recomputed (not stored) by the backward; every
+        implementation has it (a forward with dropout never runs the split-KV decode).
       dropout_rng: a JAX PRNG key (``jax.random.key`` with threefry's uint32 [2] key data, or a
         legacy uint32 [2] ``jax.random.PRNGKey``), required when dropout_rate > 0 (accepted
         and unused at 0). A traced operand: new keys under jit do not recompile. Under
@@ -265,8 +265,9 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
       lengths, windows, alignment, scale, bias, mask, segment ids, soft cap, sinks, ALiBi
       slopes, page table, dropout rate or key, or implementation name; NotImplementedError at
       lowering when an explicitly requested implementation cannot run the call there (a fused
-      one names the feature it lacks: dropout, so far); TypeError when a paged call is
-      differentiated.
+      one names what it lacks: a page size its kernels do not read); ValueError at lowering
+      for a dtype, head dim or (Dk, Dv) pair without fused kernels, asked for explicitly;
+      TypeError when a paged call is differentiated.
     Differentiable w.r.t. query, key, value, bias, sinks and alibi_slopes in reverse mode,
     first order only (jax.custom_vjp), except with page_table (TypeError when differentiated);
     softmax math is float32. Method: Dao, "FlashAttention-2" (2023), recompute
