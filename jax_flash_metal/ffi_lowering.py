@@ -205,9 +205,10 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     log_sum).
 
     Short queries against a long KV cache take the split-KV decode kernels (the handler decides,
-    ``ffi/dispatch_plan.h`` decode_splits; a call with dropout never does); their float32 workspace is a fourth result of the
-    custom call, sized here by the extension's own rule (``_ext.decode_splits`` for this device,
-    0 elements for the tiled forward) and dropped, like the backward's delta.
+    ``ffi/dispatch_plan.h`` decode_splits; a call with dropout never does); their float32
+    workspace is a fourth result of the custom call, sized here by the extension's own rule
+    (``_ext.decode_splits`` for this device, 0 elements for the tiled forward) and dropped,
+    like the backward's delta.
 
     ``implementation`` is "metal" or "emulator"; ``params`` are the primitive's other static
     params (``contract.StaticParams``, coerced by ``contract.coerce_params``), sent as the FFI
@@ -220,7 +221,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
     batch, q_len, num_heads, head_dim = q.shape
     kv_len = k.shape[1]
     if params.get("has_page_table"):  # k holds pages: the logical length is the table's
-        table = ctx.avals_in[operand_roles("fwd", params).index("page_table")]
+        table = cast(ShapedArray, ctx.avals_in[operand_roles("fwd", params).index("page_table")])
         kv_len = table.shape[1] * k.shape[1]
     _, workspace_elements = _ext.decode_splits(
         _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, kv_len, num_heads, k.shape[2],
