@@ -18,8 +18,9 @@ and reports forward+backward TFLOP/s (14 B H P D model FLOPs, P the visible pair
 ``--schedules`` names the xla implementation's schedules to compare (``xla_schedule``): "default"
 (the table entry of this device's platform), "cpu" (the cpu entry, run on this device; only at
 lengths up to ``--cpu-max-len``, it is slow here), "BQxBK" (that entry with block_q BQ and
-block_k BK) or "BQxBKxINNER" (and inner_block INNER, 0 for none). For float32 inputs jax.nn's xla path is also timed at ``jax.default_matmul_precision("highest")`` (its default on GPUs is TF32),
-the precision the xla implementation keeps.
+block_k BK) or "BQxBKxINNER" (and inner_block INNER, 0 for none). For float32 inputs jax.nn's
+xla path is also timed at ``jax.default_matmul_precision("highest")`` (its default on GPUs is
+TF32), the precision the xla implementation keeps.
 """
 
 import argparse

@@ -266,17 +266,16 @@ def lower_bwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, bias_gr
     rule = jax.ffi.ffi_lowering(_target("bwd", implementation))
     results = list(rule(call_ctx, *(args[n] for n in keep),
                         **_attributes(bias_grad=bias_grad, alibi_grad=alibi_grad, **params)))
-    outs, extra = results[:3], iter(ctx.avals_out[3:])
+    # The primitive's [dbias][, dslopes], each a sum of the custom call's result.
+    outs, reduced = results[:3], [cast(ShapedArray, aval) for aval in ctx.avals_out[3:]]
 
     def reduce(result, aval, fun):
-        out = cast(ShapedArray, next(extra))
         return mlir.lower_fun(fun, multiple_results=False)(
-            ctx.replace(avals_in=[aval], avals_out=[out]), result)
+            ctx.replace(avals_in=[aval], avals_out=[reduced.pop(0)]), result)
 
     if bias_grad:
         # The bias's broadcast axes are the size-1 axes of the primitive's dbias result.
-        shape = cast(ShapedArray, ctx.avals_out[3]).shape
-        axes = tuple(n for n, size in enumerate(shape) if size == 1 and full[n] != 1)
+        axes = tuple(n for n, size in enumerate(reduced[0].shape) if size == 1 and full[n] != 1)
         outs += reduce(results[3], dbias, lambda d: jnp.sum(d, axis=axes, keepdims=True))
     if alibi_grad:
         outs += reduce(results[4], dalibi, lambda d: jnp.sum(d, axis=2))

@@ -94,7 +94,8 @@ def missing_features(params, page_size: int | None = None) -> str | None:
     size) that the fused kernels do not implement yet, named for an error message, or None.
     (Head dims are the kernel families' matter: ``ffi_lowering.unsupported_reason``.)"""
     if params.get("has_page_table") and not fused_page_size(page_size or 0):
-        return f"page_table with page_size {page_size} (the fused kernels take powers of two >= 16)"
+        return (f"page_table with page_size {page_size} (the fused kernels take powers of two "
+                f">= 16)")
     return None
 
 
@@ -102,8 +103,8 @@ def resolve(implementation: str | None, platform: str, call=None, missing=None) 
     """The implementation to lower with for ``platform`` (a JAX platform name such as "cpu").
 
     ``call``: ``(direction, dtype, head_dim, value_head_dim)`` of the primitive being lowered
-    (direction "fwd" or "bwd"); with ``implementation=None`` and no environment override, a call the fused
-    kernels do not cover goes to "xla". Without it only availability is considered.
+    (direction "fwd" or "bwd"); with ``implementation=None`` and no environment override, a
+    call the fused kernels do not cover goes to "xla". Without it only availability is considered.
     ``missing``: the call's features the fused kernels lack (``missing_features``): such a call
     goes to "xla" under ``implementation=None``.
 

@@ -11,10 +11,11 @@ how half-precision inputs enter the matmuls.
 - ``block_q`` / ``block_k``: Br query rows by Bc keys per tile of the tiled path; causal,
   local-window, length and segment block skipping works at this granularity.
 - ``inner_block``: None, or for half-precision operands (``half_operands``) where the band
-  hides no pair (not causal, no local window) the extent of each loop's inner blocks: the forward's key blocks (Bc) and the backward's query
-  blocks (Br: the backward loops over key blocks outside, query blocks inside), the other side
-  staying ``block_q`` / ``block_k``. Fewer, longer inner steps: the forward rescales its
-  running output less often and the backward accumulates dK/dV less often.
+  hides no pair (not causal, no local window) the extent of each loop's inner blocks: the
+  forward's key blocks (Bc) and the backward's query blocks (Br: the backward loops over key
+  blocks outside, query blocks inside), the other side staying ``block_q`` / ``block_k``. Fewer,
+  longer inner steps: the forward rescales its running output less often and the backward
+  accumulates dK/dV less often.
 - ``pinned_transposes``: the backward keeps the small transposes of dK and dV's operands as
   ops of their own (``xla_tiles``), where the compiler would otherwise fold them into a slower
   transposed-operand matmul.

@@ -1,8 +1,8 @@
-"""The fused kernels with a value head dim Dv other than the key's Dk (docs/design.md#value-head-dim)
-on the emulator, against the float64 oracle: every (Dk, Dv) family of shaders/kernel_families.h
-with Dv != Dk, each dtype, every optional feature, forward and gradients, and the decode's
-shapes (vector and MMA pass 1). The other pairs are the xla implementation's
-(tests/test_alibi_value_dim.py)."""
+"""The fused kernels with a value head dim Dv other than the key's Dk
+(docs/design.md#value-head-dim) on the emulator, against the float64 oracle: every (Dk, Dv)
+family of shaders/kernel_families.h with Dv != Dk, each dtype, every optional feature, forward and
+gradients, and the decode's shapes (vector and MMA pass 1). The other pairs are the xla
+implementation's (tests/test_alibi_value_dim.py)."""
 
 import jax
 import jax.numpy as jnp
