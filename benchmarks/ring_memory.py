@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/ring_memory.py [--devices N] [--seq-len T] [--implementation I]
 
-Runs on N host devices (sets XLA_FLAGS itself, before importing JAX). Compiles
+Runs on N host (CPU) devices, also where a GPU is the default backend (sets XLA_FLAGS and
+JAX_PLATFORMS itself, before importing JAX). Compiles
 forward+backward (jax.vjp: O, LSE, then dQ, dK, dV; batch 1, 4 heads, head dim 64, float32) of
 flash_attention over the whole sequence on one device, and of the same call split over N
 devices with sequence_axis_name inside shard_map (ring_attention.py), and prints XLA's
@@ -27,6 +28,7 @@ def main():
     os.environ["XLA_FLAGS"] = " ".join(filter(None, [
         os.environ.get("XLA_FLAGS"),
         f"--xla_force_host_platform_device_count={args.devices}"]))
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
     import jax
     import jax.numpy as jnp

@@ -558,7 +558,8 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
         o, *stats = tiles.forward_whole_rows(qb[0], kb[0],
                                              _weighted(0, vb, blocks.hides_pairs)[0],
                                              visible, bias, logits_soft_cap, sinks,
-                                             prec.score_scale, z)
+                                             prec.score_scale, z,
+                                             schedule.one_pass_statistics and prec.dtype != F32)
         o, stats = o[None], [x[None] for x in stats]
         if counting is not None:
             (o,) = _poison_if(counting, [o], lambda: [_tile_counts_forward(blocks, vb, num_heads)])

@@ -96,6 +96,26 @@ def _dropped(p, dropout):
     return p if dropout is None else p * dropout
 
 
+def _merge_statistics(a, b):
+    """Two partial row statistics (m, l), l = sum exp(s - m) over their scores, as one: the
+    larger max, the other sum rescaled to it (one exponential per merge)."""
+    (m1, l1), (m2, l2) = a, b
+    scale = jnp.exp(-jnp.abs(m1 - m2))
+    return jnp.maximum(m1, m2), jnp.where(m1 >= m2, l1 + l2 * scale, l1 * scale + l2)
+
+
+def row_statistics(s):
+    """(m, l) of masked scores s [..., Bc] (-inf at invisible pairs): m = max(LOWEST, max s)
+    and l = sum exp(s - m), in one pass over s (a variadic reduction of the pairs (s, 1),
+    (LOWEST, 0) for an invisible pair, with ``_merge_statistics``), where a max reduction then
+    a sum of exponentials would read s twice. A NaN score makes both NaN; a row with no visible
+    score gets (LOWEST, 0)."""
+    hidden = s == -jnp.inf
+    return jax.lax.reduce((jnp.where(hidden, LOWEST, s), jnp.where(hidden, 0.0, 1.0)),
+                          (jnp.float32(LOWEST), jnp.float32(0.0)), _merge_statistics,
+                          (s.ndim - 1,))
+
+
 def forward_step(state, q, k_nan, v_zeroed, visible, bias=None, cap=None, scale=None,
                  dropout=None):
     """Fold one key block into the running state (rescaling by exp(m_old - m_new)); the sum l
@@ -152,16 +172,24 @@ def probabilities(s, m, log_l, visible):
 
 
 def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=None,
-                       scale=None, dropout=None):
-    """(o, lse, m, log l) of a tile that holds every key of its rows (the dense path), in two
-    passes over the scores instead of the online softmax: m = max S, l = sum exp(S - m) (plus
-    the sinks as in ``forward_finish``), lse = m + log l (-inf for a row that sees no key), then
-    o = P V with P = ``probabilities(S, m, log l)``, the same P the backward recomputes."""
+                       scale=None, dropout=None, one_pass_statistics=False):
+    """(o, lse, m, log l) of a tile that holds every key of its rows (the dense path), without
+    the online softmax: m = max S and l = sum exp(S - m) (plus the sinks as in
+    ``forward_finish``) in two passes over the scores, or in one (``row_statistics``) with
+    ``one_pass_statistics``; lse = m + log l (-inf for a row that sees no key), then o = P V
+    with P = ``probabilities(S, m, log l)``, the same P the backward recomputes."""
     s = _scores(q, k_nan, bias, cap, scale)[0]
-    m = jnp.maximum(jnp.max(_masked(visible, s, -jnp.inf), axis=-1), LOWEST)
-    if sinks is not None:
-        m = jnp.maximum(m, sinks)
-    l = jnp.sum(jnp.exp(_masked(visible, s - m[..., None], -jnp.inf)), axis=-1)
+    s_masked = _masked(visible, s, -jnp.inf)
+    if one_pass_statistics:
+        m, l = row_statistics(s_masked)
+        if sinks is not None:
+            m_rows, m = m, jnp.maximum(m, sinks)
+            l = l * jnp.exp(m_rows - m)
+    else:
+        m = jnp.maximum(jnp.max(s_masked, axis=-1), LOWEST)
+        if sinks is not None:
+            m = jnp.maximum(m, sinks)
+        l = jnp.sum(jnp.exp(s_masked - m[..., None]), axis=-1)
     if sinks is not None:
         l = l + jnp.exp(sinks - m)
     log_l = jnp.where(l == 0.0, 0.0, jnp.log(l))

@@ -6,11 +6,17 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import tolerance
-from jax_flash_metal import flash_attention, xla_schedule
+from jax_flash_metal import flash_attention, implementations, xla_schedule
 
 DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
+
+# For tests that name the emulator: it needs the compiled extension (absent from a source
+# checkout run with PYTHONPATH, e.g. on a GPU machine).
+needs_emulator = pytest.mark.skipif("emulator" not in implementations.available(),
+                                    reason="the emulator needs the compiled extension")
 
 
 def _kernel_families():

@@ -64,14 +64,21 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
-@pytest.fixture(params=["dense", "blocks"])
+# The xla implementation's paths: one dense tile (this platform's schedule), the accelerators'
+# dense tile (half-precision operands, one-pass row statistics), blocks of 4 rows x 4 keys.
+PATHS = {"dense": None,
+         "dense-accelerator": xla_schedule.Schedule(dense_max_len=64, block_q=64, block_k=64,
+                                                    half_operands=True,
+                                                    one_pass_statistics=True),
+         "blocks": xla_schedule.Schedule(dense_max_len=4, block_q=4, block_k=4)}
+
+
+@pytest.fixture(params=list(PATHS))
 def blocks(request, monkeypatch):
-    """Both paths of the xla implementation, for the tests that take it: one dense tile, or
-    blocks of 4 rows x 4 keys."""
-    if request.param == "blocks":
-        use_xla_schedule(monkeypatch, xla_schedule.Schedule(dense_max_len=4, block_q=4,
-                                                            block_k=4))
+    """Every path of the xla implementation (PATHS), for the tests that take it."""
+    if PATHS[request.param] is None:
+        yield request.param
+    else:
+        use_xla_schedule(monkeypatch, PATHS[request.param])
         yield request.param
         jax.clear_caches()
-    else:
-        yield request.param

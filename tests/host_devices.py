@@ -17,11 +17,13 @@ PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(jax_flash_metal
 
 def environment(devices, **extra):
     """os.environ for a child that imports this jax_flash_metal and the tests' helpers, with
-    ``devices`` host devices (None: leave XLA_FLAGS as they are)."""
+    ``devices`` host devices as its only devices (JAX_PLATFORMS=cpu, also where a GPU is the
+    default backend; None: leave XLA_FLAGS and the platforms as they are)."""
     env = dict(os.environ, **extra)
     if devices is not None:
         env["XLA_FLAGS"] = " ".join(filter(None, [
             env.get("XLA_FLAGS"), f"--xla_force_host_platform_device_count={devices}"]))
+        env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [PACKAGE_PARENT, HERE, env.get("PYTHONPATH")]))
     return env

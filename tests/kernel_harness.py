@@ -15,7 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_flash_metal._ext import bwd_stages, emulator, kernel_families, tile_shape
+pytest.importorskip("jax_flash_metal._ext")
+from jax_flash_metal._ext import bwd_stages, emulator, kernel_families, tile_shape  # noqa: E402
 from jax_flash_metal.profile import NO_COUNTING_MESSAGE
 
 # The kernel profile's counting variants are built only with JFM_EMULATOR_COUNTING=ON (.ci/run

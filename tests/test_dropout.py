@@ -18,7 +18,7 @@ from jax.test_util import check_grads
 
 import tolerance
 from api_helpers import make_inputs, run, use_xla_schedule
-from jax_flash_metal import (_ext, dropout, dropout_mask, flash_attention, reference_attention,
+from jax_flash_metal import (dropout, dropout_mask, flash_attention, reference_attention,
                              xla_schedule)
 
 B, TQ, TK, H, HKV, D = 2, 9, 11, 4, 2, 16
@@ -34,13 +34,23 @@ KNOWN_ANSWERS = [
 ]
 
 
-def test_philox_known_answers_and_the_kernels_generator():
-    """dropout.philox4x32 gives Random123's answers; the kernels' jfm_philox4x32, run on the
-    emulator, gives them too and equals dropout.philox4x32 word for word on random counters and
-    keys (the mask's counters (j // 4, i, n, b) among them)."""
+@pytest.fixture
+def ext():
+    """The compiled extension (emulator, kernel plans); the test skips without it."""
+    return pytest.importorskip("jax_flash_metal._ext")
+
+
+def test_philox_known_answers():
+    """dropout.philox4x32 gives Random123's answers."""
     for counter, key, want in KNOWN_ANSWERS:
         got = dropout.philox4x32([np.uint32(c) for c in counter], [np.uint32(k) for k in key])
         assert [int(x) for x in got] == list(want)
+
+
+def test_the_kernels_generator(ext):
+    """The kernels' jfm_philox4x32, run on the emulator, gives Random123's answers too and
+    equals dropout.philox4x32 word for word on random counters and keys (the mask's counters
+    (j // 4, i, n, b) among them)."""
     rng = np.random.default_rng(0)
     counters = rng.integers(0, 2 ** 32, (64, 4), dtype=np.uint32)
     keys = rng.integers(0, 2 ** 32, (64, 2), dtype=np.uint32)
@@ -48,14 +58,14 @@ def test_philox_known_answers_and_the_kernels_generator():
     keys[:3] = [k for _, k, _ in KNOWN_ANSWERS]
     counters[3:6] = [(0, 5, 3, 1), (2, 0, 0, 0), (7, 1023, 31, 7)]
     words = np.zeros((64, 4), np.uint32)
-    _ext.emulator.run("emu_philox", {0: counters, 1: keys, 2: words}, (2, 1, 1), (32, 1, 1))
+    ext.emulator.run("emu_philox", {0: counters, 1: keys, 2: words}, (2, 1, 1), (32, 1, 1))
     want = np.stack([np.asarray(w) for w in dropout.philox4x32(list(counters.T), list(keys.T))],
                     axis=1)
     np.testing.assert_array_equal(words, want)
     np.testing.assert_array_equal(words[:3], [w for _, _, w in KNOWN_ANSWERS])
 
 
-def test_mulhi_in_the_emulator():
+def test_mulhi_in_the_emulator(ext):
     """MSL's mulhi (the high half of the double-width product) for uint and int, against
     Python's integers."""
     rng = np.random.default_rng(1)
@@ -63,7 +73,7 @@ def test_mulhi_in_the_emulator():
     y = rng.integers(0, 2 ** 32, 64, dtype=np.uint32)
     x[:4], y[:4] = [0, 0xFFFFFFFF, 0x80000000, 0xD2511F53], [5, 0xFFFFFFFF, 0x80000000, 1]
     high, signed_high = np.zeros(64, np.uint32), np.zeros(64, np.int32)
-    _ext.emulator.run("emu_mulhi", {0: x, 1: y, 2: high, 3: signed_high}, (1, 1, 1),
+    ext.emulator.run("emu_mulhi", {0: x, 1: y, 2: high, 3: signed_high}, (1, 1, 1),
                       (64, 1, 1))
     assert [int(h) for h in high] == [(int(a) * int(b)) >> 32 for a, b in zip(x, y)]
     sx, sy = x.view(np.int32), y.view(np.int32)
@@ -193,17 +203,17 @@ def test_every_rate_with_every_dtype(implementation, rate, dtype):
     check(*inputs(2, DTYPES[dtype]), rate, implementation=implementation, is_causal=True)
 
 
-def test_kernel_plans_with_dropout():
+def test_kernel_plans_with_dropout(ext):
     """On the emulator: a decode-shaped call (one query, a long cache) with dropout runs the
     tiled forward (the decode kernels have no dropout; the plan's decode_splits is 0 for it), and
     head dim 160 runs the split dK and dV kernels; both against the oracle."""
-    assert _ext.decode_splits("f32", 1, 1, 40, 4, 2, 16)[0] > 0
-    assert _ext.decode_splits("f32", 1, 1, 40, 4, 2, 16, dropout=True) == (0, 0)
-    plan = _ext.dispatch_plan("fwd", "f32", 1, 1, 40, 4, 2, 16, dropout=True)
+    assert ext.decode_splits("f32", 1, 1, 40, 4, 2, 16)[0] > 0
+    assert ext.decode_splits("f32", 1, 1, 40, 4, 2, 16, dropout=True) == (0, 0)
+    plan = ext.dispatch_plan("fwd", "f32", 1, 1, 40, 4, 2, 16, dropout=True)
     assert [d["kernel"] for s in plan for d in s] == ["flash_attention_fwd_f32_d16"]
     check(*inputs(3, batch=1, q_len=1, kv_len=40), 0.5, implementation="emulator",
           key_value_seq_lengths=np.array([37]))
-    assert _ext.bwd_stages(160) == ["bwd_dq", "bwd_dk", "bwd_dv"]
+    assert ext.bwd_stages(160) == ["bwd_dq", "bwd_dk", "bwd_dv"]
     check(*inputs(4, jnp.float16, batch=1, q_len=5, kv_len=7, heads=2, kv_heads=1,
                   head_dim=160), 0.3, implementation="emulator", is_causal=True)
 

@@ -6,7 +6,7 @@ Kernels are in tests/shaders/basic.metal (compiled into the extension by the bui
 import numpy as np
 import pytest
 
-from jax_flash_metal._ext import emulator
+emulator = pytest.importorskip("jax_flash_metal._ext").emulator
 
 SCHEDULES = ["forward", "reverse", "random"]
 

@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+from api_helpers import needs_emulator
 from jax_flash_metal import benchmark
 
 HAVE_EXAMPLE_DEPS = all(importlib.util.find_spec(m) for m in ("optax", "tqdm"))
@@ -53,7 +54,7 @@ def test_train_lm_main(implementation, tmp_path, capsys):
 
 
 @needs_examples
-@pytest.mark.parametrize("impl", ["xla", "emulator"])
+@pytest.mark.parametrize("impl", ["xla", pytest.param("emulator", marks=needs_emulator)])
 def test_kv_cache_sampling_reproduces_full_window_recomputation(impl):
     """The same bytes for the same seed, with a context restart (prompt + sample > seq_len)."""
     import jax

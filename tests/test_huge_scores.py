@@ -19,9 +19,10 @@ import pytest
 from jax.test_util import check_grads
 
 import tolerance
-from api_helpers import DTYPES, normal, run
+from api_helpers import DTYPES, needs_emulator, normal, run
 from jax_flash_metal import flash_attention
 
+IMPLEMENTATIONS = ["xla", pytest.param("emulator", marks=needs_emulator)]
 OFFSETS = (0.0, -1e4, -1e6, -1e9, -1e30, float(np.finfo(np.float32).min), -np.inf)
 
 
@@ -116,6 +117,7 @@ def test_xla_half_precision(blocks, dtype):
     check(run(q, k, v, do, g, implementation="xla", **kw), q, k, v, do, g, **kw)
 
 
+@needs_emulator
 @pytest.mark.parametrize("variant", ["sinks", "causal-gqa-segments"])
 def test_emulator_float32(variant):
     q, k, v, do, g = inputs(jnp.float32, len(OFFSETS), TQ, TK, H, HKV, seed=3)
@@ -124,6 +126,7 @@ def test_emulator_float32(variant):
           **kw)
 
 
+@needs_emulator
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_emulator_half_precision(dtype):
     q, k, v, do, g = inputs(DTYPES[dtype], len(OFFSETS), TQ, TK, H, HKV, seed=4)
@@ -132,6 +135,7 @@ def test_emulator_half_precision(dtype):
           **kw)
 
 
+@needs_emulator
 def test_emulator_decode():
     """q_len 2 against 600 keys: the split-KV decode (several splits, merged in pass 2) writes
     the residuals, the regular backward reads them."""
@@ -147,7 +151,7 @@ def test_emulator_decode():
 
 # ---- sinks at the offset: a sink that competes with a row whose every key sits there --------
 
-@pytest.mark.parametrize("impl", ["xla", "emulator"])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("offset", [-1e9, -1e30, -np.inf], ids=["-1e9", "-1e30", "-inf"])
 def test_sinks_at_the_offset(impl, offset):
     """(The kernels saturate a sink beyond +-8.5e37, README Limitations: finfo.min is left to
@@ -161,7 +165,7 @@ def test_sinks_at_the_offset(impl, offset):
 
 # ---- finite differences where the offset leaves them meaningful -----------------------------
 
-@pytest.mark.parametrize("impl", ["xla", "emulator"])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("offset", [-1e9, float(np.finfo(np.float32).min), -np.inf],
                          ids=["-1e9", "finfo.min", "-inf"])
 def test_check_grads_with_partly_hidden_rows(impl, offset):
@@ -203,5 +207,6 @@ def test_xla_matches_jax_nn_under_a_row_mask(blocks):
     assert_matches_jax_nn_under_a_row_mask("xla")
 
 
+@needs_emulator
 def test_fused_kernels_match_jax_nn_under_a_row_mask():
     assert_matches_jax_nn_under_a_row_mask("emulator")

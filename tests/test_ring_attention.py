@@ -83,7 +83,7 @@ def test_backward_runs_no_forward():
 
 @pytest.mark.slow
 def test_ring_memory_is_a_sixth_of_one_device():
-    """8 devices, T = 16384, batch 1, 4 heads, head dim 64, xla: each device's compiled
+    """8 host devices, T = 16384, batch 1, 4 heads, head dim 64, xla: each device's compiled
     temporary memory for forward and backward is at most 1/6 of the one-device call's, causal
     and not (compiles only: nothing runs)."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks",

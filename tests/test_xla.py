@@ -20,6 +20,7 @@ from jax.test_util import check_grads
 from api_helpers import (check_against_oracle, f64, make_inputs, normal, run_flash,
                          use_xla_schedule)
 from jax_flash_metal import flash_attention, xla_attention, xla_schedule
+from jax_flash_metal import xla_tiles as tiles
 
 MASKS = [
     dict(),
@@ -113,7 +114,7 @@ def test_blockwise_half_precision(small_blocks, dtype):
 # accumulation, the scale applied to float32 scores), on the dense tile and on blocks (without
 # causal or window masks: forward 8 x 24, backward 24 x 16 tiles).
 HALF = {"dense": xla_schedule.Schedule(dense_max_len=64, block_q=8, block_k=8,
-                                       half_operands=True),
+                                       half_operands=True, one_pass_statistics=True),
         "blocks": xla_schedule.Schedule(dense_max_len=8, block_q=8, block_k=16,
                                         half_operands=True, inner_block=24)}
 
@@ -141,6 +142,27 @@ def test_half_operands_one_hot_softmax(monkeypatch, schedule):
     for name in ("dq", "dk"):
         assert np.abs(f64(actual[name])).max() <= 1e-3 * np.abs(f64(x)).max(), name
     jax.clear_caches()
+
+
+def test_one_pass_row_statistics():
+    """xla_tiles.row_statistics against float64 numpy: m = max(LOWEST, max s) and
+    l = sum exp(s - m), for rows with scores far apart, hidden pairs (-inf), no visible score,
+    a NaN, and one score."""
+    rng = np.random.default_rng(0)
+    s = (rng.standard_normal((6, 37)) * np.array([[1.0], [30.0], [1e4], [1.0], [1.0], [1.0]]))
+    s[3, ::2] = -np.inf
+    s[4] = -np.inf
+    s[5, 7] = np.nan
+    s = s.astype(np.float32)
+    m, l = jax.jit(tiles.row_statistics)(jnp.asarray(s))
+    m, l = np.asarray(m), np.asarray(l)
+    want_m = np.maximum(np.max(s[:5].astype(np.float64), axis=1), tiles.LOWEST)
+    want_l = np.sum(np.exp(s[:5].astype(np.float64) - want_m[:, None]), axis=1)
+    np.testing.assert_array_equal(m[:5], want_m.astype(np.float32))
+    np.testing.assert_allclose(l[:5], want_l, rtol=1e-5)
+    assert l[4] == 0 and np.isnan(m[5]) and np.isnan(l[5])
+    one = np.asarray(jax.jit(tiles.row_statistics)(jnp.full((2, 1), 3.0)))
+    np.testing.assert_array_equal(one, [[3.0, 3.0], [1.0, 1.0]])
 
 
 @pytest.mark.parametrize("mask", [MASKS[1], MASKS[2], MASKS[5]])
