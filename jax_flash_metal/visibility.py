@@ -7,18 +7,27 @@ and local-window bounds hold: ``diag - left <= j <= diag + right``. ``Band`` hol
 the per-batch lengths (traced int32) and answers two questions: the boolean mask of any block of
 (rows, keys), and the interval of keys each row sees (or of rows that see each key): visibility
 is always one contiguous interval per row, which lets blockwise code visit only the blocks that
-intersect the band.
+intersect the band. Without lengths the band's arrays are NumPy arrays, and so are the intervals
+of NumPy positions: a static band is then computed while tracing, as NumPy, and enters the
+compiled program as constants (eager JAX ops would dispatch, and after a cache clear compile,
+each of them).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
+
+
+def array_module(*arrays):
+    """numpy when every array is a NumPy array, else jax.numpy."""
+    return np if all(isinstance(x, np.ndarray) for x in arrays) else jnp
 
 
 def lengths_or_full(lengths, batch, full):
-    """int32 [batch]: the given lengths, or ``full`` for every batch entry when None."""
+    """int32 [batch]: the given lengths, or ``full`` for every batch entry (NumPy) when None."""
     if lengths is None:
-        return jnp.full((batch,), full, jnp.int32)
+        return np.full((batch,), full, np.int32)
     return lengths.astype(jnp.int32)
 
 
@@ -37,8 +46,9 @@ class Band:
                  window_right, bottom_right):
         self.q_lengths = lengths_or_full(q_lengths, batch, q_len)
         self.kv_lengths = lengths_or_full(kv_lengths, batch, kv_len)
+        xp = array_module(self.q_lengths, self.kv_lengths)
         self.offset = (self.kv_lengths - self.q_lengths if bottom_right
-                       else jnp.zeros((batch,), jnp.int32))
+                       else xp.zeros((batch,), np.int32))
         # A bound wider than both lengths reaches as far as no bound; clamping keeps the span
         # arithmetic below far from int32 overflow.
         reach = q_len + kv_len
@@ -83,25 +93,27 @@ class Band:
     def key_intervals(self, rows):
         """(lo, hi) int32 [batch, len(rows)]: query row i sees exactly the keys lo <= j < hi
         (lo == hi for a row that sees none). Visibility is always such an interval."""
+        xp = array_module(rows, self.offset, self.q_lengths, self.kv_lengths)
         i = rows[None, :]
         diag = i + self.offset[:, None]
-        lo = jnp.zeros_like(diag)
-        hi = jnp.broadcast_to(self.kv_lengths[:, None], diag.shape)
+        lo = xp.zeros_like(diag)
+        hi = xp.broadcast_to(self.kv_lengths[:, None], diag.shape)
         if self.left is not None:
-            lo = jnp.maximum(lo, diag - self.left)
+            lo = xp.maximum(lo, diag - self.left)
         if self.right is not None:
-            hi = jnp.minimum(hi, diag + self.right + 1)
-        hi = jnp.where(i < self.q_lengths[:, None], jnp.maximum(hi, lo), lo)
+            hi = xp.minimum(hi, diag + self.right + 1)
+        hi = xp.where(i < self.q_lengths[:, None], xp.maximum(hi, lo), lo)
         return lo, hi
 
     def row_intervals(self, keys):
         """(lo, hi) int32 [batch, len(keys)]: key j is seen by exactly the rows lo <= i < hi."""
+        xp = array_module(keys, self.offset, self.q_lengths, self.kv_lengths)
         j = keys[None, :]
-        lo = jnp.zeros((self.offset.shape[0], keys.shape[0]), jnp.int32)
-        hi = jnp.broadcast_to(self.q_lengths[:, None], lo.shape)
+        lo = xp.zeros((self.offset.shape[0], keys.shape[0]), np.int32)
+        hi = xp.broadcast_to(self.q_lengths[:, None], lo.shape)
         if self.right is not None:  # j <= i + off + right
-            lo = jnp.maximum(lo, j - self.offset[:, None] - self.right)
+            lo = xp.maximum(lo, j - self.offset[:, None] - self.right)
         if self.left is not None:  # i + off - left <= j
-            hi = jnp.minimum(hi, j - self.offset[:, None] + self.left + 1)
-        hi = jnp.where(j < self.kv_lengths[:, None], jnp.maximum(hi, lo), lo)
+            hi = xp.minimum(hi, j - self.offset[:, None] + self.left + 1)
+        hi = xp.where(j < self.kv_lengths[:, None], xp.maximum(hi, lo), lo)
         return lo, hi

@@ -21,7 +21,6 @@ NaN placement: docs/design.md#the-xla-implementation-and-the-reference.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import NamedTuple
 
@@ -174,14 +173,16 @@ def _passes(counting):
 
 def _block_ranges(lo, hi, n, size, other):
     """Per block of ``size`` positions (``n`` blocks), the range [first, last) of blocks of
-    ``other`` positions that its intervals lo, hi [B, n * size] touch in any batch entry."""
+    ``other`` positions that its intervals lo, hi [B, n * size] touch in any batch entry
+    (NumPy for NumPy intervals: ``visibility``)."""
+    xp = visibility.array_module(lo, hi)
     lo, hi = lo.reshape(-1, n, size), hi.reshape(-1, n, size)
     empty = hi <= lo
-    first = jnp.min(jnp.where(empty, jnp.iinfo(jnp.int32).max, lo), axis=(0, 2))
-    last = jnp.max(jnp.where(empty, 0, hi), axis=(0, 2))
+    first = xp.min(xp.where(empty, np.iinfo(np.int32).max, lo), axis=(0, 2))
+    last = xp.max(xp.where(empty, 0, hi), axis=(0, 2))
     none = last <= first
-    return (jnp.where(none, 0, first // other),
-            jnp.where(none, 0, (last + other - 1) // other))
+    return (xp.where(none, 0, first // other),
+            xp.where(none, 0, (last + other - 1) // other))
 
 
 def _zero_nonfinite(x):
@@ -325,8 +326,6 @@ class _Blocks:
         self.hides_pairs = (band.left is not None or band.right is not None
                             or operands.q_lengths is not None or operands.kv_lengths is not None
                             or self.features.present)
-        self.static = (operands.q_lengths is None and operands.kv_lengths is None
-                       and operands.q_segment_ids is None)
         self.meets = self.features.meets(
             _valid(operands.q_lengths, q_len, t.nq * t.br),
             _valid(operands.kv_lengths, kv_len, t.nk * t.bc))
@@ -372,9 +371,8 @@ class _Blocks:
             q = rows(0, 0)
             return jax.tree_util.tree_map(lambda x: x[None, None],
                                           finish(step(init(q), 0, 0, q, self.visible(0, 0)), 0))
-        with _evaluated_now(self.static):
-            lo, hi = self.band.key_intervals(jnp.arange(t.nq * t.br, dtype=jnp.int32))
-            firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nq, t.br, t.bc), self.meets)
+        lo, hi = self.band.key_intervals(np.arange(t.nq * t.br, dtype=np.int32))
+        firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nq, t.br, t.bc), self.meets)
         passes, slots = _passes(counting)
 
         def query_block(i, results):
@@ -404,10 +402,9 @@ class _Blocks:
             return (jax.tree_util.tree_map(lambda a, x: a + x[None, None], row_init, rows),
                     jax.tree_util.tree_map(lambda x: x[None, None], keys),
                     None if pair_init is None else add_pair(pair_init, 0, 0, pair))
-        with _evaluated_now(self.static):
-            lo, hi = self.band.row_intervals(jnp.arange(t.nk * t.bc, dtype=jnp.int32))
-            firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nk, t.bc, t.br),
-                                    None if self.meets is None else self.meets.T)
+        lo, hi = self.band.row_intervals(np.arange(t.nk * t.bc, dtype=np.int32))
+        firsts, lasts = _narrow(*_block_ranges(lo, hi, t.nk, t.bc, t.br),
+                                None if self.meets is None else self.meets.T)
         passes, slots = _passes(counting)
 
         def key_block(i, accs):
@@ -440,21 +437,13 @@ class _Blocks:
         return rows, keys, pair
 
 
-def _evaluated_now(static):
-    """``jax.ensure_compile_time_eval()`` when ``static`` (nothing traced goes in: no lengths,
-    no segment ids), so the band and the block ranges are constants and XLA compiles none of
-    their arithmetic; else no change."""
-    return jax.ensure_compile_time_eval() if static else contextlib.nullcontext()
-
-
 def _setup(q, k, operands, schedule, is_causal, window_left, window_right, bottom_right,
            dropout_rate, backward, half):
     batch, q_len, _, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
-    with _evaluated_now(operands.q_lengths is None and operands.kv_lengths is None):
-        band = visibility.Band(batch, q_len, kv_len, operands.q_lengths, operands.kv_lengths,
-                               is_causal=is_causal, window_left=window_left,
-                               window_right=window_right, bottom_right=bottom_right)
+    band = visibility.Band(batch, q_len, kv_len, operands.q_lengths, operands.kv_lengths,
+                           is_causal=is_causal, window_left=window_left,
+                           window_right=window_right, bottom_right=bottom_right)
     t = tiling(q_len, kv_len, schedule, backward=backward,
                long_inner=half and band.left is None and band.right is None)
     return _Blocks(band, t, q_len, kv_len, operands, kv_heads, dropout_rate), t
