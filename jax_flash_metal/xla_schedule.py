@@ -3,9 +3,9 @@
 The primitives lower the xla implementation with ``for_platform("cpu")`` on ``cpu`` and with
 ``SCHEDULES["default"]`` on every other platform (cuda, rocm, tpu, METAL and the Apple-GPU
 plugins), so a compiled program keeps the schedule of the platform it was lowered for. The
-schedules differ only in block sizes: the math, and so every semantic and every result up to
-float32 summation order, is the same on every platform, except where ``half_operands`` says
-how half-precision inputs enter the matmuls.
+schedules differ in block sizes and in how the same math is laid out for the compiler: every
+semantic, and every result up to float32 summation order, is the same on every platform, except
+where ``half_operands`` says how half-precision inputs enter the matmuls.
 
 - ``dense_max_len``: both lengths at most this run as one dense tile (no loops).
 - ``block_q`` / ``block_k``: Br query rows by Bc keys per tile of the tiled path; causal,
