@@ -146,8 +146,17 @@ def block_schedule(num_devices, q_len, kv_len=None, *, is_causal=False, local_wi
     int result is HIDDEN (0, skipped), FULL (1) or PARTIAL (2) for query piece a against key
     piece b, counted over the whole sequences (piece a is piece a % m of device a // m's slice,
     m pieces per slice; slices as ``sequence_layout`` lays them out). ``np.count_nonzero`` of
-    it is the number of block steps (primitive calls) each direction runs."""
+    it is the number of block steps (primitive calls) each direction runs.
+
+    Raises:
+      ValueError: ``q_len`` or ``kv_len`` is not a multiple of ``num_devices`` (each device
+        holds an equal slice).
+    """
     kv_len = q_len if kv_len is None else kv_len
+    for name, length in (("q_len", q_len), ("kv_len", kv_len)):
+        if length % num_devices:
+            raise ValueError(f"{name}={length} is not a multiple of num_devices={num_devices}: "
+                             "each device holds an equal slice of the sequence")
     left, right = validation.check_window(local_window_size)
     params = StaticParams(1.0, is_causal, left, right, causal_alignment == "bottom_right",
                           False, False, None)

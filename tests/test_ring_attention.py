@@ -114,6 +114,12 @@ def test_window_schedule():
     np.testing.assert_array_equal(schedule, np.where((j == i) | (j == i - 1), PARTIAL, HIDDEN))
 
 
+@pytest.mark.parametrize("lengths", [(1000, None), (1002, 1000)])
+def test_schedule_of_uneven_slices_is_refused(lengths):
+    with pytest.raises(ValueError, match="multiple of num_devices=3"):
+        block_schedule(3, *lengths, is_causal=True)
+
+
 def test_errors():
     q = jnp.zeros((1, 8, 2, 16))
     with pytest.raises(ValueError, match="sequence_axis_name='sp' is not a bound axis"):
