@@ -111,8 +111,9 @@ def test_blockwise_half_precision(small_blocks, dtype):
 
 
 # The accelerators' half-precision arithmetic (``half_operands``: half operands, float32
-# accumulation, the scale applied to float32 scores), on the dense tile and on blocks (without
-# causal or window masks: forward 8 x 24, backward 24 x 16 tiles).
+# accumulation, the scale applied to float32 scores), on the dense tile (with its one-pass row
+# statistics) and on blocks (without causal or window masks: forward 8 x 24, backward 24 x 16
+# tiles).
 HALF = {"dense": xla_schedule.Schedule(dense_max_len=64, block_q=8, block_k=8,
                                        half_operands=True, one_pass_statistics=True),
         "blocks": xla_schedule.Schedule(dense_max_len=8, block_q=8, block_k=16,
