@@ -45,8 +45,9 @@ threadgroup_bytes_read, threadgroup_bytes_written: bytes; mma_ops, simd_ops, bar
 math_ops: counts as defined in ffi/emulator/README.md), useful_flops (analytic), registers
 (estimated live 32-bit registers per thread), ``model``: the roofline MODEL, not a
 measurement, {GPU name: {"bound": "compute" | "device" | "threadgroup", "seconds": modelled
-time, "percent_of_peak": modelled useful FLOP/s over peak FLOP/s, in percent}}, and ``occupancy``: {GPU name: {"threadgroups",
-"simdgroups": per core, "limit": "memory" | "threads" | "registers"}} (a model).
+time, "percent_of_peak": modelled useful FLOP/s over peak FLOP/s, in percent}}, and
+``occupancy``: {GPU name: {"threadgroups", "simdgroups": per core, "limit": "memory" |
+"threads" | "registers"}} (a model).
 """
 
 from __future__ import annotations
