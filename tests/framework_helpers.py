@@ -5,10 +5,12 @@ docs/testing.md#tolerances scaled to whole modules: float32 max error <= 1e-5 x 
 outputs and 1e-4 x max|reference| on gradients, per leaf, with a floor of 1e-6 x the largest entry
 of the whole tree (a leaf whose exact value is 0, e.g. the key bias's gradient, holds float32 noise
 of the other leaves' size); bfloat16: error against the float32 reference <= 2 x the framework's
-own bfloat16 error (relative to each leaf's max|reference|, worst leaf) + 1e-5.
+own bfloat16 error (relative to each leaf's max|reference|, worst leaf) + 1e-5, and a leaf whose
+exact value is 0 within the dtype's unit roundoff of the tree's largest entry.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 RTOL = {"output": 1e-5, "gradient": 1e-4}
@@ -35,14 +37,26 @@ def assert_close(kind, got, want):
 def assert_half_close(got, framework_half, reference32):
     """Half-precision ``got`` no further from the float32 reference than twice the framework's own
     half-precision result: the worst leaf's max error relative to that leaf's max|reference|,
-    over the whole tree (projections in half precision make single leaves noisy), + 1e-5."""
+    over the whole tree (projections in half precision make single leaves noisy), + 1e-5.
+
+    A leaf whose exact value is 0 (the key bias's gradient: each row's score gradient sums to 0)
+    holds nothing but rounding noise, whose size follows from how D = rowsum(dO O) is formed
+    (FlashAttention-2 forms it from the rounded O; plain attention from the rounded P and dP),
+    not from the accuracy of any entry: over 30 seeds ours ranged 1-4x the framework's noise.
+    It is held instead to the half dtype's unit roundoff (eps / 2) times the tree's largest
+    entry: ours stayed under 0.6 of that; a D 1% off reaches 0.8-1.3 of it, 10% off ten times.
+    """
+    pairs = _pairs(got, reference32)
+    top = max(np.max(np.abs(r), initial=0) for _, r in pairs)
+    exact_zero = [np.max(np.abs(r), initial=0) <= 1e-3 * top for _, r in pairs]
+
     def worst(tree):
-        pairs = _pairs(tree, reference32)
-        # A leaf whose exact value is ~0 (the key bias's gradient) is measured against 1% of the
-        # tree's largest entry, not against its own noise.
-        floor = 1e-2 * max(np.max(np.abs(r), initial=0) for _, r in pairs)
-        return max(np.max(np.abs(a - r), initial=0) / max(np.max(np.abs(r), initial=0), floor)
-                   for a, r in pairs)
+        return max(np.max(np.abs(a - r), initial=0) / np.max(np.abs(r))
+                   for (a, r), zero in zip(_pairs(tree, reference32), exact_zero) if not zero)
 
     ours, own = worst(got), worst(framework_half)
     assert ours <= 2 * own + 1e-5, f"relative error {ours:.3g} > 2 x the framework's {own:.3g}"
+    unit = float(jnp.finfo(got[0].dtype).eps) / 2  # got[0]: the output, in the half dtype
+    for i, ((a, _), zero) in enumerate(zip(pairs, exact_zero)):
+        assert not zero or np.max(np.abs(a)) <= unit * top, (
+            f"leaf {i} (exactly 0): max |value| {np.max(np.abs(a)):.3g} > {unit:.3g} x {top:.3g}")
