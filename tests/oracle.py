@@ -40,7 +40,8 @@ def visibility(batch, q_len, kv_len, *, is_causal=False, local_window_size=None,
     mask = np.zeros((batch, q_len, kv_len), dtype=bool)
     for b in range(batch):
         ql = q_len if query_seq_lengths is None else int(np.clip(query_seq_lengths[b], 0, q_len))
-        kl = kv_len if key_value_seq_lengths is None else int(np.clip(key_value_seq_lengths[b], 0, kv_len))
+        kl = (kv_len if key_value_seq_lengths is None
+              else int(np.clip(key_value_seq_lengths[b], 0, kv_len)))
         off = kl - ql if causal_alignment == "bottom_right" else 0
         m = (i < ql) & (j < kl)
         if is_causal:

@@ -20,7 +20,8 @@ def test_layout_covers_each_element_once():
     assert seen == {(r, c) for r in range(8) for c in range(8)}
 
 
-@pytest.mark.parametrize("dtype,name", [(np.float32, "emu_gemm8_f32"), (np.float16, "emu_gemm8_f16")])
+@pytest.mark.parametrize("dtype,name",
+                         [(np.float32, "emu_gemm8_f32"), (np.float16, "emu_gemm8_f16")])
 def test_gemm8(dtype, name):
     rng = np.random.default_rng(4)
     a = rng.standard_normal((8, 8)).astype(dtype)
@@ -32,7 +33,8 @@ def test_gemm8(dtype, name):
     np.testing.assert_allclose(c.astype(np.float64), ref, rtol=tol, atol=tol * 4)
 
 
-@pytest.mark.parametrize("dtype,name", [(np.float32, "emu_gemm16_f32"), (np.float16, "emu_gemm16_f16")])
+@pytest.mark.parametrize("dtype,name",
+                         [(np.float32, "emu_gemm16_f32"), (np.float16, "emu_gemm16_f16")])
 @pytest.mark.parametrize("schedule", ["forward", "random"])
 def test_gemm16_tiled(dtype, name, schedule):
     rng = np.random.default_rng(5)

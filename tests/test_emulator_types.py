@@ -36,7 +36,8 @@ def test_half_and_bfloat_round_to_nearest_even():
     nan = np.isnan(x)
     np.testing.assert_array_equal(hb[~nan], want_h[~nan].view(np.uint16))
     np.testing.assert_array_equal(bb[~nan], want_b[~nan].view(np.uint16))
-    assert np.isnan(hb[nan].view(np.float16)).all() and np.isnan(bb[nan].view(ml_dtypes.bfloat16)).all()
+    assert np.isnan(hb[nan].view(np.float16)).all()
+    assert np.isnan(bb[nan].view(ml_dtypes.bfloat16)).all()
     np.testing.assert_array_equal(back[~nan, 0], want_h[~nan].astype(np.float32))
     np.testing.assert_array_equal(back[~nan, 1], want_b[~nan].astype(np.float32))
 

@@ -212,8 +212,8 @@ def test_coerce_params_exact_types():
                                                   bool, bool, float]
     full = coerce_params(scale=1, is_causal=False, window_left=-1, window_right=-1,
                          bottom_right=False, has_q_lengths=False, has_kv_lengths=False,
-                         implementation="xla", has_bias=np.bool_(True), logits_soft_cap=np.int32(30),
-                         bias_grad=1, alibi_grad=np.bool_(False))
+                         implementation="xla", has_bias=np.bool_(True),
+                         logits_soft_cap=np.int32(30), bias_grad=1, alibi_grad=np.bool_(False))
     assert (type(full["logits_soft_cap"]), full["logits_soft_cap"], full["bias_grad"]) == (
         float, 30.0, True)
     assert full["alibi_grad"] is False
