@@ -15,6 +15,7 @@
 
 #include "device.h"
 #include "dispatch_plan.h"
+#include "tile_shapes.h"
 
 namespace nb = nanobind;
 
@@ -65,6 +66,11 @@ void bind_testing(nb::module_& m) {
   m.def("set_submission_budget", &set_submission_budget_seconds, nb::arg("seconds"),
         "Sets the estimated GPU time per submission (command buffer), in seconds, before "
         "a call is split by batch, head and row block; returns the previous value.");
+  m.def(
+      "page_size_supported", [](long size) { return jfm_page_size_supported(size); },
+      nb::arg("size"),
+      "jfm_page_size_supported (shaders/tile_shapes.h): whether the kernels, and the FFI "
+      "handler, take a paged K/V cache of this many keys per page.");
   m.def("gpu_core_count", &gpu_core_count, nb::arg("registry_cores"), nb::arg("name"),
         "int: the Metal device's rule: the IORegistry's gpu-core-count when plausible (1 to "
         "1024; 0 = could not be read), else gpu_cores_by_name(name).");

@@ -227,6 +227,17 @@ def test_paged_decode_reads_the_contiguous_caches_bytes():
 
 
 @needs_emulator
+def test_page_size_rule_agrees_with_the_kernels():
+    """The Python rule that routes a paged call (implementations.fused_page_size) is the one the
+    kernels' header states and the FFI handler checks (jfm_page_size_supported)."""
+    from jax_flash_metal import _ext
+    sizes = range(-1, 1100)
+    assert ([implementations.fused_page_size(n) for n in sizes]
+            == [_ext.testing.page_size_supported(n) for n in sizes])
+    assert implementations.fused_page_size(16) and not implementations.fused_page_size(24)
+
+
+@needs_emulator
 def test_fused_implementations_refuse_other_page_sizes(monkeypatch):
     """A page size the kernels do not take (4: not a power of two >= 16): an explicit fused
     implementation raises naming page_table and the size; implementation=None runs xla."""
