@@ -182,16 +182,15 @@ def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=N
     s_masked = _masked(visible, s, -jnp.inf)
     if one_pass_statistics:
         m, l = row_statistics(s_masked)
-        if sinks is not None:
-            m_rows, m = m, jnp.maximum(m, sinks)
-            l = l * jnp.exp(m_rows - m)
+        if sinks is not None:  # each sink: one more logit, a statistic (sink, 1) to merge
+            m, l = _merge_statistics((m, l), (sinks, 1.0))
     else:
         m = jnp.maximum(jnp.max(s_masked, axis=-1), LOWEST)
         if sinks is not None:
             m = jnp.maximum(m, sinks)
         l = jnp.sum(jnp.exp(s_masked - m[..., None]), axis=-1)
-    if sinks is not None:
-        l = l + jnp.exp(sinks - m)
+        if sinks is not None:
+            l = l + jnp.exp(sinks - m)
     log_l = jnp.where(l == 0.0, 0.0, jnp.log(l))
     lse = jnp.where(l == 0.0, -jnp.inf, m + log_l)
     o = _dot("bhgqk,bhkd->bhgqd", _dropped(probabilities(s, m, log_l, visible), dropout),
