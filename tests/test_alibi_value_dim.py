@@ -19,11 +19,8 @@ import pytest
 from jax.test_util import check_grads
 
 import tolerance
-from api_helpers import alibi_bias, make_inputs, normal, run
+from api_helpers import alibi_bias, make_inputs, needs_emulator, normal, run
 from jax_flash_metal import flash_attention, implementations, reference_attention
-
-FUSED = pytest.mark.skipif("emulator" not in implementations.available(),
-                           reason="needs the extension")
 
 B, TQ, TK, H, HKV = 2, 9, 11, 4, 2
 
@@ -125,7 +122,7 @@ FUSED_CASES = [
 ]
 
 
-@FUSED
+@needs_emulator
 @pytest.mark.parametrize("q_len,kv_len,shape,band,decode", FUSED_CASES,
                          ids=["fwd-causal-br-lengths", "fwd-window", "decode-partial",
                               "decode-vector"])
@@ -140,7 +137,7 @@ def test_alibi_in_the_kernels(q_len, kv_len, shape, band, decode):
     check(q, k, v, do, g, alibi_slopes=slopes_of(shape, 4), implementation="emulator", **band)
 
 
-@FUSED
+@needs_emulator
 @pytest.mark.slow
 def test_alibi_in_the_kernels_with_bias_soft_cap_and_sinks():
     """The kernels add ALiBi after the soft cap, together with a broadcast bias."""
@@ -192,7 +189,7 @@ def test_value_head_dim_half_precision(dtype):
     assert o.shape == (TQ, H, 8) and o.dtype == dtype
 
 
-@FUSED
+@needs_emulator
 def test_fused_implementations_refuse_a_pair_without_kernels(monkeypatch):
     """Explicit fused: ValueError naming the (Dk, Dv) pair that has no kernels.
     implementation=None with a fused implementation preferred: the call runs on xla, forward

@@ -15,7 +15,7 @@ import pytest
 from jax.test_util import check_grads
 
 import tolerance
-from api_helpers import make_inputs, normal, run
+from api_helpers import make_inputs, needs_emulator, normal, run
 from jax_flash_metal import flash_attention, implementations, reference_attention
 
 B, TQ, TK, H, HKV, D = 2, 9, 11, 4, 2, 16
@@ -289,7 +289,7 @@ FEATURE_CALLS = [  # (feature name in the error, arguments after q, k, v)
 ]
 
 
-@pytest.mark.skipif("emulator" not in implementations.available(), reason="needs the extension")
+@needs_emulator
 @pytest.mark.parametrize("feature,kw", FEATURE_CALLS, ids=[f for f, _ in FEATURE_CALLS])
 def test_fused_implementations_take_feature_calls(monkeypatch, feature, kw):
     """implementation=None with a fused implementation preferred: forward and backward of a

@@ -16,7 +16,7 @@ import pytest
 
 import oracle
 import tolerance
-from api_helpers import alibi_bias, normal
+from api_helpers import alibi_bias, needs_emulator, normal
 from jax_flash_metal import flash_attention, implementations, reference_attention
 
 H, HKV, DK = 4, 2, 16
@@ -154,9 +154,6 @@ def test_paged_is_forward_only():
                                                 key_value_seq_lengths=lengths).sum())(q)
     assert np.isfinite(np.asarray(dq)).all()
 
-
-needs_emulator = pytest.mark.skipif("emulator" not in implementations.available(),
-                                    reason="needs the extension")
 
 FUSED_CASES = [  # (q_len, lengths, page_size, max_pages, dtype, keyword arguments)
     # The vector decode (G * q_len <= 8), two splits over 208 keys, pages of 16 < its 32 keys.

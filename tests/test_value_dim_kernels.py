@@ -10,16 +10,14 @@ import numpy as np
 import pytest
 
 import tolerance
-from api_helpers import VALUE_HEAD_DIM_PAIRS, normal, run
+from api_helpers import DTYPES, VALUE_HEAD_DIM_PAIRS, needs_emulator, normal, run
 
 ext = pytest.importorskip("jax_flash_metal._ext")
-from jax_flash_metal import flash_attention, implementations  # noqa: E402
+from jax_flash_metal import flash_attention  # noqa: E402
 
-pytestmark = pytest.mark.skipif("emulator" not in implementations.available(),
-                                reason="needs the emulator")
+pytestmark = needs_emulator
 
 B, H, HKV = 2, 4, 2
-DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
 IDS = [f"dk{dk}-dv{dv}" for dk, dv in VALUE_HEAD_DIM_PAIRS]
 
 
