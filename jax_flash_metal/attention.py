@@ -10,8 +10,9 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike
 
-from . import ring_attention, validation
+from . import ring_attention, sharding, validation
 from .primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
+from ._jax_private import vary_together
 from .contract import Implementation, Operands
 
 # local_window_size: None, w, or (left, right) with None for an unbounded side.
@@ -71,9 +72,10 @@ def _attention_bwd(params, residuals, cotangents):
     do, g_lse = _dense(cotangents[0], o, q.dtype), _dense(cotangents[1], lse, jnp.float32)
     grads = bwd_p.bind(q, k, v, o, lse, row_max, log_sum, do, g_lse, *operands.present(),
                        bias_grad=bias_grad, alibi_grad=alibi_grad, **params._asdict())
-    dq, dk, dv = grads[:3]
-    dbias = grads[3].astype(operands.bias.dtype) if bias_grad else None
-    dslopes = grads[-1] if alibi_grad else None
+    dq, dk, dv = (sharding.like_primal(g, x) for g, x in zip(grads[:3], (q, k, v)))
+    dbias = (sharding.like_primal(grads[3].astype(operands.bias.dtype), operands.bias)
+             if bias_grad else None)
+    dslopes = sharding.like_primal(grads[-1], operands.alibi_slopes) if alibi_grad else None
     dsinks = None if operands.sinks is None else _sinks_grad(operands.sinks, o, row_max,
                                                              log_sum, do, g_lse)
     return dq, dk, dv, operands._replace(q_lengths=None, kv_lengths=None, q_segment_ids=None,
@@ -307,6 +309,7 @@ def attend(query, key, value, bias=None, mask=None, *, return_lse=False, **kwarg
     ``validation.check_inputs``; the Flax integration also passes ``dropout_broadcast`` (one
     keep mask for every batch entry and head)."""
     q, k, v, operands, params = validation.check_inputs(query, key, value, bias, mask, **kwargs)
+    q, k, v, operands = vary_together((q, k, v, operands))
     try:
         out, lse = _attention(params, q, k, v, operands)
     except TypeError as e:

@@ -26,7 +26,7 @@ from jax.interpreters import ad, batching, mlir
 
 from . import contract, implementations, paging, sharding, xla_attention, xla_schedule
 from .contract import Operands, coerce_params
-from ._jax_private import ShapedArray, prim_requires_devices_during_lowering
+from ._jax_private import ShapedArray, prim_requires_devices_during_lowering, varying_axes
 
 fwd_p = Primitive("flash_attention_fwd")
 fwd_p.multiple_results = True
@@ -97,13 +97,31 @@ def _check_shapes(prim, q, k, v, x, o_shape=None):
                          f"v {v.shape}" + ("" if o_shape is None else f", o/do {o_shape}"))
 
 
+def _typed(prim, params, avals, outs):
+    """The results ``outs`` (ShapedArrays of shape and dtype) with the types JAX gives arrays
+    inside ``shard_map`` and on meshes with Explicit axes: the varying manual axes of the
+    operands (all of them: a result depends on every operand) and the shardings of
+    ``sharding.result_shardings``."""
+    varying = [varying_axes(a) for a in avals]
+    union = frozenset().union(*varying)
+    template = next((a for a, v in zip(avals, varying) if v == union), None)
+    if template is None:
+        raise ValueError(f"{prim.name}: operands vary over different manual axes {varying}; "
+                         "pass them all varying over the same axes (jax.lax.pcast)")
+    shardings = sharding.result_shardings(_DIRECTION[prim], params, avals,
+                                          [o.shape for o in outs])
+    return tuple(template.update(shape=o.shape, dtype=o.dtype, weak_type=False, sharding=s)
+                 for o, s in zip(outs, shardings))
+
+
 def _fwd_abstract(*args, **params):
     (q, k, v), x = _split(fwd_p, args, params)
     batch, q_len, num_heads, _ = q.shape
     _check_shapes(fwd_p, q, k, v, x)
     _check_operand_avals(fwd_p, x, batch, num_heads, q_len, kv_len(k, x))
     row = ShapedArray((batch, num_heads, q_len), jnp.float32)
-    return ShapedArray(q.shape[:3] + v.shape[3:], q.dtype), row, row, row
+    return _typed(fwd_p, params, args, (ShapedArray(q.shape[:3] + v.shape[3:], q.dtype),
+                                        row, row, row))
 
 
 def _bwd_abstract(*args, bias_grad=False, alibi_grad=False, **params):
@@ -130,7 +148,7 @@ def _bwd_abstract(*args, bias_grad=False, alibi_grad=False, **params):
         outs.append(ShapedArray(x.bias.shape, jnp.float32))
     if alibi_grad:
         outs.append(ShapedArray(x.alibi_slopes.shape, jnp.float32))
-    return tuple(outs)
+    return _typed(bwd_p, dict(params, bias_grad=bias_grad, alibi_grad=alibi_grad), args, outs)
 
 
 fwd_p.def_abstract_eval(_fwd_abstract)

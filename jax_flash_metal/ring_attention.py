@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import validation, visibility
+from ._jax_private import vary_like, vary_together
 from .contract import UNBOUNDED, Operands, StaticParams
 
 F32 = jnp.float32
@@ -185,12 +186,11 @@ def _axis_size(axis_name):
 
 
 def shard_map(f, mesh, in_specs, out_specs):
-    """``jax.shard_map`` (JAX 0.7 and newer) or ``jax.experimental.shard_map.shard_map``
-    (older), fully manual over ``mesh``, with the replication check off (JAX's check does not
-    see through the ring's ``custom_vjp``)."""
+    """``jax.shard_map`` (JAX 0.7 and newer, with its default check of varying manual axes)
+    or ``jax.experimental.shard_map.shard_map`` (older, whose replication check does not see
+    through a ``custom_vjp``: off), fully manual over ``mesh``."""
     if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     from jax.experimental.shard_map import shard_map as legacy
     return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
@@ -271,9 +271,10 @@ class _State(NamedTuple):
 def _initial_state(q, v):
     batch, q_chunk, heads, _ = q.shape
     row = (batch, heads, q_chunk)
-    return _State(jnp.zeros((batch, q_chunk, heads, v.shape[3]), F32),
-                  jnp.full(row, -jnp.inf, F32),
-                  jnp.full(row, jnp.finfo(F32).min, F32), jnp.zeros(row, F32))
+    state = _State(jnp.zeros((batch, q_chunk, heads, v.shape[3]), F32),
+                   jnp.full(row, -jnp.inf, F32),
+                   jnp.full(row, jnp.finfo(F32).min, F32), jnp.zeros(row, F32))
+    return _State(*(vary_like(x, q) for x in state))
 
 
 def _merge(a: _State, b: _State):
@@ -423,7 +424,7 @@ def _ring_bwd(ring, residuals, cotangents):
 
         return _switch(pair, branch, dq, traveling)
 
-    zeros = lambda x: jnp.zeros(x.shape, F32)  # noqa: E731
+    zeros = lambda x: vary_like(jnp.zeros(x.shape, F32), x)  # noqa: E731
     dq, (*_, dk, dv) = _ring_loop(ring, q, q_lengths, kv_lengths, zeros(q),
                                   (k, v, kv_seg, zeros(k), zeros(v)), block_step)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)
@@ -497,8 +498,9 @@ def ring_flash_attention(query, key, value, bias, mask, *, axis_name, query_seq_
     kv_lengths = validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch,
                                           size * k.shape[1])
     ring = _Ring(axis_name, size, q.shape[1], k.shape[1], params, primitives, striped)
-    out, lse = _ring_attention(ring, q, k, v, operands.q_segment_ids, operands.kv_segment_ids,
-                               q_lengths, kv_lengths)
+    out, lse = _ring_attention(ring, *vary_together((q, k, v, operands.q_segment_ids,
+                                                     operands.kv_segment_ids, q_lengths,
+                                                     kv_lengths)))
     if operands.sinks is not None:
         out, lse = _with_sinks(out, lse, operands.sinks)
     return validation.restore_rank(query, out, lse, return_lse)

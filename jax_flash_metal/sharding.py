@@ -30,8 +30,10 @@ lowered as is.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from functools import partial
 
 import jax
 from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
@@ -41,6 +43,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import implementations
+from ._jax_private import ShapedArray
 from .contract import MAIN_OPERANDS, operand_roles
 
 # The layout of each main operand (contract.MAIN_OPERANDS): "q" [B, Tq, H, Dk],
@@ -61,7 +64,15 @@ def _shard_primitive(prim, direction, body):
     shard.multiple_results = True
     shard.def_abstract_eval(lambda *args, **params: prim.abstract_eval(*args, **params)[0])
     if body is not None:
-        mlir.register_lowering(shard, mlir.lower_fun(body, multiple_results=True))
+        def lower_body(ctx, *args, **params):
+            # The body computes one device's part: traced on plain arrays, without the varying
+            # manual axes (shard_map) or Explicit shardings of the avals.
+            plain = lambda avals: [ShapedArray(a.shape, a.dtype) for a in avals]  # noqa: E731
+            ctx = ctx.replace(avals_in=plain(ctx.avals_in), avals_out=plain(ctx.avals_out))
+            with _without_mesh():
+                return mlir.lower_fun(partial(body, **params), multiple_results=True)(ctx, *args)
+
+        mlir.register_lowering(shard, lower_body)
         return shard
 
     def lowering(ctx, *args, **params):
@@ -156,9 +167,65 @@ def _result_roles(direction, params):
             + (["alibi_slopes"] if params.get("alibi_grad") else []))
 
 
+def _explicit_axes(mesh):
+    """The Explicit axis names of an abstract value's mesh (none on JAX without them)."""
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    if axis_type is None or getattr(mesh, "empty", True):
+        return frozenset()
+    return frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                     if t == axis_type.Explicit)
+
+
+def result_shardings(direction, params, in_avals, out_shapes):
+    """Sharding in types: the NamedShardings (on the abstract mesh) of the results of shapes
+    ``out_shapes`` of a primitive whose query and key avals are ``in_avals[:2]`` (the batch and
+    head splits above, of the query's Explicit mesh axes: those a call keeps unsharded are
+    replicated, so sequence and head_dim axes are gathered), or None per result where the query
+    has no sharding in its type (JAX without it; Auto axes; inside a fully manual shard_map:
+    replicated)."""
+    q, k = in_avals[0], in_avals[1]
+    sharding = getattr(q, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return [None] * len(out_shapes)
+    mesh = sharding.mesh
+    explicit = _explicit_axes(mesh)
+    spec = [tuple(a for a in _axes(e) if a in explicit) for e in tuple(sharding.spec)]
+    layout = _Layout(mesh, NamedSharding(mesh, P(*map(_entry, spec))), q.shape, k.shape[2])
+    return [layout.sharding(r, shape)
+            for r, shape in zip(_result_roles(direction, params), out_shapes)]
+
+
+def _padded(spec, ndim):
+    return tuple(_entry(_axes(e)) for e in tuple(spec)) + (None,) * (ndim - len(spec))
+
+
+def like_primal(grad, primal):
+    """``grad`` resharded to the Explicit sharding in ``primal``'s type where the two differ:
+    a gradient's type must be its primal's, and ``result_shardings`` replicates the sequence and
+    head_dim axes (and uneven splits) a caller may have sharded."""
+    if grad is None or not hasattr(jax, "typeof"):
+        return grad
+    want, have = (getattr(jax.typeof(x), "sharding", None) for x in (primal, grad))
+    if not isinstance(want, NamedSharding) or not _explicit_axes(want.mesh):
+        return grad
+    spec = _padded(want.spec, grad.ndim)
+    if isinstance(have, NamedSharding) and _padded(have.spec, grad.ndim) == spec:
+        return grad
+    return jax.sharding.reshard(grad, P(*spec))
+
+
 def _layout(mesh, arg_shapes):
     q, k = arg_shapes[0], arg_shapes[1]
     return _Layout(mesh, q.sharding, q.shape, k.shape[2])
+
+
+def _without_mesh():
+    """A context with no abstract mesh, for tracing the per-device body of ``partition``: the
+    Explicit axes of a caller's ``jax.set_mesh`` would otherwise type its arrays and add
+    sharding constraints that reach the partitioned per-device program as custom calls no
+    backend implements."""
+    use = getattr(jax.sharding, "use_abstract_mesh", None)
+    return contextlib.nullcontext() if use is None else use(jax.sharding.AbstractMesh((), ()))
 
 
 def _make_partitioned(prim, direction, params, in_avals, body):
@@ -183,7 +250,8 @@ def _make_partitioned(prim, direction, params, in_avals, body):
                   [layout.reduced_axes(r, s.shape) for r, s in zip(out_roles, result_shape)])
 
         def lower(*args):
-            outs = bind(*args, **params)
+            with _without_mesh():
+                outs = bind(*args, **params)
             return tuple(jax.lax.psum(x, axes) if axes else x for x, axes in zip(outs, summed))
 
         return mesh, lower, out_shardings(layout, result_shape), arg_shardings
