@@ -113,6 +113,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
+                    sequence_strategy: str | None = None,
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
                     return_lse: Literal[False] = False) -> jax.Array: ...
 
@@ -132,6 +133,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
+                    sequence_strategy: str | None = None,
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
                     return_lse: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
 
@@ -151,6 +153,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
+                    sequence_strategy: str | None = None,
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
                     return_lse: bool) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
@@ -169,6 +172,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
+                    sequence_strategy: str | None = None,
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
                     return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-2 forward and recompute backward).
@@ -276,19 +280,20 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     backward from (q, k, v, o, lse, dO) with D = rowsum(dO * O) - g_lse.
     """
     return_lse = validation.check_bool(return_lse, "return_lse")
-    if sequence_axis_name is None and sequence_layout != "contiguous":
-        raise ValueError(f"sequence_layout={sequence_layout!r} needs sequence_axis_name (the "
-                         "layout of a sequence split over devices)")
+    for name, given, unset in (("sequence_layout", sequence_layout, "contiguous"),
+                               ("sequence_strategy", sequence_strategy, None)):
+        if sequence_axis_name is None and given != unset:
+            raise ValueError(f"{name}={given!r} needs sequence_axis_name (it describes a "
+                             "sequence split over devices)")
     if sequence_axis_name is not None:
-        for name, given in (("alibi_slopes", alibi_slopes), ("page_table", page_table)):
-            if given is not None:
-                raise ValueError(f"{name} is not supported with sequence_axis_name")
+        if page_table is not None:
+            raise ValueError("page_table is not supported with sequence_axis_name")
         if validation.check_dropout(dropout_rate, dropout_rng, 1, 1)[0] > 0:
-            raise ValueError("dropout_rate > 0 is not supported with sequence_axis_name (ring "
-                             "attention)")
+            raise ValueError("dropout_rate > 0 is not supported with sequence_axis_name")
         return ring_attention.ring_flash_attention(
             query, key, value, bias, mask, axis_name=sequence_axis_name,
-            sequence_layout=sequence_layout, primitives=(fwd_p, bwd_p),
+            sequence_layout=sequence_layout, sequence_strategy=sequence_strategy,
+            primitives=(fwd_p, bwd_p), alibi_slopes=alibi_slopes,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
             return_lse=return_lse, scale=scale, is_causal=is_causal,
             local_window_size=local_window_size, causal_alignment=causal_alignment,
