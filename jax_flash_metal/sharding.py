@@ -252,7 +252,8 @@ def _make_partitioned(prim, direction, params, in_avals, body):
         def lower(*args):
             with _without_mesh():
                 outs = bind(*args, **params)
-            return tuple(jax.lax.psum(x, axes) if axes else x for x, axes in zip(outs, summed))
+                return tuple(jax.lax.psum(x, axes) if axes else x
+                             for x, axes in zip(outs, summed))
 
         return mesh, lower, out_shardings(layout, result_shape), arg_shardings
 
