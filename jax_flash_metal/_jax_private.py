@@ -4,7 +4,9 @@ Everything the package needs is public in every supported JAX (0.5.0 through the
 except the abstract value class, which newer releases may move out of ``jax.core``, and the set of
 primitives whose lowering needs the device assignment (a ``custom_partitioning`` call inside a
 primitive's lowering does: sharding.py, registered in primitives.py); both are kept here so the
-rest of the package only imports public modules.
+rest of the package only imports public modules. The varying manual axes of ``shard_map``'s type
+check changed their spelling across releases (``aval.vma`` and ``jax.lax.pvary``, then
+``aval.mat.varying`` and ``jax.lax.pcast``; none on 0.5.0): read and set here too.
 """
 
 import jax

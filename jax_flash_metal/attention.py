@@ -233,19 +233,24 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         (ceil(kv_len_b / page_size)) are never read and may hold anything; a used entry must
         be in [0, num_pages). Composes with every other argument; forward only.
       sequence_axis_name: None, or the name of a ``shard_map`` mesh axis over which the
-        sequence is split (context parallelism): device i of that axis passes its contiguous
-        slice [i * T / n, (i + 1) * T / n) of query, key, value and segment ids (lengths count
-        global positions, and stay whole), and gets exact attention over the whole sequence by
-        ring attention (K/V passed around the axis with ``lax.ppermute``; Liu et al., "Ring
-        Attention with Blockwise Transformers", 2023; ``ring_attention.py``). Causal, windows,
-        lengths, alignment, segment ids, soft cap, sinks and grouped-query attention use global
-        positions; bias, mask, alibi_slopes, page_table and dropout_rate > 0 raise ValueError,
-        as does a name not bound there.
-      sequence_layout: with ``sequence_axis_name``, "contiguous" (above) or "striped": device
-        i holds positions i, i + n, i + 2n, ... (Brandon et al., "Striped Attention", 2023;
-        causal work is then even across devices); ``ring_attention.stripe`` / ``unstripe``
-        reorder whole arrays into / out of that layout. Without a sequence axis, only
-        "contiguous" (ValueError otherwise).
+        sequence is split (context parallelism): device i of that axis passes its slice of
+        query, key, value and segment ids (``sequence_layout``; lengths count global positions,
+        and stay whole), and gets exact attention over the whole sequence
+        (``ring_attention.py``; docs/parallelism.md). Causal, windows, lengths, alignment,
+        segment ids, soft cap, sinks, ALiBi and grouped-query attention use global positions;
+        bias, mask, page_table and dropout_rate > 0 raise ValueError, as does a name not bound
+        there.
+      sequence_layout: with ``sequence_axis_name``, "contiguous" (device i holds positions
+        [i * T / n, (i + 1) * T / n)), "striped" (positions i, i + n, i + 2n, ...; Brandon et
+        al., "Striped Attention", 2023) or "zigzag" (chunks i and 2n - 1 - i of 2n chunks); the
+        last two even out causal work across devices; ``ring_attention.stripe`` /
+        ``unstripe`` and ``zigzag`` / ``unzigzag`` reorder whole arrays into / out of them.
+        Without a sequence axis, only "contiguous" (ValueError otherwise).
+      sequence_strategy: with ``sequence_axis_name``, None (= "all_gather"), "all_gather" (K/V
+        gathered over the axis; dK/dV reduce-scattered back) or "ring" (K/V passed around the
+        axis with ``lax.ppermute``; Liu et al., "Ring Attention with Blockwise Transformers",
+        2023: per-device memory falls with the device count). ValueError for another name,
+        or for one given without a sequence axis.
       dropout_rate: a static float in [0, 1): attention dropout on the normalised
         probabilities, O = (P * M / (1 - dropout_rate)) V (inverted dropout; lse is that of the
         undropped scores, gradients those of this formula). M is ``dropout_mask(dropout_rng,

@@ -12,7 +12,9 @@ eager impl, batching, the forward-mode error, the default lowering (the xla impl
 the accelerators' block schedule, ``xla_schedule``) and the ``cpu`` lowering (the fused
 implementations through ``implementations``, else the xla implementation with the cpu
 schedule), both through ``sharding``'s custom partitioning, so a call partitions under jit with
-sharded operands: docs/design.md#the-primitive-layer.
+sharded operands: docs/design.md#the-primitive-layer. Results carry JAX's types: the operands'
+varying manual axes inside ``shard_map`` and, on Explicit mesh axes, the batch/head shardings
+(docs/parallelism.md).
 """
 
 from __future__ import annotations

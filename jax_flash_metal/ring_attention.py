@@ -1,12 +1,14 @@
 """Context parallelism: ``flash_attention(..., sequence_axis_name=name)`` inside ``shard_map``.
 
 Device i of the named axis (n devices) holds the contiguous slice of positions
-[i * T / n, (i + 1) * T / n) of the query and of the key/value sequences. Ring attention (Liu
-et al., "Ring Attention with Blockwise Transformers", 2023): the K/V slices travel around the axis
-with ``lax.ppermute`` while each device folds each one into its rows' online-softmax state: block
-j gives (O_j, LSE_j, m_j, log l_j) from one forward primitive call on the local slices, and the
-states merge exactly: m = max_j m_j, l = sum_j l_j exp(m_j - m), O = sum_j (l_j exp(m_j - m) /
-l) O_j, LSE = m + log l.
+[i * T / n, (i + 1) * T / n) of the query and of the key/value sequences (other layouts below).
+Each device folds every key slice j into its rows' online-softmax state: block j gives (O_j,
+LSE_j, m_j, log l_j) from one forward primitive call on the local slices, and the states merge
+exactly: m = max_j m_j, l = sum_j l_j exp(m_j - m), O = sum_j (l_j exp(m_j - m) / l) O_j, LSE =
+m + log l. Two strategies bring the key slices (``sequence_strategy``): "ring" (Liu et al.,
+"Ring Attention with Blockwise Transformers", 2023): the K/V slices travel around the axis with
+``lax.ppermute``, one step per device; "all_gather" (the default, docs/parallelism.md says why):
+K/V (and key segment ids) are gathered over the axis once and every slice is read in place.
 
 Visibility uses global positions (``visibility.Band`` over the whole sequences): per (query
 slice, key slice) pair the schedule is "hidden" (skipped: no kernel runs; causal attention skips
@@ -16,22 +18,30 @@ lengths or bottom-right alignment gets the band as a mask). Segment ids travel w
 join once, after the ring, as one more logit per row.
 
 The backward (a ``jax.custom_vjp`` around the ring) rotates K/V the same way, and dK/dV with
-them, so each slice's gradient is back on its own device after n steps. Each visible pair runs
+them, so each slice's gradient is back on its own device after n steps (all_gather: dK/dV of
+the whole sequence, reduce-scattered back with ``lax.psum_scatter``). Each visible pair runs
 one backward primitive call with the whole call's residuals (the merged O, LSE, m and log l):
 its P = exp((S - m) - log l) is the whole softmax restricted to the pair's keys and its D =
 rowsum(dO * O) - g_lse the whole call's, so the FlashAttention-2 backward of the pair gives
 exactly the pair's share of dQ, dK and dV, and no block's forward is computed again. Memory
-per device: the local slices, the traveling K/V slice and dK/dV (two of each in flight while
-they move) and the O/LSE state; nothing of size T x T or of the whole sequence.
+per device (ring): the local slices, the traveling K/V slice and dK/dV (two of each in flight
+while they move) and the O/LSE state; nothing of size T x T or of the whole sequence
+(all_gather: K/V and dK/dV of the whole sequence).
 
 ``sequence_layout="striped"`` (Brandon et al., "Striped Attention", 2023): device i holds
 positions i, i + n, i + 2n, ... instead (``stripe`` / ``unstripe`` reorder whole arrays), so no
 pair is hidden under causal attention but each is about half visible and every device does the
 same work: a pair j <= i is a top-left causal call, j > i a bottom-right one whose last key is
-padding.
+padding. ``sequence_layout="zigzag"`` (MaxText's "dual chunk swap"): 2n chunks, device i
+holds chunks i and 2n - 1 - i (``zigzag`` / ``unzigzag``), so causal work is even and each
+device's positions are two contiguous ranges (its pairs are whole, hidden or a diagonal).
+``causal_work`` / ``causal_balance`` measure the balance of a layout.
 
-Not supported with a sequence axis (ValueError): bias and mask (arrays over the whole score
-matrix; express them with lengths, windows or segment ids).
+ALiBi uses global distances: each pair gets -slope * |i + off - j| over its global positions as
+a bias (the primitives' own ALiBi would use the pieces' local positions), and dslopes sums the
+pairs' -distance-weighted bias gradients. Not supported with a sequence axis (ValueError): bias
+and mask (arrays over the whole score matrix; express them with lengths, windows or segment
+ids); dropout and page_table (attention.py).
 """
 
 from __future__ import annotations

@@ -26,6 +26,11 @@ Both partitioners: ``sharding_rule`` (Shardy, where JAX has it) states the same 
 ``infer_sharding_from_operands`` and ``partition`` (GSPMD, and Shardy's final partitioning)
 pick the shardings above. Inside a fully manual ``shard_map`` or on one device the call is
 lowered as is.
+
+Sharding in types (Explicit mesh axes, ``jax.set_mesh``): ``result_shardings`` gives the
+primitives' abstract evaluation the same batch/head shardings, so results are typed as the
+partitioner lays them out; ``like_primal`` gives each gradient its primal's type back. The
+per-device bodies are traced with no mesh set (``_without_mesh``) and on plain avals.
 """
 
 from __future__ import annotations
