@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import validation, visibility
+from . import sharding, validation, visibility
 from ._jax_private import vary_like, vary_together
 from .contract import UNBOUNDED, Operands, StaticParams
 
@@ -429,18 +429,33 @@ def _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes):
                       _gathered(ring, (k, v, kv_seg)), block_step)[0]
 
 
+# The roles (sharding._Layout) of _ring_attention's arguments, of a _State and of (dO, g_lse).
+_ARG_ROLES = ("q", "kv", "kv_v", "q_segment_ids", "kv_segment_ids", "q_lengths", "kv_lengths",
+              "alibi_slopes")
+_STATE_ROLES = ("q_v", "row", "row", "row")
+
+
+def _forward_state(ring, *args):
+    """The whole call's _State (O in the query's dtype), computed per shard of the batch or
+    head axes that a shard_map over the sequence axis alone leaves Explicit (the ring's own
+    arrays carry no sharding)."""
+    def per_shard(*args):
+        state = _forward(ring, *args)
+        return tuple(state._replace(o=state.o.astype(args[0].dtype)))
+
+    return _State(*sharding.on_explicit_shards(per_shard, args, _ARG_ROLES, _STATE_ROLES))
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attention(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes):
-    state = _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes)
-    return state.o.astype(q.dtype), state.lse
+def _ring_attention(ring, *args):
+    state = _forward_state(ring, *args)
+    return state.o, state.lse
 
 
-def _ring_fwd(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes):
-    state = _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes)
-    o = state.o.astype(q.dtype)
+def _ring_fwd(ring, *args):
+    state = _forward_state(ring, *args)
     # The residuals are the whole call's: O, LSE, m and log l over every key slice.
-    return (o, state.lse), (q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes,
-                            state._replace(o=o))
+    return (state.o, state.lse), (args, state)
 
 
 def _add_piece(acc, part, index, length):
@@ -449,18 +464,29 @@ def _add_piece(acc, part, index, length):
 
 
 def _ring_bwd(ring, residuals, cotangents):
-    """dQ, dK, dV: each visible pair's backward primitive call with the whole call's residuals
+    """The cotangents of _ring_attention's arguments (``_backward``, per shard of any Explicit
+    batch or head axes, as ``_forward_state``)."""
+    args, state = residuals
+    do, g_lse = cotangents[0].astype(args[0].dtype), cotangents[1].astype(F32)
+    slopes = args[-1]
+    out_roles = ("q", "kv", "kv_v") + (() if slopes is None else ("alibi_slopes",))
+    grads = sharding.on_explicit_shards(partial(_backward, ring), (*args, *state, do, g_lse),
+                                        _ARG_ROLES + _STATE_ROLES + ("q_v", "row"), out_roles)
+    return (*grads[:3], None, None, None, None, None if slopes is None else grads[3])
+
+
+def _backward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes, o, lse, row_max,
+              log_sum, do, g_lse):
+    """dQ, dK, dV (and dslopes with ALiBi): each visible pair's backward primitive call with the whole call's residuals
     (its P = exp((S - m) - log l) is the whole call's softmax restricted to the pair's keys, and
     D = rowsum(dO * O) - g_lse the whole call's), so no block's forward is computed again; the
     dQ parts add up here, the dK/dV parts travel with their K/V slice and are home after n
     steps; all_gather's dK/dV parts add up in whole-sequence buffers, reduce-scattered back
     (each device gets the sum for its own slice). With ALiBi, each pair's bias gradient gives
     its share of dslopes (the bias is -slope * distance)."""
-    q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes, state = residuals
     bwd_p, q_piece, kv_piece = ring.primitives[1], ring.q_piece, ring.kv_piece
-    do, g_lse = cotangents[0].astype(q.dtype), cotangents[1].astype(F32)
-    rows = (q, state.o, do)  # [B, T, H, D]: pieces along axis 1
-    stats = (state.lse, state.row_max, state.log_sum, g_lse)  # [B, H, T]: along axis 2
+    rows = (q, o, do)  # [B, T, H, D]: pieces along axis 1
+    stats = (lse, row_max, log_sum, g_lse)  # [B, H, T]: along axis 2
 
     def block_step(pair, accumulators, traveling):
         def branch(kind, accumulators, traveling):  # the gradients so far, with this pair's
@@ -494,8 +520,8 @@ def _ring_bwd(ring, residuals, cotangents):
     if ring.strategy == "all_gather":
         dk, dv = (jax.lax.psum_scatter(x, ring.axis_name, scatter_dimension=1, tiled=True)
                   for x in (dk, dv))
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None,
-            dslopes)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)) + (
+        () if slopes is None else (dslopes,))
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
@@ -632,6 +658,7 @@ def ring_flash_attention(query, key, value, bias, mask, *, axis_name, query_seq_
                          f"got query {q.shape[1]} and key {k.shape[1]} positions per device")
     ring = _Ring(axis_name, size, q.shape[1], k.shape[1], params._replace(has_alibi=False),
                  primitives, layout, strategy)
+
     out, lse = _ring_attention(ring, *vary_together((q, k, v, operands.q_segment_ids,
                                                      operands.kv_segment_ids, q_lengths,
                                                      kv_lengths, operands.alibi_slopes)))

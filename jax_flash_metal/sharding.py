@@ -200,6 +200,44 @@ def result_shardings(direction, params, in_avals, out_shapes):
             for r, shape in zip(_result_roles(direction, params), out_shapes)]
 
 
+def on_explicit_shards(f, args, roles, out_roles):
+    """``f(*args)`` (results of ``out_roles``), run per shard of the Explicit mesh axes of the
+    query's type (``args[0]``): inside ``jax.shard_map`` over those axes, each operand
+    resharded to its role's batch/head spec (``_Layout``; None operands pass as None). Code that
+    is written per device (context parallelism, whose own arrays carry no sharding) then runs
+    inside a ``shard_map`` that leaves other axes Explicit; f(*args) itself where there are
+    none."""
+    q = args[0]
+    sharding = getattr(jax.typeof(q), "sharding", None) if hasattr(jax, "typeof") else None
+    explicit = _explicit_axes(sharding.mesh) if isinstance(sharding, NamedSharding) else ()
+    if not explicit:
+        return f(*args)
+    mesh = sharding.mesh
+    spec = [tuple(a for a in _axes(e) if a in explicit) for e in tuple(sharding.spec)]
+    layout = _Layout(mesh, NamedSharding(mesh, P(*map(_entry, spec))), q.shape, args[1].shape[2])
+    present = [i for i, x in enumerate(args) if x is not None]
+    specs = [layout.spec(roles[i], args[i].shape) for i in present]
+
+    def per_shard(*xs):
+        full = [None] * len(args)
+        for i, x in zip(present, xs):
+            full[i] = x
+        return f(*full)
+
+    xs = [like_spec(args[i], s) for i, s in zip(present, specs)]
+    return jax.shard_map(per_shard, in_specs=tuple(specs),
+                         out_specs=tuple(layout.spec(r, None) for r in out_roles),
+                         axis_names=set(explicit))(*xs)
+
+
+def like_spec(x, spec):
+    """``x`` resharded to ``spec`` where its type's spec differs."""
+    have = getattr(jax.typeof(x), "sharding", None)
+    if isinstance(have, NamedSharding) and _padded(have.spec, x.ndim) == _padded(spec, x.ndim):
+        return x
+    return jax.sharding.reshard(x, spec)
+
+
 def _padded(spec, ndim):
     return tuple(_entry(_axes(e)) for e in tuple(spec)) + (None,) * (ndim - len(spec))
 
@@ -210,13 +248,10 @@ def like_primal(grad, primal):
     head_dim axes (and uneven splits) a caller may have sharded."""
     if grad is None or not hasattr(jax, "typeof"):
         return grad
-    want, have = (getattr(jax.typeof(x), "sharding", None) for x in (primal, grad))
+    want = getattr(jax.typeof(primal), "sharding", None)
     if not isinstance(want, NamedSharding) or not _explicit_axes(want.mesh):
         return grad
-    spec = _padded(want.spec, grad.ndim)
-    if isinstance(have, NamedSharding) and _padded(have.spec, grad.ndim) == spec:
-        return grad
-    return jax.sharding.reshard(grad, P(*spec))
+    return like_spec(grad, P(*_padded(want.spec, grad.ndim)))
 
 
 def _layout(mesh, arg_shapes):

@@ -4,10 +4,13 @@ manual axes on) over a ("data" 2, "sp" 4) mesh (batch over "data", each sequence
 over "sp") against the float64 oracle on the whole arrays: O, LSE, dQ, dK, dV (and dsinks,
 dalibi_slopes), for each case.
 
-    python ring_checks.py IMPLEMENTATION CASE[/LAYOUT][@STRATEGY]...
+    python ring_checks.py IMPLEMENTATION [explicit:]CASE[/LAYOUT][@STRATEGY]...
 
 LAYOUT (sequence_layout, default the case's or contiguous) and STRATEGY (sequence_strategy,
-default flash_attention's) override the case's.
+default flash_attention's) override the case's. ``explicit:``: the newest JAX's pattern instead,
+``jax.make_mesh`` (Explicit axes) under ``jax.set_mesh`` with ``jax.shard_map`` manual over "sp"
+only, so the batch stays Explicit over "data" (contiguous layout: the arrays are typed, and
+reordering them is the caller's business).
 """
 
 import sys
@@ -61,7 +64,16 @@ PIECE_LEN = ring_attention.PIECE_LEN
 
 
 def check(implementation, spec):
-    name, _, strategy = spec.partition("@")
+    if spec.startswith("explicit:"):
+        mesh = jax.make_mesh((2, 4), ("data", "sp"),
+                             axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+        with jax.set_mesh(mesh):
+            return run(implementation, spec, mesh)
+    return run(implementation, spec, None)
+
+
+def run(implementation, spec, explicit_mesh):
+    name, _, strategy = spec.removeprefix("explicit:").partition("@")
     name, _, layout = name.partition("/")
     ring_attention.PIECE_LEN = 4 if name.startswith("pieces") else PIECE_LEN
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "sp"))
@@ -82,7 +94,22 @@ def check(implementation, spec):
 
     specs = {n: seq if n in SEQUENCE else P("data") for n in arrays}
     diff_specs = {n: P() if n == "sinks" else P("data") for n in diff}
-    ring = shard_map(local, mesh, (seq, seq, seq, diff_specs, specs), (seq, row))
+    if explicit_mesh is None:
+        ring = shard_map(local, mesh, (seq, seq, seq, diff_specs, specs), (seq, row))
+    else:  # manual over "sp" only: the specs name "sp", "data" stays in the arrays' types
+        def manual(spec):
+            return P(*(a if a == "sp" else None for a in spec))
+
+        put = lambda x, s: jax.device_put(x, jax.NamedSharding(explicit_mesh, s))  # noqa: E731
+        q, k, v, do = (put(x, seq) for x in (q, k, v, do))
+        g = put(g, row)
+        diff = {n: put(x, diff_specs[n]) for n, x in diff.items()}
+        arrays = {n: put(x, specs[n]) for n, x in arrays.items()}
+        ring = jax.shard_map(
+            local, in_specs=(manual(seq),) * 3 + (
+                {n: manual(s) for n, s in diff_specs.items()},
+                {n: manual(s) for n, s in specs.items()}),
+            out_specs=(manual(seq), manual(row)), axis_names={"sp"})
     to, back = REORDER.get(layout, (lambda x, n, axis=1: x,) * 2)
 
     def attention(q, k, v, diff, arrays):
