@@ -181,6 +181,19 @@ def _explicit_axes(mesh):
                      if t == axis_type.Explicit)
 
 
+def _explicit_layout(sharding, q_shape, kv_heads):
+    """The _Layout of a query typed with ``sharding``, over its Explicit mesh axes only (the
+    others are Auto, which the partitioner lays out, or Manual), or None without any."""
+    if not isinstance(sharding, NamedSharding):
+        return None
+    explicit = _explicit_axes(sharding.mesh)
+    if not explicit:
+        return None
+    spec = [tuple(a for a in _axes(e) if a in explicit) for e in tuple(sharding.spec)]
+    return _Layout(sharding.mesh, NamedSharding(sharding.mesh, P(*map(_entry, spec))), q_shape,
+                   kv_heads)
+
+
 def result_shardings(direction, params, in_avals, out_shapes):
     """Sharding in types: the NamedShardings (on the abstract mesh) of the results of shapes
     ``out_shapes`` of a primitive whose query and key avals are ``in_avals[:2]`` (the batch and
@@ -192,10 +205,8 @@ def result_shardings(direction, params, in_avals, out_shapes):
     sharding = getattr(q, "sharding", None)
     if not isinstance(sharding, NamedSharding):
         return [None] * len(out_shapes)
-    mesh = sharding.mesh
-    explicit = _explicit_axes(mesh)
-    spec = [tuple(a for a in _axes(e) if a in explicit) for e in tuple(sharding.spec)]
-    layout = _Layout(mesh, NamedSharding(mesh, P(*map(_entry, spec))), q.shape, k.shape[2])
+    layout = _explicit_layout(sharding, q.shape, k.shape[2]) or _Layout(
+        sharding.mesh, NamedSharding(sharding.mesh, P()), q.shape, k.shape[2])
     return [layout.sharding(r, shape)
             for r, shape in zip(_result_roles(direction, params), out_shapes)]
 
@@ -209,12 +220,9 @@ def on_explicit_shards(f, args, roles, out_roles):
     none."""
     q = args[0]
     sharding = getattr(jax.typeof(q), "sharding", None) if hasattr(jax, "typeof") else None
-    explicit = _explicit_axes(sharding.mesh) if isinstance(sharding, NamedSharding) else ()
-    if not explicit:
+    layout = _explicit_layout(sharding, q.shape, args[1].shape[2])
+    if layout is None:
         return f(*args)
-    mesh = sharding.mesh
-    spec = [tuple(a for a in _axes(e) if a in explicit) for e in tuple(sharding.spec)]
-    layout = _Layout(mesh, NamedSharding(mesh, P(*map(_entry, spec))), q.shape, args[1].shape[2])
     present = [i for i, x in enumerate(args) if x is not None]
     specs = [layout.spec(roles[i], args[i].shape) for i in present]
 
@@ -227,7 +235,7 @@ def on_explicit_shards(f, args, roles, out_roles):
     xs = [like_spec(args[i], s) for i, s in zip(present, specs)]
     return jax.shard_map(per_shard, in_specs=tuple(specs),
                          out_specs=tuple(layout.spec(r, None) for r in out_roles),
-                         axis_names=set(explicit))(*xs)
+                         axis_names=set(_explicit_axes(sharding.mesh)))(*xs)
 
 
 def like_spec(x, spec):
