@@ -135,8 +135,9 @@ class _Ring(NamedTuple):
 
     def only_causal(self, has_lengths):
         """Whether causal attention is the only rule (no window, no lengths, equal slices):
-        every "partial" pair is then the contiguous layout's diagonal one (a top-left causal
-        call), or in the striped layout one of two causal shapes (``_Pair.run``)."""
+        every "partial" pair is then a diagonal one in the contiguous and zigzag layouts (the
+        same positions on both sides: a top-left causal call), or in the striped layout one of
+        two causal shapes (``_Pair.run``)."""
         p = self.params
         return (p.is_causal and p.window_left < 0 and p.window_right < 0
                 and not has_lengths and self.q_chunk == self.kv_chunk)
