@@ -21,10 +21,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import tolerance
 from api_helpers import alibi_bias, make_inputs, normal
-from jax_flash_metal import flash_attention
+from jax_flash_metal import dropout_mask, flash_attention
 
 B, T, H, D = 8, 32, 4, 16
 DV = 8  # the value head dim of the "value_dim_alibi" case
+RATE = 0.25  # the "dropout" case's rate
 
 
 def collectives(hlo):
@@ -57,6 +58,8 @@ def case(name):
         return H, heads, feats, dict(bias=P("data")), False
     if name == "sequence":  # the sequence axis split: gathered, still exact
         return H, P("data", "model", None, None), {}, {}, True
+    if name == "dropout":  # the key replicated; each shard's mask is the slice of the whole
+        return 2, heads, dict(dropout_rng=jax.random.key(5)), dict(dropout_rng=P()), False
     if name == "unsharded":  # under jax.set_mesh, nothing sharded: replicated, no collective
         return 2, P(None, None, None, None), {}, {}, False
     if name == "value_dim_alibi":  # Dv != Dk and per-example ALiBi slopes (xla only)
@@ -93,6 +96,7 @@ def run(implementation, name, mesh, explicit):
                                sinks=diff.get("sinks"), alibi_slopes=diff.get("alibi_slopes"),
                                is_causal=True, return_lse=True,
                                implementation=implementation,
+                               dropout_rate=RATE if "dropout_rng" in static else 0.0,
                                **{n: x for n, x in static.items() if n != "mask"})
 
     def forward_and_vjp(q, k, v, do, g, diff, static):
@@ -123,7 +127,10 @@ def run(implementation, name, mesh, explicit):
             assert x.sharding.spec[0] == "data", (x.shape, x.sharding)
         assert o.sharding.spec[2] == "model" and dq.sharding.spec[2] == "model", o.sharding
     got = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv, **{"d" + n: x for n, x in ddiff.items()})
-    host = {n: np.asarray(x) for n, x in {**diff, **static}.items()}
+    host = {n: np.asarray(x) for n, x in {**diff, **static}.items() if n != "dropout_rng"}
+    if "dropout_rng" in static:  # the oracle takes the keep mask
+        host.update(dropout_mask=np.asarray(dropout_mask(feats["dropout_rng"], (B, H, T, T),
+                                                         RATE)), dropout_rate=RATE)
     if "alibi_slopes" in host:  # the oracle takes the ALiBi term as a bias; dslopes from dbias
         term, dist = alibi_bias(host.pop("alibi_slopes"), B, T, T)
         want = tolerance.assert_all_match_oracle(got, q, k, v, do, g, bias=term, is_causal=True)

@@ -1,8 +1,8 @@
 """flash_attention under jit with sharded operands (sharding.py), on 8 host devices in a
 subprocess (tests/sharded_checks.py): batch and head splits (grouped-query and multi-query
-attention, every optional operand, a value head dim other than the key's with ALiBi slopes)
-compile to no gather of q, k, v, o or dO, keep their sharding and match the float64 oracle,
-forward and gradients; a sequence split is gathered and exact.
+attention, every optional operand, a value head dim other than the key's with ALiBi slopes,
+dropout) compile to no gather of q, k, v, o or dO, keep their sharding and match the float64
+oracle, forward and gradients; a sequence split is gathered and exact.
 Both partitioners over Auto mesh axes (Shardy and GSPMD), and Explicit axes under jax.set_mesh
 (sharding in types: outputs and gradients typed like their inputs; unsharded inputs too)."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from host_devices import run_script
 
-CASES = ("causal", "gqa", "mqa", "features", "bias_heads", "sequence")
+CASES = ("causal", "gqa", "mqa", "features", "bias_heads", "sequence", "dropout")
 XLA_CASES = ("value_dim_alibi",)  # features the fused kernels do not implement yet
 # Explicit axes: the same rules, typed; the emulator runs the case with every operand.
 EXPLICIT_CASES = {"xla": CASES + XLA_CASES + ("unsharded",)}
