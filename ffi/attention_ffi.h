@@ -41,7 +41,7 @@
 //     page_table int32 [B, max_pages]                                (has_page_table; forward)
 //     dropout uint32 [B, H, 4]                                       (dropout_rate > 0)
 //   bias and mask are rank 4 with each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv]
-//   (jax_flash_metal.validation makes them so; the lowering converts a bias of another float
+//   (jax_flash_metal.core.validation makes them so; the lowering converts a bias of another float
 //   dtype to float32). An absent operand's buffer index is bound to a placeholder the kernels
 //   never read; AttentionParams.has_bias is JFM_BIAS_OF_Q or JFM_BIAS_FLOAT32;
 //   logits_soft_cap must be >= 0 and finite. The handler derives per-axis element strides
@@ -89,7 +89,7 @@
 // (attention_ffi.cc), the extension lists them (_ext.ffi_attributes()) and the Python lowering
 // builds its attribute dict from that list (ffi_lowering._attributes), so a lowering and a
 // handler cannot disagree. To add an attribute: one line here, its static parameter in
-// jax_flash_metal/contract.py (a StaticParams field, not in HOST_ONLY_PARAMS; tests/test_ffi.py
+// jax_flash_metal/core/contract.py (a StaticParams field, not in HOST_ONLY_PARAMS; tests/fused/test_ffi.py
 // checks the two lists agree), and its use in the handlers (make_params in attention_ffi.cc
 // copies attributes into AttentionParams).
 //   scale            f32   multiplies q.k

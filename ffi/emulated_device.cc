@@ -1,5 +1,5 @@
 // The emulated device: runs the translated shaders/*.metal kernels on the CPU through the
-// MSL-on-CPU emulator (ffi/emulator), so the whole FFI path is testable without an Apple GPU.
+// MSL-on-CPU emulator (emulator), so the whole FFI path is testable without an Apple GPU.
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "device.h"
-#include "emulator/emulator.h"
+#include "../emulator/emulator.h"
 #include "emulator_profile.h"
 
 namespace jfm {

@@ -49,7 +49,7 @@
 #include <vector>
 
 #include "device.h"
-#include "emulator/emulator.h"
+#include "../emulator/emulator.h"
 #include "shader_sources.h"
 
 // Encoder status of an injected fault (set_metal_fault): stands in for what Metal reports in

@@ -24,9 +24,9 @@
 namespace nb = nanobind;
 
 namespace jfm {
-void bind_emulator(nb::module_& m);                // ffi/emulator/bindings.cc
-nb::dict profile_to_dict(const emu::Profile& p);  // ffi/emulator/bindings.cc
-emu::Arg bind_array(int index, nb::handle array); // ffi/emulator/bindings.cc
+void bind_emulator(nb::module_& m);                // emulator/bindings.cc
+nb::dict profile_to_dict(const emu::Profile& p);  // emulator/bindings.cc
+emu::Arg bind_array(int index, nb::handle array); // emulator/bindings.cc
 void bind_testing(nb::module_& m);                 // ffi/testing_bindings.cc
 
 namespace {

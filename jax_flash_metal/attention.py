@@ -10,9 +10,10 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike
 
-from . import ring_attention, validation
-from .primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
-from .contract import Implementation, Operands
+from . import ring_attention
+from .core import validation
+from .lowering.primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
+from .core.contract import Implementation, Operands
 
 # local_window_size: None, w, or (left, right) with None for an unbounded side.
 Window = Optional[Union[int, Tuple[Optional[int], Optional[int]]]]

@@ -52,8 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash_metal
-from jax_flash_metal import flash_attention, implementations, reference_attention, roofline
-from jax_flash_metal._cli import HelpFormatter, progress_bar
+from jax_flash_metal import flash_attention, implementations, reference_attention
+from jax_flash_metal.tools import roofline
+from jax_flash_metal.tools.cli import HelpFormatter, progress_bar
 
 EMULATOR_NOTE = ("flash:emulator runs the Metal kernels in the MSL-on-CPU emulator: slow by design "
                  "(it exists to test the kernels without a Mac), so it is timed only at small "

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import validation
+from .core import validation
 
 _U32 = jnp.uint32
 # Philox-4x32's multipliers and key increments (Weyl constants), as in Random123.

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype
 
 from .attention import attend
-from .contract import Implementation
+from .core.contract import Implementation
 
 
 def _refuse(name: str, value: Any, why: str) -> None:

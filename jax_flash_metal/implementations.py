@@ -12,8 +12,8 @@ import functools
 import os
 import warnings
 
-from . import validation
-from .contract import Implementation
+from .core import validation
+from .core.contract import Implementation
 
 FUSED: tuple[Implementation, ...] = ("emulator", "metal")
 # Fused implementations ``implementation=None`` considers, best first. The emulator is a testing
@@ -24,7 +24,7 @@ _PREFERENCE = ("metal",)
 def _ffi_lowering():
     """The ffi_lowering module, or (None, reason) when the fused side cannot be imported."""
     try:
-        from . import ffi_lowering
+        from .fused import ffi_lowering
     except ImportError as e:
         reason = f"the FFI lowering could not be imported ({e})"
         if _is_unbuilt_source_tree():

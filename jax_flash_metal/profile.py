@@ -5,7 +5,7 @@ Run ``python -m jax_flash_metal.profile --help``. The problem given by the flags
 ``flash_attention(..., implementation="emulator")`` under ``jax.jit`` (the forward, and
 ``jax.vjp``'s backward for the backward pass), so the real dispatch plan decides which kernels run
 with which grids. While it runs, the emulated device executes the counting variant of each kernel
-(ffi/emulator/README.md, "Kernel profile") and records one profile per launch.
+(emulator/README.md, "Kernel profile") and records one profile per launch.
 
 Measured (exact counts on the emulator): threadgroups, threads per threadgroup, static threadgroup
 memory, device bytes read / written (through ``device`` pointers, at the size of each access),
@@ -42,7 +42,7 @@ keys of ``JSON_KEYS``: the problem (kernel, dtype, head_dim, value_head_dim, bat
 kv_len, heads, kv_heads, causal, alibi, dropout: the rate), the exact counts (threadgroups,
 threads_per_threadgroup, threadgroup_memory_bytes, device_bytes_read, device_bytes_written,
 threadgroup_bytes_read, threadgroup_bytes_written: bytes; mma_ops, simd_ops, barriers, fma_ops,
-math_ops: counts as defined in ffi/emulator/README.md), useful_flops (analytic), registers
+math_ops: counts as defined in emulator/README.md), useful_flops (analytic), registers
 (estimated live 32-bit registers per thread), ``model``: the roofline MODEL, not a
 measurement, {GPU name: {"bound": "compute" | "device" | "threadgroup", "seconds": modelled
 time, "percent_of_peak": modelled useful FLOP/s over peak FLOP/s, in percent}}, and
@@ -62,10 +62,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import contract, reference, validation
-from ._cli import HelpFormatter, progress_bar
+from . import reference
+from .core import contract, validation
+from .tools.cli import HelpFormatter, progress_bar
 from .attention import flash_attention
-from .roofline import GPUS, REGISTER_BUDGET, model_launch, occupancy
+from .tools.roofline import GPUS, REGISTER_BUDGET, model_launch, occupancy
 
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
 PASSES = ("forward", "backward")
@@ -94,7 +95,7 @@ MMA_FLOPS = 2 * 8 * 8 * 8  # one simdgroup_multiply_accumulate: an 8x8x8 multipl
 KERNEL_NAME = re.compile(
     r"^flash_attention_(?P<stage>\w+?)_(?P<dtype>f32|f16|bf16)_d(?P<d>\d+)(?:_v(?P<dv>\d+))?$")
 
-# The counting variants are built only when asked (ffi/emulator/CMakeLists.txt).
+# The counting variants are built only when asked (emulator/CMakeLists.txt).
 NO_COUNTING_MESSAGE = ("this build has no counting kernel variants (they are built only when "
                        "asked): reinstall with JFM_EMULATOR_COUNTING=ON in the environment, e.g. "
                        "JFM_EMULATOR_COUNTING=ON pip install .")
@@ -375,7 +376,7 @@ def _executed_flops(r: dict) -> int:
 
 def alu_ops(r: dict) -> int:
     """ALU operations of a launch record: MMA multiply-adds (512 per op), scalar fma calls and
-    other scalar math-function calls (ffi/emulator/README.md: operators are not counted)."""
+    other scalar math-function calls (emulator/README.md: operators are not counted)."""
     return r["mma_ops"] * (MMA_FLOPS // 2) + r["fma_ops"] + r["math_ops"]
 
 
@@ -449,13 +450,13 @@ def format_tables(records: list[dict], gpus) -> str:
         records, gpus, 23,  # "comp 12345.678ms 100.0%"
         "roofline MODEL (not measured; per GPU: bound (comp = compute, dev = device memory, "
         "tg = threadgroup memory), modelled time, modelled % of peak FLOP/s; see "
-        "jax_flash_metal/roofline.py):",
+        "jax_flash_metal/tools/roofline.py):",
         lambda m: (f"{BOUND_ABBREVIATIONS[m['bound']]:>4} {m['seconds'] * 1e3:>9.3f}ms "
                    f"{m['percent_of_peak']:>5.1f}%"), "model")
     lines += _per_gpu_table(
         records, gpus, 14,  # "24/24 reg"
         "occupancy MODEL (per core: threadgroups/simdgroups that fit, and the binding limit: "
-        "mem = threadgroup memory, thr = threads, reg = registers; jax_flash_metal/roofline.py):",
+        "mem = threadgroup memory, thr = threads, reg = registers; jax_flash_metal/tools/roofline.py):",
         lambda o: f"{o['threadgroups']}/{o['simdgroups']} {OCCUPANCY_LIMITS[o['limit']]}",
         "occupancy")
     return "\n".join(lines)

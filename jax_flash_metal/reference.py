@@ -18,8 +18,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import contract, dropout, features, nonfinite, paging, validation
-from . import visibility as visibility_rules
+from . import dropout, paging
+from .core import contract, features, nonfinite, validation
+from .core import visibility as visibility_rules
 
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32

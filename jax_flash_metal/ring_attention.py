@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import validation, visibility
-from .contract import UNBOUNDED, Operands, StaticParams
+from .core import validation, visibility
+from .core.contract import UNBOUNDED, Operands, StaticParams
 
 F32 = jnp.float32
 

@@ -36,8 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import flash_attention, implementations, shader_libraries
-from .contract import Implementation
+from . import flash_attention, implementations
+from .core.contract import Implementation
+from .fused import shader_libraries
 import jax_flash_metal._ext as _ext
 
 PROBE = "jfm_simdgroup_layout_probe"

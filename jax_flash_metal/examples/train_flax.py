@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import jax_flash_metal
 from jax_flash_metal import implementations
-from jax_flash_metal._cli import HelpFormatter
+from jax_flash_metal.tools.cli import HelpFormatter
 from jax_flash_metal.examples.train_lm import add_common_args, load_text, split, windows
 from jax_flash_metal.flax import attention_fn as flash_attention_fn
 

@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 import jax_flash_metal
 from jax_flash_metal import flash_attention, implementations, reference_attention
-from jax_flash_metal._cli import HelpFormatter
+from jax_flash_metal.tools.cli import HelpFormatter
 from jax_flash_metal.ring_attention import shard_map
 
 
