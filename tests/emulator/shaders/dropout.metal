@@ -1,7 +1,7 @@
 // Dropout's generator for tests/api/test_dropout.py: Philox-4x32-10 of
 // shaders/flash_attention_dropout.h (the kernels' one definition) and MSL's mulhi, one thread per
 // input.
-#include "../../shaders/flash_attention_dropout.h"
+#include "../../../shaders/flash_attention_dropout.h"
 
 // words[4 t ..] = Philox-4x32-10(counters[4 t ..], key (keys[2 t], keys[2 t + 1])).
 kernel void emu_philox(device const uint* counters [[buffer(0)]],
