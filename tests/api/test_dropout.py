@@ -17,7 +17,7 @@ import pytest
 from jax.test_util import check_grads
 
 import tolerance
-from api_helpers import make_inputs, run, use_xla_schedule
+from api_helpers import make_inputs, needs_test_kernels, run, use_xla_schedule
 from jax_flash_metal import (dropout, dropout_mask, flash_attention, reference_attention,
                              xla_schedule)
 
@@ -47,6 +47,7 @@ def test_philox_known_answers():
         assert [int(x) for x in got] == list(want)
 
 
+@needs_test_kernels
 def test_the_kernels_generator(ext):
     """The kernels' jfm_philox4x32, run on the emulator, gives Random123's answers too and
     equals dropout.philox4x32 word for word on random counters and keys (the mask's counters
@@ -65,6 +66,7 @@ def test_the_kernels_generator(ext):
     np.testing.assert_array_equal(words[:3], [w for _, _, w in KNOWN_ANSWERS])
 
 
+@needs_test_kernels
 def test_mulhi_in_the_emulator(ext):
     """MSL's mulhi (the high half of the double-width product) for uint and int, against
     Python's integers."""

@@ -6,7 +6,10 @@ Kernels are in tests/emulator/shaders/basic.metal (compiled into the extension b
 import numpy as np
 import pytest
 
+from api_helpers import needs_test_kernels
+
 emulator = pytest.importorskip("jax_flash_metal._ext").emulator
+pytestmark = needs_test_kernels
 
 SCHEDULES = ["forward", "reverse", "random"]
 

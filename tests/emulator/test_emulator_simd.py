@@ -3,7 +3,10 @@
 import numpy as np
 import pytest
 
+from api_helpers import needs_test_kernels
+
 emulator = pytest.importorskip("jax_flash_metal._ext").emulator
+pytestmark = needs_test_kernels
 
 
 def expected_simd_ops(x):

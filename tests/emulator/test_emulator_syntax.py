@@ -6,7 +6,10 @@ types, [[max_total_threads_per_threadgroup]]."""
 import numpy as np
 import pytest
 
+from api_helpers import needs_test_kernels
+
 emulator = pytest.importorskip("jax_flash_metal._ext").emulator
+pytestmark = needs_test_kernels
 
 
 def test_syntax_kernel():

@@ -9,7 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from api_helpers import needs_test_kernels
+
 emulator = pytest.importorskip("jax_flash_metal._ext").emulator
+pytestmark = needs_test_kernels
 
 
 def rounding_inputs():

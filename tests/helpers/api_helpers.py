@@ -20,6 +20,21 @@ needs_emulator = pytest.mark.skipif("emulator" not in implementations.available(
                                     reason="the emulator needs the compiled extension")
 
 
+def _test_kernels_built():
+    try:
+        from jax_flash_metal import _build_info
+    except ImportError:  # a source checkout without a build
+        return False
+    return _build_info.TEST_KERNELS
+
+
+# For tests that run the emulator's own test kernels (tests/emulator/shaders): a source install
+# builds them, a wheel does not (emulator/CMakeLists.txt, JFM_TEST_KERNELS).
+needs_test_kernels = pytest.mark.skipif(
+    not _test_kernels_built(), reason="this build has no test kernels (tests/emulator/shaders "
+    "are built for source installs only: JFM_TEST_KERNELS=ON)")
+
+
 def _kernel_families():
     """The (key head dim, value head dim) of the kernel families, in order, as
     shaders/kernel_families.h lists them (its two backward lists; JFM_SAME_DIMS(..., D) is

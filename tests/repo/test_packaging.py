@@ -4,6 +4,8 @@ interpreter version only. (.ci/run also scans the abi3 extension's symbols with 
 
 import importlib.metadata
 import importlib.util
+import os
+import re
 import sys
 import sysconfig
 
@@ -36,3 +38,24 @@ def test_wheel_tag_and_extension_name_match_the_interpreter():
 
 def test_version_is_the_distribution_version():
     assert jax_flash_metal.__version__ == importlib.metadata.version("jax_flash_metal")
+
+
+def test_test_kernels_are_in_the_extension_only_when_the_build_says_so():
+    """Wheels are built with JFM_TEST_KERNELS=OFF (pyproject.toml): no kernel of
+    tests/emulator/shaders may then be in the extension; a source install has them."""
+    from jax_flash_metal import _build_info
+    from jax_flash_metal._ext import emulator
+
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "emulator", "shaders")
+    names = set()
+    for name in os.listdir(folder):
+        if name.endswith(".metal"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                names |= set(re.findall(r"\bkernel\s+void\s+(\w+)", f.read()))
+    assert names
+    present = names & set(emulator.kernel_names())
+    if _build_info.TEST_KERNELS:
+        assert present
+    else:
+        assert present == set(), sorted(present)

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from api_helpers import needs_test_kernels
 from kernel_harness import HEAD_DIMS, needs_counting
 from jax_flash_metal import profile
 from jax_flash_metal.tools import roofline
@@ -34,6 +35,7 @@ def assert_counts(result, **expected):
     assert got == expected
 
 
+@needs_test_kernels
 def test_profile_off_returns_none():
     a = np.ones(8, np.float32)
     assert emulator.run("profile_copy_f32", {0: a, 1: np.zeros_like(a),
@@ -41,6 +43,7 @@ def test_profile_off_returns_none():
                         (8, 1, 1)) is None
 
 
+@needs_test_kernels
 @needs_counting
 @pytest.mark.parametrize("name,dtype,width", [("profile_copy_f32", np.float32, 1),
                                               ("profile_copy_f16", np.float16, 1),
@@ -62,6 +65,7 @@ def test_copy(name, dtype, width, num_workers):
     np.testing.assert_array_equal(dst, src)
 
 
+@needs_test_kernels
 @needs_counting
 def test_strided_read():
     threads, stride, count = 96, 97, 5
@@ -74,6 +78,7 @@ def test_strided_read():
                   **{**ZERO, "fma_ops": threads * count, "math_ops": threads * (count + 1)})
 
 
+@needs_test_kernels
 @needs_counting
 @pytest.mark.parametrize("schedule", ["forward", "random"])
 def test_tiled_gemm(schedule):
@@ -99,6 +104,7 @@ def test_tiled_gemm(schedule):
     np.testing.assert_array_equal(c, a.astype(np.float32) @ b.astype(np.float32))
 
 
+@needs_test_kernels
 @needs_counting
 def test_barrier_loop():
     rounds, groups, group = 7, 3, 64
