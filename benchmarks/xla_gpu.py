@@ -32,7 +32,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jax_flash_metal import flash_attention, xla_schedule
+from jax_flash_metal import flash_attention
+from jax_flash_metal.xla import schedule as xla_schedule
 from jax_flash_metal.benchmark import attention_flops, inputs
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Hashable, Literal, Optional, Tuple, Union, overload
+from typing import Hashable, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -12,11 +12,9 @@ from jax.typing import ArrayLike
 
 from . import ring_attention
 from .core import validation
-from .lowering.primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
 from .core.contract import Implementation, Operands
-
-# local_window_size: None, w, or (left, right) with None for an unbounded side.
-Window = Optional[Union[int, Tuple[Optional[int], Optional[int]]]]
+from .core.options import Options, Window
+from .lowering.primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
 
 
 class _Static:
@@ -274,40 +272,18 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     softmax math is float32. Method: Dao, "FlashAttention-2" (2023), recompute
     backward from (q, k, v, o, lse, dO) with D = rowsum(dO * O) - g_lse.
     """
-    return_lse = validation.check_bool(return_lse, "return_lse")
-    if sequence_axis_name is None and sequence_layout != "contiguous":
-        raise ValueError(f"sequence_layout={sequence_layout!r} needs sequence_axis_name (the "
-                         "layout of a sequence split over devices)")
-    if sequence_axis_name is not None:
-        for name, given in (("alibi_slopes", alibi_slopes), ("page_table", page_table)):
-            if given is not None:
-                raise ValueError(f"{name} is not supported with sequence_axis_name")
-        if validation.check_dropout(dropout_rate, dropout_rng, 1, 1)[0] > 0:
-            raise ValueError("dropout_rate > 0 is not supported with sequence_axis_name (ring "
-                             "attention)")
-        return ring_attention.ring_flash_attention(
-            query, key, value, bias, mask, axis_name=sequence_axis_name,
-            sequence_layout=sequence_layout, primitives=(fwd_p, bwd_p),
-            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-            return_lse=return_lse, scale=scale, is_causal=is_causal,
-            local_window_size=local_window_size, causal_alignment=causal_alignment,
-            implementation=implementation, query_segment_ids=query_segment_ids,
-            key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
-            sinks=sinks)
-    return attend(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-                  local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
-                  key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
-                  implementation=implementation, query_segment_ids=query_segment_ids,
-                  key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
-                  sinks=sinks, alibi_slopes=alibi_slopes, page_table=page_table,
-                  dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_lse=return_lse)
+    options = Options.of(locals())
+    if options.sequence_axis_name is not None:
+        return ring_attention.ring_flash_attention(query, key, value, bias, mask, options)
+    return attend(query, key, value, bias, mask, options)
 
 
-def attend(query, key, value, bias=None, mask=None, *, return_lse=False, **kwargs):
-    """``flash_attention`` on one device (no ``sequence_axis_name``), with the keywords of
-    ``validation.check_inputs``; the Flax integration also passes ``dropout_broadcast`` (one
-    keep mask for every batch entry and head)."""
-    q, k, v, operands, params = validation.check_inputs(query, key, value, bias, mask, **kwargs)
+def attend(query, key, value, bias, mask, options: Options, dropout_broadcast=False):
+    """``flash_attention`` on one device (``options.sequence_axis_name`` None);
+    ``dropout_broadcast``: one keep mask for every batch entry and head (the Flax
+    integration's ``broadcast_dropout``)."""
+    q, k, v, operands, params = validation.check_inputs(query, key, value, bias, mask, options,
+                                                        dropout_broadcast)
     try:
         out, lse = _attention(params, q, k, v, operands)
     except TypeError as e:
@@ -316,4 +292,4 @@ def attend(query, key, value, bias=None, mask=None, *, return_lse=False, **kwarg
         if "forward-mode" in str(e) and "custom_vjp" in str(e):
             raise TypeError(NO_JVP_MESSAGE) from e
         raise
-    return validation.restore_rank(query, out, lse, return_lse)
+    return validation.restore_rank(query, out, lse, options.return_lse)

@@ -15,7 +15,7 @@ collectives, threadgroup barriers, scalar ``fma`` calls, and other scalar math-f
 
 Analytic: useful FLOPs, 4·D per visible (query, key) pair for the forward and 10·D for the
 backward as a whole (visible pairs counted exactly from causal / window / lengths with
-``reference.visibility``). Of the backward's 10·D, the dK/dV kernel is credited 8·D (recomputed
+``visibility.whole_matrix``). Of the backward's 10·D, the dK/dV kernel is credited 8·D (recomputed
 scores and dP, dV, dK) and the dQ kernel 2·D; the preprocess (rowsum(dO·O)) 0.
 Derived: MMA FLOPs = mma_ops · 2 · 512; executed matmul FLOPs = MMA FLOPs + 2 · scalar fma calls
 (every dot product and axpy of the kernels is written with fma; other arithmetic, e.g. exp2, is
@@ -62,8 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import reference
-from .core import contract, validation
+from .core import contract, validation, visibility
 from .tools.cli import HelpFormatter, progress_bar
 from .attention import flash_attention
 from .tools.roofline import GPUS, REGISTER_BUDGET, model_launch, occupancy
@@ -281,13 +280,13 @@ class Problem:
         jax.jit(jax.grad(loss, argnums=tuple(range(len(shapes))))).lower(*shapes)
 
     def visibility(self) -> np.ndarray:
-        """bool [batch, q_len, kv_len]: may query row i see key j (reference.visibility)."""
+        """bool [batch, q_len, kv_len]: may query row i see key j (visibility.whole_matrix)."""
         left, right = validation.check_window(self.window)
         lengths = [None if x is None else jnp.asarray(x, jnp.int32)
                    for x in (self.q_lengths, self.kv_lengths)]
-        mask, _ = reference.visibility(self.batch, self.q_len, self.kv_len, *lengths,
-                                       is_causal=self.causal, window_left=left,
-                                       window_right=right, bottom_right=self.bottom_right)
+        mask, _ = visibility.whole_matrix(self.batch, self.q_len, self.kv_len, *lengths,
+                                          is_causal=self.causal, window_left=left,
+                                          window_right=right, bottom_right=self.bottom_right)
         return np.asarray(mask)
 
     def visible_pairs(self) -> np.ndarray:

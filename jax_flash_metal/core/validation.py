@@ -8,45 +8,20 @@ runs at trace time under ``jit``/``vmap``/``grad``.
 from __future__ import annotations
 
 import numbers
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import paging
+from . import arguments, dropout
+from .arguments import check_bool
 from .contract import IMPLEMENTATIONS, UNBOUNDED, Operands, StaticParams
+from .options import Options
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 ALIGNMENTS = ("top_left", "bottom_right")
-ENV_IMPLEMENTATION = "JAX_FLASH_METAL_IMPLEMENTATION"
 INT32_MAX = 2**31 - 1
-
-
-def _is_jax(x):
-    """A JAX array, a tracer (tracers are jax.Array instances) or a JAX-convertible object."""
-    return isinstance(x, jax.Array) or hasattr(x, "__jax_array__")
-
-
-def _array_like(x, name, asarray):
-    """``asarray(x)`` for every array-like ``jnp.asarray`` takes, as jax.nn does (JAX and NumPy
-    arrays, nested lists, scalars); TypeError naming ``name`` for anything else."""
-    try:
-        return asarray(x)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise TypeError(f"{name} must be an array-like (a JAX or NumPy array, a nested list or a "
-                        f"scalar), got {type(x).__name__}: {e}") from None
-
-
-def _as_array(x, name):
-    return x if isinstance(x, jax.Array) else _array_like(x, name, jnp.asarray)
-
-
-def check_bool(value, name):
-    """``value`` as a bool: a Python or NumPy bool, else TypeError naming ``name``."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise TypeError(f"{name} must be a bool, got {value!r} of type {type(value).__name__}")
 
 
 def _window_bound(value, name):
@@ -86,33 +61,12 @@ def check_window(local_window_size):
     )
 
 
-def _static_real(value, name):
-    """A Python float from a real Python/NumPy number or a concrete real JAX/NumPy scalar
-    array (as jax.nn accepts for ``scale``); TypeError naming ``name`` otherwise."""
-    problem = None
-    if isinstance(value, (jax.Array, np.ndarray)):
-        real = jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype,
-                                                                            jnp.integer)
-        if value.shape == () and real:
-            try:
-                return float(value)
-            except jax.errors.ConcretizationTypeError:
-                problem = "a traced array"
-    elif isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
-        return float(value)
-    raise TypeError(
-        f"{name} must be a real number known at trace time (Python, NumPy or a concrete JAX "
-        f"scalar{'' if problem is None else ', not ' + problem}), got {value!r} of type "
-        f"{type(value).__name__}"
-    )
-
-
 def check_scale(scale, head_dim):
     """None -> 1/sqrt(head_dim); any finite real number (Python, NumPy, concrete JAX scalar) is
     used literally as a float. ValueError for NaN or +-inf, which would make every score NaN."""
     if scale is None:
         return float(1.0 / np.sqrt(head_dim))
-    value = _static_real(scale, "scale")
+    value = arguments.static_real(scale, "scale")
     if not np.isfinite(value):
         raise ValueError(f"scale must be a finite number or None, got {value}")
     return value
@@ -122,7 +76,7 @@ def check_soft_cap(logits_soft_cap):
     """None, or a positive finite static float c (scores become c * tanh(s / c))."""
     if logits_soft_cap is None:
         return None
-    cap = _static_real(logits_soft_cap, "logits_soft_cap")
+    cap = arguments.static_real(logits_soft_cap, "logits_soft_cap")
     if not (np.isfinite(cap) and cap > 0):
         raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {cap}")
     return cap
@@ -138,12 +92,6 @@ def check_implementation(implementation, name="implementation"):
     return implementation
 
 
-def env_implementation():
-    """The implementation named by $JAX_FLASH_METAL_IMPLEMENTATION, or None when unset/empty."""
-    value = os.environ.get(ENV_IMPLEMENTATION, "").strip()
-    return check_implementation(value, f"${ENV_IMPLEMENTATION}") if value else None
-
-
 def check_lengths(lengths, name, batch, max_len):
     """``lengths`` (array-like integer [batch] or None) clamped exactly to [0, max_len], as int32;
     TypeError / ValueError naming ``name`` for a bad dtype or shape."""
@@ -153,8 +101,8 @@ def check_lengths(lengths, name, batch, max_len):
     # kernel ever reads outside its buffers. The clamp is exact, in the lengths' own dtype and
     # before the int32 cast; values known here (NumPy, lists) are clamped in NumPy, since
     # jnp.asarray would first wrap a 64-bit value >= 2**31 to int32.
-    xp = jnp if _is_jax(lengths) else np
-    lengths = _array_like(lengths, name, xp.asarray)
+    xp = jnp if arguments.is_jax(lengths) else np
+    lengths = arguments.array_like(lengths, name, xp.asarray)
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise TypeError(f"{name} must have an integer dtype, got {lengths.dtype}")
     if lengths.shape != (batch,):
@@ -191,7 +139,7 @@ def _check_broadcastable(x, name, full):
 def _check_bias(bias, full):
     if bias is None:
         return None
-    bias = _as_array(bias, "bias")
+    bias = arguments.as_array(bias, "bias")
     if not jnp.issubdtype(bias.dtype, jnp.floating):
         raise TypeError(f"bias must have a floating dtype (an additive mask uses -inf), got "
                         f"{bias.dtype}; pass boolean masks as mask")
@@ -202,7 +150,7 @@ def _check_bias(bias, full):
 def _check_mask(mask, full):
     if mask is None:
         return None
-    mask = _as_array(mask, "mask")
+    mask = arguments.as_array(mask, "mask")
     if mask.dtype != jnp.bool_:
         raise TypeError(f"mask must be a bool array (True = attend), got dtype {mask.dtype}; "
                         "pass an additive float mask as bias")
@@ -220,7 +168,7 @@ def _check_segment_ids(query_segment_ids, key_value_segment_ids, batch, q_len, k
     for name, ids, length in (("query_segment_ids", query_segment_ids, q_len),
                               ("key_value_segment_ids", key_value_segment_ids, kv_len)):
         # NumPy and lists stay NumPy here: jnp.asarray would wrap 64-bit ids to int32 first.
-        ids = _array_like(ids, name, jnp.asarray if _is_jax(ids) else np.asarray)
+        ids = arguments.array_like(ids, name, jnp.asarray if arguments.is_jax(ids) else np.asarray)
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise TypeError(f"{name} must have an integer dtype, got {ids.dtype}")
         if rank3 and ids.ndim == 1:
@@ -251,7 +199,7 @@ def _segment_ids_int32(q_ids, kv_ids):
     if not np.issubdtype(common, np.integer):  # uint64 with a signed dtype
         raise TypeError(f"query_segment_ids ({q_ids.dtype}) and key_value_segment_ids "
                         f"({kv_ids.dtype}) have no common integer dtype")
-    xp = jnp if _is_jax(q_ids) or _is_jax(kv_ids) else np
+    xp = jnp if arguments.is_jax(q_ids) or arguments.is_jax(kv_ids) else np
     if xp is jnp and common.itemsize > 4 and not jax.config.jax_enable_x64:
         raise TypeError(f"query_segment_ids ({q_ids.dtype}) and key_value_segment_ids "
                         f"({kv_ids.dtype}) as JAX arrays need one dtype (their common dtype "
@@ -268,7 +216,7 @@ def _segment_ids_int32(q_ids, kv_ids):
 def _check_sinks(sinks, num_heads):
     if sinks is None:
         return None
-    sinks = _as_array(sinks, "sinks")
+    sinks = arguments.as_array(sinks, "sinks")
     if not jnp.issubdtype(sinks.dtype, jnp.floating):
         raise TypeError(f"sinks must have a floating dtype, got {sinks.dtype}")
     if sinks.shape != (num_heads,):
@@ -281,7 +229,7 @@ def _check_alibi(slopes, batch, num_heads):
     the gradient of a [num_heads] one is summed over the batch by autodiff)."""
     if slopes is None:
         return None
-    slopes = _as_array(slopes, "alibi_slopes")
+    slopes = arguments.as_array(slopes, "alibi_slopes")
     if not jnp.issubdtype(slopes.dtype, jnp.floating):
         raise TypeError(f"alibi_slopes must have a floating dtype, got {slopes.dtype}")
     if slopes.shape not in ((num_heads,), (batch, num_heads)):
@@ -294,8 +242,8 @@ def _check_page_table(page_table, pages, batch, rank3):
     """int32 [batch, max_pages] (a rank-3 query takes [max_pages] too), or None."""
     if page_table is None:
         return None
-    xp = jnp if _is_jax(page_table) else np
-    table = _array_like(page_table, "page_table", xp.asarray)
+    xp = jnp if arguments.is_jax(page_table) else np
+    table = arguments.array_like(page_table, "page_table", xp.asarray)
     if not jnp.issubdtype(table.dtype, jnp.integer):
         raise TypeError(f"page_table must have an integer dtype, got {table.dtype}")
     if rank3 and table.ndim == 1:
@@ -311,78 +259,27 @@ def _check_page_table(page_table, pages, batch, rank3):
     return jnp.asarray(table, jnp.int32)
 
 
-def check_dropout(dropout_rate, dropout_rng, batch, num_heads, broadcast=False):
-    """(rate float in [0, 1), the ``dropout`` operand uint32 [batch, num_heads, 4] or None).
-
-    The operand holds, per (batch row, query head), the key's two words and the b and n of the
-    mask's counter (docs/design.md#dropout); ``broadcast`` gives every row b = n = 0 (one mask
-    for all, Flax's ``broadcast_dropout``). None when the rate is 0 (a key is then checked and
-    unused). The key: a typed ``jax.random.key`` whose data is uint32 [2] (threefry) or a
-    legacy uint32 [2] key, possibly traced."""
-    rate = _static_real(dropout_rate, "dropout_rate")
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
-    if dropout_rng is None:
-        if rate > 0.0:
-            raise ValueError(f"dropout_rate={rate} needs dropout_rng, a JAX PRNG key")
-        return rate, None
-    rng = _as_array(dropout_rng, "dropout_rng")
-    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        if rng.shape != ():
-            raise ValueError(f"dropout_rng must be one key (shape ()), got a key array of shape "
-                             f"{rng.shape}; vmap over keys instead")
-        rng = jax.random.key_data(rng)
-    if rng.dtype != jnp.uint32 or rng.shape != (2,):
-        raise TypeError(f"dropout_rng must be a jax.random.key with two uint32 words of key "
-                        f"data (the default threefry implementation) or a legacy uint32 [2] "
-                        f"key, got {rng.dtype}{list(rng.shape)}")
-    if rate == 0.0:
-        return rate, None
-
-    def index(axis):
-        if broadcast:
-            return jnp.zeros((batch, num_heads), jnp.uint32)
-        return jax.lax.broadcasted_iota(jnp.uint32, (batch, num_heads), axis)
-
-    words = [jnp.broadcast_to(rng[w], (batch, num_heads)) for w in range(2)]
-    return rate, jnp.stack(words + [index(0), index(1)], axis=-1)
-
-
-def check_inputs(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
-    *,
-    scale,
-    is_causal,
-    local_window_size,
-    query_seq_lengths,
-    key_value_seq_lengths,
-    causal_alignment,
-    implementation=None,
-    query_segment_ids=None,
-    key_value_segment_ids=None,
-    logits_soft_cap=None,
-    sinks=None,
-    alibi_slopes=None,
-    page_table=None,
-    dropout_rate=0.0,
-    dropout_rng=None,
-    dropout_broadcast=False,
-):
+def check_inputs(query, key, value, bias, mask, options: Options, dropout_broadcast=False):
     """Validate everything; return (q, k, v, Operands, StaticParams), q/k/v rank 4.
 
+    ``options``: the call's keywords, for one device (``sequence_axis_name`` None; ring attention
+    handles it first); ``return_lse`` is the caller's (``restore_rank``).
+    ``dropout_broadcast``: one dropout mask for every batch entry and head (Flax's).
     Rank-3 query/key/value (no batch axis) get batch 1, as in jax.nn; bias and mask come back
     rank 4 (``Operands``). Raises TypeError/ValueError naming the argument. Lengths come back
     clamped int32 [batch], segment ids int32 [batch, len], sinks float32 [num_heads], ALiBi
     slopes float32 [batch, num_heads], the page table int32 [batch, max_pages] (key and value
     then stay pages, and kv_len is max_pages * page_size).
     """
-    q = _as_array(query, "query")
-    k = _as_array(key, "key")
-    v = _as_array(value, "value")
+    if options.sequence_axis_name is not None:
+        raise ValueError("sequence_axis_name is taken by flash_attention only (ring attention)")
+    if options.sequence_layout != "contiguous":
+        raise ValueError(f"sequence_layout={options.sequence_layout!r} needs sequence_axis_name "
+                         "(the layout of a sequence split over devices)")
+    page_table = options.page_table
+    q = arguments.as_array(query, "query")
+    k = arguments.as_array(key, "key")
+    v = arguments.as_array(value, "value")
     rank3 = q.ndim == 3
     q = _with_batch(q, "query")
     if page_table is None:
@@ -425,35 +322,38 @@ def check_inputs(
             f"query num_heads ({num_heads}) must be a multiple of key/value num_kv_heads "
             f"({num_kv_heads})"
         )
-    scale = check_scale(scale, head_dim)
-    is_causal = check_bool(is_causal, "is_causal")
-    window_left, window_right = check_window(local_window_size)
-    if not isinstance(causal_alignment, str) or causal_alignment not in ALIGNMENTS:
-        raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
-    implementation = check_implementation(implementation)
-    logits_soft_cap = check_soft_cap(logits_soft_cap)
+    scale = check_scale(options.scale, head_dim)
+    is_causal = check_bool(options.is_causal, "is_causal")
+    window_left, window_right = check_window(options.local_window_size)
+    alignment = options.causal_alignment
+    if not isinstance(alignment, str) or alignment not in ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {alignment!r}")
+    implementation = check_implementation(options.implementation)
+    logits_soft_cap = check_soft_cap(options.logits_soft_cap)
     full = (batch, num_heads, q_len, kv_len)
-    q_segments, kv_segments = _check_segment_ids(query_segment_ids, key_value_segment_ids,
-                                                 batch, q_len, kv_len, rank3)
+    q_segments, kv_segments = _check_segment_ids(options.query_segment_ids,
+                                                 options.key_value_segment_ids, batch, q_len,
+                                                 kv_len, rank3)
     operands = Operands(
-        q_lengths=check_lengths(query_seq_lengths, "query_seq_lengths", batch, q_len),
-        kv_lengths=check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch, kv_len),
+        q_lengths=check_lengths(options.query_seq_lengths, "query_seq_lengths", batch, q_len),
+        kv_lengths=check_lengths(options.key_value_seq_lengths, "key_value_seq_lengths", batch,
+                                 kv_len),
         q_segment_ids=q_segments, kv_segment_ids=kv_segments,
         bias=_check_bias(bias, full), mask=_check_mask(mask, full),
-        sinks=_check_sinks(sinks, num_heads),
-        alibi_slopes=_check_alibi(alibi_slopes, batch, num_heads), page_table=page_table)
+        sinks=_check_sinks(options.sinks, num_heads),
+        alibi_slopes=_check_alibi(options.alibi_slopes, batch, num_heads), page_table=page_table)
     if page_table is not None and operands.kv_lengths is None:
         raise ValueError("page_table needs key_value_seq_lengths (how many keys of each row's "
                          "pages are in use)")
-    dropout_rate, dropout = check_dropout(dropout_rate, dropout_rng, batch, num_heads,
-                                          dropout_broadcast)
-    operands = operands._replace(dropout=dropout)
+    dropout_rate, keep = dropout.operand(options.dropout_rate, options.dropout_rng, batch,
+                                         num_heads, dropout_broadcast)
+    operands = operands._replace(dropout=keep)
     params = StaticParams(
         scale=scale,
         is_causal=is_causal,
         window_left=window_left,
         window_right=window_right,
-        bottom_right=causal_alignment == "bottom_right",
+        bottom_right=alignment == "bottom_right",
         has_q_lengths=operands.q_lengths is not None,
         has_kv_lengths=operands.kv_lengths is not None,
         implementation=implementation,
@@ -470,8 +370,9 @@ def check_inputs(
 
 
 def restore_rank(query, out, lse, return_lse):
-    """out (and lse, when ``return_lse``) without the batch axis that ``check_inputs`` added
-    for a rank-3 query."""
+    """out (and lse, when ``return_lse``, a bool checked here) without the batch axis that
+    ``check_inputs`` added for a rank-3 query."""
+    return_lse = check_bool(return_lse, "return_lse")
     if np.ndim(query) == 3:  # NumPy's: takes a nested list too (jnp.ndim deprecates that)
         out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out

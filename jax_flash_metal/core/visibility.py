@@ -117,3 +117,16 @@ class Band:
             hi = xp.minimum(hi, j - self.offset[:, None] + self.left + 1)
         hi = xp.where(j < self.kv_lengths[:, None], xp.maximum(hi, lo), lo)
         return lo, hi
+
+
+def whole_matrix(batch, q_len, kv_len, q_lengths, kv_lengths, *, is_causal, window_left,
+                 window_right, bottom_right):
+    """Boolean mask [batch, q_len, kv_len]: may query row i see key j under the band rules
+    (lengths, causal, window; docs/design.md#visibility)? Also returns the per-batch valid-row
+    mask [batch, q_len] (i < q_len_b)."""
+    band = Band(batch, q_len, kv_len, q_lengths, kv_lengths,
+                is_causal=is_causal, window_left=window_left, window_right=window_right,
+                bottom_right=bottom_right)
+    rows = jnp.arange(q_len, dtype=jnp.int32)
+    mask = band.mask(rows, jnp.arange(kv_len, dtype=jnp.int32))
+    return mask, rows[None, :] < band.q_lengths[:, None]

@@ -1,6 +1,6 @@
 """The FFI side of the fused implementations: registers the native extension's FFI targets for
 the ``cpu`` platform on import and emits the primitives' custom calls (``lower_fwd``,
-``lower_bwd``, reached through ``implementations.lower_fused``). Importing it raises ImportError
+``lower_bwd``, reached through ``dispatch.fused_lowering``). Importing it raises ImportError
 when the extension is missing or this jaxlib refuses its handlers, which ``implementations``
 reports as "no fused implementation available". Two variables are read on import:
 $JAX_FLASH_METAL_EMULATOR_SCHEDULE ("forward", "reverse", "random" or "random:SEED") sets the

@@ -24,13 +24,13 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from .. import implementations, paging
+from .. import paging
 from ..core import contract
 from ..core._jax_private import ShapedArray, prim_requires_devices_during_lowering
 from ..core.contract import Operands, coerce_params
 from ..xla import attention as xla_attention
 from ..xla import schedule as xla_schedule
-from . import sharding
+from . import dispatch, sharding
 
 fwd_p = Primitive("flash_attention_fwd")
 fwd_p.multiple_results = True
@@ -291,7 +291,7 @@ def _make_default_lowering(prim):
     the default (large-block) schedule."""
     def lowering(ctx, *args, **params):
         for platform in _platforms(ctx):
-            implementations.resolve(params["implementation"], platform)  # raises if fused asked
+            dispatch.resolve(params["implementation"], platform)  # raises if fused asked
         return _xla_lowering(prim, ctx, args, params, "default")
     return lowering
 
@@ -307,14 +307,15 @@ def _make_cpu_lowering(prim):
         params = coerce_params(**params)
         q, k, v = ctx.avals_in[:3]
         page_size = k.shape[1] if params["has_page_table"] else None  # k holds pages
-        impl = implementations.resolve(
+        impl = dispatch.resolve(
             params["implementation"], "cpu", call=(direction, q.dtype, q.shape[3], v.shape[3]),
-            missing=implementations.missing_features(params, page_size))
+            missing=dispatch.missing_features(params, page_size))
         # Empty problems need no kernel launch; the xla implementation returns zeros / -inf.
         if impl == "xla" or _has_zero_size(ctx):
             return _xla_lowering(prim, ctx, args, params, "cpu")
         params["implementation"] = impl
-        return sharding.lower(prim, direction, ctx, args, params, None)
+        return sharding.lower(prim, direction, ctx, args, params,
+                              dispatch.fused_lowering(direction), fused=True)
     return lowering
 
 

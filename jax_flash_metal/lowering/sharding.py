@@ -40,7 +40,6 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .. import implementations
 from ..core.contract import MAIN_OPERANDS, operand_roles
 
 # The layout of each main operand (contract.MAIN_OPERANDS): "q" [B, Tq, H, Dk],
@@ -50,24 +49,41 @@ _MAIN_LAYOUT = {"q": "q", "k": "kv", "v": "kv_v", "o": "q_v", "lse": "row", "row
                 "log_sum": "row", "do": "q_v", "g_lse": "row"}
 _PAGED_LAYOUT = {"k": "pages", "v": "pages_v"}
 
+# The axes of every operand role, one letter per axis: b batch, H query heads, k KV heads (the
+# only axes ever sharded); t query rows, s keys, d and e the key and value head dims, p pages,
+# z page size (always whole); u an axis of its own (a page table's pages, the dropout operand's
+# words). Both partitioners read this table: GSPMD's PartitionSpecs (_Layout.spec) and Shardy's
+# factors (_sharding_rule).
+_ROLE_AXES = {"q": "btHd", "q_v": "btHe", "kv": "bskd", "kv_v": "bske", "pages": "pzkd",
+              "pages_v": "pzke", "row": "bHt", "page_table": "bu", "alibi_slopes": "bH",
+              "q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "bt", "kv_segment_ids": "bs",
+              "bias": "bHts", "mask": "bHts", "sinks": "H", "dropout": "bHu"}
+# Roles whose size-1 axes broadcast: such an axis is never sharded and is a factor of its own.
+_BROADCAST = ("bias", "mask")
+
+
+def _axis_letters(role, shape):
+    """The letters of ``role``'s axes, "u" for a broadcast (size-1) axis of a bias or mask."""
+    axes = _ROLE_AXES[role]
+    if role in _BROADCAST:
+        return "".join(a if n > 1 else "u" for a, n in zip(axes, shape))
+    return axes
+
 
 @functools.lru_cache(maxsize=None)
-def _shard_primitive(prim, direction, body):
-    """A primitive with ``prim``'s abstract evaluation that lowers to ``body`` (the xla
-    implementation, any platform) or, for ``body=None``, to the FFI call of the fused
-    implementation (cpu). The custom-partitioned function binds it, so its traced form holds no
-    constants (which custom_partitioning refuses) whatever ``body`` computes at trace time."""
-    shard = Primitive(f"{prim.name}_{'ffi' if body is None else 'xla'}")
+def _shard_primitive(prim, body, fused):
+    """A primitive with ``prim``'s abstract evaluation that lowers to ``body``: the xla
+    implementation (a jax.numpy function, any platform) or, with ``fused``, the fused
+    implementation's lowering rule (the FFI call, cpu). The custom-partitioned function binds
+    it, so its traced form holds no constants (which custom_partitioning refuses) whatever
+    ``body`` computes at trace time."""
+    shard = Primitive(f"{prim.name}_{'ffi' if fused else 'xla'}")
     shard.multiple_results = True
     shard.def_abstract_eval(lambda *args, **params: prim.abstract_eval(*args, **params)[0])
-    if body is not None:
+    if fused:
+        mlir.register_lowering(shard, body, platform="cpu")
+    else:
         mlir.register_lowering(shard, mlir.lower_fun(body, multiple_results=True))
-        return shard
-
-    def lowering(ctx, *args, **params):
-        return implementations.lower_fused(direction, ctx, *args, **params)
-
-    mlir.register_lowering(shard, lowering, platform="cpu")
     return shard
 
 
@@ -109,30 +125,8 @@ class _Layout:
         self.kv_heads = h if kv_heads % _shards(mesh, h) == 0 else ()
 
     def spec(self, role, shape):
-        b, h = _entry(self.batch), _entry(self.heads)
-        if role in ("q", "q_v"):
-            return P(b, None, h, None)
-        if role in ("kv", "kv_v"):
-            return P(b, None, _entry(self.kv_heads), None)
-        if role in ("pages", "pages_v"):  # shared by the whole batch
-            return P(None, None, _entry(self.kv_heads), None)
-        if role == "page_table":
-            return P(b, None)
-        if role == "alibi_slopes":
-            return P(b, h)
-        if role == "row":
-            return P(b, h, None)
-        if role in ("q_lengths", "kv_lengths"):
-            return P(b)
-        if role in ("q_segment_ids", "kv_segment_ids"):
-            return P(b, None)
-        if role in ("bias", "mask"):
-            return P(b if shape[0] > 1 else None, h if shape[1] > 1 else None, None, None)
-        if role == "sinks":
-            return P(h)
-        if role == "dropout":
-            return P(b, h, None)
-        raise AssertionError(role)
+        sharded = {"b": self.batch, "H": self.heads, "k": self.kv_heads}
+        return P(*(_entry(sharded.get(a, ())) for a in _axis_letters(role, shape)))
 
     def sharding(self, role, shape):
         return NamedSharding(self.mesh, self.spec(role, shape))
@@ -161,8 +155,8 @@ def _layout(mesh, arg_shapes):
     return _Layout(mesh, q.sharding, q.shape, k.shape[2])
 
 
-def _make_partitioned(prim, direction, params, in_avals, body):
-    bind = _shard_primitive(prim, direction, body).bind
+def _make_partitioned(prim, direction, params, in_avals, body, fused):
+    bind = _shard_primitive(prim, body, fused).bind
     roles = _roles(direction, params)
     out_roles = _result_roles(direction, params)
 
@@ -206,34 +200,11 @@ def _sharding_rule(roles, out_roles, in_avals):
     if group > 1:
         heads, sizes = ("g", {}) if k.shape[2] == 1 else (CompoundFactor("k", "g"), {"g": group})
     fresh = iter(f"u{n}" for n in range(64))
+    factors = {"H": heads}
 
     def mapping(role, shape):
-        if role in ("q", "q_v"):
-            return ArrayMapping("b", "t", heads, "d" if role == "q" else "e")
-        if role in ("kv", "kv_v"):
-            return ArrayMapping("b", "s", "k", "d" if role == "kv" else "e")
-        if role in ("pages", "pages_v"):
-            return ArrayMapping("p", "z", "k", "d" if role == "pages" else "e")
-        if role == "page_table":
-            return ArrayMapping("b", next(fresh))
-        if role == "alibi_slopes":
-            return ArrayMapping("b", heads)
-        if role == "row":
-            return ArrayMapping("b", heads, "t")
-        if role in ("q_lengths", "kv_lengths"):
-            return ArrayMapping("b")
-        if role == "q_segment_ids":
-            return ArrayMapping("b", "t")
-        if role == "kv_segment_ids":
-            return ArrayMapping("b", "s")
-        if role in ("bias", "mask"):
-            full = ("b", heads, "t", "s")
-            return ArrayMapping(*(f if n > 1 else next(fresh) for f, n in zip(full, shape)))
-        if role == "sinks":
-            return ArrayMapping(heads)
-        if role == "dropout":
-            return ArrayMapping("b", heads, next(fresh))
-        raise AssertionError(role)
+        return ArrayMapping(*(next(fresh) if a == "u" else factors.get(a, a)
+                              for a in _axis_letters(role, shape)))
 
     bias_shape = next((a.shape for r, a in zip(roles, in_avals) if r == "bias"), None)
     operands = tuple(mapping(r, a.shape) for r, a in zip(roles, in_avals))
@@ -242,15 +213,16 @@ def _sharding_rule(roles, out_roles, in_avals):
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned(prim, direction, params_items, in_avals, body):
-    return _make_partitioned(prim, direction, dict(params_items), in_avals, body)
+def _partitioned(prim, direction, params_items, in_avals, body, fused):
+    return _make_partitioned(prim, direction, dict(params_items), in_avals, body, fused)
 
 
-def lower(prim, direction, ctx, args, params, body):
+def lower(prim, direction, ctx, args, params, body, fused=False):
     """Lower primitive ``prim`` of ``direction`` ("fwd" or "bwd") with static ``params`` as
-    ``body(*args, **params)`` (the xla implementation) or, for ``body=None``, the fused
-    implementation's FFI call (``params["implementation"]`` resolved), wrapped in the custom
-    partitioning above."""
+    ``body(*args, **params)`` (the xla implementation) or, with ``fused``, as the lowering rule
+    ``body(ctx, *args, **params)`` of the fused implementation (its FFI call), wrapped in the
+    custom partitioning above. ``body`` must be hashable and the same object for the same
+    lowering (a cache key)."""
     avals = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ctx.avals_in)
-    call = _partitioned(prim, direction, tuple(sorted(params.items())), avals, body)
+    call = _partitioned(prim, direction, tuple(sorted(params.items())), avals, body, fused)
     return mlir.lower_fun(lambda *xs: call(*xs), multiple_results=True)(ctx, *args)

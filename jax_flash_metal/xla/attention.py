@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import dropout, paging
-from ..core import features, nonfinite, visibility
+from .. import paging
+from ..core import dropout, features, nonfinite, visibility
 from ..core.contract import Operands
 from . import schedule as xla_schedule
 from . import tiles

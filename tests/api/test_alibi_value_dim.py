@@ -20,7 +20,8 @@ from jax.test_util import check_grads
 
 import tolerance
 from api_helpers import alibi_bias, make_inputs, needs_emulator, normal, run
-from jax_flash_metal import flash_attention, implementations, reference_attention
+from jax_flash_metal import flash_attention, reference_attention
+from jax_flash_metal.lowering import dispatch
 
 B, TQ, TK, H, HKV = 2, 9, 11, 4, 2
 
@@ -199,7 +200,7 @@ def test_fused_implementations_refuse_a_pair_without_kernels(monkeypatch):
     with pytest.raises(ValueError, match=re.escape(message)):
         jax.jit(lambda q: flash_attention(q, k, v, implementation="emulator"))(q)
     monkeypatch.delenv("JAX_FLASH_METAL_IMPLEMENTATION", raising=False)
-    monkeypatch.setattr(implementations, "_PREFERENCE", ("emulator",))
+    monkeypatch.setattr(dispatch, "_PREFERENCE", ("emulator",))
     grad = jax.jit(jax.grad(lambda q: flash_attention(q, k, v).sum()))
     assert "jax_flash_metal_attention" not in grad.lower(q).as_text()
     want = jax.grad(lambda q: reference_attention(q, k, v).sum())(q)

@@ -18,8 +18,9 @@ from jax.test_util import check_grads
 
 import tolerance
 from api_helpers import make_inputs, needs_test_kernels, run, use_xla_schedule
-from jax_flash_metal import (dropout, dropout_mask, flash_attention, reference_attention,
-                             xla_schedule)
+from jax_flash_metal import dropout_mask, flash_attention, reference_attention
+from jax_flash_metal.core import dropout
+from jax_flash_metal.xla import schedule as xla_schedule
 
 B, TQ, TK, H, HKV, D = 2, 9, 11, 4, 2, 16
 KEY = jax.random.key(7)

@@ -16,7 +16,8 @@ from jax.test_util import check_grads
 
 import tolerance
 from api_helpers import make_inputs, needs_emulator, normal, run
-from jax_flash_metal import flash_attention, implementations, reference_attention
+from jax_flash_metal import flash_attention, reference_attention
+from jax_flash_metal.lowering import dispatch
 
 B, TQ, TK, H, HKV, D = 2, 9, 11, 4, 2, 16
 
@@ -297,7 +298,7 @@ def test_fused_implementations_take_feature_calls(monkeypatch, feature, kw):
     reference."""
     del feature  # the id
     monkeypatch.delenv("JAX_FLASH_METAL_IMPLEMENTATION", raising=False)
-    monkeypatch.setattr(implementations, "_PREFERENCE", ("emulator",))
+    monkeypatch.setattr(dispatch, "_PREFERENCE", ("emulator",))
     q = jnp.asarray(normal(np.random.default_rng(21), (1, 5, 2, 16), jnp.float32))
 
     def grad(fn=flash_attention):

@@ -18,6 +18,7 @@ import oracle
 import tolerance
 from api_helpers import alibi_bias, needs_emulator, normal
 from jax_flash_metal import flash_attention, implementations, reference_attention
+from jax_flash_metal.lowering import dispatch
 
 H, HKV, DK = 4, 2, 16
 
@@ -225,13 +226,13 @@ def test_paged_decode_reads_the_contiguous_caches_bytes():
 
 @needs_emulator
 def test_page_size_rule_agrees_with_the_kernels():
-    """The Python rule that routes a paged call (implementations.fused_page_size) is the one the
+    """The Python rule that routes a paged call (dispatch.fused_page_size) is the one the
     kernels' header states and the FFI handler checks (jfm_page_size_supported)."""
     from jax_flash_metal import _ext
     sizes = range(-1, 1100)
-    assert ([implementations.fused_page_size(n) for n in sizes]
+    assert ([dispatch.fused_page_size(n) for n in sizes]
             == [_ext.testing.page_size_supported(n) for n in sizes])
-    assert implementations.fused_page_size(16) and not implementations.fused_page_size(24)
+    assert dispatch.fused_page_size(16) and not dispatch.fused_page_size(24)
 
 
 @needs_emulator
@@ -245,5 +246,5 @@ def test_fused_implementations_refuse_other_page_sizes(monkeypatch):
                        match="does not implement page_table with page_size 4"):
         check(q, cache, lengths, implementation="emulator")
     monkeypatch.delenv("JAX_FLASH_METAL_IMPLEMENTATION", raising=False)
-    monkeypatch.setattr(implementations, "_PREFERENCE", ("emulator",))
+    monkeypatch.setattr(dispatch, "_PREFERENCE", ("emulator",))
     check(q, cache, lengths)

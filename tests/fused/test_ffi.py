@@ -22,11 +22,12 @@ import tolerance
 from api_helpers import HEAD_DIMS, check_against_oracle, make_inputs
 
 ext = pytest.importorskip("jax_flash_metal._ext")
-from jax_flash_metal import flash_attention, implementations
+from jax_flash_metal import flash_attention
 from jax_flash_metal.fused import ffi_lowering  # noqa: E402
 from jax_flash_metal import reference_attention  # noqa: E402
 from jax_flash_metal.core.contract import HOST_ONLY_PARAMS, StaticParams  # noqa: E402
-from jax_flash_metal.core.validation import ENV_IMPLEMENTATION as ENV  # noqa: E402
+from jax_flash_metal.lowering.dispatch import ENV_IMPLEMENTATION as ENV  # noqa: E402
+from jax_flash_metal.lowering import dispatch
 from ffi_targets import (BWD, FWD, attributes, bwd_call, forward_workspace,  # noqa: E402
                          fwd_call, submission_budget)
 
@@ -265,7 +266,7 @@ def test_best_available_falls_back_to_xla_for_calls_the_kernels_lack(monkeypatch
     naming the reason. The emulator stands in for Metal as the preferred fused implementation,
     so the rule runs where Metal does not."""
     monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.setattr(implementations, "_PREFERENCE", ("emulator",))
+    monkeypatch.setattr(dispatch, "_PREFERENCE", ("emulator",))
     covered = jax.ShapeDtypeStruct((1, 5, 2, 16), jnp.float32)
     lacking = jax.ShapeDtypeStruct((1, 5, 2, 24), jnp.float32)
     assert f"@{FWD}" in _loss(None).lower(covered, covered, covered).as_text()

@@ -131,3 +131,37 @@ def test_slug_follows_github():
     assert slug("Empty rows, padding and non-finite inputs") == \
         "empty-rows-padding-and-non-finite-inputs"
     assert slug("Tiles per family (`tile_shapes.h`)") == "tiles-per-family-tile_shapesh"
+
+
+def test_layout_page_names_every_file():
+    """docs/layout.md's tree has a line for every file of the package, ffi/, emulator/ and
+    shaders/ (a subpackage's __init__.py, the emulator's shim and the examples by their folder),
+    and for every test folder; and every path it names exists."""
+    with open(os.path.join(ROOT, "docs", "layout.md"), encoding="utf-8") as f:
+        tree = f.read().split("```text\n", 1)[1].split("\n```", 1)[0]
+    folders, named = [], set()
+    for line in tree.splitlines():
+        indent = (len(line) - len(line.lstrip())) // 2
+        entry = re.split(r"\s{2,}", line.strip())[0]
+        folders[indent:] = []
+        first, *more = [e.strip() for e in entry.split(",")]
+        named.add("".join(folders) + first.rstrip("/"))
+        for other in more:  # "dispatch_plan.h, .cc": ".cc" keeps the stem
+            stem = first.rsplit(".", 1)[0] if other.startswith(".") else ""
+            named.add("".join(folders) + stem + other)
+        if first.endswith("/"):
+            folders.append(first)
+    by_folder = ("emulator/shim", "jax_flash_metal/examples")
+
+    def covered(path):
+        folder, name = os.path.split(path)
+        return (path in named or folder.startswith(by_folder)
+                or (name == "__init__.py" and folder in named))
+
+    files = [p for p in tracked_files()
+             if p.split("/")[0] in ("jax_flash_metal", "ffi", "emulator", "shaders")]
+    assert [p for p in files if not covered(p)] == []
+    tests = {p.split("/")[1] for p in tracked_files()
+             if p.startswith("tests/") and p.count("/") >= 2}
+    assert sorted(t for t in tests if f"tests/{t}" not in named) == []
+    assert sorted(n for n in named if not os.path.exists(os.path.join(ROOT, n))) == []

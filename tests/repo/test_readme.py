@@ -1,4 +1,4 @@
-"""Every fenced code block in README.md is run or explicitly exempt.
+"""Every fenced code block in README.md and docs/*.md is run or explicitly exempt.
 
 - ```python blocks run as written, each in a fresh namespace, and must not raise (they may
   assert);
@@ -15,13 +15,17 @@ import re
 
 import pytest
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs")
+PAGES = [README] + sorted(os.path.join(DOCS, n) for n in os.listdir(DOCS) if n.endswith(".md"))
 MARKER = re.compile(r"<!--\s*readme-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->$")
 RUN, OUTPUT = "python", "text"
 
 
 def readme_blocks(path=README):
     """[(line of the opening fence, language, code, skip reason or None)] of the file."""
+    name = os.path.relpath(path, ROOT) if path.startswith(ROOT) else os.path.basename(path)
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     blocks, reason, i = [], None, 0
@@ -30,7 +34,7 @@ def readme_blocks(path=README):
         if line.startswith("```"):
             start, language = i + 1, line[3:].strip()
             end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
-            assert end is not None, f"README.md:{start}: code block is never closed"
+            assert end is not None, f"{name}:{start}: code block is never closed"
             blocks.append((start, language, "\n".join(lines[i + 1:end]), reason))
             reason, i = None, end + 1
             continue
@@ -38,30 +42,32 @@ def readme_blocks(path=README):
         if match:
             reason = match["reason"].strip()
         elif line and reason is not None:
-            raise AssertionError(f"README.md:{i + 1}: a readme-test marker must come just "
+            raise AssertionError(f"{name}:{i + 1}: a readme-test marker must come just "
                                  "before a code block")
         i += 1
     return blocks
 
 
-BLOCKS = readme_blocks()
+# (page, line, language, code, skip reason) of every block of every page.
+BLOCKS = [(os.path.relpath(p, ROOT), *b) for p in PAGES for b in readme_blocks(p)]
 
 
 def test_every_block_runs_or_is_marked():
-    unmarked = [f"README.md:{line}: ```{language}" for line, language, _, reason in BLOCKS
+    unmarked = [f"{page}:{line}: ```{language}" for page, line, language, _, reason in BLOCKS
                 if reason is None and language not in (RUN, OUTPUT)]
     assert not unmarked, (
-        "these README blocks are neither python (run) nor text (output); mark each with "
+        "these blocks are neither python (run) nor text (output); mark each with "
         "<!-- readme-test: skip (reason) --> or change its language: " + ", ".join(unmarked))
-    assert any(language == RUN and reason is None for _, language, _, reason in BLOCKS)
+    assert any(language == RUN and reason is None
+               for page, _, language, _, reason in BLOCKS if page == "README.md")
 
 
-@pytest.mark.parametrize("line,code", [
-    pytest.param(line, code, id=f"README.md:{line}") for line, language, code, reason in BLOCKS
-    if language == RUN and reason is None])
-def test_python_block_runs(line, code):
-    # Padded so that tracebacks give README.md's own line numbers.
-    exec(compile("\n" * line + code, README, "exec"), {"__name__": "__readme__"})
+@pytest.mark.parametrize("page,line,code", [
+    pytest.param(page, line, code, id=f"{page}:{line}")
+    for page, line, language, code, reason in BLOCKS if language == RUN and reason is None])
+def test_python_block_runs(page, line, code):
+    # Padded so that tracebacks give the page's own line numbers.
+    exec(compile("\n" * line + code, os.path.join(ROOT, page), "exec"), {"__name__": "__readme__"})
 
 
 def test_markers_and_languages_are_read(tmp_path):
@@ -80,7 +86,7 @@ def test_markers_and_languages_are_read(tmp_path):
 # ---- output blocks: what the current code prints ---------------------------------------------
 
 def _text_blocks(prefix):
-    return [(line, code) for line, language, code, _ in BLOCKS
+    return [(f"{page}:{line}", code) for page, line, language, code, _ in BLOCKS
             if language == OUTPUT and code.lstrip().startswith(prefix)]
 
 
@@ -98,12 +104,11 @@ def _skeleton(text):
 PROFILE_BLOCKS = _text_blocks("$ python -m jax_flash_metal.profile")
 
 
-def test_readme_has_a_profile_block():
+def test_docs_have_a_profile_block():
     assert PROFILE_BLOCKS
 
 
-@pytest.mark.parametrize("line,code", [pytest.param(*b, id=f"README.md:{b[0]}")
-                                       for b in PROFILE_BLOCKS])
+@pytest.mark.parametrize("line,code", [pytest.param(*b, id=b[0]) for b in PROFILE_BLOCKS])
 def test_profile_block_is_current(line, code, capsys):
     """The block's command, rerun at length 32: the same kernels in the same order, and the
     same titles and column headers (the counts themselves depend on the length)."""
@@ -129,17 +134,16 @@ def _benchmark_tables(code):
     return tables
 
 
-BENCHMARK_BLOCKS = [(line, code) for line, language, code, _ in BLOCKS
+BENCHMARK_BLOCKS = [(f"{page}:{line}", code) for page, line, language, code, _ in BLOCKS
                     if language == OUTPUT and re.search(
                         r"^method .* fwd ms|/ jax\.nn \(forward\+backward", code, re.M)]
 
 
-def test_readme_has_benchmark_blocks():
+def test_docs_have_benchmark_blocks():
     assert BENCHMARK_BLOCKS
 
 
-@pytest.mark.parametrize("line,code", [pytest.param(*b, id=f"README.md:{b[0]}")
-                                       for b in BENCHMARK_BLOCKS])
+@pytest.mark.parametrize("line,code", [pytest.param(*b, id=b[0]) for b in BENCHMARK_BLOCKS])
 def test_benchmark_block_is_current(line, code):
     """Each table of the block is what the benchmark's formatter prints for its cells: the
     current column names (a subset of the benchmark's, in its order), aligned the current way;

@@ -289,7 +289,7 @@ def _zero_counts():
 
 def expected_counts(problem):
     """{stage: counts} of the fwd kernel and of the backward stages (ext.bwd_stages)."""
-    mask = problem.visibility()  # reference.visibility: the semantics, not the kernels
+    mask = problem.visibility()  # visibility.whole_matrix: the semantics, not the kernels
     out = {"fwd": tiled_forward_counts(problem, mask), "bwd_dq": tiled_dq_counts(problem, mask)}
     for stage in ext.bwd_stages(problem.head_dim)[1:]:
         out[stage] = tiled_dkdv_counts(problem, mask, stage)
