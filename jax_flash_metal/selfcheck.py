@@ -40,6 +40,7 @@ from . import flash_attention, implementations
 from .core.contract import Implementation
 from .fused import shader_libraries
 import jax_flash_metal._ext as _ext
+from .tools import profile_model, profile_tables
 
 PROBE = "jfm_simdgroup_layout_probe"
 TOLERANCE = 2e-4  # float32 kernels against float32 xla: rounding differences only
@@ -144,9 +145,9 @@ def kernel_profile(head_dim: int) -> tuple[bool | None, str]:
     args = profile.make_parser().parse_args(
         ["--dtype", "float16", "--head-dim", str(head_dim), "--q-len", "64", "--heads", "2",
          "--kv-heads", "1", "--causal"])
-    records = profile.profile_records(profile.Problem(args, "float16", head_dim), args.passes,
-                                      args.gpu)
-    return True, profile.format_tables(records, args.gpu)
+    records = profile_model.profile_records(profile_model.Problem(args, "float16", head_dim),
+                                            args.passes, args.gpu)
+    return True, profile_tables.format_tables(records, args.gpu)
 
 
 def _median_seconds(fn: Callable, args, repeats: int) -> float:

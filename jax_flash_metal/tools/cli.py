@@ -1,4 +1,5 @@
-"""What the command-line tools share: --help with every default shown, and a progress bar."""
+"""What the command-line tools share: --help with every default shown, the problem flags of the
+benchmark and the profile, and a progress bar."""
 
 from __future__ import annotations
 
@@ -14,6 +15,34 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None:
             return action.help
         return super()._get_help_string(action)
+
+
+def positive_int(text):
+    """An argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def add_problem_flags(parser: argparse.ArgumentParser, *, heads: int) -> None:
+    """The flags the benchmark and the profile share, defined once: --batch, --heads (default
+    ``heads``, the program's), --kv-heads (default: --heads) and --no-progress.
+    ``check_problem_flags`` completes them after parsing."""
+    parser.add_argument("--batch", type=positive_int, default=1, help="batch size")
+    parser.add_argument("--heads", type=positive_int, default=heads, help="query heads")
+    parser.add_argument("--kv-heads", type=positive_int, default=None,
+                        help="key/value heads, dividing --heads (grouped-query attention) "
+                             "(default: --heads)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def check_problem_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--kv-heads defaulted to --heads; a parser error when it does not divide --heads."""
+    if args.kv_heads is None:
+        args.kv_heads = args.heads
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
 
 
 class _Lines:

@@ -47,37 +47,12 @@ class Schedule(NamedTuple):
 
 
 SCHEDULES = {
-    # XLA:CPU runs a loop iteration's kernels at no launch cost, and a 128 x 128 float32 score
-    # tile (64 KiB per batch-head) stays in cache. Up to 256 the dense tile's scores are small
-    # and it saves the loops' compile time. XLA:CPU has no faster half-precision matmul, so
-    # half inputs are multiplied as float32. Its matmuls read a transposed operand about 1.5x
-    # slower, hence the pinned transposes. It runs a variadic reduction element by element:
-    # one-pass row statistics made forward+backward 1.4-1.9x slower.
+    # No launch cost per loop iteration, cache-sized tiles, no faster half-precision matmul,
+    # slower transposed operands (docs/benchmarks.md#why-the-xla-schedules).
     "cpu": Schedule(dense_max_len=256, block_q=128, block_k=128, half_operands=False,
                     pinned_transposes=True),
-    # Accelerators (GPUs, TPUs, Apple-GPU plugins) launch each kernel of a loop iteration
-    # separately, so few, large iterations: a 1024 x 1024 tile is 2^26 scores at
-    # batch x heads 64 (matmuls of a fraction of a millisecond on an H200, far above a launch)
-    # and 256 MiB in float32, which keeps the temporaries flat in the length (under a quarter of
-    # jax.nn's at 4096 on an H200; 1024 x 2048 and 2048 x 1024 tiles ran 5-10% faster there and
-    # at 16384 but reach a quarter at 4096 causal, 2048 x 2048 goes over it).
-    # Where the band skips no block, half-precision inputs take 1024 x 4096 forward tiles
-    # (4096 x 1024 backward): an H200's bf16 forward+backward at 4096 took 13.3 ms against
-    # 17.3 ms with 1024 x 1024 tiles and the same tile math, and 12.2 ms once P and dP - D are
-    # rounded (xla_tiles), which XLA fuses into the matmuls of such tiles (16384: 218 against
-    # 255 ms), at under a fifth of jax.nn's temporaries at 4096 (2048 x 4096: 3% faster, a
-    # third). With causal masks they ran slower than squares (14.2 against 11.8 ms at 4096, at
-    # a third of jax.nn's temporaries); float32 operands, bound by their matmuls, ran 5% faster
-    # with twice the temporaries (0.29 of jax.nn's).
-    # Up to 1024, one dense tile is jax.nn's algorithm at about jax.nn's memory; its row
-    # statistics in one pass over the scores made bf16 forward+backward at 1024 10% faster on
-    # an H200 (1.05 against 1.17 ms; 1.28 against 1.37 causal), and float32 slower
-    # (non-causal 1.12 against 1.04x jax.nn's time at "highest", in two runs). In the
-    # tiled forward it was slower (12.5 against 12.2 ms, bf16 at 4096): its exponentials were
-    # not fused into the P V matmul, so P still took a pass of its own.
-    # Half-precision operands run the matmuls on the half-precision matrix units (float32
-    # operands at float32 precision ran an H200 at about 34 TFLOP/s). Its matmuls read either
-    # operand layout at the same speed (pinning the transposes cost 3-4% on an H200).
+    # A launch per kernel of each loop iteration: few, large tiles; half-precision matrix units
+    # (docs/benchmarks.md#why-the-xla-schedules).
     "default": Schedule(dense_max_len=1024, block_q=1024, block_k=1024, half_operands=True,
                         inner_block=4096, one_pass_statistics=True),
 }

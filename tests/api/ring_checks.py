@@ -1,7 +1,7 @@
-"""Worker of tests/api/test_ring_attention.py, run with 8 host devices (tests/helpers/host_devices.py):
-flash_attention(..., sequence_axis_name="sp") inside shard_map over a ("data" 2, "sp" 4) mesh
-(batch over "data", each sequence in 4 contiguous slices over "sp") against the float64 oracle
-on the whole arrays: O, LSE, dQ, dK, dV (and dsinks), for each case.
+"""Worker of tests/api/test_ring_attention.py, run with 8 host devices
+(tests/helpers/host_devices.py): flash_attention(..., sequence_axis_name="sp") inside shard_map over
+a ("data" 2, "sp" 4) mesh (batch over "data", each sequence in 4 contiguous slices over "sp")
+against the float64 oracle on the whole arrays: O, LSE, dQ, dK, dV (and dsinks), for each case.
 
     python ring_checks.py IMPLEMENTATION CASE...
 """

@@ -2,8 +2,8 @@
 oracle, and against jax.nn.dot_product_attention wherever jax.nn defines the same thing.
 
 Run on the xla implementation (dense and, with shrunken blocks, blockwise); the fused kernels'
-features: tests/fused/test_kernels_features_fwd.py (forward) and tests/fused/test_kernels_features_bwd.py
-(gradients).
+features: tests/fused/test_kernels_features_fwd.py (forward) and
+tests/fused/test_kernels_features_bwd.py (gradients).
 """
 
 import functools

@@ -66,10 +66,10 @@ SCORE_LIMIT = np.float32(8.50705917e37)
 
 def check(got, q, k, v, do, g, saturates=False, **kw):
     """Every output of run() against the oracle: O and the gradients with the tolerances of
-    tests/helpers/tolerance.py; the LSE row by row (rows differ by up to 38 orders of magnitude, so a
-    tolerance relative to the largest would say nothing) within the float32 tolerance of its
-    own magnitude, infinities exactly. With ``saturates`` (the fused kernels) the LSE of a row
-    whose oracle LSE is below -SCORE_LIMIT is -SCORE_LIMIT exactly instead."""
+    tests/helpers/tolerance.py; the LSE row by row (rows differ by up to 38 orders of magnitude, so
+    a tolerance relative to the largest would say nothing) within the float32 tolerance of its own
+    magnitude, infinities exactly. With ``saturates`` (the fused kernels) the LSE of a row whose
+    oracle LSE is below -SCORE_LIMIT is -SCORE_LIMIT exactly instead."""
     kw = {n: (np.asarray(x) if isinstance(x, jax.Array) else x) for n, x in kw.items()}
     want = tolerance.assert_all_match_oracle(got, q, k, v, do, g,
                                              names=tuple(n for n in got if n != "lse"), **kw)

@@ -210,14 +210,15 @@ def test_paged_decode_reads_the_contiguous_caches_bytes():
     shuffled order) are within 1.02x of the same call's on the contiguous cache: K and V are
     read in place, the table entries are the only extra bytes."""
     from jax_flash_metal import profile
+    from jax_flash_metal.tools import profile_model
     args = profile.make_parser().parse_args(
         ["--q-len", "1", "--kv-len", "512", "--heads", "4", "--kv-heads", "2",
          "--kv-lengths", "512"])
-    problem = profile.Problem(args, "float16", 64)
+    problem = profile_model.Problem(args, "float16", 64)
 
     def read(problem):
         return sum(r["device_bytes_read"]
-                   for r in profile.profile_records(problem, ("forward",), ["M1"]))
+                   for r in profile_model.profile_records(problem, ("forward",), ["M1"]))
 
     contiguous = read(problem)
     for page_size in (32, 128):

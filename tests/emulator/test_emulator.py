@@ -178,8 +178,8 @@ def test_zero_groups_is_a_no_op():
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_barrier_heavy(schedule):
-    """The benchmark's barrier kernel (tests/emulator/shaders/bench.metal): after r rounds thread t holds
-    ((t + r) mod n) + r."""
+    """The benchmark's barrier kernel (tests/emulator/shaders/bench.metal): after r rounds thread t
+    holds ((t + r) mod n) + r."""
     n, rounds = 96, 10
     out = np.zeros(2 * n, np.float32)
     run("emu_barrier_heavy", {0: out, 1: np.array([rounds], np.uint32)}, (2, 1, 1), (n, 1, 1),

@@ -1,7 +1,7 @@
 """The translator and strict pass reject what the Metal compiler would (or what the emulator
-cannot run), naming file:line. Runs translate.py on tests/emulator/shaders/strict_fail/*.metal, which are
-deliberately broken and therefore not part of the build. Uses the clang the build's strict pass
-ran with (recorded in jax_flash_metal/_build_info.py); skipped when the build found none."""
+cannot run), naming file:line. Runs translate.py on tests/emulator/shaders/strict_fail/*.metal,
+which are deliberately broken and therefore not part of the build. Uses the clang the build's strict
+pass ran with (recorded in jax_flash_metal/_build_info.py); skipped when the build found none."""
 
 import os
 import subprocess

@@ -16,8 +16,9 @@ import kernel_harness as kh
 from api_helpers import check_against_oracle, make_inputs
 
 ext = pytest.importorskip("jax_flash_metal._ext")
-from jax_flash_metal import profile
+from jax_flash_metal import profile  # noqa: E402
 from jax_flash_metal.fused import ffi_lowering  # noqa: E402,F401 (registers the targets)
+from jax_flash_metal.tools import profile_model  # noqa: E402
 
 TYPE = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(jnp.bfloat16): "bf16"}
 FWD = "jax_flash_metal_attention_fwd_emulator"
@@ -179,7 +180,7 @@ def _problem(dtype, head_dim, **fields):
     """A profile problem: the profile's defaults, causal bottom-right, with ``fields`` set."""
     args = profile.make_parser().parse_args(["--causal", "--causal-alignment", "bottom_right"])
     vars(args).update(fields)
-    return profile.Problem(args, dtype, head_dim)
+    return profile_model.Problem(args, dtype, head_dim)
 
 
 @kh.needs_counting
@@ -194,7 +195,7 @@ def test_decode_profile_reads_each_visible_key_and_value_about_once(kv_lengths, 
     batch = 1 if kv_lengths is None else len(kv_lengths)
     problem = _problem("float16", 32, batch=batch, q_len=q_len, kv_len=2048, heads=8, kv_heads=2,
                        kv_lengths=kv_lengths)
-    runs = profile.run_problem(problem, ["forward"])
+    runs = profile_model.run_problem(problem, ["forward"])
     kernels = [r["kernel"] for _, r in runs]
     assert kernels == [f"flash_attention_{pass1}_f16_d32",
                        "flash_attention_decode_combine_f16_d32"]
@@ -207,7 +208,7 @@ def test_decode_profile_reads_each_visible_key_and_value_about_once(kv_lengths, 
     assert read <= bound * kv_bytes, (read, kv_bytes)
     # Useful FLOPs: 4 D per visible (query, key) pair and query head, all credited to pass 1.
     pairs = int(problem.visible_pairs().sum())
-    assert profile.useful_flops(problem, runs) == [4 * 32 * pairs * 8, 0]
+    assert profile_model.useful_flops(problem, runs) == [4 * 32 * pairs * 8, 0]
 
 
 def test_vector_decode_poisons_exactly_the_rows_that_see_a_non_finite_value():
@@ -233,7 +234,7 @@ def test_vector_decode_profile_reads_keys_once_and_does_no_padded_work():
     no MMA) <= 3x the useful multiply-adds (2 D per visible pair)."""
     problem = _problem("float16", 128, batch=1, q_len=1, kv_len=8192, heads=2, kv_heads=2,
                        causal=False)
-    records = profile.profile_records(problem, ["forward"], ["M1"])
+    records = profile_model.profile_records(problem, ["forward"], ["M1"])
     assert [r["kernel"] for r in records] == ["flash_attention_decode_vector_f16_d128",
                                               "flash_attention_decode_combine_f16_d128"]
     assert records[0]["mma_ops"] == 0 and records[0]["threadgroup_memory_bytes"] == 0

@@ -1,8 +1,8 @@
 """The regression cases C-01 .. C-09 (docs/testing.md#regression-cases) run directly on the
 attention kernels.
 
-Each recipe follows the case table; values come from the float64 oracle (tests/helpers/oracle.py) with
-the tolerances of docs/testing.md#tolerances, plus the exact properties each case names.
+Each recipe follows the case table; values come from the float64 oracle (tests/helpers/oracle.py)
+with the tolerances of docs/testing.md#tolerances, plus the exact properties each case names.
 """
 
 import ml_dtypes

@@ -17,8 +17,9 @@ import tolerance
 from api_helpers import make_inputs, normal
 
 ext = pytest.importorskip("jax_flash_metal._ext")
-from jax_flash_metal import flash_attention, profile  # noqa: E402
+from jax_flash_metal import flash_attention  # noqa: E402
 from kernel_harness import needs_counting  # noqa: E402
+from jax_flash_metal.tools import profile_model  # noqa: E402
 
 B, TQ, TK, H, HKV, D = 2, 9, 11, 4, 2, 16
 # Names of the differentiable feature arguments, whose gradients the VJP also returns.
@@ -243,7 +244,7 @@ def _streamed_bytes(length, segment_len):
         kw = dict(query_segment_ids=ids, key_value_segment_ids=ids)
     _, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, implementation="emulator", **kw),
                      q, k, v)
-    records = profile._recorded(jax.jit(lambda vjp, ct: vjp(ct)), vjp, do)
+    records = profile_model._recorded(jax.jit(lambda vjp, ct: vjp(ct)), vjp, do)
     reads = {r["kernel"].split("_f16")[0]: r["buffers"] for r in records}
     dq, dkdv = reads["flash_attention_bwd_dq"], reads["flash_attention_bwd_dkdv"]
     return dq[1]["read"] + dq[2]["read"], dkdv[0]["read"] + dkdv[5]["read"]

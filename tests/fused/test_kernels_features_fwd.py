@@ -1,9 +1,9 @@
 """The forward kernels with the optional features of docs/design.md#scores (soft cap, bias, mask,
 segment ids, sinks; shaders/flash_attention_features.h) through the whole chain: flash_attention
 -> forward primitive -> FFI lowering -> emulated device -> tiled forward or split-KV decode.
-O and LSE against the float64 oracle (tests/helpers/oracle.py, tolerances of tests/helpers/tolerance.py), the
-residuals m and log(l) against LSE, the segment-id tile skip in the kernel profile, and the
-handler's errors for bad feature operands.
+O and LSE against the float64 oracle (tests/helpers/oracle.py, tolerances of
+tests/helpers/tolerance.py), the residuals m and log(l) against LSE, the segment-id tile skip in the
+kernel profile, and the handler's errors for bad feature operands.
 
 The backward with the features: tests/fused/test_kernels_features_bwd.py.
 """
@@ -17,10 +17,11 @@ import tolerance
 from api_helpers import normal
 
 ext = pytest.importorskip("jax_flash_metal._ext")
-from jax_flash_metal import flash_attention, profile  # noqa: E402
+from jax_flash_metal import flash_attention  # noqa: E402
 import kernel_harness as kh  # noqa: E402
 from ffi_targets import fwd_call  # noqa: E402  (the forward target called directly)
 from kernel_harness import needs_counting  # noqa: E402
+from jax_flash_metal.tools import profile_model  # noqa: E402
 
 def forward(q, k, v, bias=None, mask=None, **kw):
     """(o, lse) of the emulator's forward."""
@@ -337,7 +338,7 @@ def _kv_bytes(q_len, segment_len):
     if segment_len:
         ids = jnp.asarray(np.arange(q_len)[None] // segment_len, jnp.int32)
         kw = dict(query_segment_ids=ids, key_value_segment_ids=ids)
-    [record] = profile._recorded(jax.jit(lambda q, k, v: forward(q, k, v, **kw)[0]), q, k, v)
+    [record] = profile_model._recorded(jax.jit(lambda q, k, v: forward(q, k, v, **kw)[0]), q, k, v)
     return record["buffers"][1]["read"] + record["buffers"][2]["read"]
 
 

@@ -1,9 +1,9 @@
-"""The offline compile of every shader library (jax_flash_metal.fused.shader_libraries), which macOS CI
-runs with Apple's compiler. Here a stand-in compiler receives exactly the command lines Apple's
+"""The offline compile of every shader library (jax_flash_metal.fused.shader_libraries), which macOS
+CI runs with Apple's compiler. Here a stand-in compiler receives exactly the command lines Apple's
 would: it preprocesses each written source with clang and its -D macros (the emulator's empty
 <metal_*> headers) and records the kernels the library instantiates, which must be exactly the
-kernels the host expects in it; one family per source also goes through the emulator's
-translator and strict pass with those macros."""
+kernels the host expects in it; one family per source also goes through the emulator's translator
+and strict pass with those macros."""
 
 import os
 import shutil

@@ -31,7 +31,8 @@ def environment(devices, **extra):
 
 
 def run_script(script, *args, devices=8, timeout=300):
-    """Run tests/``script`` (a path under tests/) with ``args``; fail with its output when it exits non-zero."""
+    """Run ``script`` (a path under tests/) with ``args``; fail with its output when it exits
+    non-zero."""
     proc = subprocess.run([sys.executable, os.path.join(TESTS, script), *map(str, args)],
                           env=environment(devices), capture_output=True, text=True,
                           timeout=timeout)

@@ -257,10 +257,10 @@ def yardstick_inputs(q, k, v, do, g_lse, mask):
 def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0, **mask):
     """Runs forward and backward kernels and asserts O, LSE, dQ, dK, dV against the oracle.
 
-    Tolerances are docs/testing.md#tolerances (tests/helpers/tolerance.py); for f16/bf16 the yardstick is
-    plain same-dtype jnp attention on the same inputs with padding and non-finite values zeroed.
-    Zero-size problems are checked for their exact values instead. Returns the kernel outputs as
-    a dict (o, lse, row_max, log_sum, dq, dk, dv, delta).
+    Tolerances are docs/testing.md#tolerances (tests/helpers/tolerance.py); for f16/bf16 the
+    yardstick is plain same-dtype jnp attention on the same inputs with padding and non-finite
+    values zeroed. Zero-size problems are checked for their exact values instead. Returns the kernel
+    outputs as a dict (o, lse, row_max, log_sum, dq, dk, dv, delta).
     """
     import tolerance
 

@@ -1,5 +1,6 @@
-"""Worker of tests/lowering/test_sharding.py, run with 8 host devices (tests/helpers/host_devices.py):
-flash_attention under jit with operands sharded over a 4x2 mesh ("data", "model").
+"""Worker of tests/lowering/test_sharding.py, run with 8 host devices
+(tests/helpers/host_devices.py): flash_attention under jit with operands sharded over a 4x2 mesh
+("data", "model").
 
     python sharded_checks.py IMPLEMENTATION --shardy|--gspmd CASE...
 

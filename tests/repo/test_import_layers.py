@@ -154,7 +154,8 @@ def test_test_files_import_no_test_file():
     tests = os.path.join(ROOT, "tests")
     paths = sorted(os.path.relpath(os.path.join(d, n), tests) for d, _, names in os.walk(tests)
                    for n in names if n.endswith(".py"))
-    test_files = {os.path.basename(p)[:-3] for p in paths if os.path.basename(p).startswith("test_")}
+    names = [os.path.basename(p)[:-3] for p in paths]
+    test_files = {n for n in names if n.startswith("test_")}
     found = []
     for name in paths:
         with open(os.path.join(tests, name), encoding="utf-8") as f:
@@ -171,4 +172,4 @@ def test_the_walker_sees_imports_inside_functions():
     """The lazy import of the FFI lowering sits in a function body."""
     known = set(MODULES) | BUILT
     assert "fused.ffi_lowering" in {t for _, t in imports_of("fused.loader", known)}
-    assert "_ext" in {t for _, t in imports_of("profile", known)}
+    assert "_ext" in {t for _, t in imports_of("tools.profile_model", known)}

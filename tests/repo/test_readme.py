@@ -115,9 +115,10 @@ def test_profile_block_is_current(line, code, capsys):
     import shlex
 
     from jax_flash_metal import profile
+    from jax_flash_metal.tools import profile_model
     emulator = pytest.importorskip("jax_flash_metal._ext").emulator
     if not emulator.has_counting_variant():
-        pytest.skip(profile.NO_COUNTING_MESSAGE)
+        pytest.skip(profile_model.NO_COUNTING_MESSAGE)
     command, output = code.split("\n", 1)
     argv = shlex.split(command.split("#")[0])[4:]  # after "$ python -m jax_flash_metal.profile"
     assert profile.main(argv + ["--q-len", "32", "--no-progress"]) == 0
@@ -148,7 +149,7 @@ def test_benchmark_block_is_current(line, code):
     """Each table of the block is what the benchmark's formatter prints for its cells: the
     current column names (a subset of the benchmark's, in its order), aligned the current way;
     and a ratio table has the ratio title and columns."""
-    from jax_flash_metal import benchmark
+    from jax_flash_metal.tools import benchmark_tables
     tables = _benchmark_tables(code)
     assert tables, "a benchmark block without a dashed rule under its header"
     for header, rule, rows in tables:
@@ -160,8 +161,9 @@ def test_benchmark_block_is_current(line, code):
                                 r"faster/smaller\):", title), title
             left = 0
         else:
-            columns = list(benchmark.COLUMNS)
+            columns = list(benchmark_tables.COLUMNS)
             assert names == sorted(names, key=columns.index), names  # raises if one is unknown
             left = 1
         body = [_cells(r) for r in rows]
-        assert benchmark.aligned(names, body, left=left).splitlines() == [header, rule, *rows]
+        text = benchmark_tables.aligned(names, body, left=left)
+        assert text.splitlines() == [header, rule, *rows]

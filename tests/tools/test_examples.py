@@ -10,6 +10,7 @@ import pytest
 
 from api_helpers import needs_emulator
 from jax_flash_metal import benchmark
+from jax_flash_metal.tools import benchmark_model, benchmark_tables
 
 HAVE_EXAMPLE_DEPS = all(importlib.util.find_spec(m) for m in ("optax", "tqdm"))
 needs_examples = pytest.mark.skipif(not HAVE_EXAMPLE_DEPS,
@@ -110,40 +111,40 @@ def assert_aligned(table, left=1):
 
 def test_attention_flops():
     # B=2, H=3, D=5; T=4: 16 pairs, causal 4*5/2 = 10 pairs.
-    assert benchmark.attention_flops(2, 3, 4, 4, 5, False) == (4 * 30 * 16, 14 * 30 * 16)
-    assert benchmark.attention_flops(2, 3, 4, 4, 5, True) == (4 * 30 * 10, 14 * 30 * 10)
+    assert benchmark_model.attention_flops(2, 3, 4, 4, 5, False) == (4 * 30 * 16, 14 * 30 * 16)
+    assert benchmark_model.attention_flops(2, 3, 4, 4, 5, True) == (4 * 30 * 10, 14 * 30 * 10)
     # Tq > Tkv, top-left causal: rows 0..2 see 1, 2, 3 keys, rows 3..5 see all 3.
-    assert benchmark.attention_flops(1, 1, 6, 3, 1, True)[0] == 4 * (1 + 2 + 3 + 3 * 3)
+    assert benchmark_model.attention_flops(1, 1, 6, 3, 1, True)[0] == 4 * (1 + 2 + 3 + 3 * 3)
 
 
 def test_benchmark_decode_rows():
-    rows = benchmark.run_benchmark(seq_lens=[], head_dims=[16], causal_modes=[True], batch=1,
+    rows = benchmark_model.run_benchmark(seq_lens=[], head_dims=[16], causal_modes=[True], batch=1,
                                    heads=4, kv_heads=2, repeats=1, run_up_to=64,
                                    emulator_max_len=64, decode_kv_lens=[64])
     assert [(r.method, r.q_len, r.seq_len) for r in rows] == \
-        [(m, 1, 64) for m in benchmark.methods()]
+        [(m, 1, 64) for m in benchmark_model.methods()]
     for r in rows:
         assert r.fwd_ms > 0 and r.fwd_flops == 4 * 4 * 64 * 16
-    for line, r in zip(benchmark.format_table(rows).splitlines()[2:], rows):
+    for line, r in zip(benchmark_tables.format_table(rows).splitlines()[2:], rows):
         assert line.split()[:4] == [r.method, "1x64", "16", "no"]
 
 
 def test_benchmark_table():
-    rows = benchmark.run_benchmark(seq_lens=[16, 64], head_dims=[16], causal_modes=[True],
+    rows = benchmark_model.run_benchmark(seq_lens=[16, 64], head_dims=[16], causal_modes=[True],
                                    batch=1, heads=2, kv_heads=1, repeats=1, run_up_to=16,
                                    emulator_max_len=16)
-    names = list(benchmark.methods())
+    names = list(benchmark_model.methods())
     expected = [(m, t, True) for m in names for t in (16, 64)]
     assert [(r.method, r.seq_len, r.causal) for r in rows] == expected
     for r in rows:
         timed = r.seq_len <= 16
         assert (r.fwd_ms is not None) == timed and (r.fwdbwd_ms is not None) == timed
         assert r.fwd_ms is None or r.fwd_ms > 0
-    text = benchmark.format_table(rows)
+    text = benchmark_tables.format_table(rows)
     lines = text.splitlines()
     assert_aligned(text)
     # Columns with no value in any row are left out: off a Mac, the GPU-time ones.
-    shown = [c for c in benchmark.COLUMNS if "flash:metal" in names or "GPU" not in c]
+    shown = [c for c in benchmark_tables.COLUMNS if "flash:metal" in names or "GPU" not in c]
     assert split_cells(lines[0]) == shown
     assert len(lines) == 2 + len(rows)
     for line, r in zip(lines[2:], rows):
@@ -186,42 +187,44 @@ def test_benchmark_gpu_time_is_the_timer_increase_within_each_call():
         return x
 
     x = np.zeros(3)
-    ms, gpu_ms = benchmark.time_interleaved({"a": call, "b": lambda x: x}, {"a": (x,), "b": (x,)},
-                                            3, {"a": lambda: gpu_seconds[0]})
+    ms, gpu_ms = benchmark_model.time_interleaved({"a": call, "b": lambda x: x},
+                                                  {"a": (x,), "b": (x,)}, 3,
+                                                  {"a": lambda: gpu_seconds[0]})
     assert set(ms) == {"a", "b"} and list(gpu_ms) == ["a"]
     assert gpu_ms["a"] == pytest.approx(2.0)  # the warm-up call is not counted
     assert gpu_seconds[0] == pytest.approx(4 * 2e-3)
 
 
 def test_benchmark_gpu_columns_and_percent_of_peak():
-    row = benchmark.Row("flash:metal", 1024, 64, False, fwd_ms=2.0, fwdbwd_ms=8.0, fwd_temp=0,
+    row = benchmark_model.Row("flash:metal", 1024, 64, False, fwd_ms=2.0, fwdbwd_ms=8.0, fwd_temp=0,
                         fwdbwd_temp=0, fwd_flops=2 * 10**9, fwdbwd_flops=7 * 10**9,
                         compile_s=1.0, fwd_gpu_ms=1.0, fwdbwd_gpu_ms=3.5)
-    cells = benchmark.table_cells(row, peak_tflops=4.0)
+    cells = benchmark_tables.table_cells(row, peak_tflops=4.0)
     # wall 1 and 0.875 TFLOP/s; GPU 2 and 2 TFLOP/s = 50% of the 4 TFLOP/s peak
     assert cells[8:10] == ["1", "0.875"]
     assert cells[11:] == ["1.000", "3.500", "2", "2", "50.0", "50.0"]
     wall_only = dataclasses.replace(row, method="flash:xla", fwd_gpu_ms=None, fwdbwd_gpu_ms=None)
-    assert benchmark.table_cells(wall_only, peak_tflops=4.0)[11:] == ["-"] * 4 + ["25.0", "21.9"]
+    cells = benchmark_tables.table_cells(wall_only, peak_tflops=4.0)
+    assert cells[11:] == ["-"] * 4 + ["25.0", "21.9"]
 
 
 def test_apple_gpu_peak_from_the_roofline_table():
     # M1: 8 cores x 256 FLOPs/cycle x 1.278 GHz = 2.617 TFLOP/s (roofline.GPUS)
-    peak, text = benchmark.apple_gpu_peak_tflops("Apple M1", None)
+    peak, text = benchmark_model.apple_gpu_peak_tflops("Apple M1", None)
     assert peak == pytest.approx(8 * 256 * 1.278e-3) and "largest configuration" in text
-    peak, _ = benchmark.apple_gpu_peak_tflops("Apple M1 Max", 24)  # binned part: 24 cores
+    peak, _ = benchmark_model.apple_gpu_peak_tflops("Apple M1 Max", 24)  # binned part: 24 cores
     assert peak == pytest.approx(24 * 256 * 1.296e-3)
-    peak, text = benchmark.apple_gpu_peak_tflops("Apple M2 Pro", 19)  # M2 Max clock
+    peak, text = benchmark_model.apple_gpu_peak_tflops("Apple M2 Pro", 19)  # M2 Max clock
     assert peak == pytest.approx(19 * 256 * 1.398e-3) and "M2 Max clock assumed" in text
     for gpu in ("Apple M1 Max", "Apple M2 Max", "Apple M3 Max", "Apple M4", "Apple M4 Max"):
-        assert benchmark.apple_gpu_peak_tflops(gpu, None)[0] > 0
-    assert benchmark.apple_gpu_peak_tflops("Apple M2 Pro", None)[0] is None  # cores unknown
-    assert benchmark.apple_gpu_peak_tflops("AMD Radeon Pro 5500M", 24)[0] is None
+        assert benchmark_model.apple_gpu_peak_tflops(gpu, None)[0] > 0
+    assert benchmark_model.apple_gpu_peak_tflops("Apple M2 Pro", None)[0] is None  # cores unknown
+    assert benchmark_model.apple_gpu_peak_tflops("AMD Radeon Pro 5500M", 24)[0] is None
 
 
 def test_benchmark_rejects_unknown_method():
     with pytest.raises(ValueError, match="unknown or unavailable"):
-        benchmark.methods(["flash:nonexistent"])
+        benchmark_model.methods(["flash:nonexistent"])
 
 
 def test_benchmark_ratios_and_json(tmp_path, capsys):
@@ -288,10 +291,11 @@ def test_benchmark_defaults_time_every_row_here():
     args = benchmark.parse_args([])
     assert args.head_dims == [64] and args.seq_lens == [256, 1024, 4096, 16384]
     for kv_len in args.decode_kv_lens:
-        for method in benchmark.methods():
-            assert benchmark.is_timed(method, kv_len, 1, args.run_up_to, args.emulator_max_len)
-    assert not benchmark.is_timed("flash:emulator", 512, None, 2048, 256)
-    assert not benchmark.is_timed("jax.nn", 4096, None, 2048, 256)
+        for method in benchmark_model.methods():
+            assert benchmark_model.is_timed(method, kv_len, 1, args.run_up_to,
+                                            args.emulator_max_len)
+    assert not benchmark_model.is_timed("flash:emulator", 512, None, 2048, 256)
+    assert not benchmark_model.is_timed("jax.nn", 4096, None, 2048, 256)
 
 
 def test_benchmark_progress_bar_counts_every_step(capsys):

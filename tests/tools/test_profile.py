@@ -1,5 +1,5 @@
-"""Kernel profile: the emulator's exact counters (tests/emulator/shaders/profile.metal kernels with counts
-known by construction, and today's attention kernels against the closed forms of their loop
+"""Kernel profile: the emulator's exact counters (tests/emulator/shaders/profile.metal kernels with
+counts known by construction, and today's attention kernels against the closed forms of their loop
 structure), the CLI ``python -m jax_flash_metal.profile`` (JSON schema, errors) and the roofline
 model's figures."""
 
@@ -15,6 +15,7 @@ from jax_flash_metal import profile
 from jax_flash_metal.tools import roofline
 from jax_flash_metal import _ext as ext
 from jax_flash_metal._ext import emulator
+from jax_flash_metal.tools import profile_model
 
 ZERO = dict(threadgroup_bytes_read=0, threadgroup_bytes_written=0, mma_ops=0, simd_ops=0,
             barriers=0, fma_ops=0, math_ops=0, threadgroup_memory_bytes=0)
@@ -316,7 +317,7 @@ ATTENTION_CASES = [
 
 def make_problem(argv):
     args = profile.make_parser().parse_args(argv)
-    return profile.Problem(args, args.dtype[0], args.head_dim[0])
+    return profile_model.Problem(args, args.dtype[0], args.head_dim[0])
 
 
 @needs_counting
@@ -325,10 +326,10 @@ def make_problem(argv):
 def test_attention_counts(argv):
     problem = make_problem(argv)
     expected = expected_counts(problem)
-    runs = profile.run_problem(problem, profile.PASSES)
+    runs = profile_model.run_problem(problem, profile_model.PASSES)
     seen = []
     for _, r in runs:
-        stage = profile.KERNEL_NAME.match(r["kernel"]).group("stage")
+        stage = profile_model.KERNEL_NAME.match(r["kernel"]).group("stage")
         seen.append(stage)
         shape = ext.tile_shape(stage, TYPE_NAME[problem.dtype], problem.head_dim)
         assert r["threads_per_threadgroup"] == shape["threads"]
@@ -374,7 +375,7 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
             assert o == roofline.occupancy(
                 roofline.GPUS[name], threadgroup_bytes=r["threadgroup_memory_bytes"],
                 threads_per_threadgroup=r["threads_per_threadgroup"], registers=r["registers"])
-        stage = profile.KERNEL_NAME.match(r["kernel"]).group("stage")
+        stage = profile_model.KERNEL_NAME.match(r["kernel"]).group("stage")
         assert r["registers"] == ext.tile_shape(stage, "f32", 16)["registers"]
     # Bottom-right causal with kv_len - q_len = 16: query i sees keys 0..i + 16.
     pairs = sum(i + 17 for i in range(20))
@@ -405,7 +406,7 @@ def test_missing_counting_variants_name_the_build_option(monkeypatch, capsys):
             def has_counting_variant():
                 return False
 
-    monkeypatch.setattr(profile, "_ext", lambda: NoCounting)
+    monkeypatch.setattr(profile_model, "_ext", lambda: NoCounting)
     with pytest.raises(SystemExit) as e:
         profile.main(TINY)
     assert e.value.code == 2
@@ -502,14 +503,14 @@ def test_split_submissions_share_counts_and_useful_flops():
     problem = make_problem(["--dtype", "float32", "--head-dim", "16", "--batch", "2", "--q-len",
                             "12", "--kv-len", "20", "--heads", "2", "--kv-heads", "1",
                             "--q-lengths", "12,5", "--window", "4,"])
-    whole = profile.profile_records(problem, profile.PASSES, ["M1"])
+    whole = profile_model.profile_records(problem, profile_model.PASSES, ["M1"])
     previous = _ext.testing.set_submission_budget(1e-12)
     try:
-        split = profile.profile_records(problem, profile.PASSES, ["M1"])
+        split = profile_model.profile_records(problem, profile_model.PASSES, ["M1"])
     finally:
         _ext.testing.set_submission_budget(previous)
     assert len(split) > len(whole)
-    additive = [k for k in profile.COUNT_KEYS
+    additive = [k for k in profile_model.COUNT_KEYS
                 if k not in ("threads_per_threadgroup", "threadgroup_memory_bytes")]
     for r in whole:
         parts = [s for s in split if s["kernel"] == r["kernel"]]
@@ -530,7 +531,7 @@ def test_tiled_forward_causal_moves_at_most_six_tenths_of_the_bytes(dtype, head_
     for causal in (False, True):
         problem = make_problem(["--dtype", dtype, "--head-dim", str(head_dim), "--q-len", "512",
                                 "--heads", "1", "--kv-heads", "1"] + ["--causal"] * causal)
-        [(_, r)] = profile.run_problem(problem, ("forward",))
+        [(_, r)] = profile_model.run_problem(problem, ("forward",))
         moved[causal] = r["device_bytes_read"] + r["device_bytes_written"]
     assert moved[True] <= 0.6 * moved[False], moved
 
@@ -547,8 +548,8 @@ def test_alibi_moves_the_plain_calls_device_bytes_but_the_slopes():
         argv = ["--dtype", "float16", "--head-dim", "32", "--q-len", str(q_len), "--kv-len",
                 str(kv_len), "--heads", "4", "--kv-heads", "2", "--causal",
                 "--causal-alignment", "bottom_right"]
-        plain = profile.run_problem(make_problem(argv), profile.PASSES)
-        alibi = profile.run_problem(make_problem(argv + ["--alibi"]), profile.PASSES)
+        plain = profile_model.run_problem(make_problem(argv), profile_model.PASSES)
+        alibi = profile_model.run_problem(make_problem(argv + ["--alibi"]), profile_model.PASSES)
         assert [r["kernel"] for _, r in plain] == [r["kernel"] for _, r in alibi]
         for (_, p), (_, a) in zip(plain, alibi):
             for index, bound in p["buffers"].items():
@@ -569,8 +570,8 @@ def test_dropout_moves_the_plain_calls_device_bytes():
     read or written: none of it scales with the lengths)."""
     plain_argv = ["--dtype", "float16", "--head-dim", "32", "--q-len", "40", "--kv-len", "56",
                   "--heads", "4", "--kv-heads", "2", "--causal"]
-    runs = {rate: profile.run_problem(make_problem([*plain_argv, "--dropout", rate]),
-                                      profile.PASSES) for rate in ("0", "0.5")}
+    runs = {rate: profile_model.run_problem(make_problem([*plain_argv, "--dropout", rate]),
+                                      profile_model.PASSES) for rate in ("0", "0.5")}
     assert [r["kernel"] for _, r in runs["0"]] == [r["kernel"] for _, r in runs["0.5"]]
     for (_, plain), (_, dropped) in zip(runs["0"], runs["0.5"]):
         heads_per_thread = 2 if "dkdv" in plain["kernel"] else 1  # the dK/dV loop over G = 2
