@@ -26,7 +26,7 @@ other math calls, reported over the useful multiply-adds (useful FLOPs / 2).
 Estimated (``_ext.tile_shape``, shaders/tile_shapes.h ``jfm_tile_registers``): live 32-bit
 registers per thread, flagged ``!`` above ``roofline.REGISTER_BUDGET`` (spill risk).
 
-Modelled (``roofline.py``, not measured): per launch and GPU, the bound (compute / device /
+Modelled (``tools/roofline.py``, not measured): per launch and GPU, the bound (compute / device /
 threadgroup memory), the modelled time and the modelled percent of peak FLOP/s; and the
 occupancy: threadgroups and simdgroups per core that fit the GPU's threadgroup memory, thread
 limit and register file (``roofline.occupancy``).

@@ -3,8 +3,8 @@
 Everything the package needs is public in every supported JAX (0.5.0 through the newest release)
 except the abstract value class, which newer releases may move out of ``jax.core``, and the set of
 primitives whose lowering needs the device assignment (a ``custom_partitioning`` call inside a
-primitive's lowering does: sharding.py, registered in primitives.py); both are kept here so the
-rest of the package only imports public modules.
+primitive's lowering does: lowering/sharding.py, registered in lowering/primitives.py); both are
+kept here so the rest of the package only imports public modules.
 """
 
 try:  # Public in jax 0.5.0 .. 0.12.

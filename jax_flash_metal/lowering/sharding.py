@@ -1,10 +1,10 @@
 """Sharding rules for the fused implementations: how the FFI call partitions under ``jit``.
 
 XLA cannot look inside a custom call, so without a rule GSPMD/Shardy replicate its operands and
-every device computes the whole batch. Here both lowerings of both primitives (primitives.py) go
-through ``jax.experimental.custom_partitioning`` around a shard primitive that emits the FFI
-call or the xla implementation, the way JAX's own cuDNN attention pairs its primitives with
-custom partitioning:
+every device computes the whole batch. Here both lowerings of both primitives
+(lowering/primitives.py) go through ``jax.experimental.custom_partitioning`` around a shard
+primitive that emits the FFI call or the xla implementation, the way JAX's own cuDNN attention pairs
+its primitives with custom partitioning:
 
 - batch and head axes stay sharded as the query has them, so each device runs the kernels on its
   shard with no collective. Query heads and their KV heads are split together (a shard of query

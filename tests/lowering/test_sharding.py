@@ -1,4 +1,4 @@
-"""flash_attention under jit with sharded operands (sharding.py), on 8 host devices in a
+"""flash_attention under jit with sharded operands (lowering/sharding.py), on 8 host devices in a
 subprocess (tests/lowering/sharded_checks.py): batch and head splits (grouped-query and multi-query
 attention, every optional operand, a value head dim other than the key's with ALiBi slopes)
 compile to no gather of q, k, v, o or dO, keep their sharding and match the float64 oracle,
