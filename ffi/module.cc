@@ -113,6 +113,18 @@ void bind_devices(nb::module_& m) {
       "type): float is f32, int32_t i32, bool pred (JFM_FFI_ATTRIBUTES in ffi/attention_ffi.h). "
       "The lowering builds its attributes from this list.");
   m.def(
+      "optional_operands",
+      [] {
+        std::vector<std::pair<std::string, std::string>> operands;
+#define JFM_OPERAND_ENTRY(name, flag) operands.emplace_back(#name, #flag);
+        JFM_OPTIONAL_OPERANDS(JFM_OPERAND_ENTRY)
+#undef JFM_OPERAND_ENTRY
+        return operands;
+      },
+      "list[tuple[str, str]]: the optional operands of every FFI target, in operand order, as "
+      "(name, the attribute that says it is present) (JFM_OPTIONAL_OPERANDS in "
+      "ffi/attention_ffi.h); contract.Operands must list the same.");
+  m.def(
       "metal_available",
       [] {
 #ifdef JFM_HAVE_METAL
