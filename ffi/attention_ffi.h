@@ -30,9 +30,9 @@
 // Optional features (docs/design.md#scores; shaders/flash_attention_features.h). The contract below
 // is fixed; the kernels of both directions (forward tiled and decode, backward) implement all of
 // it.
-//   Operands, after the lengths, in this order, each present only when its flag is set; both
-//   directions take the same ones (so a call's forward and backward lower to one
-//   implementation):
+//   Operands, after the lengths, in this order (JFM_OPTIONAL_OPERANDS below), each present only
+//   when its flag is set; both directions take the same ones (so a call's forward and backward
+//   lower to one implementation):
 //     q_segment_ids int32 [B, Tq], kv_segment_ids int32 [B, Tkv]   (has_segment_ids)
 //     bias  [b, h, tq, tkv], dtype of q or f32                      (has_bias)
 //     mask  bool or uint8 [b, h, tq, tkv], 0 = hidden, else visible (has_mask; JAX bool bytes)

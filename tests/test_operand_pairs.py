@@ -56,12 +56,6 @@ def test_every_operand_flag_has_an_example():
 
 
 @needs_emulator
-def test_the_ffi_lists_the_contracts_operands():
-    from jax_flash_metal import _ext
-    assert _ext.optional_operands() == list(contract.OPERAND_FLAGS.items())
-
-
-@needs_emulator
 @pytest.mark.parametrize("plan", oc.PLANS)
 def test_the_shapes_reach_both_plans(plan):
     from jax_flash_metal import _ext
