@@ -80,26 +80,8 @@ void run_kernel(const std::string& implementation, const std::string& kernel, nb
   if (!error.empty()) throw std::runtime_error(error);
 }
 
-// The devices: FFI targets, availability, kernels, shader sources and one-off kernel runs.
-void bind_devices(nb::module_& m) {
-  m.def(
-      "ffi_targets",
-      [] {
-        nb::dict targets;
-        targets["jax_flash_metal_attention_fwd_emulator"] =
-            nb::capsule(reinterpret_cast<void*>(JfmAttentionFwdEmulator));
-        targets["jax_flash_metal_attention_bwd_emulator"] =
-            nb::capsule(reinterpret_cast<void*>(JfmAttentionBwdEmulator));
-#ifdef JFM_HAVE_METAL
-        targets["jax_flash_metal_attention_fwd_metal"] =
-            nb::capsule(reinterpret_cast<void*>(JfmAttentionFwdMetal));
-        targets["jax_flash_metal_attention_bwd_metal"] =
-            nb::capsule(reinterpret_cast<void*>(JfmAttentionBwdMetal));
-#endif
-        return targets;
-      },
-      "dict[str, PyCapsule]: XLA FFI handlers (api_version 1) of this build, by target name "
-      "jax_flash_metal_attention_{fwd,bwd}_{emulator,metal}; metal ones only in macOS builds.");
+// The contract of the FFI targets as the handlers take it: attributes and optional operands.
+void bind_contract(nb::module_& m) {
   m.def(
       "ffi_attributes",
       [] {
@@ -124,6 +106,28 @@ void bind_devices(nb::module_& m) {
       "list[tuple[str, str]]: the optional operands of every FFI target, in operand order, as "
       "(name, the attribute that says it is present) (JFM_OPTIONAL_OPERANDS in "
       "ffi/attention_ffi.h); contract.Operands must list the same.");
+}
+
+// The devices: FFI targets, availability, kernels, shader sources and one-off kernel runs.
+void bind_devices(nb::module_& m) {
+  m.def(
+      "ffi_targets",
+      [] {
+        nb::dict targets;
+        targets["jax_flash_metal_attention_fwd_emulator"] =
+            nb::capsule(reinterpret_cast<void*>(JfmAttentionFwdEmulator));
+        targets["jax_flash_metal_attention_bwd_emulator"] =
+            nb::capsule(reinterpret_cast<void*>(JfmAttentionBwdEmulator));
+#ifdef JFM_HAVE_METAL
+        targets["jax_flash_metal_attention_fwd_metal"] =
+            nb::capsule(reinterpret_cast<void*>(JfmAttentionFwdMetal));
+        targets["jax_flash_metal_attention_bwd_metal"] =
+            nb::capsule(reinterpret_cast<void*>(JfmAttentionBwdMetal));
+#endif
+        return targets;
+      },
+      "dict[str, PyCapsule]: XLA FFI handlers (api_version 1) of this build, by target name "
+      "jax_flash_metal_attention_{fwd,bwd}_{emulator,metal}; metal ones only in macOS builds.");
   m.def(
       "metal_available",
       [] {
@@ -453,6 +457,7 @@ NB_MODULE(_ext, m) {
   nb::module_ emulator = m.def_submodule("emulator", "MSL-on-CPU emulator (tests)");
   jfm::bind_emulator(emulator);
   jfm::bind_devices(m);
+  jfm::bind_contract(m);
   jfm::bind_emulator_controls(m);
   jfm::bind_planning(m);
   nb::module_ testing = m.def_submodule(
