@@ -36,10 +36,14 @@ def covering(seed=0, tries=20):
         values = [(f, (f in case.features) if f != "plan" else case.plan) for f, _ in factors]
         return {(a, b) for n, a in enumerate(values) for b in values[n + 1:]}
 
-    everything = set()
-    for _ in range(2000):  # every pair the cases can hold, by sampling
-        everything |= pairs_of(oc.Case({f for f in oc.FEATURES if rng.random() < 0.5},
-                                       rng.choice(oc.PLANS)))
+    def holds(pair):  # the smallest case with the pair's values holds it, unless refused
+        values = dict(pair)
+        case = oc.Case({f for f, on in values.items() if on is True}, values.get("plan", "tiled"))
+        return pair in pairs_of(case)
+
+    values = [(f, v) for f, levels in factors for v in levels]
+    everything = {(a, b) for n, a in enumerate(values) for b in values[n + 1:]
+                  if a[0] != b[0] and holds((a, b))}
     cases = []
     while everything:
         best = max((oc.Case({f for f in oc.FEATURES if rng.random() < 0.5},
