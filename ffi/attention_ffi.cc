@@ -185,10 +185,46 @@ ffi::Error check_attributes(const Attributes& o) {
   return ffi::Error::Success();
 }
 
-// The operands before the page table (attention_ffi.h's order).
-size_t operands_before_page_table(const Attributes& o) {
-  return size_t{o.has_q_lengths} + size_t{o.has_kv_lengths} + 2 * size_t{o.has_segment_ids} +
-         size_t{o.has_bias} + size_t{o.has_mask} + size_t{o.has_sinks};
+bool flag_set(bool flag) { return flag; }
+bool flag_set(double rate) { return rate > 0.0; }  // dropout_rate
+
+// JFM_OPTIONAL_OPERANDS's names, by Operand.
+const char* const kOperandNames[kOperandCount] = {
+#define JFM_OPERAND_NAME(name, flag) #name,
+    JFM_OPTIONAL_OPERANDS(JFM_OPERAND_NAME)
+#undef JFM_OPERAND_NAME
+};
+
+// Where each optional operand of a call is among the handler's remaining args: its position
+// (the present operands before it in JFM_OPTIONAL_OPERANDS's order), or -1 when absent.
+struct OperandSlots {
+  int index[kOperandCount];
+  size_t count = 0;  // the present operands
+};
+
+OperandSlots operand_slots(const Attributes& o) {
+  OperandSlots slots;
+  const bool present[kOperandCount] = {
+#define JFM_OPERAND_PRESENT(name, flag) flag_set(o.flag),
+      JFM_OPTIONAL_OPERANDS(JFM_OPERAND_PRESENT)
+#undef JFM_OPERAND_PRESENT
+  };
+  for (int n = 0; n < kOperandCount; ++n) {
+    slots.index[n] = present[n] ? static_cast<int>(slots.count++) : -1;
+  }
+  return slots;
+}
+
+// The present operand `id` of a call, from its own slot.
+ffi::ErrorOr<ffi::AnyBuffer> operand_at(ffi::RemainingArgs rest, const OperandSlots& slots,
+                                        Operand id) {
+  const std::string name = kOperandNames[id];
+  if (slots.index[id] < 0 || static_cast<size_t>(slots.index[id]) >= rest.size()) {
+    return ffi::Unexpected(invalid(name + ": operand missing"));
+  }
+  auto arg = rest.get<ffi::AnyBuffer>(static_cast<size_t>(slots.index[id]));
+  if (arg.has_error()) return ffi::Unexpected(invalid(name + ": " + arg.error().message()));
+  return arg.value();
 }
 
 // A paged call's table, ahead of the other optional operands (their shapes use the logical
@@ -201,10 +237,8 @@ ffi::Error read_page_table(ffi::RemainingArgs rest, const Attributes& o, Problem
     return invalid("page_table: page_size " + std::to_string(p->page_size) +
                    " is not a power of two >= 16 (the kernels' key blocks must tile pages)");
   }
-  const size_t index = operands_before_page_table(o);
-  if (index >= rest.size()) return invalid("page_table: operand missing");
-  auto arg = rest.get<ffi::AnyBuffer>(index);
-  if (arg.has_error()) return invalid("page_table: " + arg.error().message());
+  auto arg = operand_at(rest, operand_slots(o), kOperand_page_table);
+  if (arg.has_error()) return arg.error();
   auto dims = arg.value().dimensions();
   if (arg.value().element_type() != ffi::DataType::S32 || dims.size() != 2 ||
       dims[0] != p->batch) {
@@ -281,139 +315,129 @@ ffi::Error expect_broadcastable(const char* what, ffi::AnyBuffer buffer, const P
                  dims_string(full) + ", got shape " + dims_string(dims));
 }
 
-// Reads the optional operands after the main ones, in the contract's order (q_lengths,
-// kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks, alibi_slopes, page_table,
-// dropout; each present iff its flag is set), checks their dtypes and shapes, and prepares
-// their bindings and strides. One function for both directions, so both see one set of rules.
+// The call's operand count against its flags.
+ffi::Error check_operand_count(ffi::RemainingArgs rest, const OperandSlots& slots) {
+  if (rest.size() == slots.count) return ffi::Error::Success();
+  std::string names;
+  for (int n = 0; n < kOperandCount; ++n) {
+    if (slots.index[n] >= 0) names += std::string(names.empty() ? "" : ", ") + kOperandNames[n];
+  }
+  return invalid("expected " + std::to_string(slots.count) + " optional operand(s) after the " +
+                 "arrays (" + (names.empty() ? "none" : names) + ", by the has_* attributes " +
+                 "and dropout_rate), got " + std::to_string(rest.size()));
+}
+
+// A length operand int32 [B], copied for binding.
+ffi::Error copy_lengths(const char* what, ffi::AnyBuffer buffer, const Problem& p,
+                        std::vector<int32_t>* values) {
+  if (ffi::Error e = expect(what, buffer, ffi::DataType::S32, {p.batch}); e.failure()) return e;
+  const int32_t* data = static_cast<const int32_t*>(buffer.untyped_data());
+  std::copy(data, data + p.batch, values->begin());
+  return ffi::Error::Success();
+}
+
+ffi::Error check_bias(ffi::AnyBuffer b, const Problem& p, OptionalOperands* out) {
+  const ffi::DataType t = b.element_type();
+  if (t != p.dtype && t != ffi::DataType::F32) {
+    return invalid("bias must have the dtype of query (" + dtype_name(p.dtype) +
+                   ") or float32, got " + dtype_name(t));
+  }
+  if (ffi::Error e = expect_broadcastable("bias", b, p); e.failure()) return e;
+  out->bias_kind = t == p.dtype ? JFM_BIAS_OF_Q : JFM_BIAS_FLOAT32;
+  broadcast_strides(b.dimensions(), out->bias_strides);
+  return ffi::Error::Success();
+}
+
+ffi::Error check_mask(ffi::AnyBuffer b, const Problem& p, OptionalOperands* out) {
+  const ffi::DataType t = b.element_type();
+  if (t != ffi::DataType::PRED && t != ffi::DataType::U8) {
+    return invalid("mask must be bool or uint8 (0 = hidden), got " + dtype_name(t));
+  }
+  if (ffi::Error e = expect_broadcastable("mask", b, p); e.failure()) return e;
+  broadcast_strides(b.dimensions(), out->mask_strides);
+  return ffi::Error::Success();
+}
+
+// Checks the present operand `id`'s dtype and shape and keeps what the kernels need of it.
+ffi::Error check_operand(Operand id, ffi::AnyBuffer b, const Problem& p, OptionalOperands* out) {
+  const char* what = kOperandNames[id];
+  const ffi::DataType s32 = ffi::DataType::S32, f32 = ffi::DataType::F32;
+  switch (id) {
+    case kOperand_q_lengths:
+      return copy_lengths(what, b, p, &out->q_lengths);
+    case kOperand_kv_lengths:
+      return copy_lengths(what, b, p, &out->kv_lengths);
+    case kOperand_q_segment_ids:
+      return expect(what, b, s32, {p.batch, p.q_len});
+    case kOperand_kv_segment_ids:
+      return expect(what, b, s32, {p.batch, p.kv_len});
+    case kOperand_bias:
+      return check_bias(b, p, out);
+    case kOperand_mask:
+      return check_mask(b, p, out);
+    case kOperand_sinks:
+      out->sinks = static_cast<const float*>(b.untyped_data());
+      return expect(what, b, f32, {p.heads});
+    case kOperand_alibi_slopes:
+      return expect(what, b, f32, {p.batch, p.heads});
+    case kOperand_page_table:  // checked by read_page_table
+      return ffi::Error::Success();
+    case kOperand_dropout:
+      return expect(what, b, ffi::DataType::U32, {p.batch, p.heads, 4});
+    case kOperandCount:
+      break;
+  }
+  return invalid(std::string("no check for the optional operand ") + what);
+}
+
+// The kernel buffer an optional operand is bound to in place; -1 for the lengths, which are
+// copied (with_optional binds them).
+int buffer_of(Operand id) {
+  switch (id) {
+    case kOperand_q_segment_ids:
+      return JFM_BUFFER_Q_SEGMENT_IDS;
+    case kOperand_kv_segment_ids:
+      return JFM_BUFFER_KV_SEGMENT_IDS;
+    case kOperand_bias:
+      return JFM_BUFFER_BIAS;
+    case kOperand_mask:
+      return JFM_BUFFER_MASK;
+    case kOperand_sinks:
+      return JFM_BUFFER_SINKS;
+    case kOperand_alibi_slopes:
+      return JFM_BUFFER_ALIBI_SLOPES;
+    case kOperand_page_table:
+      return JFM_BUFFER_PAGE_TABLE;
+    case kOperand_dropout:
+      return JFM_BUFFER_DROPOUT;
+    default:
+      return -1;
+  }
+}
+
+// Reads the optional operands after the main ones (JFM_OPTIONAL_OPERANDS), each from its own
+// slot (operand_slots), checks their dtypes and shapes, and prepares their bindings and
+// strides. One function for both directions, so both see one set of rules.
 ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Problem& p,
                          OptionalOperands* out) {
-  const size_t length_operands = size_t{o.has_q_lengths} + size_t{o.has_kv_lengths};
-  const bool has_dropout = o.dropout_rate > 0.0;
-  const size_t feature_operands = 2 * size_t{o.has_segment_ids} + size_t{o.has_bias} +
-                                  size_t{o.has_mask} + size_t{o.has_sinks} +
-                                  size_t{o.has_alibi} + size_t{o.has_page_table} +
-                                  size_t{has_dropout};
-  if (rest.size() != length_operands + feature_operands) {
-    return invalid("expected " + std::to_string(length_operands) + " length operand(s) and " +
-                   std::to_string(feature_operands) + " feature operand(s) after the arrays " +
-                   "(has_q_lengths=" + std::to_string(o.has_q_lengths) +
-                   ", has_kv_lengths=" + std::to_string(o.has_kv_lengths) +
-                   ", has_segment_ids=" + std::to_string(o.has_segment_ids) +
-                   ", has_bias=" + std::to_string(o.has_bias) +
-                   ", has_mask=" + std::to_string(o.has_mask) +
-                   ", has_sinks=" + std::to_string(o.has_sinks) +
-                   ", has_alibi=" + std::to_string(o.has_alibi) +
-                   ", has_page_table=" + std::to_string(o.has_page_table) +
-                   ", dropout_rate=" + std::to_string(o.dropout_rate) + "), got " +
-                   std::to_string(rest.size()));
-  }
-  size_t next = 0;
-  // Takes the next operand and hands it to `use`.
-  auto take = [&](const char* what, auto use) -> ffi::Error {
-    auto arg = rest.get<ffi::AnyBuffer>(next++);
-    if (arg.has_error()) return invalid(std::string(what) + ": " + arg.error().message());
-    return use(arg.value());
-  };
-  auto lengths = [&](bool present, const char* what, int64_t full,
-                     std::vector<int32_t>* values) -> ffi::Error {
-    values->assign(static_cast<size_t>(std::max<int64_t>(p.batch, 1)),
-                   static_cast<int32_t>(full));
-    if (!present) return ffi::Error::Success();
-    return take(what, [&](ffi::AnyBuffer buffer) {
-      if (ffi::Error e = expect(what, buffer, ffi::DataType::S32, {p.batch}); e.failure()) {
-        return e;
-      }
-      const int32_t* data = static_cast<const int32_t*>(buffer.untyped_data());
-      std::copy(data, data + p.batch, values->begin());
-      return ffi::Error::Success();
-    });
-  };
-  if (ffi::Error e = lengths(o.has_q_lengths, "q_lengths", p.q_len, &out->q_lengths);
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = lengths(o.has_kv_lengths, "kv_lengths", p.kv_len, &out->kv_lengths);
-      e.failure()) {
-    return e;
-  }
-  // A present feature operand, checked, bound read-only in place; an absent one, the placeholder.
-  auto feature = [&](bool present, const char* what, int index,
-                     auto check) -> ffi::Error {
-    if (!present) {
-      out->features.push_back(out->unused(index));
-      return ffi::Error::Success();
+  const OperandSlots slots = operand_slots(o);
+  if (ffi::Error e = check_operand_count(rest, slots); e.failure()) return e;
+  const size_t rows = static_cast<size_t>(std::max<int64_t>(p.batch, 1));
+  out->q_lengths.assign(rows, static_cast<int32_t>(p.q_len));
+  out->kv_lengths.assign(rows, static_cast<int32_t>(p.kv_len));
+  for (int n = 0; n < kOperandCount; ++n) {
+    const Operand id = static_cast<Operand>(n);
+    const int buffer = buffer_of(id);
+    if (slots.index[id] < 0) {  // absent: a bound placeholder nothing reads (its flag is 0)
+      if (buffer >= 0) out->features.push_back(out->unused(buffer));
+      continue;
     }
-    return take(what, [&](ffi::AnyBuffer buffer) {
-      if (ffi::Error e = check(buffer); e.failure()) return e;
-      out->features.push_back(whole(index, buffer, false));
-      return ffi::Error::Success();
-    });
-  };
-  const ffi::DataType s32 = ffi::DataType::S32;
-  if (ffi::Error e = feature(o.has_segment_ids, "q_segment_ids", JFM_BUFFER_Q_SEGMENT_IDS,
-                             [&](ffi::AnyBuffer b) {
-                               return expect("q_segment_ids", b, s32, {p.batch, p.q_len});
-                             });
-      e.failure()) {
-    return e;
+    auto arg = operand_at(rest, slots, id);
+    if (arg.has_error()) return arg.error();
+    if (ffi::Error e = check_operand(id, arg.value(), p, out); e.failure()) return e;
+    if (buffer >= 0) out->features.push_back(whole(buffer, arg.value(), false));
   }
-  if (ffi::Error e = feature(o.has_segment_ids, "kv_segment_ids", JFM_BUFFER_KV_SEGMENT_IDS,
-                             [&](ffi::AnyBuffer b) {
-                               return expect("kv_segment_ids", b, s32, {p.batch, p.kv_len});
-                             });
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = feature(o.has_bias, "bias", JFM_BUFFER_BIAS, [&](ffi::AnyBuffer b) {
-        const ffi::DataType t = b.element_type();
-        if (t != p.dtype && t != ffi::DataType::F32) {
-          return invalid("bias must have the dtype of query (" + dtype_name(p.dtype) +
-                         ") or float32, got " + dtype_name(t));
-        }
-        if (ffi::Error e = expect_broadcastable("bias", b, p); e.failure()) return e;
-        out->bias_kind = t == p.dtype ? JFM_BIAS_OF_Q : JFM_BIAS_FLOAT32;
-        broadcast_strides(b.dimensions(), out->bias_strides);
-        return ffi::Error::Success();
-      });
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = feature(o.has_mask, "mask", JFM_BUFFER_MASK, [&](ffi::AnyBuffer b) {
-        const ffi::DataType t = b.element_type();
-        if (t != ffi::DataType::PRED && t != ffi::DataType::U8) {
-          return invalid("mask must be bool or uint8 (0 = hidden), got " + dtype_name(t));
-        }
-        if (ffi::Error e = expect_broadcastable("mask", b, p); e.failure()) return e;
-        broadcast_strides(b.dimensions(), out->mask_strides);
-        return ffi::Error::Success();
-      });
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = feature(o.has_sinks, "sinks", JFM_BUFFER_SINKS, [&](ffi::AnyBuffer b) {
-        out->sinks = static_cast<const float*>(b.untyped_data());
-        return expect("sinks", b, ffi::DataType::F32, {p.heads});
-      });
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = feature(o.has_alibi, "alibi_slopes", JFM_BUFFER_ALIBI_SLOPES,
-                             [&](ffi::AnyBuffer b) {
-                               return expect("alibi_slopes", b, ffi::DataType::F32,
-                                             {p.batch, p.heads});
-                             });
-      e.failure()) {
-    return e;
-  }
-  // Checked by read_page_table; bound in place.
-  if (ffi::Error e = feature(o.has_page_table, "page_table", JFM_BUFFER_PAGE_TABLE,
-                             [&](ffi::AnyBuffer) { return ffi::Error::Success(); });
-      e.failure()) {
-    return e;
-  }
-  return feature(has_dropout, "dropout", JFM_BUFFER_DROPOUT, [&](ffi::AnyBuffer b) {
-    return expect("dropout", b, ffi::DataType::U32, {p.batch, p.heads, 4});
-  });
+  return ffi::Error::Success();
 }
 
 ffi::Error require_kernel(Device& device, const std::string& kernel, const Problem& p) {

@@ -47,7 +47,33 @@
   X(bool, bias_grad)          \
   X(bool, alibi_grad)
 
+// The optional operands after the main ones, once, in their operand order: X(name, flag) each,
+// present exactly when the attribute `flag` is set (dropout_rate: when > 0). A handler finds an
+// operand among its remaining args from this list (operand_slots in attention_ffi.cc), never by
+// counting; jax_flash_metal/contract.py's Operands is the same list on the Python side, with
+// the same flags (the extension lists this one: _ext.optional_operands(); tests/test_ffi.py
+// checks the two agree).
+#define JFM_OPTIONAL_OPERANDS(X)     \
+  X(q_lengths, has_q_lengths)        \
+  X(kv_lengths, has_kv_lengths)      \
+  X(q_segment_ids, has_segment_ids)  \
+  X(kv_segment_ids, has_segment_ids) \
+  X(bias, has_bias)                  \
+  X(mask, has_mask)                  \
+  X(sinks, has_sinks)                \
+  X(alibi_slopes, has_alibi)         \
+  X(page_table, has_page_table)      \
+  X(dropout, dropout_rate)
+
 namespace jfm {
+
+// JFM_OPTIONAL_OPERANDS's entries, in order; kOperandCount counts them.
+enum Operand : int {
+#define JFM_OPERAND_ENUMERATOR(name, flag) kOperand_##name,
+  JFM_OPTIONAL_OPERANDS(JFM_OPERAND_ENUMERATOR)
+#undef JFM_OPERAND_ENUMERATOR
+  kOperandCount
+};
 
 // The attributes of a call, decoded by XLA (XLA_FFI_REGISTER_STRUCT_ATTR_DECODING): one field
 // per JFM_FFI_ATTRIBUTES entry, in its order.

@@ -80,6 +80,34 @@ void run_kernel(const std::string& implementation, const std::string& kernel, nb
   if (!error.empty()) throw std::runtime_error(error);
 }
 
+// The contract of the FFI targets as the handlers take it: attributes and optional operands.
+void bind_contract(nb::module_& m) {
+  m.def(
+      "ffi_attributes",
+      [] {
+        std::vector<std::pair<std::string, std::string>> attributes;
+#define JFM_ATTRIBUTE_ENTRY(type, name) attributes.emplace_back(#name, #type);
+        JFM_FFI_ATTRIBUTES(JFM_ATTRIBUTE_ENTRY)
+#undef JFM_ATTRIBUTE_ENTRY
+        return attributes;
+      },
+      "list[tuple[str, str]]: the static attributes of every FFI target, in order, as (name, C++ "
+      "type): float is f32, int32_t i32, bool pred (JFM_FFI_ATTRIBUTES in ffi/attention_ffi.h). "
+      "The lowering builds its attributes from this list.");
+  m.def(
+      "optional_operands",
+      [] {
+        std::vector<std::pair<std::string, std::string>> operands;
+#define JFM_OPERAND_ENTRY(name, flag) operands.emplace_back(#name, #flag);
+        JFM_OPTIONAL_OPERANDS(JFM_OPERAND_ENTRY)
+#undef JFM_OPERAND_ENTRY
+        return operands;
+      },
+      "list[tuple[str, str]]: the optional operands of every FFI target, in operand order, as "
+      "(name, the attribute that says it is present) (JFM_OPTIONAL_OPERANDS in "
+      "ffi/attention_ffi.h); contract.Operands must list the same.");
+}
+
 // The devices: FFI targets, availability, kernels, shader sources and one-off kernel runs.
 void bind_devices(nb::module_& m) {
   m.def(
@@ -100,18 +128,6 @@ void bind_devices(nb::module_& m) {
       },
       "dict[str, PyCapsule]: XLA FFI handlers (api_version 1) of this build, by target name "
       "jax_flash_metal_attention_{fwd,bwd}_{emulator,metal}; metal ones only in macOS builds.");
-  m.def(
-      "ffi_attributes",
-      [] {
-        std::vector<std::pair<std::string, std::string>> attributes;
-#define JFM_ATTRIBUTE_ENTRY(type, name) attributes.emplace_back(#name, #type);
-        JFM_FFI_ATTRIBUTES(JFM_ATTRIBUTE_ENTRY)
-#undef JFM_ATTRIBUTE_ENTRY
-        return attributes;
-      },
-      "list[tuple[str, str]]: the static attributes of every FFI target, in order, as (name, C++ "
-      "type): float is f32, int32_t i32, bool pred (JFM_FFI_ATTRIBUTES in ffi/attention_ffi.h). "
-      "The lowering builds its attributes from this list.");
   m.def(
       "metal_available",
       [] {
@@ -441,6 +457,7 @@ NB_MODULE(_ext, m) {
   nb::module_ emulator = m.def_submodule("emulator", "MSL-on-CPU emulator (tests)");
   jfm::bind_emulator(emulator);
   jfm::bind_devices(m);
+  jfm::bind_contract(m);
   jfm::bind_emulator_controls(m);
   jfm::bind_planning(m);
   nb::module_ testing = m.def_submodule(

@@ -7,7 +7,7 @@ docs/design.md#the-contract.
 from __future__ import annotations
 
 import typing
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 Implementation = Literal["xla", "emulator", "metal"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
@@ -16,11 +16,6 @@ UNBOUNDED = -1  # window bound sentinel, same value as JFM_UNBOUNDED in shaders/
 # The main operands of each direction's primitive, before the optional ones (Operands).
 MAIN_OPERANDS = {"fwd": ("q", "k", "v"),
                  "bwd": ("q", "k", "v", "o", "lse", "row_max", "log_sum", "do", "g_lse")}
-
-# The static flags that say which optional operands a call has (Operands.flags's arguments).
-FLAG_NAMES = ("has_q_lengths", "has_kv_lengths", "has_segment_ids", "has_bias", "has_mask",
-              "has_sinks", "has_alibi", "has_page_table",
-              "dropout_rate")  # a dropout operand exactly when the rate is > 0
 
 
 # The static params that are no FFI attribute: the implementation picks the FFI target, and the
@@ -55,7 +50,11 @@ class StaticParams(NamedTuple):
 
 class Operands(NamedTuple):
     """The optional array operands of both primitives, in their operand order (after the main
-    ones); each is None when absent, and present exactly when its ``has_*`` flag is True.
+    ones): the one list of them, each field annotated with the static param that says it is
+    present (``OPERAND_FLAGS``; dropout: ``dropout_rate`` > 0). Each is None when absent.
+    ffi/attention_ffi.h's JFM_OPTIONAL_OPERANDS is this list for the FFI handlers
+    (tests/test_ffi.py checks that they agree); every operand position on either side is derived
+    from it (``operand_roles``), never counted.
 
     q_lengths, kv_lengths: int32 [B]. q_segment_ids: int32 [B, Tq]; kv_segment_ids: int32
     [B, Tkv] (both or neither: ``has_segment_ids``). bias: float [b, h, tq, tkv] and mask: bool
@@ -67,40 +66,40 @@ class Operands(NamedTuple):
     """
 
     # Each a JAX array (validation) or an abstract value (primitive rules), hence Any.
-    q_lengths: Any = None
-    kv_lengths: Any = None
-    q_segment_ids: Any = None
-    kv_segment_ids: Any = None
-    bias: Any = None
-    mask: Any = None
-    sinks: Any = None
-    alibi_slopes: Any = None
-    page_table: Any = None
-    dropout: Any = None
-
-    @staticmethod
-    def flags(has_q_lengths, has_kv_lengths, has_segment_ids, has_bias, has_mask, has_sinks,
-              has_alibi, has_page_table, dropout_rate=0.0):
-        """Which fields are present, in field order, from the primitives' has_* params."""
-        return tuple(bool(f) for f in (has_q_lengths, has_kv_lengths, has_segment_ids,
-                                        has_segment_ids, has_bias, has_mask, has_sinks,
-                                        has_alibi, has_page_table, dropout_rate > 0))
+    q_lengths: Annotated[Any, "has_q_lengths"] = None
+    kv_lengths: Annotated[Any, "has_kv_lengths"] = None
+    q_segment_ids: Annotated[Any, "has_segment_ids"] = None
+    kv_segment_ids: Annotated[Any, "has_segment_ids"] = None
+    bias: Annotated[Any, "has_bias"] = None
+    mask: Annotated[Any, "has_mask"] = None
+    sinks: Annotated[Any, "has_sinks"] = None
+    alibi_slopes: Annotated[Any, "has_alibi"] = None
+    page_table: Annotated[Any, "has_page_table"] = None
+    dropout: Annotated[Any, "dropout_rate"] = None
 
     def present(self):
         return [x for x in self if x is not None]
 
     @classmethod
     def from_list(cls, xs, flags):
-        """Inverse of ``present`` for the given ``flags``; checks the count."""
+        """Inverse of ``present`` for the given ``flags`` (``operand_flags``); checks the
+        count."""
         xs = list(xs)
         if len(xs) != sum(flags):
             raise ValueError(f"expected {sum(flags)} optional operands, got {len(xs)}")
         return cls(*(xs.pop(0) if f else None for f in flags))
 
 
+# Each Operands field's presence flag, a StaticParams field, in operand order.
+OPERAND_FLAGS: dict[str, str] = {
+    name: hint.__metadata__[0]
+    for name, hint in typing.get_type_hints(Operands, include_extras=True).items()}
+
+
 def operand_flags(params) -> tuple[bool, ...]:
-    """``Operands.flags`` of a primitive's static ``params`` (absent flags are False)."""
-    return Operands.flags(*(params.get(f, False) for f in FLAG_NAMES))
+    """Which ``Operands`` fields a primitive's static ``params`` say are present, in field
+    order (an absent flag is False; a rate is present when > 0)."""
+    return tuple(params.get(flag, False) > 0 for flag in OPERAND_FLAGS.values())
 
 
 def operand_roles(direction: str, params) -> list[str]:

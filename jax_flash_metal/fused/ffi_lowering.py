@@ -23,7 +23,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 import jax_flash_metal._ext as _ext  # a module import: mypy takes the unbuilt extension as Any
-from ..core.contract import MAIN_OPERANDS, operand_roles
+from ..core.contract import MAIN_OPERANDS, OPERAND_FLAGS, operand_roles
 from ..core._jax_private import ShapedArray
 
 _DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
@@ -41,6 +41,12 @@ try:
 except Exception as e:  # e.g. an extension built against newer XLA FFI headers than this jaxlib
     raise ImportError(f"jaxlib {jax.lib.__version__} refused the extension's FFI handlers: {e}. "
                       "Rebuild jax_flash_metal against this jaxlib.") from e
+
+# The handlers find each optional operand by this list (JFM_OPTIONAL_OPERANDS): an extension
+# built from another list would read operands from the wrong slots.
+if _ext.optional_operands() != list(OPERAND_FLAGS.items()):
+    raise ImportError(f"the extension's optional operands {_ext.optional_operands()} are not "
+                      f"contract.Operands's {list(OPERAND_FLAGS.items())}: rebuild jax_flash_metal")
 
 SCHEDULE_ENV = "JAX_FLASH_METAL_EMULATOR_SCHEDULE"
 

@@ -47,7 +47,7 @@ def _split(prim, args, params):
     try:
         return list(args[:n]), Operands.from_list(args[n:], flags)
     except ValueError as e:
-        named = dict(zip(contract.FLAG_NAMES, flags))
+        named = dict(zip(Operands._fields, flags))
         raise ValueError(f"{prim.name}: {e} for {named}") from None
 
 

@@ -249,3 +249,19 @@ def test_fused_implementations_refuse_other_page_sizes(monkeypatch):
     monkeypatch.delenv("JAX_FLASH_METAL_IMPLEMENTATION", raising=False)
     monkeypatch.setattr(dispatch, "_PREFERENCE", ("emulator",))
     check(q, cache, lengths)
+
+
+@pytest.mark.parametrize("q_len", [1, 64], ids=["decode", "tiled"])
+@pytest.mark.parametrize("band", [{}, dict(is_causal=True, local_window_size=(200, 0),
+                                           causal_alignment="bottom_right")],
+                         ids=["full", "causal-window"])
+def test_paged_cache_with_alibi_slopes(implementation, q_len, band):
+    """Pages of 256 float16 keys with per-row ALiBi slopes, as a user passes them: the slopes
+    reach their own operand slot (not the page table's) on every implementation, for the decode
+    and the tiled forward."""
+    k = jax.random.normal(jax.random.key(0), (6, 256, 6, 32), jnp.float16)
+    table = np.array([[0, 2, 4], [1, 3, 5]], np.int32)
+    q = jax.random.normal(jax.random.key(1), (2, q_len, 6, 32), jnp.float16)
+    contiguous = k[table].reshape(2, 3 * 256, 6, 32)
+    check(q, (k, k, table, contiguous, contiguous), np.array([700, 300]),
+          alibi_slopes=np.full((2, 6), 0.1, np.float32), implementation=implementation, **band)

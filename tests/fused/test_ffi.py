@@ -25,7 +25,7 @@ ext = pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import flash_attention
 from jax_flash_metal.fused import ffi_lowering  # noqa: E402
 from jax_flash_metal import reference_attention  # noqa: E402
-from jax_flash_metal.core.contract import HOST_ONLY_PARAMS, StaticParams  # noqa: E402
+from jax_flash_metal.core.contract import HOST_ONLY_PARAMS, OPERAND_FLAGS, StaticParams  # noqa: E402
 from jax_flash_metal.lowering.dispatch import ENV_IMPLEMENTATION as ENV  # noqa: E402
 from jax_flash_metal.lowering import dispatch
 from ffi_targets import (BWD, FWD, attributes, bwd_call, forward_workspace,  # noqa: E402
@@ -170,8 +170,9 @@ _LENGTH = jnp.ones((1,), jnp.int32)
     ((_Q, _K, _K), dict(window_left=np.int32(-2)), "window_left/window_right must be >= 0"),
     ((_Q, _K, _K), dict(bias_grad=True), "bias_grad and alibi_grad are the backward's"),
     ((_Q, _K, _K), dict(alibi_grad=True), "bias_grad and alibi_grad are the backward's"),
-    ((_Q, _K, _K), dict(has_q_lengths=True), "expected 1 length operand"),
-    ((_Q, _K, _K, jnp.zeros((1,), jnp.int32)), dict(), "expected 0 length operand"),
+    ((_Q, _K, _K), dict(has_q_lengths=True),
+     r"expected 1 optional operand\(s\) after the arrays \(q_lengths,"),
+    ((_Q, _K, _K, jnp.zeros((1,), jnp.int32)), dict(), "expected 0 optional operand"),
     ((_Q, _K, _K, jnp.zeros((2,), jnp.int32)), dict(has_kv_lengths=True),
      r"kv_lengths must be int32 \[1\]"),
     ((_Q, _K, _K, jnp.zeros((1,), jnp.float32)), dict(has_q_lengths=True),
@@ -233,6 +234,13 @@ def test_ffi_attributes_are_the_static_params():
     assert names == [*(f for f in StaticParams._fields if f not in HOST_ONLY_PARAMS), "bias_grad",
                      "alibi_grad"]
     assert set(attributes()) == set(names)  # the direct calls' helper (ffi_targets.attributes)
+
+
+def test_ffi_optional_operands_are_the_contracts():
+    """One list of optional operands: the handlers' (JFM_OPTIONAL_OPERANDS, as the extension
+    lists it) is contract.Operands's, in the same order, each with the same flag."""
+    assert ext.optional_operands() == list(OPERAND_FLAGS.items())
+    assert set(OPERAND_FLAGS.values()) <= set(StaticParams._fields)
 
 
 def test_lowering_types_attributes_exactly_under_x64():

@@ -302,8 +302,8 @@ _IDS = (jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 5), jnp.int32))
 
 
 @pytest.mark.parametrize("operands,attrs,message", [
-    ((), dict(has_mask=True), r"expected 0 length operand\(s\) and 1 feature operand"),
-    (_IDS, dict(), r"expected 0 length operand\(s\) and 0 feature operand"),
+    ((), dict(has_mask=True), r"expected 1 optional operand\(s\) after the arrays \(mask,"),
+    (_IDS, dict(), r"expected 0 optional operand\(s\) after the arrays \(none,"),
     ((_IDS[1], _IDS[1]), dict(has_segment_ids=True), r"q_segment_ids must be int32 \[1, 4\]"),
     ((_IDS[0], _IDS[0].astype(jnp.float32)), dict(has_segment_ids=True),
      r"kv_segment_ids must be int32 \[1, 5\], got float32"),

@@ -46,7 +46,7 @@ def fwd_call(q, k, v, *lengths, lse_shape=None, residual_shape=None, workspace=N
     residual = jax.ShapeDtypeStruct(residual_shape or (b, h, tq), jnp.float32)
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype),
            jax.ShapeDtypeStruct(lse_shape or (b, h, tq), jnp.float32), residual, residual,
-           workspace or forward_workspace(q, k))
+           forward_workspace(q, k) if workspace is None else workspace)
     o, lse, row_max, log_sum, _ = jax.block_until_ready(
         jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **attributes(**attrs)))
     return o, lse, (row_max, log_sum)
