@@ -8,6 +8,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -495,23 +496,26 @@ ffi::Error require_kernels(Device& device, const std::vector<StageShape>& stages
   return ffi::Error::Success();
 }
 
-ffi::Error run(Device& device, const std::vector<Submission>& submissions) {
-  std::string error = device.run(submissions);
-  if (error.empty()) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kInternal,
-                    std::string("jax_flash_metal: ") + device.kind() + " device error: " + error);
-}
-
-// Runs the stages (stage i binds buffers[i]) in the submissions of the dispatch plan, each
-// chunk with its offsets in AttentionParams.
-ffi::Error run_stages(Device& device, const Problem& p, const Attributes& o,
-                      const OptionalOperands& x, const std::vector<StageShape>& stages,
-                      const std::vector<std::vector<Binding>>& buffers, int64_t splits = 0) {
-  AttentionParams base = make_params(p, o, x);
-  base.splits = static_cast<uint32_t>(splits);
+// One handler call from validation until the device reports: the optional operands' host
+// arrays, which the bindings point into (so they stay in place until the run has finished), the
+// submissions, and the promise behind the future the handler returns.
+struct PendingCall {
+  OptionalOperands x;
   std::vector<Submission> submissions;
+  ffi::Promise promise;
+};
+
+// Appends to call->submissions the stages (stage i binds buffers[i]) in the submissions of the
+// dispatch plan, each chunk with its offsets in AttentionParams.
+void plan_stages(Device& device, const Problem& p, const Attributes& o,
+                 const std::vector<StageShape>& stages,
+                 const std::vector<std::vector<Binding>>& buffers, PendingCall* call,
+                 int64_t splits = 0) {
+  AttentionParams base = make_params(p, o, call->x);
+  base.splits = static_cast<uint32_t>(splits);
   for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
     Submission submission;
+    submission.reserve(chunks.size());
     for (const Chunk& chunk : chunks) {
       const StageShape& stage = stages[chunk.stage];
       AttentionParams params = base;
@@ -530,9 +534,39 @@ ffi::Error run_stages(Device& device, const Problem& p, const Attributes& o,
       submission.push_back(std::move(d));
     }
     mark_barriers(&submission);
-    submissions.push_back(std::move(submission));
+    call->submissions.push_back(std::move(submission));
   }
-  return run(device, submissions);
+}
+
+// The future of a call that finished (or failed) before reaching the device.
+ffi::Future finished(ffi::Error error) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (error.failure()) {
+    promise.SetError(std::move(error));
+  } else {
+    promise.SetAvailable();
+  }
+  return future;
+}
+
+// Starts the call's submissions on the device; the future completes when the device reports
+// (a device error becomes an FFI error, naming the kernel as the device's message does).
+ffi::Future launch(Device& device, std::shared_ptr<PendingCall> call) {
+  if (call->submissions.empty()) return finished(ffi::Error::Success());
+  ffi::Future future(call->promise);
+  const char* kind = device.kind();
+  std::vector<Submission> submissions = std::move(call->submissions);
+  device.run_async(std::move(submissions), [call, kind](const std::string& error) {
+    if (error.empty()) {
+      call->promise.SetAvailable();
+    } else {
+      call->promise.SetError(ffi::Error(
+          ffi::ErrorCode::kInternal,
+          std::string("jax_flash_metal: ") + kind + " device error: " + error));
+    }
+  });
+  return future;
 }
 
 ffi::Error unavailable(const std::string& why) {
@@ -561,10 +595,11 @@ void write_empty_rows(const Problem& p, const float* sinks, ffi::AnyBuffer o, ff
   }
 }
 
+// Validates a forward call and plans it into call->submissions (none when nothing is to run).
 ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::RemainingArgs rest, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                    ffi::AnyBuffer row_max, ffi::AnyBuffer log_sum, ffi::AnyBuffer workspace,
-                   const Attributes& opt) {
+                   const Attributes& opt, PendingCall* call) {
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, opt.has_page_table, &p); e.failure()) return e;
   if (ffi::Error e = check_attributes(opt); e.failure()) return e;
@@ -587,7 +622,7 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
       e.failure()) {
     return e;
   }
-  OptionalOperands x;
+  OptionalOperands& x = call->x;
   if (ffi::Error e = read_optional(rest, opt, p, &x); e.failure()) return e;
 
   if (p.batch == 0 || p.q_len == 0 || p.heads == 0) return ffi::Error::Success();  // empty
@@ -603,23 +638,27 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
                 bmax = whole(JFM_BUFFER_ROW_MAX, row_max, true),
                 bsum = whole(JFM_BUFFER_LOG_SUM, log_sum, true);
   if (splits == 0) {
-    return run_stages(*device, p, opt, x, stages,
-                      {with_optional({bq, bk, bv, bo, blse, bmax, bsum}, x)});
+    plan_stages(*device, p, opt, stages, {with_optional({bq, bk, bv, bo, blse, bmax, bsum}, x)},
+                call);
+    return ffi::Error::Success();
   }
   // Decode: pass 1 writes the workspace that pass 2 combines (with the sinks).
-  return run_stages(
-      *device, p, opt, x, stages,
+  plan_stages(
+      *device, p, opt, stages,
       {with_optional({bq, bk, bv, whole(JFM_BUFFER_WORKSPACE, workspace, true)}, x),
        with_optional({whole(JFM_BUFFER_WORKSPACE, workspace, false), bo, blse, bmax, bsum}, x)},
-      splits);
+      call, splits);
+  return ffi::Error::Success();
 }
 
+// Validates a backward call and plans it into call->submissions (none when nothing is to run).
 ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer o, ffi::AnyBuffer row_max, ffi::AnyBuffer log_sum,
                     ffi::AnyBuffer d_o, ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                     ffi::AnyBuffer dq,
                     ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer dbias,
-                    ffi::AnyBuffer dalibi, ffi::AnyBuffer delta, const Attributes& opt) {
+                    ffi::AnyBuffer dalibi, ffi::AnyBuffer delta, const Attributes& opt,
+                    PendingCall* call) {
   if (opt.has_page_table) {
     return invalid("a paged K/V cache (has_page_table) has no backward: the forward only");
   }
@@ -642,7 +681,7 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
         std::make_tuple("workspace delta", delta, f32, p.row_shape())}) {
     if (ffi::Error e = expect(what, buffer, dtype, shape); e.failure()) return e;
   }
-  OptionalOperands x;
+  OptionalOperands& x = call->x;
   if (ffi::Error e = read_optional(rest, opt, p, &x); e.failure()) return e;
 
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();  // every output is empty
@@ -677,29 +716,38 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
                                 whole(JFM_BUFFER_DELTA, delta, false),
                                 whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)},
                                x));
-  return run_stages(*device, p, opt, x, stages, buffers);
+  plan_stages(*device, p, opt, stages, buffers, call);
+  return ffi::Error::Success();
 }
 
 // Handler bodies, one per (direction, device); the device getter is a template argument so the
-// same validation and plan serve both devices.
+// same validation and plan serve both devices. Each validates and plans on XLA's thread, starts
+// the device and returns a future the device completes (asynchronous FFI handlers: XLA:CPU runs
+// independent work of the program meanwhile), or an already failed one for invalid input.
 template <Device* (*GetDevice)(std::string*)>
-ffi::Error forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Future forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
                            ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> row_max,
                            ffi::Result<ffi::AnyBuffer> log_sum,
                            ffi::Result<ffi::AnyBuffer> workspace, Attributes attributes) {
   if (attributes.bias_grad || attributes.alibi_grad) {
-    return invalid("bias_grad and alibi_grad are the backward's attributes (the forward has no "
-                   "dbias or dalibi result)");
+    return finished(invalid("bias_grad and alibi_grad are the backward's attributes (the "
+                            "forward has no dbias or dalibi result)"));
   }
   std::string why;
   Device* device = GetDevice(&why);
-  if (device == nullptr) return unavailable(why);
-  return forward(device, q, k, v, rest, *o, *lse, *row_max, *log_sum, *workspace, attributes);
+  if (device == nullptr) return finished(unavailable(why));
+  auto call = std::make_shared<PendingCall>();
+  if (ffi::Error e = forward(device, q, k, v, rest, *o, *lse, *row_max, *log_sum, *workspace,
+                             attributes, call.get());
+      e.failure()) {
+    return finished(std::move(e));
+  }
+  return launch(*device, std::move(call));
 }
 
 template <Device* (*GetDevice)(std::string*)>
-ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Future backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::AnyBuffer o, ffi::AnyBuffer row_max, ffi::AnyBuffer log_sum,
                             ffi::AnyBuffer d_o, ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
@@ -707,16 +755,21 @@ ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
                             ffi::Result<ffi::AnyBuffer> dalibi,
                             ffi::Result<ffi::AnyBuffer> delta, Attributes attributes) {
   if (attributes.bias_grad && !attributes.has_bias) {
-    return invalid("bias_grad needs has_bias (a bias operand)");
+    return finished(invalid("bias_grad needs has_bias (a bias operand)"));
   }
   if (attributes.alibi_grad && !attributes.has_alibi) {
-    return invalid("alibi_grad needs has_alibi (an alibi_slopes operand)");
+    return finished(invalid("alibi_grad needs has_alibi (an alibi_slopes operand)"));
   }
   std::string why;
   Device* device = GetDevice(&why);
-  if (device == nullptr) return unavailable(why);
-  return backward(device, q, k, v, o, row_max, log_sum, d_o, g_lse, rest, *dq, *dk, *dv, *dbias,
-                  *dalibi, *delta, attributes);
+  if (device == nullptr) return finished(unavailable(why));
+  auto call = std::make_shared<PendingCall>();
+  if (ffi::Error e = backward(device, q, k, v, o, row_max, log_sum, d_o, g_lse, rest, *dq, *dk,
+                              *dv, *dbias, *dalibi, *delta, attributes, call.get());
+      e.failure()) {
+    return finished(std::move(e));
+  }
+  return launch(*device, std::move(call));
 }
 
 auto forward_binding() {

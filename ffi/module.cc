@@ -74,7 +74,7 @@ void run_kernel(const std::string& implementation, const std::string& kernel, nb
     if (!device.has_kernel(kernel)) {
       error = "no kernel '" + kernel + "' on " + device.kind() + ": " + device.library_error();
     } else {
-      error = device.run({Submission{d}});
+      error = run_and_wait(device, {Submission{d}});
     }
   }
   if (!error.empty()) throw std::runtime_error(error);

@@ -42,6 +42,12 @@ void bind_testing(nb::module_& m) {
       "set_emulator_fault", [](const std::string& kernel) { set_emulator_fault(kernel); },
       nb::arg("kernel"),
       "Emulated runs of this kernel fail with a device error ('' turns it off).");
+  m.def("set_emulator_hold", &set_emulator_hold, nb::arg("on"),
+        "While on, every emulated run waits on its worker thread until the hold is turned off "
+        "(failing with a device error after a time limit), so a test can order other work "
+        "of the same program before an attention call completes.");
+  m.def("emulator_runs_held", &emulator_runs_held,
+        "int: the emulated runs waiting on set_emulator_hold now.");
   m.def(
       "mark_barriers",
       [](const std::vector<RangesOf>& dispatches) {
