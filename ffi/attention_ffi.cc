@@ -17,6 +17,7 @@
 #include "attention_params.h"
 #include "device.h"
 #include "dispatch_plan.h"
+#include "host_timing.h"
 #include "xla/ffi/api/ffi.h"
 
 // jfm::Attributes decoded from the attributes dictionary, member by member in the order of
@@ -498,11 +499,12 @@ ffi::Error require_kernels(Device& device, const std::vector<StageShape>& stages
 
 // One handler call from validation until the device reports: the optional operands' host
 // arrays, which the bindings point into (so they stay in place until the run has finished), the
-// submissions, and the promise behind the future the handler returns.
+// submissions, the promise behind the future the handler returns, and its host-path timer.
 struct PendingCall {
   OptionalOperands x;
   std::vector<Submission> submissions;
   ffi::Promise promise;
+  HostTimer timer;
 };
 
 // Appends to call->submissions the stages (stage i binds buffers[i]) in the submissions of the
@@ -536,6 +538,7 @@ void plan_stages(Device& device, const Problem& p, const Attributes& o,
     mark_barriers(&submission);
     call->submissions.push_back(std::move(submission));
   }
+  call->timer.lap(kHostPlan);
 }
 
 // The future of a call that finished (or failed) before reaching the device.
@@ -566,6 +569,8 @@ ffi::Future launch(Device& device, std::shared_ptr<PendingCall> call) {
           std::string("jax_flash_metal: ") + kind + " device error: " + error));
     }
   });
+  call->timer.lap(kHostLaunch);
+  call->timer.finish();
   return future;
 }
 
@@ -624,6 +629,7 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   }
   OptionalOperands& x = call->x;
   if (ffi::Error e = read_optional(rest, opt, p, &x); e.failure()) return e;
+  call->timer.lap(kHostValidate);
 
   if (p.batch == 0 || p.q_len == 0 || p.heads == 0) return ffi::Error::Success();  // empty
   if (p.kv_len == 0) {  // no key is visible anywhere
@@ -631,7 +637,9 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
     return ffi::Error::Success();
   }
   const std::vector<StageShape> stages = stages_of(false, p, device->gpu_cores());
+  call->timer.lap(kHostPlan);
   if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
+  call->timer.lap(kHostLookup);
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
                 bv = whole(JFM_BUFFER_V, v, false), bo = whole(JFM_BUFFER_O, o, true),
                 blse = whole(JFM_BUFFER_LSE, lse, true),
@@ -683,6 +691,7 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   }
   OptionalOperands& x = call->x;
   if (ffi::Error e = read_optional(rest, opt, p, &x); e.failure()) return e;
+  call->timer.lap(kHostValidate);
 
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();  // every output is empty
   if (p.q_len == 0 || p.kv_len == 0) {  // no query sees any key: all gradients are zero
@@ -694,7 +703,9 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
     return ffi::Error::Success();
   }
   const std::vector<StageShape> stages = stages_of(true, p, device->gpu_cores());
+  call->timer.lap(kHostPlan);
   if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
+  call->timer.lap(kHostLookup);
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
                 bv = whole(JFM_BUFFER_V, v, false), bdo = whole(JFM_BUFFER_DO, d_o, false),
                 bmax = whole(JFM_BUFFER_ROW_MAX, row_max, false),

@@ -75,11 +75,22 @@ def _best_available(platform: str, call) -> str:
     if platform != "cpu":
         return "xla"
     names = _fused_available()[0]
+    _warn_if_metal_build_lacks_its_gpu()
     for name in _PREFERENCE:
         if name in names and (call is None or _ffi_lowering()[0].unsupported_reason(name, *call)
                               is None):
             return name
     return "xla"
+
+
+def _warn_if_metal_build_lacks_its_gpu() -> None:
+    """On a macOS build whose Metal device cannot run, says why (once) instead of falling back
+    to "xla" silently."""
+    module = _ffi_lowering()[0]
+    why = module.metal_build_unavailable_reason() if module is not None else None
+    if why:
+        _warn_once(f"jax_flash_metal: the Metal device is unavailable ({why}); flash_attention "
+                   "runs the 'xla' implementation (implementations.devices() lists the devices)")
 
 
 def fused_page_size(page_size: int) -> bool:

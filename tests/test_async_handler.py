@@ -40,24 +40,27 @@ def _release_when_held(seen):
 
 def test_independent_work_completes_while_attention_is_in_flight():
     rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 2, 16)), jnp.float32) for _ in range(3))
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 24, 2, 16)), jnp.float32) for _ in range(3))
     x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
     seen = []
 
     @jax.jit
     def program(q, k, v, x):
-        out = flash_attention(q, k, v, implementation="emulator")
-        # Independent of the attention: enough separate thunks, with buffers above XLA:CPU's
-        # small-buffer limit, that its executor runs the program as a graph, not a sequence.
-        for _ in range(10):
-            x = jnp.tanh(x @ x) + x[::-1]
-        x = jax.pure_callback(_release_when_held(seen), jax.ShapeDtypeStruct(x.shape, x.dtype),
+        # Every result of the attention call is returned (O and, through the pullback, the
+        # backward's residuals): XLA:CPU would otherwise reuse the memory of a dead result for
+        # later work, which orders that work after the call.
+        out, pullback = jax.vjp(
+            lambda q, k, v: flash_attention(q, k, v, implementation="emulator"), q, k, v)
+        # Independent of the attention: enough separate operations, on buffers above XLA:CPU's
+        # small-buffer limit, that its executor runs the program as a graph, not in sequence.
+        extras = [x[i:i + 16] @ x[:, i:i + 16] for i in range(10)]
+        y = jax.pure_callback(_release_when_held(seen), jax.ShapeDtypeStruct(x.shape, x.dtype),
                               x)
-        return out, x
+        return out, jax.tree_util.tree_leaves(pullback), extras, y
 
     ext.testing.set_emulator_hold(True)
     try:
-        out, _ = jax.block_until_ready(program(q, k, v, x))
+        out, *_ = jax.block_until_ready(program(q, k, v, x))
     finally:
         ext.testing.set_emulator_hold(False)
     assert seen == [1], f"runs held when the independent computation finished: {seen}"
