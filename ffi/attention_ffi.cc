@@ -77,7 +77,21 @@ std::string dtype_name(ffi::DataType t) {
   }
 }
 
-template <typename Dims>  // ffi::AnyBuffer::Dimensions or std::vector<int64_t>
+// A shape of rank <= 4 held in place: a call checks about a dozen, with no allocation.
+struct Shape {
+  int64_t dims[4] = {0, 0, 0, 0};
+  size_t rank = 0;
+
+  Shape(std::initializer_list<int64_t> values) : rank(std::min<size_t>(values.size(), 4)) {
+    std::copy(values.begin(), values.begin() + rank, dims);
+  }
+  size_t size() const { return rank; }
+  int64_t operator[](size_t i) const { return dims[i]; }
+  const int64_t* begin() const { return dims; }
+  const int64_t* end() const { return dims + rank; }
+};
+
+template <typename Dims>  // ffi::AnyBuffer::Dimensions or Shape
 std::string dims_string(const Dims& dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) {
@@ -87,7 +101,7 @@ std::string dims_string(const Dims& dims) {
   return s + "]";
 }
 
-bool same_dims(ffi::AnyBuffer::Dimensions dims, const std::vector<int64_t>& want) {
+bool same_dims(ffi::AnyBuffer::Dimensions dims, const Shape& want) {
   return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
 }
 
@@ -99,11 +113,11 @@ struct Problem {
   const char* suffix = nullptr;  // f32 / f16 / bf16
   bool dropout = false;          // dropout_rate > 0: the forward runs the tiled kernel
 
-  std::vector<int64_t> q_shape() const { return {batch, q_len, heads, head_dim}; }
-  std::vector<int64_t> o_shape() const { return {batch, q_len, heads, value_head_dim}; }
-  std::vector<int64_t> k_shape() const { return {batch, kv_len, kv_heads, head_dim}; }
-  std::vector<int64_t> v_shape() const { return {batch, kv_len, kv_heads, value_head_dim}; }
-  std::vector<int64_t> row_shape() const { return {batch, heads, q_len}; }
+  Shape q_shape() const { return {batch, q_len, heads, head_dim}; }
+  Shape o_shape() const { return {batch, q_len, heads, value_head_dim}; }
+  Shape k_shape() const { return {batch, kv_len, kv_heads, head_dim}; }
+  Shape v_shape() const { return {batch, kv_len, kv_heads, value_head_dim}; }
+  Shape row_shape() const { return {batch, heads, q_len}; }
 };
 
 // q, k, v: ranks, matching dims, one supported dtype, divisible heads. With `paged` k and v are
@@ -163,7 +177,7 @@ ffi::Error read_problem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, bo
 }
 
 ffi::Error expect(const char* what, ffi::AnyBuffer buffer, ffi::DataType dtype,
-                  const std::vector<int64_t>& shape) {
+                  const Shape& shape) {
   if (buffer.element_type() != dtype || !same_dims(buffer.dimensions(), shape)) {
     return invalid(std::string(what) + " must be " + dtype_name(dtype) + " " +
                    dims_string(shape) + ", got " + dtype_name(buffer.element_type()) + " " +
@@ -224,14 +238,14 @@ ffi::Error read_page_table(ffi::RemainingArgs rest, const Attributes& o, Problem
 }
 
 // The backward's dbias result: the full score layout with bias_grad, else empty.
-std::vector<int64_t> dbias_shape(const Problem& p, bool bias_grad) {
+Shape dbias_shape(const Problem& p, bool bias_grad) {
   if (!bias_grad) return {0};
   return {p.batch, p.heads, p.q_len, p.kv_len};
 }
 
 // The backward's dalibi result: one slope-gradient share per query row with alibi_grad, else
 // empty.
-std::vector<int64_t> dalibi_shape(const Problem& p, bool alibi_grad) {
+Shape dalibi_shape(const Problem& p, bool alibi_grad) {
   if (!alibi_grad) return {0};
   return p.row_shape();
 }
@@ -272,7 +286,7 @@ void broadcast_strides(ffi::AnyBuffer::Dimensions dims, int64_t* strides) {
 
 // A bias or mask: rank 4, each axis 1 or the full size of [B, H, Tq, Tkv].
 ffi::Error expect_broadcastable(const char* what, ffi::AnyBuffer buffer, const Problem& p) {
-  const std::vector<int64_t> full = {p.batch, p.heads, p.q_len, p.kv_len};
+  const Shape full = {p.batch, p.heads, p.q_len, p.kv_len};
   auto dims = buffer.dimensions();
   bool ok = dims.size() == 4;
   for (size_t axis = 0; ok && axis < 4; ++axis) {
@@ -309,6 +323,7 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
                    ", dropout_rate=" + std::to_string(o.dropout_rate) + "), got " +
                    std::to_string(rest.size()));
   }
+  out->features.reserve(8);  // every feature buffer: bound, or its placeholder
   size_t next = 0;
   // Takes the next operand and hands it to `use`.
   auto take = [&](const char* what, auto use) -> ffi::Error {

@@ -109,8 +109,11 @@ std::string fault_kernel() {
   return g_fault_kernel;
 }
 
-// The kernel a dispatch label names (labels are "<kernel> groups [x, y, z]").
-std::string kernel_of(const std::string& label) { return label.substr(0, label.find(' ')); }
+// A dispatch's label in error messages and debug signposts: "<kernel> groups [x, y, z]".
+std::string dispatch_label(const Dispatch& d) {
+  return d.kernel + " groups [" + std::to_string(d.groups[0]) + ", " +
+         std::to_string(d.groups[1]) + ", " + std::to_string(d.groups[2]) + "]";
+}
 
 std::string utf8(NSString* text) { return text != nil ? std::string(text.UTF8String) : ""; }
 
@@ -309,8 +312,9 @@ class MetalDevice final : public Device {
       auto call = std::make_shared<Call>();
       call->done = std::move(done);
       call->fault = fault_kernel();
+      call->submissions = std::move(submissions);
       std::string error;
-      for (const Submission& submission : submissions) {
+      for (const Submission& submission : call->submissions) {
         error = encode_and_commit(submission, call);
         if (!error.empty()) break;
       }
@@ -335,17 +339,34 @@ class MetalDevice final : public Device {
     ptrdiff_t staged_index;  // into the Staged list, or -1 when wrapped in place
   };
 
+  // A committed command buffer and the submission it holds (in its Call, which outlives it).
+  // The labels are formatted only when needed (an error, debug mode), not on every call.
   struct Committed {
     id<MTLCommandBuffer> command_buffer;
-    std::string encoder_label;
-    std::vector<std::string> labels;  // its dispatches' labels, in order
+    const Submission* submission;
     double multiply_adds;
 
     bool holds(const std::string& kernel) const {
-      return std::any_of(labels.begin(), labels.end(),
-                         [&](const std::string& label) { return kernel_of(label) == kernel; });
+      return std::any_of(submission->begin(), submission->end(),
+                         [&](const Dispatch& d) { return d.kernel == kernel; });
+    }
+    std::vector<std::string> labels() const {
+      std::vector<std::string> labels;
+      for (const Dispatch& d : *submission) labels.push_back(dispatch_label(d));
+      return labels;
     }
   };
+
+  // An encoder's label: "jax_flash_metal" and the submission's kernels, each once.
+  static std::string encoder_label(const Submission& submission) {
+    std::vector<std::string> kernels;
+    for (const Dispatch& d : submission) {
+      if (std::find(kernels.begin(), kernels.end(), d.kernel) == kernels.end()) {
+        kernels.push_back(d.kernel);
+      }
+    }
+    return "jax_flash_metal " + joined(kernels);
+  }
 
   // One run_async(): one Metal buffer per distinct host range for the whole call, so a range
   // written by one dispatch and read by a later one (the backward's delta), even in a later
@@ -355,6 +376,7 @@ class MetalDevice final : public Device {
   // to 0 calls finish(). `committed`, `staged` and `ranges` change only while encoding holds its
   // count, so finish() reads them alone.
   struct Call {
+    std::vector<Submission> submissions;  // never resized once encoding starts
     std::map<std::pair<void*, size_t>, Bound> ranges;
     std::vector<Staged> staged;
     std::vector<Committed> committed;
@@ -377,11 +399,12 @@ class MetalDevice final : public Device {
       for (const Committed& c : call.committed) {
         if (!error.empty()) break;
         if (c.command_buffer.status != MTLCommandBufferStatusCompleted) {
-          error = failure_message(c.command_buffer.error, c.labels);
+          error = failure_message(c.command_buffer.error, c.labels());
         } else if (!call.fault.empty() && c.holds(call.fault)) {
           const bool status = (c.command_buffer.errorOptions &
                                MTLCommandBufferErrorOptionEncoderExecutionStatus) != 0;
-          error = failure_message(injected_error(c.encoder_label, c.labels, status), c.labels);
+          error = failure_message(
+              injected_error(encoder_label(*c.submission), c.labels(), status), c.labels());
         } else {
           const double seconds = c.command_buffer.GPUEndTime - c.command_buffer.GPUStartTime;
           calibrate(c.multiply_adds, seconds);
@@ -519,7 +542,10 @@ class MetalDevice final : public Device {
   // Binds a host range: wrapped in place when Metal accepts the page-aligned region around it
   // (and `wrap` allows it) with the whole length (some virtual machines' Metal returns
   // zero-length buffers there), else through a staging buffer (copied in now unless the kernel
-  // only writes it).
+  // only writes it). newBufferWithBytesNoCopy takes a page-aligned pointer and a length that
+  // is a whole number of pages (Apple's documentation of the method), hence the rounding out to
+  // page boundaries and the offset into the wrapped region. Each range is wrapped once per call
+  // (set_binding's Call::ranges).
   std::string bind(const Binding& binding, bool wrap, std::vector<Staged>* staged, Bound* bound) {
     const size_t size = std::max<size_t>(binding.size, 1);
     if (size > device_.maxBufferLength) {
@@ -583,13 +609,9 @@ class MetalDevice final : public Device {
              std::to_string(state.maxTotalThreadsPerThreadgroup) +
              " threads per threadgroup, the dispatch needs " + std::to_string(threads);
     }
-    const std::string label = d.kernel + " groups [" + std::to_string(d.groups[0]) + ", " +
-                              std::to_string(d.groups[1]) + ", " +
-                              std::to_string(d.groups[2]) + "]";
-    committed->labels.push_back(label);
     committed->multiply_adds += d.multiply_adds;
     if (d.barrier_before) [encoder memoryBarrierWithScope:MTLBarrierScopeBuffers];
-    if (debug) [encoder insertDebugSignpost:ns(label)];
+    if (debug) [encoder insertDebugSignpost:ns(dispatch_label(d))];
     [encoder setComputePipelineState:state];
     for (const Binding& b : d.buffers) {
       error = set_binding(encoder, b, call);
@@ -617,14 +639,9 @@ class MetalDevice final : public Device {
     id<MTLComputeCommandEncoder> encoder =
         [command_buffer computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
     if (encoder == nil) return "could not create a compute command encoder";
-    std::vector<std::string> kernels;
-    for (const Dispatch& d : submission) {
-      if (std::find(kernels.begin(), kernels.end(), d.kernel) == kernels.end()) {
-        kernels.push_back(d.kernel);
-      }
-    }
-    Committed committed{command_buffer, "jax_flash_metal " + joined(kernels), {}, 0};
-    encoder.label = ns(committed.encoder_label);
+    // The encoder's label shows in its execution status, which only debug mode asks for.
+    if (debug) encoder.label = ns(encoder_label(submission));
+    Committed committed{command_buffer, &submission, 0};
     std::string error;
     for (const Dispatch& d : submission) {
       error = encode(encoder, d, debug, &committed, call.get());

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
 import time
 from typing import Callable
@@ -36,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import flash_attention, implementations, shader_libraries
+from . import (__version__, chip_peaks, dropout_mask, flash_attention, implementations, paging,
+               selfcheck_oracle, shader_libraries)
 from .contract import Implementation
 import jax_flash_metal._ext as _ext
 
@@ -135,6 +137,179 @@ def correctness(implementation: str, head_dims, features) -> tuple[bool, str, li
     return not bad, detail, cases
 
 
+DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
+# (batch, q_len, kv_len, num_heads, num_kv_heads) of each kernel path: the tiled forward (and the
+# backward, joint or split by head dim) with partial tiles, the one-query decode (decode_vector)
+# and a few-query grouped decode (decode_partial), each decode followed by decode_combine.
+PATHS = {"forward_backward": (1, 19, 23, 2, 1), "decode_vector": (1, 1, 40, 4, 2),
+         "decode_partial": (1, 4, 40, 4, 2)}
+QUICK_FAMILIES = [("f32", 16, 16), ("f16", 64, 64), ("bf16", 192, 128)]
+STAGES = ("fwd", "decode_vector", "decode_partial", "decode_combine", "bwd_dq", "bwd_dkdv",
+          "bwd_dk", "bwd_dv")
+DROPOUT_RATE, PAGE_SIZE = 0.25, 16
+
+
+def _stage_of(kernel: str) -> str:
+    """'flash_attention_bwd_dq_f16_d64' -> 'bwd_dq'."""
+    return next(s for s in sorted(STAGES, key=len, reverse=True)
+                if kernel.startswith(f"flash_attention_{s}_"))
+
+
+def _kernels(implementation, suffix, dk, dv, shape, backward, dropout) -> list[str]:
+    b, tq, tkv, h, hkv = shape
+    directions = ("fwd", "bwd") if backward else ("fwd",)
+    return [d["kernel"] for direction in directions
+            for submission in _ext.dispatch_plan(direction, suffix, b, tq, tkv, h, hkv, dk,
+                                                 implementation, dv, dropout)
+            for d in submission]
+
+
+def check_case(implementation: str, suffix: str, dk: int, dv: int, path: str,
+               rng: np.random.Generator, feature: str = "causal") -> dict:
+    """One call of ``path`` (PATHS) for one kernel family against the float64 oracle.
+
+    feature: "causal", "dropout" (rate DROPOUT_RATE, backward too) or "paged" (the K/V cache
+    in pages of PAGE_SIZE keys, forward only). Returns the case's report entry."""
+    b, tq, tkv, h, hkv = PATHS[path]
+    backward = path == "forward_backward" and feature != "paged"
+    dtype = DTYPES[suffix]
+    normal = lambda *shape: np.asarray(jnp.asarray(rng.standard_normal(shape), dtype), np.float64)
+    q, k, v, do = (normal(b, tq, h, dk), normal(b, tkv, hkv, dk), normal(b, tkv, hkv, dv),
+                   normal(b, tq, h, dv))
+    fused_kwargs, oracle_kwargs = {"is_causal": True}, {"is_causal": True}
+    k_in, v_in = k, v
+    if feature == "dropout":
+        key = jax.random.key(int(rng.integers(1 << 30)))
+        fused_kwargs.update(dropout_rate=DROPOUT_RATE, dropout_rng=key)
+        oracle_kwargs.update(keep=np.asarray(dropout_mask(key, (b, h, tq, tkv), DROPOUT_RATE)),
+                             rate=DROPOUT_RATE)
+    if feature == "paged":  # pages in reverse order, the last one partly used
+        pages = -(-tkv // PAGE_SIZE)
+        order = np.arange(pages)[::-1].copy()
+        pad = pages * PAGE_SIZE - tkv
+        split = lambda x: np.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))[0].reshape(
+            pages, PAGE_SIZE, hkv, -1)[np.argsort(order)]
+        k_in, v_in = split(k), split(v)
+        lengths = np.full(b, tkv, np.int32)
+        fused_kwargs = {"is_causal": True, "page_table": jnp.asarray(order[None], jnp.int32),
+                        "key_value_seq_lengths": jnp.asarray(lengths)}
+        gathered = [np.asarray(paging.gather(jnp.asarray(x), jnp.asarray(order[None]),
+                                             jnp.asarray(lengths)), np.float64)
+                    for x in (k_in, v_in)]
+        assert all(np.array_equal(g[:, :tkv], x) for g, x in zip(gathered, (k, v)))
+    arrays = [jnp.asarray(x, dtype) for x in (q, k_in, v_in, do)]
+
+    def attention(q, k, v):
+        return flash_attention(q, k, v, implementation=implementation, return_lse=True,
+                               **fused_kwargs)
+
+    if backward:
+        (o, lse), pullback = jax.vjp(jax.jit(attention), *arrays[:3])
+        got = dict(o=o, lse=lse, **dict(zip(("dq", "dk", "dv"),
+                                            pullback((arrays[3], jnp.zeros_like(lse))))))
+    else:
+        o, lse = jax.jit(attention)(*arrays[:3])
+        got = dict(o=o, lse=lse)
+    inputs = [q, k, v] + ([do] if backward else [])
+    want = selfcheck_oracle.oracle(inputs, **oracle_kwargs)
+    baseline = None
+    if suffix != "f32":
+        baseline = selfcheck_oracle.dense(*(jnp.asarray(x, dtype) for x in inputs),
+                                          **oracle_kwargs)
+    errors, passed = {}, True
+    for name, value in got.items():
+        ok, error, limit = selfcheck_oracle.within_tolerance(
+            name, value, want[name], None if baseline is None else baseline[name])
+        passed &= ok
+        errors[name] = [error, limit]
+    return dict(dtype=suffix, head_dims=[dk, dv], path=path, feature=feature, passed=passed,
+                kernels=_kernels(implementation, suffix, dk, dv, (b, tq, tkv, h, hkv), backward,
+                                 feature == "dropout"),
+                max_abs_error=errors)
+
+
+def _summary(cases: list[dict], what: str) -> tuple[bool, str, list[dict]]:
+    bad = [f"{c['dtype']} {c['head_dims']} {c['path']} {c['feature']}" for c in cases
+           if not c["passed"]]
+    stages = {_stage_of(k) for c in cases for k in c["kernels"]}
+    missing = [s for s in STAGES if s not in stages]
+    detail = (f"{len(cases)} {what} against the float64 oracle; kernels run: "
+              f"{', '.join(s for s in STAGES if s in stages)}"
+              + (f" (not reached: {', '.join(missing)})" if missing else "")
+              + (f"; FAILED: {', '.join(bad)}" if bad else "; all within tolerance"))
+    return not bad, detail, cases
+
+
+def families(implementation: str, quick: bool) -> tuple[bool, str, list[dict]]:
+    """Every kernel family (dtype, key and value head dims) on every path of PATHS."""
+    rng = np.random.default_rng(2)
+    chosen = QUICK_FAMILIES if quick else _ext.kernel_families()
+    cases = [check_case(implementation, suffix, dk, dv, path, rng)
+             for suffix, dk, dv in chosen for path in PATHS]
+    return _summary(cases, f"cases ({len(chosen)} families x {len(PATHS)} paths)")
+
+
+def dropout_and_paging(implementation: str, quick: bool) -> tuple[bool, str, list[dict]]:
+    """Dropout (forward and backward) and a paged K/V cache (tiled forward and both decodes)."""
+    rng = np.random.default_rng(3)
+    chosen = QUICK_FAMILIES[:2] if quick else QUICK_FAMILIES
+    cases = [check_case(implementation, suffix, dk, dv, "forward_backward", rng, "dropout")
+             for suffix, dk, dv in chosen]
+    cases += [check_case(implementation, suffix, dk, dv, path, rng, "paged")
+              for suffix, dk, dv in chosen for path in PATHS]
+    return _summary(cases, "dropout and paged-cache cases")
+
+
+def _median_call_seconds(implementation: str, fn: Callable, args, repeats: int) -> float:
+    """Median seconds of one call: GPU time on Metal (the command buffers' GPUStart to GPUEnd,
+    gpu_seconds_total), wall time elsewhere."""
+    jax.block_until_ready(fn(*args))  # compile, first-use pipeline builds
+    times = []
+    for _ in range(repeats):
+        gpu_before = _ext.gpu_seconds_total(implementation)
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        wall = time.perf_counter() - start
+        gpu = _ext.gpu_seconds_total(implementation)
+        times.append(wall if gpu is None else gpu - gpu_before)
+    return float(np.median(times))
+
+
+def speed(implementation: str, quick: bool, repeats: int) -> tuple[bool, str, list[dict]]:
+    """Achieved TFLOP/s of a training-size forward and GB/s of a decode, float16, against the
+    chip's published peak (chip_peaks); on the emulator the figures mean nothing."""
+    metal = implementation == "metal"
+    name = _ext.device_name(implementation)
+    peak = chip_peaks.peak(name, _ext.gpu_cores(implementation), _ext.gpu_cores_by_name(name))
+    seq = 2048 if metal and not quick else 64
+    kv = 8192 if metal and not quick else 256
+    shapes = {"forward": (1, seq, seq, 16, 16, 128), "decode": (1, 1, kv, 32, 8, 128)}
+    rng = np.random.default_rng(4)
+    rows = []
+    for kind, (b, tq, tkv, h, hkv, d) in shapes.items():
+        q = jnp.asarray(rng.standard_normal((b, tq, h, d)), jnp.float16)
+        k = jnp.asarray(rng.standard_normal((b, tkv, hkv, d)), jnp.float16)
+        fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation=implementation))
+        seconds = _median_call_seconds(implementation, fn, (q, k, k), repeats)
+        flops = 4.0 * b * h * tq * tkv * d  # QK^T and PV, 2 FLOP per multiply-add
+        moved = 2.0 * (q.size * 2 + k.size * 2)  # f16 bytes: Q and O, K and V once each
+        row = dict(kind=kind, shape=[b, tq, tkv, h, hkv, d], dtype="float16", seconds=seconds,
+                   tflops=flops / seconds / 1e12, gb_per_s=moved / seconds / 1e9)
+        row["tflops_of_peak"] = (row["tflops"] / peak["tflops"] if peak["tflops"] else None)
+        row["gb_per_s_of_peak"] = (row["gb_per_s"] / peak["gb_per_s"] if peak["gb_per_s"]
+                                   else None)
+        rows.append(row)
+    text = "; ".join(f"{r['kind']} {r['shape']}: {r['tflops']:.3g} TFLOP/s, "
+                     f"{r['gb_per_s']:.3g} GB/s" + (
+                         f" ({r['tflops_of_peak']:.0%} / {r['gb_per_s_of_peak']:.0%} of peak)"
+                         if r["tflops_of_peak"] is not None else "") for r in rows)
+    if not metal:
+        text += " (emulated device: these speeds mean nothing)"
+    elif peak["source"] is None:
+        text += f" (no published peak for {peak['chip']})"
+    return True, text, dict(peak=peak, meaningful=metal, rows=rows)
+
+
 def kernel_profile(head_dim: int) -> tuple[bool | None, str]:
     if not _ext.emulator.has_counting_variant():
         return None, "skipped: this build has no counting kernel variants"
@@ -178,8 +353,21 @@ def timings(implementation: Implementation, seq_len: int, head_dim: int,
                   f"{t_nn * 1e3:.1f} ms, ratio {t_fused / t_nn:.2f}")
 
 
-def run(implementation: str, head_dims, features, seq_len: int, repeats: int) -> dict:
-    """Runs every step; returns the report (the JSON object described in the module docstring)."""
+SCHEMA_VERSION = 1
+
+
+def environment() -> dict:
+    """What a bug report needs to know about this installation."""
+    import jaxlib
+
+    return {"jax_flash_metal": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "machine": platform.machine(), "devices": implementations.devices()}
+
+
+def run(implementation: str, head_dims, features, seq_len: int, repeats: int,
+        quick: bool = False) -> dict:
+    """Runs every step; returns the report (the JSON object of docs/selfcheck.md)."""
     steps: dict[str, dict] = {}
 
     def step(name: str, fn: Callable, *args):
@@ -188,15 +376,22 @@ def run(implementation: str, head_dims, features, seq_len: int, repeats: int) ->
             passed, detail, *extra = fn(*args)
         except Exception as e:  # a step that raises failed; the report says why
             passed, detail, extra = False, f"{type(e).__name__}: {e}", []
-        steps[name] = dict(passed=passed, seconds=round(time.perf_counter() - start, 3),
-                           detail=detail, **({"cases": extra[0]} if extra else {}))
+        entry = dict(passed=passed, seconds=round(time.perf_counter() - start, 3), detail=detail)
+        if extra:
+            entry.update(extra[0] if isinstance(extra[0], dict) else {"cases": extra[0]})
+        steps[name] = entry
 
     step("lane_layout", lane_layout, implementation)
     step("compile", compile_libraries, implementation)
+    step("families", families, implementation, quick)
+    step("dropout_paging", dropout_and_paging, implementation, quick)
     step("correctness", correctness, implementation, head_dims, features)
     step("profile", kernel_profile, head_dims[0])
     step("timings", timings, implementation, seq_len, head_dims[0], repeats)
-    return dict(implementation=implementation, device=_ext.device_name(implementation),
+    step("speed", speed, implementation, quick, repeats)
+    return dict(schema_version=SCHEMA_VERSION, implementation=implementation,
+                device=_ext.device_name(implementation), quick=quick,
+                environment=environment(),
                 passed=all(s["passed"] is not False for s in steps.values()), steps=steps)
 
 
@@ -224,11 +419,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=256,
                    help="sequence length of the timings (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs (default: %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="the families and dropout/paging steps on three families only "
+                        f"({', '.join(f'{t} {k}/{v}' for t, k, v in QUICK_FAMILIES)}), and the "
+                        "speed step at small sizes")
     args = p.parse_args(argv)
     if args.implementation not in fused:
         p.error(f"--implementation {args.implementation} is not available here: "
                 f"{implementations.unavailable_reasons().get(args.implementation, '')}")
-    report = run(args.implementation, args.head_dims, args.features, args.seq_len, args.repeats)
+    report = run(args.implementation, args.head_dims, args.features, args.seq_len, args.repeats,
+                 args.quick)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
