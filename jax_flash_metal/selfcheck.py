@@ -1,10 +1,9 @@
 """First-run self-check: does the fused implementation work on this machine, and how fast is it?
 
-    python -m jax_flash_metal.selfcheck [--implementation metal|emulator] [--json PATH]
+    python -m jax_flash_metal.selfcheck [--implementation metal|emulator] [--json PATH] [--quick]
+                                        [--families DTYPE/DK/DV ...]
 
-Five steps, one readable report (and with ``--json`` one JSON object: ``implementation``,
-``device``, ``passed`` and ``steps``, a dict of the steps below by name, each with ``passed``
-(True, False, or None when skipped), ``seconds`` and ``detail``):
+Steps, one readable report, and with ``--json`` one JSON object (its schema: docs/selfcheck.md):
 
 - ``lane_layout``: runs the probe kernel ``shaders/simdgroup_layout_probe.metal`` (one
   simdgroup): each lane's ``thread_elements()`` of an 8x8 ``simdgroup_matrix`` loaded from 0..63
@@ -13,6 +12,10 @@ Five steps, one readable report (and with ``--json`` one JSON object: ``implemen
 - ``compile``: every shader library the Metal device compiles (``shader_libraries.libraries()``:
   one per source and (dtype, head dim) family); on the emulator, whose kernels are compiled at
   build time, that every kernel of them exists.
+- ``families``: every kernel family (``--families``; three with ``--quick``) on the tiled
+  forward with its backward (joint or split), the vector decode and the grouped decode, against
+  the float64 oracle (``selfcheck_oracle``) with the tolerances of docs/testing.md#tolerances.
+- ``dropout_paging``: dropout (forward and backward) and a paged K/V cache on the same paths.
 - ``correctness``: forward (O, LSE) and backward (dQ, dK, dV) against the xla implementation,
   float32, over ``--head-dims`` x ``--features`` (``FEATURES``), max |fused - xla| within
   ``TOLERANCE`` times max |xla| + ``TOLERANCE``.
@@ -20,8 +23,10 @@ Five steps, one readable report (and with ``--json`` one JSON object: ``implemen
   (``jax_flash_metal.profile``; the emulator's counting variant, skipped without it).
 - ``timings``: forward + backward wall time, median of ``--repeats``, of the fused
   implementation and of ``jax.nn.dot_product_attention`` on the CPU, at ``--seq-len``.
+- ``speed``: achieved TFLOP/s (training-size forward) and GB/s (decode) against the chip's
+  published peak (``chip_peaks``); meaningless on the emulator, and marked so.
 
-Exit status 0 when no step failed. Defaults run in about a minute on the emulator.
+Exit status 0 when no step failed.
 """
 
 from __future__ import annotations
@@ -142,7 +147,7 @@ DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
 # backward, joint or split by head dim) with partial tiles, the one-query decode (decode_vector)
 # and a few-query grouped decode (decode_partial), each decode followed by decode_combine.
 PATHS = {"forward_backward": (1, 19, 23, 2, 1), "decode_vector": (1, 1, 40, 4, 2),
-         "decode_partial": (1, 4, 40, 4, 2)}
+         "decode_partial": (1, 8, 40, 4, 2)}
 QUICK_FAMILIES = [("f32", 16, 16), ("f16", 64, 64), ("bf16", 192, 128)]
 STAGES = ("fwd", "decode_vector", "decode_partial", "decode_combine", "bwd_dq", "bwd_dkdv",
           "bwd_dk", "bwd_dv")
@@ -240,19 +245,19 @@ def _summary(cases: list[dict], what: str) -> tuple[bool, str, list[dict]]:
     return not bad, detail, cases
 
 
-def families(implementation: str, quick: bool) -> tuple[bool, str, list[dict]]:
-    """Every kernel family (dtype, key and value head dims) on every path of PATHS."""
+def families(implementation: str, chosen) -> tuple[bool, str, list[dict]]:
+    """The kernel families ``chosen`` ((dtype suffix, key head dim, value head dim), e.g. every
+    one of ``_ext.kernel_families()``) on every path of PATHS."""
     rng = np.random.default_rng(2)
-    chosen = QUICK_FAMILIES if quick else _ext.kernel_families()
     cases = [check_case(implementation, suffix, dk, dv, path, rng)
              for suffix, dk, dv in chosen for path in PATHS]
     return _summary(cases, f"cases ({len(chosen)} families x {len(PATHS)} paths)")
 
 
-def dropout_and_paging(implementation: str, quick: bool) -> tuple[bool, str, list[dict]]:
-    """Dropout (forward and backward) and a paged K/V cache (tiled forward and both decodes)."""
+def dropout_and_paging(implementation: str, chosen) -> tuple[bool, str, list[dict]]:
+    """Dropout (forward and backward) and a paged K/V cache (tiled forward and both decodes) for
+    the kernel families ``chosen``."""
     rng = np.random.default_rng(3)
-    chosen = QUICK_FAMILIES[:2] if quick else QUICK_FAMILIES
     cases = [check_case(implementation, suffix, dk, dv, "forward_backward", rng, "dropout")
              for suffix, dk, dv in chosen]
     cases += [check_case(implementation, suffix, dk, dv, path, rng, "paged")
@@ -366,8 +371,11 @@ def environment() -> dict:
 
 
 def run(implementation: str, head_dims, features, seq_len: int, repeats: int,
-        quick: bool = False) -> dict:
-    """Runs every step; returns the report (the JSON object of docs/selfcheck.md)."""
+        quick: bool = False, kernel_families=None) -> dict:
+    """Runs every step; returns the report (the JSON object of docs/selfcheck.md).
+    ``kernel_families``: those of the families and dropout_paging steps (default: every one, or
+    QUICK_FAMILIES with ``quick``; dropout and paging take at most three)."""
+    chosen = kernel_families or (QUICK_FAMILIES if quick else _ext.kernel_families())
     steps: dict[str, dict] = {}
 
     def step(name: str, fn: Callable, *args):
@@ -383,8 +391,9 @@ def run(implementation: str, head_dims, features, seq_len: int, repeats: int,
 
     step("lane_layout", lane_layout, implementation)
     step("compile", compile_libraries, implementation)
-    step("families", families, implementation, quick)
-    step("dropout_paging", dropout_and_paging, implementation, quick)
+    step("families", families, implementation, chosen)
+    step("dropout_paging", dropout_and_paging, implementation,
+         chosen if len(chosen) <= 3 else QUICK_FAMILIES)
     step("correctness", correctness, implementation, head_dims, features)
     step("profile", kernel_profile, head_dims[0])
     step("timings", timings, implementation, seq_len, head_dims[0], repeats)
@@ -402,6 +411,17 @@ def format_report(report: dict) -> str:
         lines.append(f"{verdict} {name} ({s['seconds']:.1f} s): {s['detail']}")
     lines.append("all steps passed" if report["passed"] else "SOME STEPS FAILED")
     return "\n".join(lines)
+
+
+def _family(text: str) -> tuple[str, int, int]:
+    """'f16/128/64' -> ('f16', 128, 64), checked against the built kernel families."""
+    parts = text.split("/")
+    family = (parts[0], *map(int, parts[1:])) if len(parts) == 3 and all(
+        p.isdigit() for p in parts[1:]) else None
+    if family not in _ext.kernel_families():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a kernel family DTYPE/DK/DV of this build, e.g. f16/64/64")
+    return family
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,12 +443,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="the families and dropout/paging steps on three families only "
                         f"({', '.join(f'{t} {k}/{v}' for t, k, v in QUICK_FAMILIES)}), and the "
                         "speed step at small sizes")
+    p.add_argument("--families", nargs="+", metavar="DTYPE/DK/DV", type=_family,
+                   help="kernel families of the families step, e.g. f16/64/64 (default: every "
+                        "one; with --quick those named there)")
     args = p.parse_args(argv)
     if args.implementation not in fused:
         p.error(f"--implementation {args.implementation} is not available here: "
                 f"{implementations.unavailable_reasons().get(args.implementation, '')}")
     report = run(args.implementation, args.head_dims, args.features, args.seq_len, args.repeats,
-                 args.quick)
+                 args.quick, args.families)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
