@@ -488,6 +488,7 @@ Binding lengths_binding(int index, std::vector<int32_t>& values) {
 // `main` followed by the optional operands' bindings: the lengths, then buffers 16-20, 23, 25
 // and 26.
 std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& x) {
+  main.reserve(main.size() + 2 + x.features.size());  // one allocation, not one per growth
   main.push_back(lengths_binding(JFM_BUFFER_Q_LENGTHS, x.q_lengths));
   main.push_back(lengths_binding(JFM_BUFFER_KV_LENGTHS, x.kv_lengths));
   main.insert(main.end(), x.features.begin(), x.features.end());

@@ -406,6 +406,9 @@ def run(implementation: str, head_dims, features, seq_len: int, repeats: int,
 
 def format_report(report: dict) -> str:
     lines = [f"jax_flash_metal self-check: {report['implementation']} on {report['device']}"]
+    # Every implementation's device, so a Mac that fell back to the emulator says why.
+    devices = report.get("environment", {}).get("devices", {})
+    lines += [f"  {name}: {device}" for name, device in devices.items()]
     for name, s in report["steps"].items():
         verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[s["passed"]]
         lines.append(f"{verdict} {name} ({s['seconds']:.1f} s): {s['detail']}")

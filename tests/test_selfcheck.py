@@ -23,6 +23,7 @@ def test_selfcheck_passes_on_the_emulator_and_writes_its_report(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all steps passed" in r.stdout
+    assert "  metal: " in r.stdout  # every device is listed, Metal's with why it cannot run
     report = json.loads(path.read_text())
     assert set(report) == {"schema_version", "implementation", "device", "quick", "environment",
                            "passed", "steps"}
