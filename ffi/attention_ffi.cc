@@ -297,12 +297,41 @@ ffi::Error expect_broadcastable(const char* what, ffi::AnyBuffer buffer, const P
                  dims_string(full) + ", got shape " + dims_string(dims));
 }
 
-// Reads the optional operands after the main ones, in the contract's order (q_lengths,
-// kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks, alibi_slopes, page_table,
-// dropout; each present iff its flag is set), checks their dtypes and shapes, and prepares
-// their bindings and strides. One function for both directions, so both see one set of rules.
-ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Problem& p,
-                         OptionalOperands* out) {
+// The operands after the main ones, taken one at a time in the contract's order; `out` receives
+// their bindings, strides and lengths.
+struct OperandReader {
+  ffi::RemainingArgs rest;
+  const Attributes& o;
+  const Problem& p;
+  OptionalOperands* out;
+  size_t next = 0;
+
+  // Takes the next operand and hands it to `use`.
+  template <typename Use>
+  ffi::Error take(const char* what, Use use) {
+    auto arg = rest.get<ffi::AnyBuffer>(next++);
+    if (arg.has_error()) return invalid(std::string(what) + ": " + arg.error().message());
+    return use(arg.value());
+  }
+
+  // A present feature operand, checked, bound read-only in place; an absent one, the
+  // placeholder.
+  template <typename Check>
+  ffi::Error feature(bool present, const char* what, int index, Check check) {
+    if (!present) {
+      out->features.push_back(out->unused(index));
+      return ffi::Error::Success();
+    }
+    return take(what, [&](ffi::AnyBuffer buffer) {
+      if (ffi::Error e = check(buffer); e.failure()) return e;
+      out->features.push_back(whole(index, buffer, false));
+      return ffi::Error::Success();
+    });
+  }
+};
+
+// The number of operands after the main ones must be what the flags announce.
+ffi::Error check_operand_count(ffi::RemainingArgs rest, const Attributes& o) {
   const size_t length_operands = size_t{o.has_q_lengths} + size_t{o.has_kv_lengths};
   const bool has_dropout = o.dropout_rate > 0.0;
   const size_t feature_operands = 2 * size_t{o.has_segment_ids} + size_t{o.has_bias} +
@@ -323,20 +352,19 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
                    ", dropout_rate=" + std::to_string(o.dropout_rate) + "), got " +
                    std::to_string(rest.size()));
   }
-  out->features.reserve(8);  // every feature buffer: bound, or its placeholder
-  size_t next = 0;
-  // Takes the next operand and hands it to `use`.
-  auto take = [&](const char* what, auto use) -> ffi::Error {
-    auto arg = rest.get<ffi::AnyBuffer>(next++);
-    if (arg.has_error()) return invalid(std::string(what) + ": " + arg.error().message());
-    return use(arg.value());
-  };
+  return ffi::Error::Success();
+}
+
+// q_lengths and kv_lengths, copied for binding. Clamping to [0, len] happens where the kernels
+// read them; an absent length is the full one.
+ffi::Error read_lengths(OperandReader& r) {
+  const Problem& p = r.p;
   auto lengths = [&](bool present, const char* what, int64_t full,
                      std::vector<int32_t>* values) -> ffi::Error {
     values->assign(static_cast<size_t>(std::max<int64_t>(p.batch, 1)),
                    static_cast<int32_t>(full));
     if (!present) return ffi::Error::Success();
-    return take(what, [&](ffi::AnyBuffer buffer) {
+    return r.take(what, [&](ffi::AnyBuffer buffer) {
       if (ffi::Error e = expect(what, buffer, ffi::DataType::S32, {p.batch}); e.failure()) {
         return e;
       }
@@ -345,43 +373,34 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
       return ffi::Error::Success();
     });
   };
-  if (ffi::Error e = lengths(o.has_q_lengths, "q_lengths", p.q_len, &out->q_lengths);
+  if (ffi::Error e = lengths(r.o.has_q_lengths, "q_lengths", p.q_len, &r.out->q_lengths);
       e.failure()) {
     return e;
   }
-  if (ffi::Error e = lengths(o.has_kv_lengths, "kv_lengths", p.kv_len, &out->kv_lengths);
-      e.failure()) {
-    return e;
-  }
-  // A present feature operand, checked, bound read-only in place; an absent one, the placeholder.
-  auto feature = [&](bool present, const char* what, int index,
-                     auto check) -> ffi::Error {
-    if (!present) {
-      out->features.push_back(out->unused(index));
-      return ffi::Error::Success();
-    }
-    return take(what, [&](ffi::AnyBuffer buffer) {
-      if (ffi::Error e = check(buffer); e.failure()) return e;
-      out->features.push_back(whole(index, buffer, false));
-      return ffi::Error::Success();
-    });
-  };
+  return lengths(r.o.has_kv_lengths, "kv_lengths", p.kv_len, &r.out->kv_lengths);
+}
+
+// Segment ids, bias and mask: what the scores see.
+ffi::Error read_score_features(OperandReader& r) {
+  const Attributes& o = r.o;
+  const Problem& p = r.p;
+  OptionalOperands* out = r.out;
   const ffi::DataType s32 = ffi::DataType::S32;
-  if (ffi::Error e = feature(o.has_segment_ids, "q_segment_ids", JFM_BUFFER_Q_SEGMENT_IDS,
-                             [&](ffi::AnyBuffer b) {
-                               return expect("q_segment_ids", b, s32, {p.batch, p.q_len});
-                             });
+  if (ffi::Error e = r.feature(o.has_segment_ids, "q_segment_ids", JFM_BUFFER_Q_SEGMENT_IDS,
+                               [&](ffi::AnyBuffer b) {
+                                 return expect("q_segment_ids", b, s32, {p.batch, p.q_len});
+                               });
       e.failure()) {
     return e;
   }
-  if (ffi::Error e = feature(o.has_segment_ids, "kv_segment_ids", JFM_BUFFER_KV_SEGMENT_IDS,
-                             [&](ffi::AnyBuffer b) {
-                               return expect("kv_segment_ids", b, s32, {p.batch, p.kv_len});
-                             });
+  if (ffi::Error e = r.feature(o.has_segment_ids, "kv_segment_ids", JFM_BUFFER_KV_SEGMENT_IDS,
+                               [&](ffi::AnyBuffer b) {
+                                 return expect("kv_segment_ids", b, s32, {p.batch, p.kv_len});
+                               });
       e.failure()) {
     return e;
   }
-  if (ffi::Error e = feature(o.has_bias, "bias", JFM_BUFFER_BIAS, [&](ffi::AnyBuffer b) {
+  if (ffi::Error e = r.feature(o.has_bias, "bias", JFM_BUFFER_BIAS, [&](ffi::AnyBuffer b) {
         const ffi::DataType t = b.element_type();
         if (t != p.dtype && t != ffi::DataType::F32) {
           return invalid("bias must have the dtype of query (" + dtype_name(p.dtype) +
@@ -395,7 +414,7 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
       e.failure()) {
     return e;
   }
-  if (ffi::Error e = feature(o.has_mask, "mask", JFM_BUFFER_MASK, [&](ffi::AnyBuffer b) {
+  if (ffi::Error e = r.feature(o.has_mask, "mask", JFM_BUFFER_MASK, [&](ffi::AnyBuffer b) {
         const ffi::DataType t = b.element_type();
         if (t != ffi::DataType::PRED && t != ffi::DataType::U8) {
           return invalid("mask must be bool or uint8 (0 = hidden), got " + dtype_name(t));
@@ -407,30 +426,52 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
       e.failure()) {
     return e;
   }
-  if (ffi::Error e = feature(o.has_sinks, "sinks", JFM_BUFFER_SINKS, [&](ffi::AnyBuffer b) {
+  return ffi::Error::Success();
+}
+
+// Sinks, ALiBi slopes, the page table and the dropout seeds.
+ffi::Error read_other_features(OperandReader& r) {
+  const Attributes& o = r.o;
+  const Problem& p = r.p;
+  OptionalOperands* out = r.out;
+  if (ffi::Error e = r.feature(o.has_sinks, "sinks", JFM_BUFFER_SINKS, [&](ffi::AnyBuffer b) {
         out->sinks = static_cast<const float*>(b.untyped_data());
         return expect("sinks", b, ffi::DataType::F32, {p.heads});
       });
       e.failure()) {
     return e;
   }
-  if (ffi::Error e = feature(o.has_alibi, "alibi_slopes", JFM_BUFFER_ALIBI_SLOPES,
-                             [&](ffi::AnyBuffer b) {
-                               return expect("alibi_slopes", b, ffi::DataType::F32,
-                                             {p.batch, p.heads});
-                             });
+  if (ffi::Error e = r.feature(o.has_alibi, "alibi_slopes", JFM_BUFFER_ALIBI_SLOPES,
+                               [&](ffi::AnyBuffer b) {
+                                 return expect("alibi_slopes", b, ffi::DataType::F32,
+                                               {p.batch, p.heads});
+                               });
       e.failure()) {
     return e;
   }
   // Checked by read_page_table; bound in place.
-  if (ffi::Error e = feature(o.has_page_table, "page_table", JFM_BUFFER_PAGE_TABLE,
-                             [&](ffi::AnyBuffer) { return ffi::Error::Success(); });
+  if (ffi::Error e = r.feature(o.has_page_table, "page_table", JFM_BUFFER_PAGE_TABLE,
+                               [&](ffi::AnyBuffer) { return ffi::Error::Success(); });
       e.failure()) {
     return e;
   }
-  return feature(has_dropout, "dropout", JFM_BUFFER_DROPOUT, [&](ffi::AnyBuffer b) {
+  return r.feature(o.dropout_rate > 0.0, "dropout", JFM_BUFFER_DROPOUT, [&](ffi::AnyBuffer b) {
     return expect("dropout", b, ffi::DataType::U32, {p.batch, p.heads, 4});
   });
+}
+
+// Reads the optional operands after the main ones, in the contract's order (q_lengths,
+// kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks, alibi_slopes, page_table,
+// dropout; each present iff its flag is set), checks their dtypes and shapes, and prepares
+// their bindings and strides. One function for both directions, so both see one set of rules.
+ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Problem& p,
+                         OptionalOperands* out) {
+  if (ffi::Error e = check_operand_count(rest, o); e.failure()) return e;
+  out->features.reserve(8);  // every feature buffer: bound, or its placeholder
+  OperandReader reader{rest, o, p, out};
+  if (ffi::Error e = read_lengths(reader); e.failure()) return e;
+  if (ffi::Error e = read_score_features(reader); e.failure()) return e;
+  return read_other_features(reader);
 }
 
 ffi::Error require_kernel(Device& device, const std::string& kernel, const Problem& p) {
