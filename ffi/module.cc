@@ -67,7 +67,7 @@ nb::tuple dim3(const std::array<uint32_t, 3>& v) { return nb::make_tuple(v[0], v
 // "a, b, c" from a field list's keys (which JFM_FIELD_KEY prefixes with ", ").
 const char* field_keys(const char* prefixed) { return prefixed + 2; }
 
-// One dispatch of `kernel` on the device behind `implementation`, through Device::run (on Metal:
+// One dispatch of `kernel` on the device behind `implementation`, through run_and_wait (on Metal:
 // compiled from the embedded sources, buffers wrapped or staged as the FFI handlers' are).
 // buffers: {index: C-contiguous writeable NumPy array}; `outputs` the indices the kernel writes.
 void run_kernel(const std::string& implementation, const std::string& kernel, nb::dict buffers,
