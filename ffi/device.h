@@ -78,8 +78,9 @@ class Device {
   virtual int gpu_cores() = 0;
   // Starts the submissions in order and returns without waiting for them; calls `done` exactly
   // once when all have finished, with "" on success, else the device's error message naming the
-  // kernel. `done` may run on another thread (Metal: a command buffer's completion handler; the
-  // emulated device: a worker thread) and may run before run_async returns. The host memory of
+  // kernel. `done` may run on another thread (Metal: a global dispatch queue, once the last
+  // command buffer's completion handler ran; the emulated device: a worker thread) and may run
+  // before run_async returns. The host memory of
   // every binding must stay valid until `done` runs. Safe to call from several threads at once.
   // The emulated device runs the dispatches between two barriers in the order of its thread
   // schedule (reversed or shuffled under "reverse" and "random"), so a missing barrier changes

@@ -32,10 +32,12 @@
 // Thread safety: libraries and pipelines are built under one mutex; the staging pool has its
 // own; the throughput estimate and the GPU-time total are atomic; MTLCommandQueue is itself
 // thread-safe, so handlers may run concurrently. A call never waits for the GPU: run_async
-// commits its command buffers and returns; their completion handlers finish it (Call).
+// commits its command buffers and returns; their completion handlers finish it (Call), and its
+// `done` runs on a global dispatch queue.
 #import <Foundation/Foundation.h>
 #import <IOKit/IOKitLib.h>
 #import <Metal/Metal.h>
+#include <dispatch/dispatch.h>
 
 #include <unistd.h>
 
@@ -419,8 +421,12 @@ class MetalDevice final : public Device {
       call.committed.clear();
       call.ranges.clear();
       call.staged.clear();
+      // XLA resumes the program on the thread that completes its future: a global queue's, not
+      // Metal's completion-handler thread, which other command buffers' handlers wait for.
       const RunDone done = std::move(call.done);
-      done(error);
+      dispatch_async(dispatch_get_global_queue(QOS_CLASS_USER_INITIATED, 0), ^{
+        done(error);
+      });
     }
   }
 
