@@ -3,7 +3,7 @@
 // One target per (direction, device): the device is fixed by the target, never by an attribute,
 // so a compiled computation always runs where it was lowered for. The handlers are asynchronous:
 // they validate and plan the call, start the device and return an xla::ffi::Future that the
-// device completes (Metal: the last command buffer's completion handler; the emulated device: its
+// device completes (Metal: once its last command buffer has completed; the emulated device: its
 // worker thread), so XLA:CPU can run independent work of the program while the kernels run.
 //
 // Forward  args:    q [B,Tq,H,D], k [B,Tkv,HKV,D], v [B,Tkv,HKV,D], then the optional
