@@ -105,6 +105,14 @@ def unavailable_reasons() -> dict[str, str]:
     return {"metal": _ext.metal_unavailable_reason() or "this build has no Metal FFI targets"}
 
 
+def metal_build_unavailable_reason() -> str | None:
+    """Why this macOS build's Metal device cannot run here (no GPU found, not Apple silicon, ...),
+    or None when it can or this build has no Metal device."""
+    if not _built("metal") or "metal" in available_implementations():
+        return None
+    return _ext.metal_unavailable_reason()
+
+
 def device_names() -> dict[str, str]:
     """{implementation: device name} for ``available_implementations()`` (the GPU's name for
     "metal")."""

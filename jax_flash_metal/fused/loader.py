@@ -36,6 +36,16 @@ def _is_unbuilt_source_tree() -> bool:
     return not has_ext and os.path.exists(os.path.join(_PACKAGE_DIR, "..", "pyproject.toml"))
 
 
+def warn_if_metal_build_lacks_its_gpu() -> None:
+    """On a macOS build whose Metal device cannot run, says why (once) instead of falling back
+    to "xla" silently."""
+    module = ffi_lowering()[0]
+    why = module.metal_build_unavailable_reason() if module is not None else None
+    if why:
+        _warn_once(f"jax_flash_metal: the Metal device is unavailable ({why}); flash_attention "
+                   "runs the 'xla' implementation (implementations.devices() lists the devices)")
+
+
 @functools.cache
 def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -30,6 +30,7 @@ def _best_available(platform: str, call) -> str:
     if platform != "cpu":
         return "xla"
     names = loader.available()[0]
+    loader.warn_if_metal_build_lacks_its_gpu()
     for name in _PREFERENCE:
         if name in names and (call is None or loader.ffi_lowering()[0].unsupported_reason(
                 name, *call) is None):

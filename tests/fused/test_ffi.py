@@ -290,6 +290,16 @@ def test_best_available_falls_back_to_xla_for_calls_the_kernels_lack(monkeypatch
         _loss(None).lower(lacking, lacking, lacking)
 
 
+def test_a_metal_build_without_its_gpu_warns_with_the_reason(monkeypatch):
+    """implementation=None on a macOS build whose Metal device is unavailable falls back to xla
+    with a warning that carries the device's reason (here a stand-in for that build)."""
+    monkeypatch.delenv(ENV, raising=False)
+    why = "MTLCopyAllDevices listed no GPU; MTLCreateSystemDefaultDevice returned no GPU"
+    monkeypatch.setattr(ffi_lowering, "metal_build_unavailable_reason", lambda: why)
+    with pytest.warns(RuntimeWarning, match=f"Metal device is unavailable \\({why}\\)"):
+        assert dispatch.resolve(None, "cpu") == "xla"
+
+
 def test_one_family_preprocessing_keeps_exactly_that_family(request):
     """The Metal device compiles one (dtype, head dim) family per library by defining
     JFM_ONE_FAMILY and JFM_FAMILY_<T>_<D>=JFM_SELECTED (JFM_IF_FAMILY in
