@@ -41,7 +41,7 @@ ALiBi uses global distances: each pair gets -slope * |i + off - j| over its glob
 a bias (the primitives' own ALiBi would use the pieces' local positions), and dslopes sums the
 pairs' -distance-weighted bias gradients. Not supported with a sequence axis (ValueError): bias
 and mask (arrays over the whole score matrix; express them with lengths, windows or segment
-ids); dropout and page_table (attention.py).
+ids); dropout and page_table.
 """
 
 from __future__ import annotations
@@ -54,9 +54,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import sharding, validation, visibility
-from ._jax_private import vary_like, vary_together
-from .contract import UNBOUNDED, Operands, StaticParams
+from .core import dropout, validation, visibility
+from .core._jax_private import vary_like, vary_together
+from .core.contract import UNBOUNDED, Operands, StaticParams
+from .core.options import Options
+from .lowering import sharding
+from .lowering.primitives import bwd_p, fwd_p
 
 F32 = jnp.float32
 
@@ -84,7 +87,6 @@ class _Ring(NamedTuple):
     q_chunk: int  # positions per device
     kv_chunk: int
     params: StaticParams  # of the whole call (validation.check_inputs)
-    primitives: tuple | None  # (fwd_p, bwd_p) (attention.py passes them: no import up)
     layout: str = "contiguous"  # sequence_layout
     strategy: str = "ring"  # sequence_strategy
 
@@ -185,8 +187,7 @@ def block_schedule(num_devices, q_len, kv_len=None, *, is_causal=False, local_wi
     left, right = validation.check_window(local_window_size)
     params = StaticParams(1.0, is_causal, left, right, causal_alignment == "bottom_right",
                           False, False, None)
-    ring = _Ring(None, num_devices, q_len // num_devices, kv_len // num_devices, params, None,
-                 layout)
+    ring = _Ring(None, num_devices, q_len // num_devices, kv_len // num_devices, params, layout)
     m_q, m_kv = ring.q_chunk // ring.q_piece, ring.kv_chunk // ring.kv_piece
     with jax.ensure_compile_time_eval():
         band = ring.band(1, None, None)
@@ -411,7 +412,7 @@ def _gathered(ring, xs):
 def _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes):
     """The _State of this device's query slice over the whole key sequence: one forward
     primitive call per visible pair of pieces, merged."""
-    fwd_p, q_piece, kv_piece = ring.primitives[0], ring.q_piece, ring.kv_piece
+    q_piece, kv_piece = ring.q_piece, ring.kv_piece
 
     def block_step(pair, state, kv):
         def branch(kind, state, kv):
@@ -485,7 +486,7 @@ def _backward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes, o, ls
     steps; all_gather's dK/dV parts add up in whole-sequence buffers, reduce-scattered back
     (each device gets the sum for its own slice). With ALiBi, each pair's bias gradient gives
     its share of dslopes (the bias is -slope * distance)."""
-    bwd_p, q_piece, kv_piece = ring.primitives[1], ring.q_piece, ring.kv_piece
+    q_piece, kv_piece = ring.q_piece, ring.kv_piece
     rows = (q, o, do)  # [B, T, H, D]: pieces along axis 1
     stats = (lse, row_max, log_sum, g_lse)  # [B, H, T]: along axis 2
 
@@ -625,44 +626,48 @@ def causal_balance(num_devices, seq_len, sequence_layout="contiguous"):
     return float(work.max() / work.min())
 
 
-def ring_flash_attention(query, key, value, bias, mask, *, axis_name, query_seq_lengths,
-                         key_value_seq_lengths, return_lse, primitives,
-                         sequence_layout="contiguous", sequence_strategy=None, **kwargs):
-    """``flash_attention`` with ``sequence_axis_name=axis_name`` (attention.py documents the
-    arguments; ``kwargs`` are its other keywords). Lengths count global positions.
-    ``primitives`` are (fwd_p, bwd_p) (primitives.py), which run each pair of slices."""
-    layout = _check_layout(sequence_layout)
-    strategy = _check_choice(DEFAULT_STRATEGY if sequence_strategy is None else
-                             sequence_strategy, "sequence_strategy", STRATEGIES)
+def ring_flash_attention(query, key, value, bias, mask, options: Options):
+    """``flash_attention`` with ``options.sequence_axis_name`` set (docs/api.md documents the
+    arguments). Lengths count global positions."""
+    layout = _check_layout(options.sequence_layout)
+    strategy = _check_choice(DEFAULT_STRATEGY if options.sequence_strategy is None else
+                             options.sequence_strategy, "sequence_strategy", STRATEGIES)
     for name, x in (("bias", bias), ("mask", mask)):
         if x is not None:
             raise ValueError(
                 f"{name} is not supported with sequence_axis_name (it spans the whole score "
                 "matrix); express it with lengths, local_window_size or segment ids")
-    ids = [kwargs.get(n) for n in ("query_segment_ids", "key_value_segment_ids")]
+    if options.page_table is not None:
+        raise ValueError("page_table is not supported with sequence_axis_name")
+    if dropout.check_rate(options.dropout_rate) > 0:
+        raise ValueError("dropout_rate > 0 is not supported with sequence_axis_name")
+    ids = [options.query_segment_ids, options.key_value_segment_ids]
     dtypes = [getattr(x, "dtype", None) or jnp.asarray(x).dtype for x in ids if x is not None]
     if len(dtypes) == 2 and not validation.segment_ids_cast_exactly(*dtypes):
         # Ranking ids per device would number the slices that travel around the ring apart.
         raise TypeError("segment ids with sequence_axis_name need one integer dtype of at most "
                         f"32 bits for both, got {dtypes}")
+    axis_name = options.sequence_axis_name
     size = _axis_size(axis_name)
-    q, k, v, operands, params = validation.check_inputs(query, key, value, **kwargs,
-                                                        query_seq_lengths=None,
-                                                        key_value_seq_lengths=None)
+    q, k, v, operands, params = validation.check_inputs(
+        query, key, value, None, None,
+        options._replace(query_seq_lengths=None, key_value_seq_lengths=None,
+                         sequence_axis_name=None, sequence_layout="contiguous",
+                         sequence_strategy=None))
     batch = q.shape[0]
-    q_lengths = validation.check_lengths(query_seq_lengths, "query_seq_lengths", batch,
+    q_lengths = validation.check_lengths(options.query_seq_lengths, "query_seq_lengths", batch,
                                          size * q.shape[1])
-    kv_lengths = validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch,
-                                          size * k.shape[1])
+    kv_lengths = validation.check_lengths(options.key_value_seq_lengths,
+                                          "key_value_seq_lengths", batch, size * k.shape[1])
     if layout == "zigzag" and (q.shape[1] % 2 or k.shape[1] % 2):
         raise ValueError(f"sequence_layout='zigzag' needs even slices (two chunks per device), "
                          f"got query {q.shape[1]} and key {k.shape[1]} positions per device")
     ring = _Ring(axis_name, size, q.shape[1], k.shape[1], params._replace(has_alibi=False),
-                 primitives, layout, strategy)
+                 layout, strategy)
 
     out, lse = _ring_attention(ring, *vary_together((q, k, v, operands.q_segment_ids,
                                                      operands.kv_segment_ids, q_lengths,
                                                      kv_lengths, operands.alibi_slopes)))
     if operands.sinks is not None:
         out, lse = _with_sinks(out, lse, operands.sinks)
-    return validation.restore_rank(query, out, lse, return_lse)
+    return validation.restore_rank(query, out, lse, options.return_lse)
