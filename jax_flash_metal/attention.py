@@ -12,8 +12,10 @@ from jax.typing import ArrayLike
 
 from . import ring_attention
 from .core import validation
+from .core._jax_private import vary_together
 from .core.contract import Implementation, Operands
 from .core.options import Options, Window
+from .lowering import sharding
 from .lowering.primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
 
 
@@ -70,9 +72,10 @@ def _attention_bwd(params, residuals, cotangents):
     do, g_lse = _dense(cotangents[0], o, q.dtype), _dense(cotangents[1], lse, jnp.float32)
     grads = bwd_p.bind(q, k, v, o, lse, row_max, log_sum, do, g_lse, *operands.present(),
                        bias_grad=bias_grad, alibi_grad=alibi_grad, **params._asdict())
-    dq, dk, dv = grads[:3]
-    dbias = grads[3].astype(operands.bias.dtype) if bias_grad else None
-    dslopes = grads[-1] if alibi_grad else None
+    dq, dk, dv = (sharding.like_primal(g, x) for g, x in zip(grads[:3], (q, k, v)))
+    dbias = (sharding.like_primal(grads[3].astype(operands.bias.dtype), operands.bias)
+             if bias_grad else None)
+    dslopes = sharding.like_primal(grads[-1], operands.alibi_slopes) if alibi_grad else None
     dsinks = None if operands.sinks is None else _sinks_grad(operands.sinks, o, row_max,
                                                              log_sum, do, g_lse)
     return dq, dk, dv, operands._replace(q_lengths=None, kv_lengths=None, q_segment_ids=None,
@@ -110,6 +113,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
+                    sequence_strategy: str | None = None,
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
                     return_lse: Literal[False] = False) -> jax.Array: ...
 
@@ -129,6 +133,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
+                    sequence_strategy: str | None = None,
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
                     return_lse: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
 
@@ -148,6 +153,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
+                    sequence_strategy: str | None = None,
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
                     return_lse: bool) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
@@ -166,6 +172,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
+                    sequence_strategy: str | None = None,
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
                     return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-2 forward and recompute backward).
@@ -196,12 +203,15 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     Differentiable in reverse mode, first order (``jax.custom_vjp``), w.r.t. query, key, value,
     bias, sinks and alibi_slopes. ``implementation=None`` picks the best implementation for the
     platform and call when the computation is lowered ($JAX_FLASH_METAL_IMPLEMENTATION
-    overrides it); ``sequence_axis_name`` runs ring attention over a ``shard_map`` axis.
+    overrides it); ``sequence_axis_name`` runs context parallelism over a ``shard_map`` axis
+    (K/V all-gathered, or passed around a ring: ``sequence_strategy``). Operands sharded over
+    batch or heads (Auto or Explicit mesh axes, ``jax.set_mesh``) give outputs and gradients
+    with their shardings; docs/parallelism.md.
 
     Method: Dao, "FlashAttention-2" (2023): online softmax over key blocks; the backward
     recomputes P from (q, k, lse) with D = rowsum(dO * O) - g_lse. Ring attention: Liu et al.
-    (2023); striped layout: Brandon et al. (2023); dropout: Philox-4x32-10 (Salmon et al.,
-    2011) over the positions.
+    (2023); striped layout: Brandon et al. (2023); zigzag layout: MaxText's "dual chunk swap";
+    dropout: Philox-4x32-10 (Salmon et al., 2011) over the positions.
     """
     options = Options.of(locals())
     if options.sequence_axis_name is not None:
@@ -215,6 +225,7 @@ def attend(query, key, value, bias, mask, options: Options, dropout_broadcast=Fa
     integration's ``broadcast_dropout``)."""
     q, k, v, operands, params = validation.check_inputs(query, key, value, bias, mask, options,
                                                         dropout_broadcast)
+    q, k, v, operands = vary_together((q, k, v, operands))
     try:
         out, lse = _attention(params, q, k, v, operands)
     except TypeError as e:

@@ -39,6 +39,7 @@ class Options(NamedTuple):
     page_table: ArrayLike | None = None
     sequence_axis_name: Hashable | None = None
     sequence_layout: str = "contiguous"
+    sequence_strategy: str | None = None
     dropout_rate: float = 0.0
     dropout_rng: ArrayLike | None = None
     return_lse: bool = False
@@ -51,4 +52,5 @@ class Options(NamedTuple):
 
 # Keywords of flash_attention that reference_attention does not take: it is the one dense
 # computation, on one device.
-NOT_IN_REFERENCE = frozenset({"implementation", "sequence_axis_name", "sequence_layout"})
+NOT_IN_REFERENCE = frozenset({"implementation", "sequence_axis_name", "sequence_layout",
+                              "sequence_strategy"})

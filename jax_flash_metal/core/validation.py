@@ -276,6 +276,9 @@ def check_inputs(query, key, value, bias, mask, options: Options, dropout_broadc
     if options.sequence_layout != "contiguous":
         raise ValueError(f"sequence_layout={options.sequence_layout!r} needs sequence_axis_name "
                          "(the layout of a sequence split over devices)")
+    if options.sequence_strategy is not None:
+        raise ValueError(f"sequence_strategy={options.sequence_strategy!r} needs "
+                         "sequence_axis_name (it describes a sequence split over devices)")
     page_table = options.page_table
     q = arguments.as_array(query, "query")
     k = arguments.as_array(key, "key")
