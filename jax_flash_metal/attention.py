@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike
 
-from . import ring_attention, validation
+from . import cudnn, implementations, ring_attention, validation
 from .primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
-from .contract import Implementation, Operands
+from .contract import ImplementationChoice, Operands
 
 # local_window_size: None, w, or (left, right) with None for an unbounded side.
 Window = Optional[Union[int, Tuple[Optional[int], Optional[int]]]]
@@ -103,7 +103,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     query_seq_lengths: ArrayLike | None = None,
                     key_value_seq_lengths: ArrayLike | None = None,
                     local_window_size: Window = None,
-                    implementation: Implementation | None = None,
+                    implementation: ImplementationChoice | None = None,
                     query_segment_ids: ArrayLike | None = None,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
@@ -122,7 +122,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     query_seq_lengths: ArrayLike | None = None,
                     key_value_seq_lengths: ArrayLike | None = None,
                     local_window_size: Window = None,
-                    implementation: Implementation | None = None,
+                    implementation: ImplementationChoice | None = None,
                     query_segment_ids: ArrayLike | None = None,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
@@ -141,7 +141,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     query_seq_lengths: ArrayLike | None = None,
                     key_value_seq_lengths: ArrayLike | None = None,
                     local_window_size: Window = None,
-                    implementation: Implementation | None = None,
+                    implementation: ImplementationChoice | None = None,
                     query_segment_ids: ArrayLike | None = None,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
@@ -159,7 +159,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     query_seq_lengths: ArrayLike | None = None,
                     key_value_seq_lengths: ArrayLike | None = None,
                     local_window_size: Window = None,
-                    implementation: Implementation | None = None,
+                    implementation: ImplementationChoice | None = None,
                     query_segment_ids: ArrayLike | None = None,
                     key_value_segment_ids: ArrayLike | None = None,
                     logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
@@ -172,7 +172,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     """Fused scaled dot-product attention (FlashAttention-2 forward and recompute backward).
 
     A drop-in for ``jax.nn.dot_product_attention`` (same positional bias and mask, same keyword
-    meanings; not ``return_residual`` or cuDNN); the one difference: a row with no visible key
+    meanings; not ``return_residual``); the one difference: a row with no visible key
     outputs 0, not the mean of V.
 
     Layout as ``jax.nn.dot_product_attention`` (BTNH):
@@ -200,11 +200,18 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         i >= q_len_b output 0, keys j >= kv_len_b are never read.
       local_window_size: None, int w (= (w, w)) or (left, right) with ints >= 0 or None
         (unbounded side): visible iff i + off - left <= j <= i + off + right (inclusive).
-      implementation: None (best for the platform and this call, or
-        $JAX_FLASH_METAL_IMPLEMENTATION), "xla", "metal" or "emulator"; resolved when the
-        computation is lowered. The fused kernels implement every feature below, forward and
-        backward (dbias: one float32 [batch, num_heads, q_len, kv_len] temporary, summed to the
-        bias's shape).
+      implementation: None, a name ("xla", "metal", "emulator", "cudnn") or a sequence of
+        names: the first that can run the call runs it. None means
+        $JAX_FLASH_METAL_IMPLEMENTATION if set (a name or comma-separated names), else the
+        platform's chain: ("cudnn", "xla") when the default device is an NVIDIA GPU,
+        ("metal", "xla") on a Mac with the extension, ("xla",) elsewhere. "cudnn" runs
+        ``jax.nn.dot_product_attention(..., implementation="cudnn")`` for the calls it
+        computes exactly as defined here (``cudnn.unsupported_reason``: float16/bfloat16, head
+        dim a multiple of 8 up to 128 or 256, no bias, mask, soft cap, sinks, ALiBi, dropout,
+        page table, segment ids or return_lse, windows only with is_causal), decided when this
+        function is traced; the others are chosen when the computation is lowered. The fused
+        kernels implement every feature below, forward and backward (dbias: one float32
+        [batch, num_heads, q_len, kv_len] temporary, summed to the bias's shape).
       query_segment_ids, key_value_segment_ids: integer [batch, q_len] / [batch, kv_len]
         ([len] for rank-3 inputs), both or neither; key j visible to query i only when their
         ids are equal (packed sequences), compared exactly in any integer dtypes (64-bit or
@@ -263,11 +270,13 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     Raises:
       TypeError / ValueError (naming the argument) for bad ranks, shapes, dtypes, head counts,
       lengths, windows, alignment, scale, bias, mask, segment ids, soft cap, sinks, ALiBi
-      slopes, page table, dropout rate or key, or implementation name; NotImplementedError at
-      lowering when an explicitly requested implementation cannot run the call there (a fused
-      one names what it lacks: a page size its kernels do not read); ValueError at lowering
-      for a dtype, head dim or (Dk, Dv) pair without fused kernels, asked for explicitly;
-      TypeError when a paged call is differentiated.
+      slopes, page table, dropout rate or key, or implementation name; ValueError when every
+      name is "cudnn" and cuDNN cannot run the call (naming why: not an NVIDIA GPU, or the
+      rule of ``cudnn.unsupported_reason`` it breaks); NotImplementedError at lowering when
+      the last requested fused implementation cannot run the call there (naming what it lacks:
+      a page size its kernels do not read); ValueError at lowering for a dtype, head dim or
+      (Dk, Dv) pair without fused kernels, asked for explicitly; TypeError when a paged call
+      is differentiated.
     Differentiable w.r.t. query, key, value, bias, sinks and alibi_slopes in reverse mode,
     first order only (jax.custom_vjp), except with page_table (TypeError when differentiated);
     softmax math is float32. Method: Dao, "FlashAttention-2" (2023), recompute
@@ -307,6 +316,12 @@ def attend(query, key, value, bias=None, mask=None, *, return_lse=False, **kwarg
     ``validation.check_inputs``; the Flax integration also passes ``dropout_broadcast`` (one
     keep mask for every batch entry and head)."""
     q, k, v, operands, params = validation.check_inputs(query, key, value, bias, mask, **kwargs)
+    use_cudnn, rest = implementations.trace_choice(
+        params.implementation, lambda: _cudnn_reason(q, k, v, params, return_lse))
+    if use_cudnn:
+        out = cudnn.attend(q, k, v, operands, params)
+        return validation.restore_rank(query, out, None, False)
+    params = params._replace(implementation=rest)
     try:
         out, lse = _attention(params, q, k, v, operands)
     except TypeError as e:
@@ -316,3 +331,10 @@ def attend(query, key, value, bias=None, mask=None, *, return_lse=False, **kwarg
             raise TypeError(NO_JVP_MESSAGE) from e
         raise
     return validation.restore_rank(query, out, lse, return_lse)
+
+
+def _cudnn_reason(q, k, v, params, return_lse):
+    """Why cuDNN cannot run this call on the default device (``cudnn``), or None."""
+    reason, capability, version = cudnn.device_facts()
+    return reason or cudnn.unsupported_reason(q, k, v, params, return_lse=return_lse,
+                                              capability=capability, version=version)
