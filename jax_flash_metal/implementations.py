@@ -115,7 +115,8 @@ def _shown(names) -> str:
 
 def trace_choice(implementation, cudnn_reason):
     """Whether cuDNN runs a call, decided when flash_attention is traced: (True, None), or
-    (False, the names left for ``resolve`` at lowering, None for the platform's default).
+    (False, the names left for ``resolve`` at lowering; None for the platform's default or
+    the environment's names).
 
     ``implementation``: the validated names or None (then $JAX_FLASH_METAL_IMPLEMENTATION, and
     without it the platform's chain: on an NVIDIA GPU ("cudnn", "xla"), elsewhere left to
@@ -137,7 +138,8 @@ def trace_choice(implementation, cudnn_reason):
         if name != CUDNN:
             _LOG.debug("flash_attention: %s=%s: lowering chooses among %s", source,
                        _shown(names), names[i:])
-            return False, names[i:]
+            # The lowering reads the environment again, naming it in its errors.
+            return False, names[i:] if implementation is not None else None
         reason = cudnn_reason()
         if reason is None:
             _LOG.debug("flash_attention: %s=%s: cudnn", source, _shown(names))
