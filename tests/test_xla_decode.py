@@ -13,7 +13,7 @@ import pytest
 
 import tolerance
 from api_helpers import alibi_bias, make_inputs, normal, run
-from jax_flash_metal import flash_attention, xla_decode
+from jax_flash_metal import flash_attention, xla_decode, xla_schedule
 from test_paged import check, paged_cache
 
 # (batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, keyword arguments); every kv_len is
@@ -36,10 +36,15 @@ CASES = [
 @pytest.fixture(params=[8192, 256], ids=["one-span", "spans-256"])
 def span(request, monkeypatch):
     """The decode's span: the default (one span here) or 256 keys (several, the last one
-    overlapping its predecessor)."""
+    overlapping its predecessor); every platform's dense tile at most 256 keys (the cpu one's),
+    so the decode path runs on an accelerator too."""
     monkeypatch.setattr(xla_decode, "SPAN", request.param)
     monkeypatch.setattr(xla_decode, "CHUNK", 64)
-    return request.param
+    jax.clear_caches()
+    for name, schedule in list(xla_schedule.SCHEDULES.items()):
+        monkeypatch.setitem(xla_schedule.SCHEDULES, name, schedule._replace(dense_max_len=256))
+    yield request.param
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"case{n}" for n in range(len(CASES))])
@@ -66,7 +71,7 @@ def test_decode_reads_a_paged_cache(span):
         check(q, cache, lengths, implementation="xla", **kw)
 
 
-def test_decode_nonfinite_values_reach_only_the_rows_that_see_them():
+def test_decode_nonfinite_values_reach_only_the_rows_that_see_them(span):
     """A NaN value at a key that only the last query row sees (bottom-right causal) makes only
     that row NaN; NaN keys and values past a length are never weighed."""
     q, k, v, _, _ = make_inputs(3, 2, 4, 600, 4, 2, 16, jnp.float32)
