@@ -60,13 +60,13 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
     kv_heads, value_dim = k.shape[2], v.shape[3]
     groups = num_heads // kv_heads
     table = operands.page_table
-    page = 1 if table is None else k.shape[1]
+    page = 1 if table is None else k.shape[1]  # keys per page (1: no pages)
     kv_len = k.shape[1] if table is None else table.shape[1] * page
     band = visibility.Band(batch, q_len, kv_len, operands.q_lengths, operands.kv_lengths,
                            is_causal=is_causal, window_left=window_left,
                            window_right=window_right, bottom_right=bottom_right)
     # A span is a whole number of pages, and no longer than the cache.
-    span = min(max(SPAN // page, 1) * page, kv_len if table is None else kv_len)
+    span = min(max(SPAN // page, 1) * page, kv_len)
     chunk = np.gcd(span, CHUNK)
     rows = np.arange(q_len, dtype=np.int32)
     xp = visibility.array_module(band.q_lengths, band.kv_lengths)
@@ -81,16 +81,6 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
     alibi = (None if operands.alibi_slopes is None
              else operands.alibi_slopes.reshape(batch, 1, 1, kv_heads, groups, 1))
 
-    def read(x, start):
-        """Keys [start, start + span) of x as [B, span, HKV, D]."""
-        if table is None:
-            return jax.lax.dynamic_slice_in_dim(x, start, span, axis=1)
-        pages = jax.lax.dynamic_slice_in_dim(table, start // page, span // page, axis=1)
-        first_key = start + jnp.arange(span // page, dtype=jnp.int32) * page
-        used = first_key[None, :] < band.kv_lengths[:, None]
-        index = jnp.clip(jnp.where(used, pages, 0), 0, x.shape[0] - 1)
-        return x[index].reshape((batch, span) + x.shape[2:])
-
     def span_partials(c):
         """(m, l, acc) of span c: [B, HKV, G, Tq] and [B, HKV, G, Tq, Dv]."""
         nominal = c * span
@@ -100,8 +90,8 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
         # [B, n, CHUNK, 1, 1, Tq]: keys split into chunks, before the head axes.
         visible = visible.reshape(batch, q_len, -1, chunk).transpose(0, 2, 3, 1)[:, :, :, None,
                                                                                   None]
-        kx = _nan_entries(read(k, start)).reshape(batch, -1, chunk, kv_heads, 1, 1, k.shape[3])
-        vx = _nan_entries(read(v, start)).reshape(batch, -1, chunk, kv_heads, 1, 1, value_dim)
+        kx, vx = (_nan_entries(_read(x, start, span, table, band.kv_lengths)).reshape(
+            batch, -1, chunk, kv_heads, 1, 1, x.shape[3]) for x in (k, v))
         s = jnp.sum(qx[:, :, None] * kx, axis=-1) * jnp.float32(scale)  # [B, n, C, HKV, G, Tq]
         s = features.soft_cap(s, logits_soft_cap)[0]
         if alibi is not None:
@@ -127,6 +117,20 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
     o, lse, row_max, log_sum = tiles.forward_finish(state, sinks)
     o = o.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, value_dim).astype(q.dtype)
     return (o, *(x.reshape(batch, num_heads, q_len) for x in (lse, row_max, log_sum)))
+
+
+def _read(x, start, span, table, kv_lengths):
+    """Keys [start, start + span) of the cache x as [B, span, HKV, D]: a slice of x
+    [B, Tkv, HKV, D], or with ``table`` a gather of the span's pages from x [P, S, HKV, D]
+    (page 0 for the pages past a row's length, which are never weighed)."""
+    if table is None:
+        return jax.lax.dynamic_slice_in_dim(x, start, span, axis=1)
+    page = x.shape[1]
+    pages = jax.lax.dynamic_slice_in_dim(table, start // page, span // page, axis=1)
+    first_key = start + jnp.arange(span // page, dtype=jnp.int32) * page
+    used = first_key[None, :] < kv_lengths[:, None]
+    index = jnp.clip(jnp.where(used, pages, 0), 0, x.shape[0] - 1)
+    return x[index].reshape((table.shape[0], span) + x.shape[2:])
 
 
 def _merge(m, l, acc, axis):
