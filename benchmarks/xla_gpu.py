@@ -4,7 +4,7 @@ benchmark, not a test).
 Usage: python benchmarks/xla_gpu.py [--modes train,decode] [--lengths 1024,4096,16384,32768]
            [--dtypes bfloat16,float16] [--schedules default,cpu,1024x2048,...]
            [--decode-kv 8192,32768,131072] [--decode-q 1,4] [--decode-spans 8192x256,...]
-           [--repeats 10] [--json PATH]
+           [--methods "flash,jax.nn cudnn"] [--repeats 10] [--json PATH]
 
 Run from the repository root with PYTHONPATH=. and XLA_PYTHON_CLIENT_PREALLOCATE=false, so the
 compiled temporaries are what a program pays. Methods, interleaved, median of ``--repeats``
@@ -126,6 +126,11 @@ def _patched_item(table, key, value):
         table[key] = saved
 
 
+def _chosen(methods, args):
+    """The methods ``--methods`` names (all by default)."""
+    return {n: m for n, m in methods.items() if not args.methods or n in args.methods}
+
+
 def _compile_all(methods, operands, args):
     """{name: compiled or None}, {name: temp bytes}, {name: compile seconds or error text}
     for methods {name: (function, context manager factory or None)}."""
@@ -168,7 +173,7 @@ def measure(length, dtype, causal, schedules, args):
     if jnp.dtype(dtype) == jnp.float32:
         methods["jax.nn xla highest"] = (_fwd_bwd(_nn("xla"), causal),
                                          lambda: jax.default_matmul_precision("highest"))
-    compiled, temp, notes = _compile_all(methods, operands, args)
+    compiled, temp, notes = _compile_all(_chosen(methods, args), operands, args)
     ms = _median_ms({n: f for n, f in compiled.items() if f is not None}, operands, args.repeats)
     flops = attention_flops(args.batch, args.heads, length, length, args.head_dim, causal)[1]
     rows = _rows(compiled, temp, notes, ms, length=length, dtype=dtype, causal=causal)
@@ -211,7 +216,7 @@ def measure_decode(kv_len, q_len, spans, copy_gbs, args):
                                                                          CHUNK=c))
     methods["jax.nn xla"] = (forward(_nn("xla")), None)
     methods["jax.nn cudnn"] = (forward(_nn("cudnn")), None)
-    compiled, temp, notes = _compile_all(methods, operands, args)
+    compiled, temp, notes = _compile_all(_chosen(methods, args), operands, args)
     ms = _median_ms({n: f for n, f in compiled.items() if f is not None}, operands, args.repeats)
     valid = int(np.sum(np.asarray(lengths))) * args.decode_kv_heads * args.head_dim * 2
     valid_bytes = valid * dtype.itemsize
@@ -270,6 +275,8 @@ def main():
     p.add_argument("--decode-kv-heads", type=int, default=8)
     p.add_argument("--decode-dtype", default="bfloat16")
     p.add_argument("--decode-spans", type=names, default=[])
+    p.add_argument("--methods", type=names, default=[],
+                   help='only these methods, e.g. "flash,jax.nn cudnn" (default: all)')
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--cpu-max-len", type=int, default=4096)
     p.add_argument("--max-temp-gib", type=float, default=100.0)

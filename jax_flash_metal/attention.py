@@ -319,7 +319,10 @@ def attend(query, key, value, bias=None, mask=None, *, return_lse=False, **kwarg
     use_cudnn, rest = implementations.trace_choice(
         params.implementation, lambda: _cudnn_reason(q, k, v, params, return_lse))
     if use_cudnn:
-        out = cudnn.attend(q, k, v, operands, params)
+        # cuDNN's backward takes even lengths only (jax's check_is_flash_attention): for odd
+        # ones the gradients come from the xla implementation.
+        attend_cudnn = _cudnn_xla_grad if (q.shape[1] | k.shape[1]) % 2 else cudnn.attend
+        out = attend_cudnn(q, k, v, operands, params)
         return validation.restore_rank(query, out, None, False)
     params = params._replace(implementation=rest)
     try:
@@ -331,6 +334,26 @@ def attend(query, key, value, bias=None, mask=None, *, return_lse=False, **kwarg
             raise TypeError(NO_JVP_MESSAGE) from e
         raise
     return validation.restore_rank(query, out, lse, return_lse)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cudnn_xla_grad(q, k, v, operands, params):
+    """``cudnn.attend`` with the xla implementation's gradients (recomputing its forward)."""
+    return cudnn.attend(q, k, v, operands, params)
+
+
+def _cudnn_xla_grad_fwd(q, k, v, operands, params):
+    return cudnn.attend(q, k, v, operands, params), (q, k, v, operands)
+
+
+def _cudnn_xla_grad_bwd(params, residuals, do):
+    q, k, v, operands = residuals
+    xla = params._replace(implementation=("xla",))
+    _, vjp = jax.vjp(lambda q, k, v: _attention(xla, q, k, v, operands)[0], q, k, v)
+    return (*vjp(do), Operands())
+
+
+_cudnn_xla_grad.defvjp(_cudnn_xla_grad_fwd, _cudnn_xla_grad_bwd)
 
 
 def _cudnn_reason(q, k, v, params, return_lse):

@@ -2,17 +2,18 @@
 that reads the cache where it is.
 
 A forward with at most ``MAX_QUERY_ROWS`` query rows over more keys than the schedule's dense
-tile (``covers``) runs here instead of the block loops of ``xla_attention``, whose block layout
-would copy the whole cache first. The keys are visited span by span (``SPAN`` keys, a
-``lax.fori_loop`` over only the spans some row can see: from the band's first visible key to
-the longest row's length); each span is split into chunks of ``CHUNK`` keys, and each chunk
-gives partial statistics (m, l) and a partial output acc = sum_j exp(s_j - m) v_j, merged into
-one running state (FlashAttention's rescaling; Dao et al., "Flash-Decoding for long-context
+tile, on a schedule with ``split_kv_decode`` (the accelerators'; ``covers``), runs here instead of the block loops of ``xla_attention``, whose block layout
+would copy the whole cache first. The keys are visited span by span (``SPAN`` keys or more, at
+most ``MAX_SPANS`` spans, unrolled); each span is split into chunks of ``CHUNK`` keys, and each
+chunk gives partial statistics (m, l) and a partial output acc = sum_j exp(s_j - m) v_j, all
+merged at the end (FlashAttention's rescaling; Dao et al., "Flash-Decoding for long-context
 inference", 2023). The scores are a multiply-and-sum over the head dim and the output a
-weighted sum over keys, not matmuls, so the key and value of a span are read in their
-[B, Tkv, HKV, D] layout (a dynamic slice, or with a page table a gather of the span's pages
-only, both fused into those reductions by XLA) and never copied into another layout. Past a
-row's length, a paged row reads page 0 (as ``paging.gather``): its keys are never weighed.
+weighted sum over keys, not matmuls, and the spans are static slices of the operands, not a
+loop's state: XLA then reads key and value in their own [B, Tkv, HKV, D] layout, fused into
+those reductions, and never copies them into another layout (a ``lax.fori_loop`` over the spans
+let it choose the loop state's layout, and it transposed the whole cache before the loop). With
+a page table each span gathers only its own pages (page 0 for those past a row's length, which
+are never weighed); spans that no row can see are skipped when the band is static.
 
 Semantics are those of ``xla_attention.forward`` (and its outputs (o, lse, row_max, log_sum)):
 lengths, causal and local windows in either alignment, grouped-query attention, soft cap, ALiBi,
@@ -32,13 +33,15 @@ from . import xla_tiles as tiles
 
 F32 = tiles.F32
 MAX_QUERY_ROWS = 16  # query rows per batch row that count as decoding
-SPAN = 8192  # keys per loop iteration: bounds the float32 scores a span keeps
+SPAN = 8192  # keys per span at least: bounds the float32 scores a span keeps
+MAX_SPANS = 32  # longer caches take longer spans (the spans are unrolled)
 CHUNK = 256  # keys per partial (m, l, acc)
 
 
 def covers(q, k, operands, schedule, dropout_rate, kv_len) -> bool:
     """Whether ``forward`` runs this call (see the module docstring)."""
-    return (0 < q.shape[1] <= MAX_QUERY_ROWS and kv_len > schedule.dense_max_len
+    return (schedule.split_kv_decode and 0 < q.shape[1] <= MAX_QUERY_ROWS
+            and kv_len > schedule.dense_max_len
             and q.shape[0] > 0 and dropout_rate == 0.0
             and all(x is None for x in (operands.bias, operands.mask, operands.q_segment_ids,
                                         operands.dropout)))
@@ -66,14 +69,16 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
                            is_causal=is_causal, window_left=window_left,
                            window_right=window_right, bottom_right=bottom_right)
     # A span is a whole number of pages, and no longer than the cache.
-    span = min(max(SPAN // page, 1) * page, kv_len)
+    span = max(SPAN, -(-kv_len // MAX_SPANS))
+    span = min(max(span // page, 1) * page, kv_len)
     chunk = np.gcd(span, CHUNK)
     rows = np.arange(q_len, dtype=np.int32)
-    xp = visibility.array_module(band.q_lengths, band.kv_lengths)
-    lo, hi = band.key_intervals(xp.asarray(rows))
-    seen = hi > lo
-    first = xp.min(xp.where(seen, lo, kv_len)) // span
-    stop = -(-xp.max(xp.where(seen, hi, 0)) // span)
+    spans = range(-(-kv_len // span))
+    if visibility.array_module(band.q_lengths, band.kv_lengths) is np:  # a static band
+        lo, hi = band.key_intervals(rows)
+        seen = hi > lo
+        spans = range(int(np.min(np.where(seen, lo, kv_len))) // span,
+                      -(-int(np.max(np.where(seen, hi, 0))) // span))
 
     # [B, 1, HKV, G, Tq, D]: query head hkv * G + g, the chunk axis before it.
     qx = _nan_entries(q).reshape(batch, q_len, kv_heads, groups, -1).transpose(0, 2, 3, 1, 4)
@@ -84,8 +89,8 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
     def span_partials(c):
         """(m, l, acc) of span c: [B, HKV, G, Tq] and [B, HKV, G, Tq, Dv]."""
         nominal = c * span
-        start = jnp.minimum(nominal, kv_len - span)  # the last span ends at the cache's end
-        keys = start + jnp.arange(span, dtype=jnp.int32)
+        start = min(nominal, kv_len - span)  # the last span ends at the cache's end
+        keys = start + np.arange(span, dtype=np.int32)
         visible = band.mask(jnp.asarray(rows), keys) & (keys >= nominal)[None, None, :]
         # [B, n, CHUNK, 1, 1, Tq]: keys split into chunks, before the head axes.
         visible = visible.reshape(batch, q_len, -1, chunk).transpose(0, 2, 3, 1)[:, :, :, None,
@@ -105,13 +110,11 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
         acc = jnp.sum(jnp.where(visible[..., None], p[..., None] * vx, 0.0), axis=2)
         return _merge(m, l, acc, axis=1)
 
-    def step(c, state):
-        return _combine(state, span_partials(c))
-
     rows_shape = (batch, kv_heads, groups, q_len)
-    init = tiles.Running(jnp.full(rows_shape, tiles.LOWEST, F32), jnp.zeros(rows_shape, F32),
-                         jnp.zeros(rows_shape + (value_dim,), F32))
-    state = jax.lax.fori_loop(first, stop, step, init)
+    partials = [span_partials(c) for c in spans] or [tiles.Running(
+        jnp.full(rows_shape, tiles.LOWEST, F32), jnp.zeros(rows_shape, F32),
+        jnp.zeros(rows_shape + (value_dim,), F32))]
+    state = _merge(*(jnp.stack(x, axis=0) for x in zip(*partials)), axis=0)
     sinks = (None if operands.sinks is None
              else operands.sinks.astype(F32).reshape(1, kv_heads, groups, 1))
     o, lse, row_max, log_sum = tiles.forward_finish(state, sinks)
@@ -120,14 +123,14 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
 
 
 def _read(x, start, span, table, kv_lengths):
-    """Keys [start, start + span) of the cache x as [B, span, HKV, D]: a slice of x
+    """Keys [start, start + span) (static) of the cache x as [B, span, HKV, D]: a slice of x
     [B, Tkv, HKV, D], or with ``table`` a gather of the span's pages from x [P, S, HKV, D]
     (page 0 for the pages past a row's length, which are never weighed)."""
     if table is None:
-        return jax.lax.dynamic_slice_in_dim(x, start, span, axis=1)
+        return x[:, start:start + span]
     page = x.shape[1]
-    pages = jax.lax.dynamic_slice_in_dim(table, start // page, span // page, axis=1)
-    first_key = start + jnp.arange(span // page, dtype=jnp.int32) * page
+    pages = table[:, start // page:(start + span) // page]
+    first_key = start + np.arange(span // page, dtype=np.int32) * page
     used = first_key[None, :] < kv_lengths[:, None]
     index = jnp.clip(jnp.where(used, pages, 0), 0, x.shape[0] - 1)
     return x[index].reshape((table.shape[0], span) + x.shape[2:])
@@ -139,8 +142,3 @@ def _merge(m, l, acc, axis):
     weight = jnp.exp(m - top)
     return tiles.Running(jnp.squeeze(top, axis), jnp.sum(weight * l, axis=axis),
                          jnp.sum(weight[..., None] * acc, axis=axis))
-
-
-def _combine(a, b):
-    """Two (m, l, acc) states as one (``_merge`` of a pair)."""
-    return _merge(*(jnp.stack(x, axis=0) for x in zip(a, b)), axis=0)

@@ -22,6 +22,10 @@ where ``half_operands`` says how half-precision inputs enter the matmuls.
 - ``pinned_transposes``: the backward keeps the small transposes of dK and dV's operands as
   ops of their own (``xla_tiles``), where the compiler would otherwise fold them into a slower
   transposed-operand matmul.
+- ``split_kv_decode``: a forward with few query rows over more keys than the dense tile runs
+  ``xla_decode`` (the cache read in place, span by span) instead of the block loops. On XLA:CPU
+  its fused multiply-and-sum is not fused: the products of every span are stored, more memory
+  than the block loops' layout copy, so the cpu schedule keeps the block loops.
 - ``half_operands``: float16/bfloat16 inputs enter every matmul in their own dtype with float32
   accumulation (the scores ``scale * (q . k)`` with the scale applied in float32 after the
   product, whose half-precision products are exact in float32; P and dS rounded to the input
@@ -44,6 +48,7 @@ class Schedule(NamedTuple):
     inner_block: int | None = None
     pinned_transposes: bool = False
     one_pass_statistics: bool = False
+    split_kv_decode: bool = False
 
 
 SCHEDULES = {
@@ -78,8 +83,10 @@ SCHEDULES = {
     # Half-precision operands run the matmuls on the half-precision matrix units (float32
     # operands at float32 precision ran an H200 at about 34 TFLOP/s). Its matmuls read either
     # operand layout at the same speed (pinning the transposes cost 3-4% on an H200).
+    # Decoding (a few query rows): the block loops copy the whole cache into their layout first,
+    # the split-KV decode reads it in place.
     "default": Schedule(dense_max_len=1024, block_q=1024, block_k=1024, half_operands=True,
-                        inner_block=4096, one_pass_statistics=True),
+                        inner_block=4096, one_pass_statistics=True, split_kv_decode=True),
 }
 
 
