@@ -13,7 +13,7 @@ import pytest
 import tolerance
 from api_helpers import alibi_bias, make_inputs, normal, run
 from jax_flash_metal import flash_attention, xla_decode, xla_schedule
-from test_paged import check, paged_cache
+from paged_helpers import check, paged_cache
 
 # (batch, q_len, kv_len, heads, kv_heads, head_dim, dtype, keyword arguments); every kv_len is
 # past the cpu schedule's dense tile (256), so the decode path runs.
