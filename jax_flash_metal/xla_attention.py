@@ -15,8 +15,8 @@ cast to the input dtype. Method: Dao,
 "FlashAttention-2" (2023). Problems with both lengths at most the schedule's ``dense_max_len``
 run as one dense tile; larger ones as loops over ``block_q`` x ``block_k`` tiles (block sizes per
 lowering platform: ``xla_schedule``; tile math in ``xla_tiles``), with memory linear in length;
-NaN placement is exact (``nonfinite``). A short-query forward (decoding) runs ``xla_decode``
-instead, which reads the KV cache in place. The size rule, the loops and the
+NaN placement is exact (``nonfinite``). A short-query forward (decoding) on the accelerators runs
+``xla_decode`` instead, which reads the KV cache span by span. The size rule, the loops and the
 NaN placement: docs/design.md#the-xla-implementation-and-the-reference.
 """
 
@@ -524,7 +524,7 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
     kv_len = k.shape[1] if operands.page_table is None else paging.logical_len(
         k, operands.page_table)
-    if xla_decode.covers(q, k, operands, schedule, dropout_rate, kv_len):  # reads the cache as is
+    if xla_decode.covers(q, k, operands, schedule, dropout_rate, kv_len):  # split-KV decode
         return xla_decode.forward(q, k, v, operands, scale=scale, is_causal=is_causal,
                                   window_left=window_left, window_right=window_right,
                                   bottom_right=bottom_right, logits_soft_cap=logits_soft_cap)

@@ -1,19 +1,21 @@
 """The xla implementation's short-query forward (decoding with a KV cache): split-KV attention
-that reads the cache where it is.
+over the cache span by span.
 
-A forward with at most ``MAX_QUERY_ROWS`` query rows over more keys than the schedule's dense
-tile, on a schedule with ``split_kv_decode`` (the accelerators'; ``covers``), runs here instead of the block loops of ``xla_attention``, whose block layout
-would copy the whole cache first. The keys are visited span by span (``SPAN`` keys or more, at
-most ``MAX_SPANS`` spans, unrolled); each span is split into chunks of ``CHUNK`` keys, and each
-chunk gives partial statistics (m, l) and a partial output acc = sum_j exp(s_j - m) v_j, all
-merged at the end (FlashAttention's rescaling; Dao et al., "Flash-Decoding for long-context
-inference", 2023). The scores are a multiply-and-sum over the head dim and the output a
-weighted sum over keys, not matmuls, and the spans are static slices of the operands, not a
-loop's state: XLA then reads key and value in their own [B, Tkv, HKV, D] layout, fused into
-those reductions, and never copies them into another layout (a ``lax.fori_loop`` over the spans
-let it choose the loop state's layout, and it transposed the whole cache before the loop). With
-a page table each span gathers only its own pages (page 0 for those past a row's length, which
-are never weighed); spans that no row can see are skipped when the band is static.
+A forward with at most ``MAX_QUERY_ROWS`` query rows over more keys than the schedule's dense tile,
+on a schedule with ``split_kv_decode`` (the accelerators'; ``covers``), runs here instead of the
+block loops of ``xla_attention``, whose block layout copies the whole cache first. The keys are
+visited span by span (``SPAN`` keys or more, at most ``MAX_SPANS`` spans, unrolled); each span is
+split into chunks of ``CHUNK`` keys, and each chunk gives partial statistics (m, l) and a partial
+output acc = sum_j exp(s_j - m) v_j, all merged at the end (FlashAttention's rescaling; Dao et al.,
+"Flash-Decoding for long-context inference", 2023). The scores are a multiply-and-sum over the head
+dim and the output a weighted sum over keys, not matmuls (whose batch axes would need the cache as
+[B, HKV, Tkv, D]), and the spans are static slices of the operands, not a loop's state (a
+``lax.fori_loop`` let XLA pick the state's layout, and it transposed the whole cache before the
+loop). XLA:GPU still assigns its reductions operand layouts of its own and copies part of the cache
+into them (docs/gpu.md: 2.9 GiB of temporaries for a 4 GiB cache on an H100); reading it strictly in
+place needs more control over layouts than jax.numpy gives. With a page table each span gathers only
+its own pages (page 0 for those past a row's length, which are never weighed); spans that no row can
+see are skipped when the band is static.
 
 Semantics are those of ``xla_attention.forward`` (and its outputs (o, lse, row_max, log_sum)):
 lengths, causal and local windows in either alignment, grouped-query attention, soft cap, ALiBi,
