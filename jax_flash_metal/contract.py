@@ -26,9 +26,9 @@ FLAG_NAMES = ("has_q_lengths", "has_kv_lengths", "has_segment_ids", "has_bias", 
               "dropout_rate")  # a dropout operand exactly when the rate is > 0
 
 
-# The static params that are no FFI attribute: the implementation chain picks the FFI target, and
-# the fused kernels implement every feature. Moving one into JFM_FFI_ATTRIBUTES (ffi/attention_ffi.h)
-# takes it out of this list.
+# The static params that are no FFI attribute: the implementation chain picks the FFI target,
+# and the fused kernels implement every feature. Moving one into JFM_FFI_ATTRIBUTES
+# (ffi/attention_ffi.h) takes it out of this list.
 HOST_ONLY_PARAMS = ("implementation",)
 
 
