@@ -85,8 +85,7 @@ SCHEDULES = {
     # operands at float32 precision ran an H200 at about 34 TFLOP/s). Its matmuls read either
     # operand layout at the same speed (pinning the transposes cost 3-4% on an H200).
     # Decoding (a few query rows): the block loops copy the whole cache into their layout first;
-    # the split-KV decode copies less and ran faster on an H100 (128k keys, batch 8, 32/8 heads:
-    # 7.3 ms, where the block loops took 9.4 ms in an earlier measurement; docs/gpu.md).
+    # the split-KV decode copies less (an H100's figures and what is still missing: docs/gpu.md).
     "default": Schedule(dense_max_len=1024, block_q=1024, block_k=1024, half_operands=True,
                         inner_block=4096, one_pass_statistics=True, split_kv_decode=True),
 }
