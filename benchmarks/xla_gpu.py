@@ -25,7 +25,7 @@ rows with other schedules of the xla implementation (``xla_schedule``): "cpu" (o
 lengths from the full cache down to 9/16 of it; GB/s counts the K/V bytes of the valid keys, %
 compares it with the measured copy bandwidth of this device (a jitted elementwise pass over a
 2 GiB array, bytes read + written). ``--decode-spans`` adds "flash xla" rows with other
-(SPAN x CHUNK) sizes of ``xla_decode``.
+(SPAN x CHUNK) sizes of ``xla/decode.py``.
 """
 
 import argparse
@@ -38,8 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flash_metal import flash_attention, xla_decode, xla_schedule
-from jax_flash_metal.benchmark import attention_flops, inputs
+from jax_flash_metal import flash_attention
+from jax_flash_metal.tools.benchmark_model import attention_flops, inputs
+from jax_flash_metal.xla import decode as xla_decode
+from jax_flash_metal.xla import schedule as xla_schedule
 
 
 def _fwd_bwd(attention, causal):
