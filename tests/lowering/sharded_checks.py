@@ -62,7 +62,7 @@ def case(name):
 
 
 def check(implementation, name):
-    # Mesh's axes are Auto on every JAX (jax.make_mesh's became Explicit: README, Many devices).
+    # Mesh's axes are Auto on every JAX (jax.make_mesh's became Explicit: docs/parallelism.md).
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     kv_heads, spec, feats, feat_specs, gathers = case(name)
     q, k, v, do, g = make_inputs(0, B, T, T, H, kv_heads, D, jnp.float32)

@@ -25,6 +25,7 @@ LONG_MODULES = {
                         "into attention and block drivers",
     "ring_attention.py": "one job: the ring's block schedule, forward and backward",
     "examples/train_lm.py": "one runnable example, read top to bottom",
+    "selfcheck.py": "one job: the self-check's steps in order, each a short function",
 }
 LINES_PER_FUNCTION = 80
 LONG_FUNCTIONS: dict[tuple[str, str], str] = {}
