@@ -1,13 +1,13 @@
 """The one place where jax_flash_metal touches JAX internals.
 
 Everything the package needs is public in every supported JAX (0.5.0 through the newest release)
-except the abstract value class, which newer releases may move out of ``jax.core``, and the set of
+except the abstract value class, which newer releases may move out of ``jax.core``, the set of
 primitives whose lowering needs the device assignment (a ``custom_partitioning`` call inside a
-primitive's lowering does: lowering/sharding.py, registered in lowering/primitives.py); both are
-kept here so the rest of the package only imports public modules. The varying manual axes of
-``shard_map``'s type check changed their spelling across releases (``aval.vma`` and
-``jax.lax.pvary``, then ``aval.mat.varying`` and ``jax.lax.pcast``; none on 0.5.0): read and set
-here too.
+primitive's lowering does: lowering/sharding.py, registered in lowering/primitives.py) and the
+loaded cuDNN's version (``cudnn/``); all are kept here so the rest of the package only imports
+public modules. The varying manual axes of ``shard_map``'s type check changed their spelling
+across releases (``aval.vma`` and ``jax.lax.pvary``, then ``aval.mat.varying`` and
+``jax.lax.pcast``; none on 0.5.0): read and set here too.
 """
 
 import jax
@@ -57,5 +57,23 @@ def vary_together(tree):
     return jax.tree_util.tree_map(lambda x: _vary(x, axes), tree)
 
 
-__all__ = ["ShapedArray", "prim_requires_devices_during_lowering", "vary_like",
-           "vary_together", "varying_axes"]
+
+def cudnn_version() -> int | None:
+    """The loaded cuDNN's version number (e.g. 91900 for 9.19.0), or None without a CUDA jaxlib
+    plugin (private in jax 0.5.0 .. 0.12: ``jax._src.lib.cuda_versions``, which jax.nn's cuDNN
+    attention reads to the same end)."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:  # pragma: no cover - a future JAX that moved it
+        return None
+    if cuda_versions is None:
+        return None
+    try:
+        return int(cuda_versions.cudnn_get_version())
+    except Exception:  # noqa: BLE001 - the plugin is there but cuDNN did not load
+        return None
+
+
+
+__all__ = ["ShapedArray", "cudnn_version", "prim_requires_devices_during_lowering",
+           "vary_like", "vary_together", "varying_axes"]

@@ -124,7 +124,7 @@ def test_traced_static_number_is_an_error(name):
 def test_unknown_implementation():
     with pytest.raises(ValueError, match="implementation must be one of"):
         flash_attention(Q, K, K, implementation="cuda")
-    with pytest.raises(TypeError, match="implementation must be None or a str"):
+    with pytest.raises(TypeError, match="implementation must be None, a str or a sequence"):
         flash_attention(Q, K, K, implementation=1)
 
 
