@@ -112,7 +112,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
-                    return_lse: Literal[False] = False) -> jax.Array: ...
+                    return_lse: Literal[False] = False,
+                    return_residual: Literal[False] = False) -> jax.Array: ...
 
 
 @overload
@@ -131,7 +132,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
-                    return_lse: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
+                    return_lse: Literal[True],
+                    return_residual: Literal[False] = False) -> tuple[jax.Array, jax.Array]: ...
 
 
 @overload
@@ -150,7 +152,28 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
-                    return_lse: bool) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+                    return_lse: Literal[False] = False,
+                    return_residual: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                    scale: ArrayLike | None = None, is_causal: bool = False,
+                    query_seq_lengths: ArrayLike | None = None,
+                    key_value_seq_lengths: ArrayLike | None = None,
+                    local_window_size: Window = None,
+                    implementation: Implementation | None = None,
+                    query_segment_ids: ArrayLike | None = None,
+                    key_value_segment_ids: ArrayLike | None = None,
+                    logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                    causal_alignment: str = "top_left",
+                    alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
+                    sequence_axis_name: Hashable | None = None,
+                    sequence_layout: str = "contiguous",
+                    dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
+                    return_lse: bool = False,
+                    return_residual: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
 def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
@@ -168,12 +191,14 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     sequence_axis_name: Hashable | None = None,
                     sequence_layout: str = "contiguous",
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
-                    return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                    return_lse: bool = False,
+                    return_residual: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-2 forward and recompute backward).
 
-    A drop-in for ``jax.nn.dot_product_attention`` (same positional bias and mask, same keyword
-    meanings; not ``return_residual`` or cuDNN); the one difference: a row with no visible key
-    outputs 0, not the mean of V.
+    A drop-in for ``jax.nn.dot_product_attention``: every keyword it takes means the same here
+    (``implementation`` names this package's implementations); the differences (a row with no
+    visible key outputs 0, not the mean of V; non-finite inputs; integer inputs) are listed in
+    docs/jax-nn.md.
 
     Layout as ``jax.nn.dot_product_attention`` (BTNH):
       query: [batch, q_len, num_heads, Dk]; key: [batch, kv_len, num_kv_heads, Dk]; value:
@@ -254,12 +279,17 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         ``jax.vmap`` with a batched key each mapped element uses its own key, as a call per
         element would.
       return_lse: also return the log-sum-exp; gradients flow through it.
+      return_residual: jax.nn's name for the log-sum-exp, in jax.nn's layout: also return it as
+        [batch, q_len, num_heads] ([q_len, num_heads] for a rank-3 query) in the query's
+        dtype, with no gradient (``lax.stop_gradient``, as jax.nn). ValueError with
+        return_lse=True (ask for one of the two).
     Returns:
       out [batch, q_len, num_heads, Dv] (no batch axis for a rank-3 query), in the query's
       dtype; with return_lse=True, (out, lse) where lse is float32
       [batch, num_heads, q_len] ([num_heads, q_len] for a rank-3 query), natural log:
       log(exp(sink) + sum_j exp(s_ij)) with sinks. A row with no visible key has out = 0 and
       lse = -inf (the sink with sinks) and contributes nothing to any gradient but dsinks.
+      With return_residual=True, (out, residual): that lse, transposed and cast as above.
     Raises:
       TypeError / ValueError (naming the argument) for bad ranks, shapes, dtypes, head counts,
       lengths, windows, alignment, scale, bias, mask, segment ids, soft cap, sinks, ALiBi
@@ -274,6 +304,13 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     backward from (q, k, v, o, lse, dO) with D = rowsum(dO * O) - g_lse.
     """
     return_lse = validation.check_bool(return_lse, "return_lse")
+    return_residual = validation.check_bool(return_residual, "return_residual")
+    if return_lse and return_residual:
+        raise ValueError("return_lse and return_residual both ask for the log-sum-exp (ours: "
+                         "float32 [batch, num_heads, q_len], differentiable; jax.nn's: "
+                         "[batch, q_len, num_heads] in the query's dtype, no gradient): pass "
+                         "only one of them")
+    return_lse = return_lse or return_residual
     if sequence_axis_name is None and sequence_layout != "contiguous":
         raise ValueError(f"sequence_layout={sequence_layout!r} needs sequence_axis_name (the "
                          "layout of a sequence split over devices)")
@@ -284,7 +321,7 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         if validation.check_dropout(dropout_rate, dropout_rng, 1, 1)[0] > 0:
             raise ValueError("dropout_rate > 0 is not supported with sequence_axis_name (ring "
                              "attention)")
-        return ring_attention.ring_flash_attention(
+        result = ring_attention.ring_flash_attention(
             query, key, value, bias, mask, axis_name=sequence_axis_name,
             sequence_layout=sequence_layout, primitives=(fwd_p, bwd_p),
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -293,13 +330,23 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
             implementation=implementation, query_segment_ids=query_segment_ids,
             key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
             sinks=sinks)
-    return attend(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-                  local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
-                  key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
-                  implementation=implementation, query_segment_ids=query_segment_ids,
-                  key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
-                  sinks=sinks, alibi_slopes=alibi_slopes, page_table=page_table,
-                  dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_lse=return_lse)
+    else:
+        result = attend(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+            local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
+            implementation=implementation, query_segment_ids=query_segment_ids,
+            key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
+            sinks=sinks, alibi_slopes=alibi_slopes, page_table=page_table,
+            dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_lse=return_lse)
+    return _as_residual(result) if return_residual else result
+
+
+def _as_residual(result):
+    """(out, lse) as jax.nn's (out, residual): lse [..., num_heads, q_len] float32 becomes
+    [..., q_len, num_heads] in out's dtype, with no gradient (as jax.nn's)."""
+    out, lse = result
+    return out, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(out.dtype))
 
 
 def attend(query, key, value, bias=None, mask=None, *, return_lse=False, **kwargs):
