@@ -134,7 +134,7 @@ def test_non_finite_key_gives_nan_in_every_row_that_sees_it(implementation):
 
 def test_overflowing_scores(implementation):
     """scale * q.k beyond float32's range: every row with a +inf score is NaN (as jax.nn); rows
-    whose scores only reach -inf may be NaN too (docs/jax-nn.md says why)."""
+    whose scores overflow only to -inf may be NaN too (docs/jax-nn.md says why)."""
     q, k, v, _, _ = make_inputs(47, 1, TQ, TK, H, HKV, D, jnp.float32)
     scores = np.einsum("bqhd,bkhd->bhqk", np.float64(q), np.repeat(np.float64(k), 2, axis=2))
     with np.errstate(over="ignore"):
@@ -144,11 +144,19 @@ def test_overflowing_scores(implementation):
     assert np.all(np.isnan(out).all(-1)[np.swapaxes(plus_inf, 1, 2)])
 
 
-def test_integer_inputs_raise():
-    """jax.nn computes integer attention in int32 (truncated weights); here TypeError."""
+def test_integer_and_float64_inputs_raise():
+    """jax.nn computes integer attention in int32 (truncated weights) and float64 under
+    jax_enable_x64; here both raise TypeError naming the argument."""
     q = jnp.ones((1, 4, 2, 8), jnp.int32)
     with pytest.raises(TypeError, match="query dtype must be float32, float16 or bfloat16"):
         flash_attention(q, q, q)
+    jax.config.update("jax_enable_x64", True)
+    try:
+        q = jnp.ones((1, 4, 2, 8), jnp.float64)
+        with pytest.raises(TypeError, match="query dtype must be float32, float16 or bfloat16"):
+            flash_attention(q, q, q)
+    finally:
+        jax.config.update("jax_enable_x64", False)
 
 
 def test_scale_must_be_static_and_finite():
