@@ -54,6 +54,7 @@ import numpy as np
 import jax_flash_metal
 from jax_flash_metal import flash_attention, implementations, reference_attention, roofline
 from jax_flash_metal._cli import HelpFormatter, progress_bar
+from jax_flash_metal._extras import install_hint
 
 EMULATOR_NOTE = ("flash:emulator runs the Metal kernels in the MSL-on-CPU emulator: slow by design "
                  "(it exists to test the kernels without a Mac), so it is timed only at small "
@@ -480,8 +481,8 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'jax_flash_metal[plot]' "
-                         "(or pip install matplotlib)") from None
+        raise SystemExit(f"--plot needs matplotlib, which is not installed; install the [plot] "
+                         f"extra, {install_hint('plot')}") from None
     return plt
 
 

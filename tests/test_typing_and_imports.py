@@ -1,6 +1,7 @@
 """The installed package is typed (py.typed, return_lse overloads) and importing it loads no
 framework integration (Flax, Equinox)."""
 
+import importlib
 import importlib.resources
 import subprocess
 import sys
@@ -40,3 +41,18 @@ def test_return_type_follows_return_lse(tmp_path, monkeypatch):
     assert ('use.py:6: note: Revealed type is "tuple[jax._src.basearray.Array, '
             'jax._src.basearray.Array]"') in lines, stdout
     assert any(line.startswith("use.py:7: error: No overload variant") for line in lines), stdout
+
+
+@pytest.mark.parametrize("module,missing,extra", [
+    ("jax_flash_metal.flax", "flax", "flax"),
+    ("jax_flash_metal.equinox", "equinox", "equinox"),
+    ("jax_flash_metal.examples.train_lm", "optax", "examples"),
+    ("jax_flash_metal.examples.train_flax", "tqdm", "examples"),
+])
+def test_missing_optional_dependency_names_the_extra(monkeypatch, module, missing, extra):
+    monkeypatch.setitem(sys.modules, missing, None)  # import of `missing` now fails
+    for name in ("jax_flash_metal.flax", "jax_flash_metal.equinox",
+                 "jax_flash_metal.examples.train_lm", "jax_flash_metal.examples.train_flax"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(ImportError, match=rf'needs {missing}, .* pip install "\.\[{extra}\]"'):
+        importlib.import_module(module)

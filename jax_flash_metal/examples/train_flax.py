@@ -25,12 +25,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
-from tqdm import tqdm
 
 import jax_flash_metal
 from jax_flash_metal import implementations
+from jax_flash_metal._extras import needs
+
+with needs("examples", "jax_flash_metal.examples.train_flax", ("optax", "flax", "tqdm")):
+    import optax
+    from flax import nnx
+    from tqdm import tqdm
+
 from jax_flash_metal._cli import HelpFormatter
 from jax_flash_metal.examples.train_lm import add_common_args, load_text, split, windows
 from jax_flash_metal.flax import attention_fn as flash_attention_fn

@@ -37,14 +37,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from tqdm import tqdm
 
 import jax_flash_metal
 from jax_flash_metal import flash_attention, implementations, reference_attention
 from jax_flash_metal._cli import HelpFormatter
+from jax_flash_metal._extras import needs
 from jax_flash_metal.ring_attention import shard_map
+
+with needs("examples", "jax_flash_metal.examples.train_lm", ("optax", "tqdm")):
+    import optax
+    from tqdm import tqdm
 
 
 @dataclasses.dataclass(frozen=True)
