@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash_metal import flash_attention, xla_schedule
+from jax_flash_metal._cli import HelpFormatter
 from jax_flash_metal.benchmark import attention_flops, inputs
 
 
@@ -152,20 +153,28 @@ def format_rows(rows):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     names = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--lengths", type=ints, default=[1024, 4096, 16384, 32768])
-    p.add_argument("--dtypes", type=names, default=["bfloat16", "float32"])
-    p.add_argument("--causal", choices=["both", "on", "off"], default="both")
-    p.add_argument("--schedules", type=names, default=["default"])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--cpu-max-len", type=int, default=4096)
-    p.add_argument("--max-temp-gib", type=float, default=100.0)
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--lengths", type=ints, default=[1024, 4096, 16384, 32768],
+                   help="comma-separated sequence lengths")
+    p.add_argument("--dtypes", type=names, default=["bfloat16", "float32"],
+                   help="comma-separated input dtypes")
+    p.add_argument("--causal", choices=["both", "on", "off"], default="both",
+                   help="causal, non-causal or both")
+    p.add_argument("--schedules", type=names, default=["default"],
+                   help='comma-separated xla schedules: "default", "cpu", "BQxBK" or '
+                        '"BQxBKxINNER" (see above)')
+    p.add_argument("--batch", type=int, default=4, help="batch size")
+    p.add_argument("--heads", type=int, default=16, help="query and kv heads")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim")
+    p.add_argument("--repeats", type=int, default=10,
+                   help="timed calls per method; the median is shown")
+    p.add_argument("--cpu-max-len", type=int, default=4096,
+                   help='longest length the "cpu" schedule runs at')
+    p.add_argument("--max-temp-gib", type=float, default=100.0,
+                   help="a jax.nn xla program with more temporaries (GiB) is compiled, not run")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = p.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}, heads "
           f"{args.heads}, head dim {args.head_dim}, jax_default_matmul_precision "

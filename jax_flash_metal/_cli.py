@@ -48,3 +48,8 @@ def progress_bar(total: int, desc: str, enabled: bool = True):
     except ImportError:
         return _Lines(total, desc, enabled)
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, disable=not enabled)
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun`` with the number agreeing: "1 layer", "2 layers", "0 layers"."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

@@ -53,7 +53,7 @@ import numpy as np
 
 import jax_flash_metal
 from jax_flash_metal import flash_attention, implementations, reference_attention, roofline
-from jax_flash_metal._cli import HelpFormatter, progress_bar
+from jax_flash_metal._cli import HelpFormatter, count, progress_bar
 from jax_flash_metal._extras import install_hint
 
 EMULATOR_NOTE = ("flash:emulator runs the Metal kernels in the MSL-on-CPU emulator: slow by design "
@@ -586,7 +586,8 @@ def main(argv=None) -> list[Row]:
     print("implementations: " + "; ".join(f"{k}: {v}" for k, v in where.items()))
     print(f"batch {args.batch}, heads {args.heads}/{args.kv_heads or args.heads} (q/kv), "
           f"{args.dtype}, median of {args.repeats} after 1 warm-up; compile time median of "
-          f"{args.compile_rounds} rounds; lengths > {args.run_up_to} compile-only (memory only)")
+          f"{count(args.compile_rounds, 'round')}; lengths > {args.run_up_to} compile-only "
+          "(memory only)")
     if gpu:
         print(f"GPU: {gpu}")
     if "flash:metal" in names:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import flash_attention, implementations, shader_libraries
+from ._cli import count
 from .contract import Implementation
 import jax_flash_metal._ext as _ext
 
@@ -90,7 +91,8 @@ def compile_libraries(implementation: str) -> tuple[bool, str]:
         return False, (f"{len(failed)} of {len(libraries)} libraries failed: {', '.join(failed)}"
                        f"\n{_ext.library_error(implementation)}")
     how = "compiled" if implementation == "metal" else "present (built with the extension)"
-    return True, f"{len(libraries)} libraries, {kernels} kernels {how}"
+    return True, (f"{count(len(libraries), 'library', 'libraries')}, "
+                  f"{count(kernels, 'kernel')} {how}")
 
 
 def _inputs(rng: np.random.Generator, head_dim: int):

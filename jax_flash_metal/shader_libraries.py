@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 import jax_flash_metal._ext as _ext
+from jax_flash_metal._cli import count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +102,7 @@ def compile_all(out: str, metal: list[str], metallib: list[str]) -> list[str]:
                                 f"{(r.stderr or r.stdout).strip()}")
                 break
         else:
-            print(f"ok: {library.name} ({len(library.kernels)} kernels)")
+            print(f"ok: {library.name} ({count(len(library.kernels), 'kernel')})")
     return failures
 
 
