@@ -45,6 +45,7 @@ import re
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 
 import jax
@@ -167,6 +168,7 @@ class Row:
     q_len: int | None = None  # decode rows: q_len queries against seq_len keys (else q = seq_len)
     fwd_gpu_ms: float | None = None  # flash:metal only: median GPU time of the timed calls
     fwdbwd_gpu_ms: float | None = None
+    noisy: bool = False  # NOISY_NOTE
 
 
 def _temp_bytes(compiled) -> int | None:
@@ -225,10 +227,26 @@ def metal_gpu_seconds() -> float:
     return _ext.gpu_seconds_total("metal")
 
 
+# Timings whose interquartile range stays above this share of the median are marked noisy.
+NOISE = 0.1
+NOISY_NOTE = (f"noisy: after 3 x --repeats rounds the times' interquartile range was still over "
+              f"{NOISE:.0%} of the median, or forward took longer than forward+backward (machine "
+              f"load); rerun on a quieter machine before trusting that row")
+
+
+def _spread(times: list[float]) -> float:
+    """Interquartile range over median."""
+    q1, median, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times * 3)
+    return (q3 - q1) / median if median else 0.0
+
+
 def time_interleaved(compiled: dict, args: dict, repeats: int,
-                     gpu_timers: dict | None = None, on_round=None) -> tuple[dict, dict]:
-    """(wall ms, GPU ms): median milliseconds per name of ``compiled[name](*args[name])``: one
-    warm-up call each, then ``repeats`` rounds that call every function once in turn.
+                     gpu_timers: dict | None = None, on_round=None) -> tuple[dict, dict, set]:
+    """(wall ms, GPU ms, noisy names): median milliseconds per name of
+    ``compiled[name](*args[name])``: one warm-up call each, then ``repeats`` rounds that call
+    every function once in turn, and more rounds (up to 3 x ``repeats`` in all) while some
+    name's times spread over more than NOISE of their median; the names still spread so are
+    returned as noisy.
 
     ``gpu_timers`` maps some names to a function returning cumulative GPU seconds (e.g.
     ``metal_gpu_seconds``); for those, the GPU ms are the median of its increase over each timed
@@ -242,7 +260,12 @@ def time_interleaved(compiled: dict, args: dict, repeats: int,
     on_round()
     times: dict[str, list[float]] = {name: [] for name in compiled}
     gpu: dict[str, list[float]] = {name: [] for name in compiled if name in gpu_timers}
-    for _ in range(repeats):
+    def noisy():
+        return {name for name, t in times.items() if _spread(t) > NOISE}
+
+    for done in range(3 * repeats):
+        if done >= repeats and not noisy():
+            break
         for name, fn in compiled.items():
             timer = gpu_timers.get(name)
             before = timer() if timer else 0.0
@@ -253,7 +276,7 @@ def time_interleaved(compiled: dict, args: dict, repeats: int,
 
     def median_ms(series):
         return {name: 1e3 * statistics.median(t) for name, t in series.items()}
-    return median_ms(times), median_ms(gpu)
+    return median_ms(times), median_ms(gpu), noisy()
 
 
 def is_timed(method: str, seq_len: int, q_len: int | None, run_up_to: int,
@@ -333,9 +356,9 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
                     timed[name + part] = call
                     if name in gpu_timers:
                         timers[name + part] = gpu_timers[name]
-        ms, gpu_ms = {}, {}
+        ms, gpu_ms, noisy = {}, {}, set()
         if timed:
-            ms, gpu_ms = time_interleaved(
+            ms, gpu_ms, noisy = time_interleaved(
                 timed, {n: (q, k, v) if n.endswith(" fwd") else (q, k, v, ct) for n in timed},
                 repeats, timers, on_round=step)
         flops = attention_flops(batch, heads, q_len or seq_len, seq_len, head_dim, causal)
@@ -344,7 +367,9 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
                 name, seq_len, head_dim, causal, ms.get(name + " fwd"),
                 ms.get(name + " fwd+bwd"), _temp_bytes(fwd), _temp_bytes(fwdbwd), *flops,
                 compile_s, q_len=q_len, fwd_gpu_ms=gpu_ms.get(name + " fwd"),
-                fwdbwd_gpu_ms=gpu_ms.get(name + " fwd+bwd"))
+                fwdbwd_gpu_ms=gpu_ms.get(name + " fwd+bwd"),
+                noisy=bool({name + " fwd", name + " fwd+bwd"} & noisy)
+                or ms.get(name + " fwd", 0) > ms.get(name + " fwd+bwd", float("inf")))
 
     for point in points:
         measure_point(*point)
@@ -428,9 +453,16 @@ def format_growth(entries: list[dict]) -> str:
             + aligned(["method", "hdim", "causal"] + [f"{a}->{b}" for a, b in steps], body))
 
 
+# Printed tables are split to fit this many characters a line, repeating the key columns.
+WIDTH, KEY_COLUMNS = 100, 4
+MEMORY_NOTE = ("temp MiB: XLA's compiled temporaries (memory_analysis().temp_size_in_bytes), "
+               "beyond inputs and outputs. For flash:metal and flash:emulator that is the "
+               "buffers their custom calls declare (e.g. the decode's workspace); what the FFI "
+               "handler itself uses (threadgroup memory, Metal staging copies) is outside XLA "
+               "and not counted here.")
 COLUMNS = ("method", "seq", "hdim", "causal", "fwd ms", "fwd+bwd ms", "fwd temp MiB",
            "fwd+bwd temp MiB", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "compile s", "fwd GPU ms",
-           "fwd+bwd GPU ms", "fwd GPU TFLOP/s", "fwd+bwd GPU TFLOP/s")
+           "fwd+bwd GPU ms", "fwd GPU TFLOP/s", "fwd+bwd GPU TFLOP/s", "timing")
 
 
 def _fmt(value, spec):
@@ -460,18 +492,40 @@ def table_cells(row: Row, peak_tflops: float | None = None) -> list[str]:
         for gpu_tf, wall_tf in ((fwd_gpu_tf, fwd_tf), (fb_gpu_tf, fb_tf)):
             tf = gpu_tf if gpu_tf is not None else wall_tf
             cells.append(_fmt(None if tf is None else 100 * tf / peak_tflops, ".1f"))
-    return cells
+    return cells + ["noisy" if row.noisy else "-"]
 
 
-def format_table(rows: list[Row], peak_tflops: float | None = None) -> str:
-    """Aligned plain-text table of ``rows`` (``aligned``). Columns without a value in any row
-    are left out (e.g. the GPU-time columns off a Mac: they are measured for flash:metal
-    only); ``--json`` keeps every field."""
-    header = list(COLUMNS) + (["fwd % peak", "fwd+bwd % peak"] if peak_tflops else [])
+def format_table(rows: list[Row], peak_tflops: float | None = None, width: int = WIDTH) -> str:
+    """Aligned plain-text table of ``rows`` (``aligned``), split into tables of at most
+    ``width`` columns that each repeat the KEY_COLUMNS (``split_columns``). Columns without a
+    value in any row are left out (e.g. the GPU-time columns off a Mac: they are measured for
+    flash:metal only); ``--json`` keeps every field."""
+    header = (list(COLUMNS[:-1]) + (["fwd % peak", "fwd+bwd % peak"] if peak_tflops else [])
+              + [COLUMNS[-1]])
     body = [table_cells(r, peak_tflops) for r in rows]
     keep = [i for i in range(len(header)) if any(line[i] != "-" for line in body)] \
         if body else list(range(len(header)))
-    return aligned([header[i] for i in keep], [[line[i] for i in keep] for line in body])
+    parts = split_columns([header[i] for i in keep], [[line[i] for i in keep] for line in body],
+                          KEY_COLUMNS, width)
+    return "\n\n".join(aligned(h, b) for h, b in parts)
+
+
+def split_columns(header: list[str], body: list[list[str]], keys: int,
+                  width: int) -> list[tuple[list[str], list[list[str]]]]:
+    """(header, body) parts of a table whose ``aligned`` lines fit ``width`` characters: each
+    part has the first ``keys`` columns, then as many of the others, in order, as fit (at least
+    one)."""
+    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
+    parts, start = [], keys
+    while start < len(header) or not parts:
+        used, end = sum(widths[:keys]) + 2 * (keys - 1), start
+        while end < len(header) and (end == start or used + 2 + widths[end] <= width):
+            used += 2 + widths[end]
+            end += 1
+        columns = list(range(keys)) + list(range(start, end))
+        parts.append(([header[i] for i in columns], [[line[i] for i in columns] for line in body]))
+        start = end
+    return parts
 
 
 def _pyplot():
@@ -610,11 +664,18 @@ def main(argv=None) -> list[Row]:
     finally:
         bar.close()
     print(format_table(rows, peak))
+    print(textwrap.fill(MEMORY_NOTE, WIDTH))
+    if any(r.noisy for r in rows):
+        print(textwrap.fill(NOISY_NOTE, WIDTH))
     entries = ratios(rows, args.ratio_method)
+    dropout = ratios(rows, "flash:xla+dropout", "flash:xla")
     growth = memory_growth(rows)
     if entries:
         print()
         print(format_ratios(entries, args.ratio_method, "jax.nn"))
+    if dropout:
+        print()
+        print(format_ratios(dropout, "flash:xla+dropout", "flash:xla"))
     if growth:
         print()
         print(format_growth(growth))
@@ -624,6 +685,7 @@ def main(argv=None) -> list[Row]:
                            heads=args.heads, kv_heads=args.kv_heads or args.heads,
                            dtype=args.dtype, repeats=args.repeats,
                            rows=[dataclasses.asdict(r) for r in rows], ratios=entries,
+                           dropout_ratios=dropout,
                            memory_growth=growth), f, indent=1)
         print(f"JSON written to {args.json}")
     if args.plot:
