@@ -541,35 +541,53 @@ def _pyplot():
 
 
 def plot(rows: list[Row], path: str) -> None:
-    """Save forward+backward time and temporary memory against sequence length to ``path``
-    (square rows only; decode rows are left out).
+    """Save to ``path``: forward+backward time and temporary memory against sequence length
+    (square rows), and forward time against the KV-cache length (decode rows, if any); one
+    legend below the panels, outside the data.
 
     Raises SystemExit with an install hint if matplotlib is missing.
     """
     plt = _pyplot()
-    rows = [r for r in rows if r.q_len is None]  # the decode rows are not a length sweep
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-    series = sorted({(r.method, r.head_dim, r.causal) for r in rows})
+    decode = [r for r in rows if r.q_len is not None and r.fwd_ms is not None]
+    rows = [r for r in rows if r.q_len is None]
+    panels = 3 if decode else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
+    ax_t, ax_m = axes[:2]
+    series = sorted({(r.method, r.head_dim, r.causal) for r in rows + decode})
     for color, (method, head_dim, causal) in enumerate(series):
+        style = dict(color=f"C{color % 10}", label=f"{method} d={head_dim}"
+                     f"{' causal' if causal else ''}")
         pts = [r for r in rows if (r.method, r.head_dim, r.causal) == (method, head_dim, causal)]
-        label = f"{method} d={head_dim}{' causal' if causal else ''}"
         timed = [r for r in pts if r.fwdbwd_ms is not None]
         if timed:
-            ax_t.plot([r.seq_len for r in timed], [r.fwdbwd_ms for r in timed], "o-",
-                      color=f"C{color % 10}", label=label)
+            ax_t.plot([r.seq_len for r in timed], [r.fwdbwd_ms for r in timed], "o-", **style)
         mem = [(r.seq_len, r.fwdbwd_temp) for r in pts if r.fwdbwd_temp is not None]
         if mem:
-            ax_m.plot([t for t, _ in mem], [max(m, 1) / (1 << 20) for _, m in mem],
-                      "o-", color=f"C{color % 10}", label=label)
-    for ax, title in ((ax_t, "forward+backward time (ms)"),
-                      (ax_m, "forward+backward compiled temp memory (MiB)")):
+            ax_m.plot([t for t, _ in mem], [max(m, 1) / (1 << 20) for _, m in mem], "o-",
+                      **style)
+        dec = [r for r in decode if (r.method, r.head_dim, r.causal) == (method, head_dim,
+                                                                          causal)]
+        if dec:
+            axes[2].plot([r.seq_len for r in dec], [r.fwd_ms for r in dec], "s--", **style)
+    titles = [(ax_t, "forward+backward time (ms)", "sequence length"),
+              (ax_m, "forward+backward compiled temp memory (MiB)", "sequence length")]
+    if decode:
+        titles.append((axes[2], f"decode forward time (ms), {decode[0].q_len} query",
+                       "KV-cache length"))
+    for ax, title, xlabel in titles:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("sequence length")
+        ax.set_xlabel(xlabel)
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-    ax_m.legend(fontsize=7)  # every series has memory points; some have no timed ones
-    fig.tight_layout()
+    # One legend for every panel, below them: it never covers a point.
+    handles: dict = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", fontsize=7,
+               ncol=min(4, len(handles)), frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(handles) - 1) // 4), 1, 1))
     fig.savefig(path, dpi=120)
 
 
