@@ -54,7 +54,8 @@ import numpy as np
 
 import jax_flash_metal
 from jax_flash_metal import flash_attention, implementations, reference_attention, roofline
-from jax_flash_metal._cli import HelpFormatter, count, progress_bar
+from jax_flash_metal._cli import (WIDTH, HelpFormatter, aligned, count, progress_bar,
+                                  split_columns)
 from jax_flash_metal._extras import install_hint
 
 EMULATOR_NOTE = ("flash:emulator runs the Metal kernels in the MSL-on-CPU emulator: slow by design "
@@ -417,19 +418,6 @@ def memory_growth(rows: list[Row]) -> list[dict]:
     return out
 
 
-def aligned(header: list[str], body: list[list[str]], left: int = 1) -> str:
-    """A plain-text table: the first ``left`` columns left-aligned, the others right-aligned,
-    every column as wide as its widest cell ("-" cells included), a dashed rule under the
-    header."""
-    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
-
-    def line(cells):
-        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(c) for c in body])
-
-
 def format_ratios(entries: list[dict], method: str, baseline: str) -> str:
     """``ratios`` output as a table."""
     body = [[str(e["seq_len"]), str(e["head_dim"]), "yes" if e["causal"] else "no",
@@ -453,8 +441,8 @@ def format_growth(entries: list[dict]) -> str:
             + aligned(["method", "hdim", "causal"] + [f"{a}->{b}" for a, b in steps], body))
 
 
-# Printed tables are split to fit this many characters a line, repeating the key columns.
-WIDTH, KEY_COLUMNS = 100, 4
+# Printed tables repeat these columns in each part that fits WIDTH (split_columns).
+KEY_COLUMNS = 4
 MEMORY_NOTE = ("temp MiB: XLA's compiled temporaries (memory_analysis().temp_size_in_bytes), "
                "beyond inputs and outputs. For flash:metal and flash:emulator that is the "
                "buffers their custom calls declare (e.g. the decode's workspace); what the FFI "
@@ -508,24 +496,6 @@ def format_table(rows: list[Row], peak_tflops: float | None = None, width: int =
     parts = split_columns([header[i] for i in keep], [[line[i] for i in keep] for line in body],
                           KEY_COLUMNS, width)
     return "\n\n".join(aligned(h, b) for h, b in parts)
-
-
-def split_columns(header: list[str], body: list[list[str]], keys: int,
-                  width: int) -> list[tuple[list[str], list[list[str]]]]:
-    """(header, body) parts of a table whose ``aligned`` lines fit ``width`` characters: each
-    part has the first ``keys`` columns, then as many of the others, in order, as fit (at least
-    one)."""
-    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
-    parts, start = [], keys
-    while start < len(header) or not parts:
-        used, end = sum(widths[:keys]) + 2 * (keys - 1), start
-        while end < len(header) and (end == start or used + 2 + widths[end] <= width):
-            used += 2 + widths[end]
-            end += 1
-        columns = list(range(keys)) + list(range(start, end))
-        parts.append(([header[i] for i in columns], [[line[i] for i in columns] for line in body]))
-        start = end
-    return parts
 
 
 def _pyplot():
