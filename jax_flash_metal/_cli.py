@@ -79,7 +79,8 @@ def split_columns(header: list[str], body: list[list[str]], keys: int,
     part has the first ``keys`` columns, then as many of the others, in order, as fit (at least
     one)."""
     widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
-    parts, start = [], keys
+    parts: list[tuple[list[str], list[list[str]]]] = []
+    start = keys
     while start < len(header) or not parts:
         used, end = sum(widths[:keys]) + 2 * (keys - 1), start
         while end < len(header) and (end == start or used + 2 + widths[end] <= width):
