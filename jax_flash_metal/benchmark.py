@@ -625,21 +625,25 @@ def main(argv=None) -> list[Row]:
                    f"{platform.machine()} {platform.system()}, {jax.device_count()} "
                    f"{jax.default_backend()} device(s), numpy {np.__version__}")
     print(environment)
-    print("implementations: " + "; ".join(f"{k}: {v}" for k, v in where.items()))
-    print(f"batch {args.batch}, heads {args.heads}/{args.kv_heads or args.heads} (q/kv), "
-          f"{args.dtype}, median of {args.repeats} after 1 warm-up; compile time median of "
-          f"{count(args.compile_rounds, 'round')}; lengths > {args.run_up_to} compile-only "
-          "(memory only)")
+    print(textwrap.fill("implementations: " + "; ".join(f"{k}: {v}" for k, v in where.items()),
+                        WIDTH))
+    print(textwrap.fill(
+        f"batch {args.batch}, heads {args.heads}/{args.kv_heads or args.heads} (q/kv), "
+        f"{args.dtype}, median of {args.repeats} (up to {3 * args.repeats} while noisy) after 1 "
+        f"warm-up; compile time median of {count(args.compile_rounds, 'round')}; lengths > "
+        f"{args.run_up_to} compile-only (memory only)", WIDTH))
     if gpu:
         print(f"GPU: {gpu}")
     if "flash:metal" in names:
-        print("GPU ms: flash:metal's Metal command buffers (GPUEndTime - GPUStartTime), median per "
-              "call; % peak from GPU time where measured, else wall time")
+        print(textwrap.fill("GPU ms: flash:metal's Metal command buffers (GPUEndTime - "
+                            "GPUStartTime), median per call; % peak from GPU time where "
+                            "measured, else wall time", WIDTH))
     if "flash:emulator" in names:
-        print(f"{EMULATOR_NOTE} (up to {args.emulator_max_len} x {args.emulator_max_len} "
-              "query-key pairs; larger: memory only)")
-    print("FLOPs: forward 4*B*H*P*D, forward+backward 14*B*H*P*D, P = visible (query, key) pairs "
-          "(T*T, or T*(T+1)/2 causal)")
+        print(textwrap.fill(f"{EMULATOR_NOTE} (up to {args.emulator_max_len} x "
+                            f"{args.emulator_max_len} query-key pairs; larger: memory only)",
+                            WIDTH))
+    print(textwrap.fill("FLOPs: forward 4*B*H*P*D, forward+backward 14*B*H*P*D, P = visible "
+                        "(query, key) pairs (T*T, or T*(T+1)/2 causal)", WIDTH))
     print(flush=True)
     bar = progress_bar(0, "benchmark", enabled=not args.no_progress)
     try:
