@@ -14,7 +14,8 @@ MODULES = ["jax_flash_metal.benchmark", "jax_flash_metal.profile", "jax_flash_me
            "jax_flash_metal.examples.train_flax"]
 SCRIPTS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "benchmarks",
                                                                           "*.py")))
-NEEDS_EXTENSION = {os.path.join("benchmarks", "emulator_speed.py")}
+NEEDS_EXTENSION = {os.path.join("benchmarks", "emulator_speed.py"), "jax_flash_metal.selfcheck",
+                   "jax_flash_metal.shader_libraries"}
 
 
 class _Parsed(Exception):
@@ -37,7 +38,7 @@ def _parser_of(run, monkeypatch):
 @pytest.mark.parametrize("tool", MODULES + SCRIPTS)
 def test_every_option_has_help(tool, monkeypatch):
     if tool in NEEDS_EXTENSION:
-        pytest.importorskip("jax_flash_metal._ext", reason="the script reads the emulator")
+        pytest.importorskip("jax_flash_metal._ext", reason="the tool reads the extension")
     if tool in MODULES:
         parser = _parser_of(lambda: runpy.run_module(tool, run_name="__main__"), monkeypatch)
     else:

@@ -50,6 +50,8 @@ def test_return_type_follows_return_lse(tmp_path, monkeypatch):
     ("jax_flash_metal.examples.train_flax", "tqdm", "examples"),
 ])
 def test_missing_optional_dependency_names_the_extra(monkeypatch, module, missing, extra):
+    for name in [m for m in sys.modules if m.startswith(missing + ".")]:
+        monkeypatch.delitem(sys.modules, name)  # an imported submodule would still load
     monkeypatch.setitem(sys.modules, missing, None)  # import of `missing` now fails
     for name in ("jax_flash_metal.flax", "jax_flash_metal.equinox",
                  "jax_flash_metal.examples.train_lm", "jax_flash_metal.examples.train_flax"):
