@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash_metal import flash_attention
-from jax_flash_metal._cli import HelpFormatter
-from jax_flash_metal.benchmark import compile_seconds, inputs
+from jax_flash_metal.tools.benchmark_model import compile_seconds, inputs
+from jax_flash_metal.tools.cli import HelpFormatter
 
 BLOCK = 128
 

@@ -12,7 +12,7 @@ INSTALL_HINT = ('from a clone of jax_flash_metal: pip install ".[{extra}]" (or, 
 
 
 def install_hint(extra: str) -> str:
-    """How to install the ``extra`` (see README.md's Install and test)."""
+    """How to install the ``extra`` (docs/development.md says how to build a wheel)."""
     return INSTALL_HINT.format(extra=extra)
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from ._extras import needs
 from .attention import flash_attention
-from .contract import Implementation
+from .core.contract import Implementation
 
 with needs("equinox", "jax_flash_metal.equinox", ("equinox",)):
     import equinox as eqx

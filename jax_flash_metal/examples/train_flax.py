@@ -27,15 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flash_metal
-from jax_flash_metal import implementations
 from jax_flash_metal._extras import needs
+from jax_flash_metal.lowering import dispatch
 
 with needs("examples", "jax_flash_metal.examples.train_flax", ("optax", "flax", "tqdm")):
     import optax
     from flax import nnx
     from tqdm import tqdm
 
-from jax_flash_metal._cli import HelpFormatter, count
+from jax_flash_metal.tools.cli import HelpFormatter, count
 from jax_flash_metal.examples.train_lm import add_common_args, load_text, split, windows
 from jax_flash_metal.flax import attention_fn as flash_attention_fn
 
@@ -149,7 +149,7 @@ def main(argv=None) -> dict:
     # What implementation=None picks for this model's calls (float32, causal mask from Flax).
     call = ("fwd", jnp.dtype(jnp.float32), cfg.d_model // cfg.heads, ("mask",))
     try:
-        resolved = implementations.resolve(args.implementation, jax.default_backend(), call=call)
+        resolved = dispatch.resolve(args.implementation, jax.default_backend(), call=call)
     except (ValueError, NotImplementedError) as e:
         raise SystemExit(f"error: {e}") from None
     data, source = load_text(args.text, args.max_bytes)
