@@ -22,10 +22,14 @@ import os
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=16384)
-    parser.add_argument("--implementation", default="xla")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", type=int, default=8,
+                        help="host (CPU) devices the sequence is split over (default: 8)")
+    parser.add_argument("--seq-len", type=int, default=16384,
+                        help="whole sequence length T, a multiple of --devices (default: 16384)")
+    parser.add_argument("--implementation", default="xla",
+                        help='flash_attention\'s implementation: "xla", "emulator" or "metal" '
+                             '(default: xla)')
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = " ".join(filter(None, [
         os.environ.get("XLA_FLAGS"),

@@ -42,6 +42,7 @@ from jax_flash_metal import flash_attention
 from jax_flash_metal.tools.benchmark_model import attention_flops, inputs
 from jax_flash_metal.xla import decode as xla_decode
 from jax_flash_metal.xla import schedule as xla_schedule
+from jax_flash_metal.tools.cli import HelpFormatter
 
 
 def _fwd_bwd(attention, causal):
@@ -259,30 +260,43 @@ def format_decode_rows(rows):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     names = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--modes", type=names, default=["train", "decode"])
-    p.add_argument("--lengths", type=ints, default=[1024, 4096, 16384, 32768])
-    p.add_argument("--dtypes", type=names, default=["bfloat16", "float16"])
-    p.add_argument("--causal", choices=["both", "on", "off"], default="both")
-    p.add_argument("--schedules", type=names, default=["default"])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--decode-kv", type=ints, default=[8192, 32768, 131072])
-    p.add_argument("--decode-q", type=ints, default=[1, 4])
-    p.add_argument("--decode-batch", type=int, default=8)
-    p.add_argument("--decode-heads", type=int, default=32)
-    p.add_argument("--decode-kv-heads", type=int, default=8)
-    p.add_argument("--decode-dtype", default="bfloat16")
-    p.add_argument("--decode-spans", type=names, default=[])
+    p.add_argument("--modes", type=names, default=["train", "decode"],
+                   help='comma-separated: "train" (forward+backward rows), "decode" rows')
+    p.add_argument("--lengths", type=ints, default=[1024, 4096, 16384, 32768],
+                   help="comma-separated sequence lengths of the train rows")
+    p.add_argument("--dtypes", type=names, default=["bfloat16", "float16"],
+                   help="comma-separated input dtypes of the train rows")
+    p.add_argument("--causal", choices=["both", "on", "off"], default="both",
+                   help="causal, non-causal or both")
+    p.add_argument("--schedules", type=names, default=["default"],
+                   help='comma-separated xla schedules: "default", "cpu", "BQxBK" or '
+                        '"BQxBKxINNER" (see above)')
+    p.add_argument("--batch", type=int, default=4, help="batch size of the train rows")
+    p.add_argument("--heads", type=int, default=16, help="query and kv heads of the train rows")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim")
+    p.add_argument("--decode-kv", type=ints, default=[8192, 32768, 131072],
+                   help="comma-separated KV cache lengths of the decode rows")
+    p.add_argument("--decode-q", type=ints, default=[1, 4],
+                   help="comma-separated query lengths of the decode rows")
+    p.add_argument("--decode-batch", type=int, default=8, help="batch size of the decode rows")
+    p.add_argument("--decode-heads", type=int, default=32, help="query heads of the decode rows")
+    p.add_argument("--decode-kv-heads", type=int, default=8, help="kv heads of the decode rows")
+    p.add_argument("--decode-dtype", default="bfloat16", help="dtype of the decode rows")
+    p.add_argument("--decode-spans", type=names, default=[],
+                   help="comma-separated span counts of the xla decode to compare (default: "
+                        "its own choice)")
     p.add_argument("--methods", type=names, default=[],
                    help='only these methods, e.g. "flash,jax.nn cudnn" (default: all)')
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--cpu-max-len", type=int, default=4096)
-    p.add_argument("--max-temp-gib", type=float, default=100.0)
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--repeats", type=int, default=10,
+                   help="timed calls per method; the median is shown")
+    p.add_argument("--cpu-max-len", type=int, default=4096,
+                   help='longest length the "cpu" schedule runs at')
+    p.add_argument("--max-temp-gib", type=float, default=100.0,
+                   help="a jax.nn xla program with more temporaries (GiB) is compiled, not run")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = p.parse_args()
     device = jax.devices()[0]
     print(f"jax {jax.__version__}, {device.device_kind}, jax_default_matmul_precision "

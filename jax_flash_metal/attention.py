@@ -98,7 +98,8 @@ def _sinks_grad(sinks, o, row_max, log_sum, do, g_lse):
 _attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
-# Static checkers see the return type from return_lse: jax.Array, or (out, lse).
+# Static checkers see the return type from return_lse and return_residual: jax.Array, or
+# (out, lse) / (out, residual).
 @overload
 def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
@@ -116,27 +117,8 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     sequence_layout: str = "contiguous",
                     sequence_strategy: str | None = None,
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
-                    return_lse: Literal[False] = False) -> jax.Array: ...
-
-
-@overload
-def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
-                    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
-                    scale: ArrayLike | None = None, is_causal: bool = False,
-                    query_seq_lengths: ArrayLike | None = None,
-                    key_value_seq_lengths: ArrayLike | None = None,
-                    local_window_size: Window = None,
-                    implementation: ImplementationChoice | None = None,
-                    query_segment_ids: ArrayLike | None = None,
-                    key_value_segment_ids: ArrayLike | None = None,
-                    logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
-                    causal_alignment: str = "top_left",
-                    alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
-                    sequence_axis_name: Hashable | None = None,
-                    sequence_layout: str = "contiguous",
-                    sequence_strategy: str | None = None,
-                    dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
-                    return_lse: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
+                    return_lse: Literal[False] = False,
+                    return_residual: Literal[False] = False) -> jax.Array: ...
 
 
 @overload
@@ -156,7 +138,50 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     sequence_layout: str = "contiguous",
                     sequence_strategy: str | None = None,
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
-                    return_lse: bool) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+                    return_lse: Literal[True],
+                    return_residual: Literal[False] = False) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                    scale: ArrayLike | None = None, is_causal: bool = False,
+                    query_seq_lengths: ArrayLike | None = None,
+                    key_value_seq_lengths: ArrayLike | None = None,
+                    local_window_size: Window = None,
+                    implementation: ImplementationChoice | None = None,
+                    query_segment_ids: ArrayLike | None = None,
+                    key_value_segment_ids: ArrayLike | None = None,
+                    logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                    causal_alignment: str = "top_left",
+                    alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
+                    sequence_axis_name: Hashable | None = None,
+                    sequence_layout: str = "contiguous",
+                    sequence_strategy: str | None = None,
+                    dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
+                    return_lse: Literal[False] = False,
+                    return_residual: Literal[True]) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                    bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                    scale: ArrayLike | None = None, is_causal: bool = False,
+                    query_seq_lengths: ArrayLike | None = None,
+                    key_value_seq_lengths: ArrayLike | None = None,
+                    local_window_size: Window = None,
+                    implementation: ImplementationChoice | None = None,
+                    query_segment_ids: ArrayLike | None = None,
+                    key_value_segment_ids: ArrayLike | None = None,
+                    logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                    causal_alignment: str = "top_left",
+                    alibi_slopes: ArrayLike | None = None, page_table: ArrayLike | None = None,
+                    sequence_axis_name: Hashable | None = None,
+                    sequence_layout: str = "contiguous",
+                    sequence_strategy: str | None = None,
+                    dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
+                    return_lse: bool = False,
+                    return_residual: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]: ...
 
 
 def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
@@ -175,12 +200,14 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     sequence_layout: str = "contiguous",
                     sequence_strategy: str | None = None,
                     dropout_rate: float = 0.0, dropout_rng: ArrayLike | None = None,
-                    return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                    return_lse: bool = False,
+                    return_residual: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-2 forward and recompute backward).
 
-    A drop-in for ``jax.nn.dot_product_attention``: same positional bias and mask, same keyword
-    meanings (not ``return_residual`` or cuDNN); a row with no visible key outputs 0, not the
-    mean of V. Every keyword, its default and its rules: docs/api.md (the keywords are the
+    A drop-in for ``jax.nn.dot_product_attention``: every keyword it takes means the same here
+    (``implementation`` names this package's implementations); the differences (a row with no
+    visible key outputs 0, not the mean of V; non-finite inputs; integer inputs) are listed in
+    docs/jax-nn.md. Every keyword, its default and its rules: docs/api.md (the keywords are the
     fields of ``core.options.Options``).
 
     Shapes (BTNH, as jax.nn; every leading batch axis may be dropped, rank 3 = batch 1):
@@ -194,15 +221,16 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     Returns:
       out [batch, q_len, num_heads, Dv] in the query's dtype; with ``return_lse=True`` also
       lse, float32 [batch, num_heads, q_len], natural log (-inf for a row with no visible key,
-      the sink with ``sinks``).
+      the sink with ``sinks``); with ``return_residual=True`` (jax.nn's name) also that lse in
+      jax.nn's layout [batch, q_len, num_heads] and the query's dtype, with no gradient.
     Raises:
       TypeError / ValueError at trace time, naming the argument, for bad shapes, dtypes and
-      values; ValueError at trace time when every name of ``implementation`` is "cudnn" and
-      cuDNN cannot run the call, saying why (``cudnn.unsupported_reason``); NotImplementedError
-      at lowering when the last requested implementation cannot run the call there, saying why;
-      ValueError at lowering for a dtype or head dims without fused kernels, asked for
-      explicitly; TypeError when a paged call, or any call in forward mode or to second order,
-      is differentiated.
+      values (ValueError for return_lse and return_residual together); ValueError at trace time
+      when every name of ``implementation`` is "cudnn" and cuDNN cannot run the call, saying why
+      (``cudnn.unsupported_reason``); NotImplementedError at lowering when the last requested
+      implementation cannot run the call there, saying why; ValueError at lowering for a dtype or
+      head dims without fused kernels, asked for explicitly; TypeError when a paged call, or any
+      call in forward mode or to second order, is differentiated.
     Differentiable in reverse mode, first order (``jax.custom_vjp``), w.r.t. query, key, value,
     bias, sinks and alibi_slopes. ``implementation`` is a name or names to try in order;
     ``None`` is the platform's chain (("cudnn", "xla") on an NVIDIA GPU, ("metal", "xla") on a
@@ -219,9 +247,33 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     dropout: Philox-4x32-10 (Salmon et al., 2011) over the positions.
     """
     options = Options.of(locals())
+    residual = _residual_wanted(options)
+    if residual:
+        options = options._replace(return_lse=True)
     if options.sequence_axis_name is not None:
-        return ring_attention.ring_flash_attention(query, key, value, bias, mask, options)
-    return attend(query, key, value, bias, mask, options)
+        result = ring_attention.ring_flash_attention(query, key, value, bias, mask, options)
+    else:
+        result = attend(query, key, value, bias, mask, options)
+    return _as_residual(result) if residual else result
+
+
+def _residual_wanted(options: Options) -> bool:
+    """``return_residual``, checked: jax.nn's spelling of ``return_lse``, never with it."""
+    if not validation.check_bool(options.return_residual, "return_residual"):
+        return False
+    if validation.check_bool(options.return_lse, "return_lse"):
+        raise ValueError("return_lse and return_residual both ask for the log-sum-exp (ours: "
+                         "float32 [batch, num_heads, q_len], differentiable; jax.nn's: "
+                         "[batch, q_len, num_heads] in the query's dtype, no gradient): pass "
+                         "only one of them")
+    return True
+
+
+def _as_residual(result):
+    """(out, lse) as jax.nn's (out, residual): lse [..., num_heads, q_len] float32 becomes
+    [..., q_len, num_heads] in out's dtype, with no gradient (as jax.nn's)."""
+    out, lse = result
+    return out, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(out.dtype))
 
 
 def attend(query, key, value, bias, mask, options: Options, dropout_broadcast=False):

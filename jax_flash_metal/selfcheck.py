@@ -47,6 +47,7 @@ from .core.contract import Implementation
 from .fused import shader_libraries
 import jax_flash_metal._ext as _ext
 from .tools import chip_peaks, profile_model, profile_tables, selfcheck_oracle
+from .tools.cli import count
 
 PROBE = "jfm_simdgroup_layout_probe"
 TOLERANCE = 2e-4  # float32 kernels against float32 xla: rounding differences only
@@ -98,7 +99,8 @@ def compile_libraries(implementation: str) -> tuple[bool, str]:
         return False, (f"{len(failed)} of {len(libraries)} libraries failed: {', '.join(failed)}"
                        f"\n{_ext.library_error(implementation)}")
     how = "compiled" if implementation == "metal" else "present (built with the extension)"
-    return True, f"{len(libraries)} libraries, {kernels} kernels {how}"
+    return True, (f"{count(len(libraries), 'library', 'libraries')}, "
+                  f"{count(kernels, 'kernel')} {how}")
 
 
 def _inputs(rng: np.random.Generator, head_dim: int):
@@ -422,7 +424,7 @@ def format_report(report: dict) -> str:
 def _family(text: str) -> tuple[str, int, int]:
     """'f16/128/64' -> ('f16', 128, 64), checked against the built kernel families."""
     parts = text.split("/")
-    family = (parts[0], *map(int, parts[1:])) if len(parts) == 3 and all(
+    family = (parts[0], int(parts[1]), int(parts[2])) if len(parts) == 3 and all(
         p.isdigit() for p in parts[1:]) else None
     if family is None or family not in _ext.kernel_families():
         raise argparse.ArgumentTypeError(

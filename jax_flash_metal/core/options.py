@@ -43,6 +43,7 @@ class Options(NamedTuple):
     dropout_rate: float = 0.0
     dropout_rng: ArrayLike | None = None
     return_lse: bool = False
+    return_residual: bool = False
 
     @classmethod
     def of(cls, arguments: Mapping[str, Any]) -> "Options":
@@ -51,6 +52,6 @@ class Options(NamedTuple):
 
 
 # Keywords of flash_attention that reference_attention does not take: it is the one dense
-# computation, on one device.
+# computation, on one device, and returns the log-sum-exp in one layout (return_lse).
 NOT_IN_REFERENCE = frozenset({"implementation", "sequence_axis_name", "sequence_layout",
-                              "sequence_strategy"})
+                              "sequence_strategy", "return_residual"})

@@ -101,7 +101,8 @@ def compile_all(out: str, metal: list[str], metallib: list[str]) -> list[str]:
                                 f"{(r.stderr or r.stdout).strip()}")
                 break
         else:
-            print(f"ok: {library.name} ({len(library.kernels)} kernels)")
+            n = len(library.kernels)  # tools.cli.count is a layer above fused/
+            print(f"ok: {library.name} ({n} kernel{'' if n == 1 else 's'})")
     return failures
 
 

@@ -99,8 +99,10 @@ def _cells(line):
 
 def _skeleton(text):
     """The lines of a profile table with each kernel row reduced to its kernel name (the
-    counts depend on the shape; the names, titles and headers do not)."""
-    return [line.split()[0] if line.startswith("flash_attention_") else line.rstrip()
+    counts depend on the shape; the names, titles and headers do not, nor, with the columns
+    as wide as their widest cell, does more than the spacing of the headers and rules)."""
+    return [line.split()[0] if line.startswith("flash_attention_")
+            else " ".join("-" if set(word) == {"-"} else word for word in line.split())
             for line in text.strip("\n").splitlines()]
 
 
