@@ -2,6 +2,9 @@
 // MSL-on-CPU emulator (ffi/emulator), so the whole FFI path is testable without an Apple GPU.
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <cstddef>
 #include <mutex>
 #include <numeric>
@@ -11,6 +14,7 @@
 
 #include "device.h"
 #include "emulator/emulator.h"
+#include "emulator/sanitizer.h"
 #include "emulator_profile.h"
 
 namespace jfm {
@@ -23,6 +27,13 @@ std::mutex g_fault_mutex;
 std::string g_fault_kernel;  // guarded by g_fault_mutex
 
 std::atomic<bool> g_profiling{false};
+// Sanitizer mode (sanitizer.h): 0 off, 1 the first finding fails the call, 2 collect all.
+// Initially from $JFM_EMULATOR_SANITIZE ("1"/"first" or "all"), then set_emulator_sanitizer.
+std::atomic<int> g_sanitize{[] {
+  const char* v = std::getenv("JFM_EMULATOR_SANITIZE");
+  if (!v || !*v || std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0) return 0;
+  return std::strcmp(v, "all") == 0 ? 2 : 1;
+}()};
 std::mutex g_profile_mutex;
 std::vector<ProfileRecord> g_profile;  // guarded by g_profile_mutex
 
@@ -80,9 +91,34 @@ class EmulatedDevice final : public Device {
       fault = g_fault_kernel;
     }
     std::mt19937_64 rng(launch.seed);
-    for (const Submission& submission : submissions) {
+    // Under the sanitizer the call's written buffers are poisoned outputs, and each dispatch
+    // belongs to the segment of the plan between two memory barriers it follows.
+    const int sanitize = g_sanitize.load();
+    std::unique_ptr<emu::SanitizerCall> call;
+    std::vector<uint64_t> segment_base;
+    if (sanitize) {
+      call.reset(new emu::SanitizerCall(sanitize == 2));
+      uint64_t segments = 0;
+      for (const Submission& submission : submissions) {
+        segment_base.push_back(segments);
+        for (const Dispatch& d : submission) {
+          if (d.barrier_before || &d == &submission.front()) ++segments;
+          for (const Binding& b : d.buffers)
+            if (b.written) call->add_range(b.data, b.size, true);
+        }
+      }
+      launch.sanitizer = call.get();
+    }
+    for (size_t s = 0; s < submissions.size(); ++s) {
+      const Submission& submission = submissions[s];
       for (size_t index : dispatch_order(submission, launch.schedule, &rng)) {
         const Dispatch& d = submission[index];
+        if (call) {
+          uint64_t segment = segment_base[s];
+          for (size_t i = 0; i <= index; ++i)
+            if (i == 0 || submission[i].barrier_before) ++segment;
+          call->begin_dispatch(segment);
+        }
         if (!fault.empty() && d.kernel == fault) {
           return "emulator: injected fault in kernel " + d.kernel;
         }
@@ -98,7 +134,7 @@ class EmulatedDevice final : public Device {
         launch.groups = d.groups;
         launch.group_size = d.group_size;
         ProfileRecord record{d.kernel, d.groups, d.group_size, {}};
-        const bool profiling = g_profiling.load();
+        const bool profiling = !call && g_profiling.load();
         launch.profile = profiling ? &record.counts : nullptr;
         std::string error = emu::run(d.kernel, args, launch);
         if (!error.empty()) return error;
@@ -108,7 +144,7 @@ class EmulatedDevice final : public Device {
         }
       }
     }
-    return "";
+    return call ? call->finish() : "";
   }
 };
 
@@ -157,6 +193,29 @@ std::vector<ProfileRecord> take_emulator_profile() {
   std::vector<ProfileRecord> records;
   records.swap(g_profile);
   return records;
+}
+
+std::string set_emulator_sanitizer(const std::string& mode) {
+  int m;
+  if (mode == "off") {
+    m = 0;
+  } else if (mode == "first") {
+    m = 1;
+  } else if (mode == "all") {
+    m = 2;
+  } else {
+    return "unknown emulator sanitizer mode '" + mode + "' (expected off, first or all)";
+  }
+  if (m && !emu::has_counting_variant())
+    return "the emulator's sanitizer runs the counting kernel variants, which this build lacks: "
+           "reinstall with JFM_EMULATOR_COUNTING=ON in the environment";
+  g_sanitize.store(m);
+  return "";
+}
+
+std::string emulator_sanitizer() {
+  static const char* const names[] = {"off", "first", "all"};
+  return names[g_sanitize.load()];
 }
 
 void set_emulator_fault(const std::string& kernel) {
