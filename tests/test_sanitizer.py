@@ -58,7 +58,7 @@ def test_racecheck_missing_barrier(schedule):
 def test_racecheck_write_write():
     report = findings("racecheck_write_write")
     assert "racecheck (threadgroup memory)" in report
-    assert report.count("write by thread") == 1 and ", then write by thread" in report, report
+    assert report.count("write by thread") == 2 and ", then write by thread" in report, report
     assert "'shared_value' element 0" in report
     assert report.count(line_of("shared_value[0] = float(tid);")) == 2, report
 
@@ -114,7 +114,7 @@ def test_racecheck_across_threadgroups():
 def test_memcheck_device_buffer_past_end():
     report = findings("memcheck_device_past_end")
     assert "memcheck in kernel memcheck_device_past_end" in report
-    assert "read of 4 bytes by thread 63" in report
+    assert "read of 4 bytes by threadgroup (0,0,0) thread 63" in report
     assert "[[buffer(0)]] 'in' element 64 (4-byte access, 64 elements bound)" in report
     assert line_of("out[tid] = in[tid + 1];") in report
 

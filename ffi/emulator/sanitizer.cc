@@ -60,6 +60,13 @@ struct DispatchInfo {
   uint64_t segment;
 };
 
+// A source path from shaders/ or tests/shaders/ on (the build's absolute path otherwise).
+std::string shader_path(const std::string& path) {
+  size_t p = path.rfind("/tests/shaders/");
+  if (p == std::string::npos) p = path.rfind("/shaders/");
+  return p == std::string::npos ? path : path.substr(p + 1);
+}
+
 std::string format_id(const uint32_t v[3]) {
   std::ostringstream s;
   s << "(" << v[0] << "," << v[1] << "," << v[2] << ")";
@@ -91,11 +98,9 @@ std::string code_lines(uint64_t pc) {
         while (!l.empty() && (l.back() == '\n' || l.back() == '\r')) l.pop_back();
         const size_t d = l.find(" (discriminator");
         if (d != std::string::npos) l.resize(d);
-        size_t s = l.rfind("/tests/shaders/");
-        if (s == std::string::npos) s = l.rfind("/shaders/");
-        if (s == std::string::npos || l.find("/emulator/shim/") != std::string::npos) continue;
+        if (l.find("/shaders/") == std::string::npos) continue;  // shim, launcher, runtime
         if (!result.empty()) result += " <- ";
-        result += l.substr(s + 1);
+        result += shader_path(l);
       }
       pclose(f);
     }
@@ -274,11 +279,7 @@ class Checker {
   std::string where(uint64_t w) const {
     if (w & kSiteBit) {
       const auto& s = st->sites[w & ~kSiteBit];
-      std::string f = s.first ? s.first : "?";
-      size_t p = f.rfind("/tests/shaders/");
-      if (p == std::string::npos) p = f.rfind("/shaders/");
-      if (p != std::string::npos) f = f.substr(p + 1);
-      return f + ":" + std::to_string(s.second);
+      return shader_path(s.first ? s.first : "?") + ":" + std::to_string(s.second);
     }
     return code_lines(w);
   }
@@ -406,7 +407,7 @@ class Checker {
       for (const TgAlloc& t : allocs)
         if (off >= t.offset + t.size && off < t.offset + t.size + 64)
           s << ", " << off - t.offset - t.size << " bytes past the end of '" << t.name << "' ("
-            << t.file << ":" << t.line << ")";
+            << shader_path(t.file) << ":" << t.line << ")";
     }
     report("oob" + std::to_string(x.where), s.str());
   }
