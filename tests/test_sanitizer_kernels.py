@@ -120,3 +120,35 @@ def test_sanitizer_paged_cache():
     tolerance.assert_all_match_oracle(dict(o=o, lse=lse), q, k, v, jnp.zeros(q.shape),
                                       names=("o", "lse"), key_value_seq_lengths=lengths,
                                       is_causal=True, causal_alignment="bottom_right")
+
+
+def test_memcheck_sees_the_attention_kernels_accesses():
+    # The forward kernel bound to an O one query row short, as a host sizing bug would: the last
+    # row's store lands past the buffer (where Metal may have mapped another one) and is reported
+    # with the kernel's shader line; the declared outputs start poisoned.
+    import kernel_harness as kh
+
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 19, 2, 16)).astype(np.float32) for _ in range(3))
+    lse, row_max, log_sum = (np.zeros((1, 2, 19), np.float32) for _ in range(3))
+    bound = {kh.Q: q, kh.K: k, kh.V: v, kh.Q_LENGTHS: kh._PLACEHOLDER,
+             kh.KV_LENGTHS: kh._PLACEHOLDER, kh.O: np.zeros((1, 19, 2, 16), np.float32)[:, :18]
+             .copy(), kh.LSE: lse, kh.ROW_MAX: row_max, kh.LOG_SUM: log_sum,
+             kh.PARAMS: kh.pack_params(q.shape, k.shape)}
+    for index in (kh.Q_SEGMENT_IDS, kh.KV_SEGMENT_IDS, kh.BIAS, kh.MASK, kh.SINKS, kh.DROPOUT,
+                  kh.PAGE_TABLE, kh.ALIBI_SLOPES):
+        bound[index] = kh._PLACEHOLDER
+    shape = kh.tile_shape("fwd", "f32", 16)
+    kernel = kh.kernel_name("fwd", np.float32, 16)
+    run = lambda: ext.emulator.run(  # noqa: E731
+        kernel, bound, (-(-19 // shape["rows"]), 2, 1), (shape["threads"], 1, 1),
+        sanitize="first", outputs=[kh.O, kh.LSE, kh.ROW_MAX, kh.LOG_SUM])
+    with pytest.raises(RuntimeError) as e:
+        run()
+    report = str(e.value)
+    assert f"memcheck in kernel {kernel}: write of" in report, report
+    assert "[[buffer(3)]] 'o' element" in report and "outside its buffer" in report
+    assert "at shaders/flash_attention_" in report  # the store's line in the kernel source
+    # Bound at its size, the same launch runs clean.
+    bound[kh.O] = np.zeros((1, 19, 2, 16), np.float32)
+    run()
