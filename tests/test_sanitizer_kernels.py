@@ -148,7 +148,8 @@ def test_memcheck_sees_the_attention_kernels_accesses():
     report = str(e.value)
     assert f"memcheck in kernel {kernel}: write of" in report, report
     assert "[[buffer(3)]] 'o' element" in report and "outside its buffer" in report
-    assert "at shaders/flash_attention_" in report  # the store's line in the kernel source
+    if kh.SANITIZER_LINES:
+        assert "at shaders/flash_attention_" in report  # the store's line in the kernel source
     # Bound at its size, the same launch runs clean.
     bound[kh.O] = np.zeros((1, 19, 2, 16), np.float32)
     run()
