@@ -94,6 +94,8 @@ class EmulatedDevice final : public Device {
     // Under the sanitizer the call's written buffers are poisoned outputs, and each dispatch
     // belongs to the segment of the plan between two memory barriers it follows.
     const int sanitize = g_sanitize.load();
+    if (sanitize && g_profiling.load())
+      return "emulator: the kernel profile and the sanitizer are both on; a call runs one of them";
     std::unique_ptr<emu::SanitizerCall> call;
     std::vector<uint64_t> segment_base;
     if (sanitize) {
@@ -134,7 +136,7 @@ class EmulatedDevice final : public Device {
         launch.groups = d.groups;
         launch.group_size = d.group_size;
         ProfileRecord record{d.kernel, d.groups, d.group_size, {}};
-        const bool profiling = !call && g_profiling.load();
+        const bool profiling = g_profiling.load();
         launch.profile = profiling ? &record.counts : nullptr;
         std::string error = emu::run(d.kernel, args, launch);
         if (!error.empty()) return error;

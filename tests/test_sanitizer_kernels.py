@@ -153,3 +153,24 @@ def test_memcheck_sees_the_attention_kernels_accesses():
     # Bound at its size, the same launch runs clean.
     bound[kh.O] = np.zeros((1, 19, 2, 16), np.float32)
     run()
+
+
+@pytest.mark.parametrize("head_dim,q_len", [(16, 19), (256, 9), (64, 1)],
+                         ids=["fwd", "fwd_one_kv_buffer", "decode"])
+def test_racecheck_nonfinite_v_flag_has_one_writer_per_simdgroup(head_dim, q_len):
+    # Regression: every thread that staged a non-finite V element stored the block's index to one
+    # shared threadgroup word (a write-write race the schedules could not expose, as all
+    # threads store the same value). The rows that see the NaN must still output NaN exactly
+    # where the oracle does.
+    rng = np.random.default_rng(9)
+    q = normal(rng, (1, q_len, 4, head_dim), jnp.float32)
+    k = normal(rng, (1, 40, 2, head_dim), jnp.float32)
+    v = np.asarray(normal(rng, (1, 40, 2, head_dim), jnp.float32)).copy()
+    v[0, 7, 1, 3] = np.nan
+    v[0, 30, 0, 0] = np.inf
+    v = jnp.asarray(v)
+    kw = dict(is_causal=True, causal_alignment="bottom_right")
+    o, lse = flash_attention(q, k, v, implementation="emulator", return_lse=True, **kw)
+    tolerance.assert_all_match_oracle(dict(o=o, lse=lse), q, k, v, jnp.zeros(q.shape),
+                                      names=("o", "lse"), **kw)
+    assert np.isnan(np.asarray(o)).any()

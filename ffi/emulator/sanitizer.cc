@@ -224,7 +224,6 @@ class Checker {
     int line;
   };
 
-  emu::SanitizerCall* call;
   emu::SanitizerCall::State* st;
   const KernelDef* def;
   uint32_t gen = 0;  // this dispatch
@@ -243,8 +242,7 @@ class Checker {
   // Current actor.
   int16_t tid = 0, sg = 0, lane = 0;
   uint64_t site = 0;  // kSiteBit | index while a collective runs, else 0
-  std::string stop;
-  std::vector<std::string> findings;
+  std::string stop;  // the first finding (not collect-all): the launch ends with it
 
   Access actor(bool dev, uint64_t pc) const {
     Access a;
@@ -458,7 +456,6 @@ __attribute__((tls_model("initial-exec"))) thread_local Checker* t_san_checker =
 Checker* sanitize_begin(emu::SanitizerCall* call, const KernelDef* def, const uint32_t groups[3],
                         void** buffers, const size_t* sizes) {
   auto c = std::make_unique<Checker>();
-  c->call = call;
   c->st = call->state.get();
   c->def = def;
   std::copy(groups, groups + 3, c->groups);
