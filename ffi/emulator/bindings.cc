@@ -76,6 +76,25 @@ nb::dict profile_to_dict(const emu::Profile& p) {
 
 namespace {
 
+// The arguments of {buffer index: array}; `outputs` must name bound indices. `keep` holds the
+// arrays alive while the GIL is released.
+std::vector<emu::Arg> bind_buffers(nb::dict buffers, const std::vector<int>& outputs,
+                                   std::vector<nb::object>* keep) {
+  std::vector<emu::Arg> args;
+  for (auto item : buffers) {
+    int index = nb::cast<int>(item.first);
+    if (index < 0 || index > 30)
+      throw nb::value_error(("buffer index " + std::to_string(index) + " out of range 0..30").c_str());
+    if (args.size() <= size_t(index)) args.resize(size_t(index) + 1);
+    args[size_t(index)] = bind_array(index, item.second);
+    keep->push_back(nb::borrow(item.second));
+  }
+  for (int o : outputs)
+    if (o < 0 || size_t(o) >= args.size() || !args[size_t(o)].data)
+      throw nb::value_error(("outputs: buffer " + std::to_string(o) + " is not bound").c_str());
+  return args;
+}
+
 nb::object run(const std::string& kernel, nb::dict buffers, Dim3 groups, Dim3 group_size,
                const std::string& schedule, uint64_t seed, int num_workers, bool profile,
                const std::string& sanitize, std::vector<int> outputs) {
@@ -89,19 +108,8 @@ nb::object run(const std::string& kernel, nb::dict buffers, Dim3 groups, Dim3 gr
   launch.schedule = parse_schedule(schedule);
   launch.seed = seed;
   launch.num_workers = num_workers;
-  std::vector<emu::Arg> args;
   std::vector<nb::object> keep;  // arrays stay alive while the GIL is released
-  for (auto item : buffers) {
-    int index = nb::cast<int>(item.first);
-    if (index < 0 || index > 30)
-      throw nb::value_error(("buffer index " + std::to_string(index) + " out of range 0..30").c_str());
-    if (args.size() <= size_t(index)) args.resize(size_t(index) + 1);
-    args[size_t(index)] = bind_array(index, item.second);
-    keep.push_back(nb::borrow(item.second));
-  }
-  for (int o : outputs)
-    if (o < 0 || size_t(o) >= args.size() || !args[size_t(o)].data)
-      throw nb::value_error(("outputs: buffer " + std::to_string(o) + " is not bound").c_str());
+  const std::vector<emu::Arg> args = bind_buffers(buffers, outputs, &keep);
   emu::Profile counts;
   launch.profile = profile ? &counts : nullptr;
   std::unique_ptr<emu::SanitizerCall> call;
@@ -130,19 +138,8 @@ void run_plan(std::vector<PlanStep> steps, nb::dict buffers, std::vector<int> ou
               const std::string& sanitize) {
   if (sanitize != "first" && sanitize != "all")
     throw nb::value_error(("sanitize must be 'first' or 'all', not '" + sanitize + "'").c_str());
-  std::vector<emu::Arg> args;
   std::vector<nb::object> keep;
-  for (auto item : buffers) {
-    int index = nb::cast<int>(item.first);
-    if (index < 0 || index > 30)
-      throw nb::value_error(("buffer index " + std::to_string(index) + " out of range 0..30").c_str());
-    if (args.size() <= size_t(index)) args.resize(size_t(index) + 1);
-    args[size_t(index)] = bind_array(index, item.second);
-    keep.push_back(nb::borrow(item.second));
-  }
-  for (int o : outputs)
-    if (o < 0 || size_t(o) >= args.size() || !args[size_t(o)].data)
-      throw nb::value_error(("outputs: buffer " + std::to_string(o) + " is not bound").c_str());
+  const std::vector<emu::Arg> args = bind_buffers(buffers, outputs, &keep);
   emu::SanitizerCall call(sanitize == "all");
   for (int o : outputs) call.add_range(args[size_t(o)].data, args[size_t(o)].size, true);
   std::string error;
