@@ -19,7 +19,7 @@ difference between this implementation's attention gradients and those of
 ``jax_flash_metal.reference_attention`` on one batch.
 
 ``--mesh data=N,sp=M`` trains data- and sequence-parallel over every device of every process
-(batch split over "data", ring attention with ``sequence_axis_name="sp"``; with
+(batch split over "data", context parallelism with ``sequence_axis_name="sp"``; with
 ``--coordinator``, ``--num-processes`` and ``--process-id``, ``jax.distributed`` on gloo CPU
 collectives) and prints each step's loss, the same as on one device.
 """
@@ -191,7 +191,7 @@ def make_attention(implementation: str | None, dtype: str = "float32", *, refere
     """Causal attention (q, k, v) -> out [B, T, heads, head_dim] float32, computed in ``dtype``
     by flash_attention with ``implementation``, or by reference_attention if ``reference``.
     With a ``mesh`` (axes "data" and "sp"): batch split over "data" and each sequence over "sp",
-    ring attention in ``shard_map`` (``sequence_axis_name="sp"``)."""
+    context parallelism in ``shard_map`` (``sequence_axis_name="sp"``)."""
 
     def attend(q, k, v):
         q, k, v = (a.astype(dtype) for a in (q, k, v))

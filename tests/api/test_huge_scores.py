@@ -60,7 +60,7 @@ def offset_bias(offsets, heads, q_len, kv_len):
 
 # The fused kernels' score limit (JFM_SCORE_LIMIT, FLT_MAX / 4): a row whose every score is
 # below -SCORE_LIMIT (a whole row at finfo.min) gets its softmax and gradients right, but its
-# LSE is the saturated one (README Limitations).
+# LSE is the saturated one (docs/api.md#limitations).
 SCORE_LIMIT = np.float32(8.50705917e37)
 
 
@@ -154,7 +154,7 @@ def test_emulator_decode():
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("offset", [-1e9, -1e30, -np.inf], ids=["-1e9", "-1e30", "-inf"])
 def test_sinks_at_the_offset(impl, offset):
-    """(The kernels saturate a sink beyond +-8.5e37, README Limitations: finfo.min is left to
+    """(The kernels saturate a sink beyond +-8.5e37, docs/api.md#limitations: finfo.min is left to
     the grid's rows.)"""
     q, k, v, do, g = inputs(jnp.float32, 1, TQ, TK, H, HKV, seed=8)
     kw = dict(bias=offset_bias([offset], H, TQ, TK),

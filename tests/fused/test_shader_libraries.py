@@ -63,14 +63,15 @@ def test_libraries_cover_every_kernel_the_host_runs():
 def test_one_family_list():
     """shaders/kernel_families.h is the one list of (dtype, key head dim, value head dim)
     families: the host reads it (kernel_families), the kernel list holds every family's kernels
-    and nothing else, and the READMEs' head-dim lists say the same."""
+    and nothing else, and the head-dim lists of docs/platforms.md and shaders/README.md say the
+    same."""
     assert ext.kernel_families() == [(s, dk, dv) for s in ("f32", "f16", "bf16")
                                      for dk, dv in FAMILIES]
     fwd = {n for n in ext.kernel_names("emulator") if n.startswith("flash_attention_fwd_")}
     assert fwd == {ext.kernel_name("fwd", s, dk, dv) for s, dk, dv in ext.kernel_families()}
     assert ext.kernel_name("fwd", "f16", 128, 64) == "flash_attention_fwd_f16_d128_v64"
     listed = ", ".join(str(d) for d in HEAD_DIMS)
-    for readme, line in (("README.md", "head dims "), ("shaders/README.md", "- Head dims ")):
+    for readme, line in (("docs/platforms.md", "head dims "), ("shaders/README.md", "- Head dims ")):
         with open(os.path.join(ROOT, readme), encoding="utf-8") as f:
             assert line + listed in f.read(), readme
 
