@@ -1,11 +1,13 @@
 """How fast the MSL-on-CPU emulator runs kernels (prints a table; timing never gates a test).
 
-Usage: python benchmarks/emulator_speed.py [--workers N] [--repeat R]
+Usage: python benchmarks/emulator_speed.py [--workers N] [--repeat R] [--sanitizer]
 
-Rows: a 64x64x64 simdgroup_matrix GEMM (tests/emulator/shaders/bench.metal, float and half inputs), a
-256-thread kernel with 2 threadgroup barriers per round, and one forward + backward of the
-attention kernels (shaders/*.metal) at a small shape, per dtype. Needs the built extension
-(jax_flash_metal._ext). Times are the best of --repeat runs.
+Rows: a 64x64x64 simdgroup_matrix GEMM (tests/emulator/shaders/bench.metal, float and half
+inputs), a 256-thread kernel with 2 threadgroup barriers per round, and one forward + backward of
+the attention kernels (shaders/*.metal) at a small shape, per dtype. Needs the built extension
+(jax_flash_metal._ext). Times are the best of --repeat runs. --sanitizer adds a forward +
+backward through flash_attention on the emulated device, plain and under the sanitizer
+(docs/testing.md; one worker, as the sanitizer runs), and their ratio.
 """
 
 import argparse
@@ -53,9 +55,10 @@ def barrier_row(workers, repeat):
 
 
 def attention_rows(repeat):
-    """One causal forward and backward per dtype through tests/helpers/kernel_harness.py, which binds
-    and dispatches the attention kernels the way the host does (all cores)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    """One causal forward and backward per dtype through tests/helpers/kernel_harness.py, which
+    binds and dispatches the attention kernels the way the host does (all cores)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                    "helpers"))
     import kernel_harness as kh
 
     rows = []
@@ -73,12 +76,47 @@ def attention_rows(repeat):
     return rows
 
 
+def sanitizer_rows(repeat):
+    """flash_attention forward + VJP on the emulated device (one worker), plain and under the
+    sanitizer; the note gives the slowdown."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_flash_metal import _ext, flash_attention
+
+    rows = []
+    for d, seq in ((64, 128), (128, 64)):
+        rng = np.random.default_rng(0)
+        q, k, v = (jnp.asarray(rng.standard_normal((1, seq, 4, d)), jnp.float32)
+                   for _ in range(3))
+
+        @jax.jit
+        def step(q, k, v):
+            o, vjp = jax.vjp(lambda q, k, v: flash_attention(
+                q, k, v, is_causal=True, implementation="emulator"), q, k, v)
+            return o, vjp(o)
+
+        times = {}
+        for mode in ("off", "first"):
+            _ext.set_emulator_sanitizer(mode)
+            jax.block_until_ready(step(q, k, v))
+            times[mode] = best(lambda: jax.block_until_ready(step(q, k, v)), repeat)
+        _ext.set_emulator_sanitizer("off")
+        shape = f"[1,{seq},4,{d}] causal fwd+bwd"
+        rows.append((f"flash_attention {shape}", times["off"], None, "plain emulator"))
+        rows.append((f"flash_attention {shape}", times["first"], None,
+                     f"sanitizer: {times['first'] / times['off']:.1f}x"))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=HelpFormatter)
     ap.add_argument("--workers", type=int, default=0, help="OS threads (0 = all cores)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="timed runs of each kernel; the fastest is shown")
+    ap.add_argument("--sanitizer", action="store_true",
+                    help="add the sanitizer's slowdown rows (needs the counting variants)")
     args = ap.parse_args()
     rows = [gemm_row(np.float32, "emu_gemm_tiled_f32", args.workers, args.repeat),
             gemm_row(np.float16, "emu_gemm_tiled_f16", args.workers, args.repeat),
@@ -86,6 +124,8 @@ def main():
     names = set(emulator.kernel_names())
     if "flash_attention_fwd_f32_d64" in names:
         rows += attention_rows(args.repeat)
+    if args.sanitizer:
+        rows += sanitizer_rows(args.repeat)
     print(f"{'kernel':<52} {'time':>10} {'collectives/s':>14}  note")
     for name, t, ops, note in rows:
         rate = f"{ops / t:14.3g}" if ops else f"{'':14}"

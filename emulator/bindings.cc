@@ -6,11 +6,13 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "emulator.h"
+#include "sanitizer.h"
 
 namespace nb = nanobind;
 
@@ -74,46 +76,110 @@ nb::dict profile_to_dict(const emu::Profile& p) {
 
 namespace {
 
-nb::object run(const std::string& kernel, nb::dict buffers, Dim3 groups, Dim3 group_size,
-               const std::string& schedule, uint64_t seed, int num_workers, bool profile) {
-  emu::Launch launch;
-  launch.groups = {std::get<0>(groups), std::get<1>(groups), std::get<2>(groups)};
-  launch.group_size = {std::get<0>(group_size), std::get<1>(group_size), std::get<2>(group_size)};
-  launch.schedule = parse_schedule(schedule);
-  launch.seed = seed;
-  launch.num_workers = num_workers;
+// The arguments of {buffer index: array}; `outputs` must name bound indices. `keep` holds the
+// arrays alive while the GIL is released.
+std::vector<emu::Arg> bind_buffers(nb::dict buffers, const std::vector<int>& outputs,
+                                   std::vector<nb::object>* keep) {
   std::vector<emu::Arg> args;
-  std::vector<nb::object> keep;  // arrays stay alive while the GIL is released
   for (auto item : buffers) {
     int index = nb::cast<int>(item.first);
     if (index < 0 || index > 30)
       throw nb::value_error(("buffer index " + std::to_string(index) + " out of range 0..30").c_str());
     if (args.size() <= size_t(index)) args.resize(size_t(index) + 1);
     args[size_t(index)] = bind_array(index, item.second);
-    keep.push_back(nb::borrow(item.second));
+    keep->push_back(nb::borrow(item.second));
   }
+  for (int o : outputs)
+    if (o < 0 || size_t(o) >= args.size() || !args[size_t(o)].data)
+      throw nb::value_error(("outputs: buffer " + std::to_string(o) + " is not bound").c_str());
+  return args;
+}
+
+nb::object run(const std::string& kernel, nb::dict buffers, Dim3 groups, Dim3 group_size,
+               const std::string& schedule, uint64_t seed, int num_workers, bool profile,
+               const std::string& sanitize, std::vector<int> outputs) {
+  if (sanitize != "off" && sanitize != "first" && sanitize != "all")
+    throw nb::value_error(("sanitize must be 'off', 'first' or 'all', not '" + sanitize + "'").c_str());
+  if (sanitize == "off" && !outputs.empty())
+    throw nb::value_error("outputs needs sanitize='first' or 'all'");
+  emu::Launch launch;
+  launch.groups = {std::get<0>(groups), std::get<1>(groups), std::get<2>(groups)};
+  launch.group_size = {std::get<0>(group_size), std::get<1>(group_size), std::get<2>(group_size)};
+  launch.schedule = parse_schedule(schedule);
+  launch.seed = seed;
+  launch.num_workers = num_workers;
+  std::vector<nb::object> keep;  // arrays stay alive while the GIL is released
+  const std::vector<emu::Arg> args = bind_buffers(buffers, outputs, &keep);
   emu::Profile counts;
   launch.profile = profile ? &counts : nullptr;
+  std::unique_ptr<emu::SanitizerCall> call;
+  if (sanitize != "off") {
+    call.reset(new emu::SanitizerCall(sanitize == "all"));
+    for (int o : outputs) call->add_range(args[size_t(o)].data, args[size_t(o)].size, true);
+    launch.sanitizer = call.get();
+  }
   std::string error;
   {
     nb::gil_scoped_release release;
     error = emu::run(kernel, args, launch);
+    if (error.empty() && call) error = call->finish();
   }
   if (!error.empty()) throw std::runtime_error(error);
   if (!profile) return nb::none();
   return profile_to_dict(counts);
 }
 
+using PlanStep = std::tuple<std::string, Dim3, Dim3, bool>;
+
+// Dispatches sharing one set of buffers, as one call under the sanitizer: a step with
+// barrier_before false may run concurrently with the step before it (as between the memory
+// barriers of a plan on Metal).
+void run_plan(std::vector<PlanStep> steps, nb::dict buffers, std::vector<int> outputs,
+              const std::string& sanitize) {
+  if (sanitize != "first" && sanitize != "all")
+    throw nb::value_error(("sanitize must be 'first' or 'all', not '" + sanitize + "'").c_str());
+  std::vector<nb::object> keep;
+  const std::vector<emu::Arg> args = bind_buffers(buffers, outputs, &keep);
+  emu::SanitizerCall call(sanitize == "all");
+  for (int o : outputs) call.add_range(args[size_t(o)].data, args[size_t(o)].size, true);
+  std::string error;
+  {
+    nb::gil_scoped_release release;
+    uint64_t segment = 0;
+    for (size_t i = 0; i < steps.size() && error.empty(); ++i) {
+      const auto& [kernel, groups, group_size, barrier_before] = steps[i];
+      if (i == 0 || barrier_before) ++segment;
+      call.begin_dispatch(segment);
+      emu::Launch launch;
+      launch.groups = {std::get<0>(groups), std::get<1>(groups), std::get<2>(groups)};
+      launch.group_size = {std::get<0>(group_size), std::get<1>(group_size),
+                           std::get<2>(group_size)};
+      launch.sanitizer = &call;
+      error = emu::run(kernel, args, launch);
+    }
+    if (error.empty()) error = call.finish();
+  }
+  if (!error.empty()) throw std::runtime_error(error);
+}
+
 }  // namespace
 
 void bind_emulator(nb::module_& m) {
+  m.def("run_plan", &run_plan, nb::arg("steps"), nb::arg("buffers"),
+        nb::arg("outputs") = std::vector<int>(), nb::arg("sanitize") = "first",
+        "Run dispatches as one call under the sanitizer (docs/testing.md).\n\n"
+        "steps: list of (kernel, groups, group_size, barrier_before), in plan order; a step\n"
+        "without barrier_before may run concurrently with its predecessor on Metal, so the\n"
+        "sanitizer reports a step that touches what such a predecessor wrote. buffers, outputs:\n"
+        "as run(). sanitize: 'first' or 'all'. Raises RuntimeError with the findings.");
   m.def("has_counting_variant", &emu::has_counting_variant,
         "bool: this build has the counting kernel variants (run(..., profile=True)).");
   m.def("kernel_names", &emu::kernel_names,
         "Sorted names of every kernel the emulator can run (shaders/ and tests/emulator/shaders/).");
   m.def("run", &run, nb::arg("kernel"), nb::arg("buffers"), nb::arg("groups"),
         nb::arg("group_size"), nb::arg("schedule") = "forward", nb::arg("seed") = 0,
-        nb::arg("num_workers") = 0, nb::arg("profile") = false,
+        nb::arg("num_workers") = 0, nb::arg("profile") = false, nb::arg("sanitize") = "off",
+        nb::arg("outputs") = std::vector<int>(),
         "Run `kernel` on the emulator.\n\n"
         "buffers: dict {buffer index: numpy array} (C-contiguous, writeable; written in place;\n"
         "`constant` structs as byte arrays). groups: threadgroups per grid (x, y, z);\n"
@@ -125,6 +191,11 @@ void bind_emulator(nb::module_& m) {
         "device_bytes_written, threadgroup_bytes_read, threadgroup_bytes_written, mma_ops,\n"
         "simd_ops, barriers, fma_ops, math_ops, buffers: {index: {read, written, constant}}; bytes; see\n"
         "emulator/README.md); returns None otherwise.\n"
+        "sanitize: 'first' runs the counting variant under the sanitizer (racecheck, initcheck,\n"
+        "memcheck; docs/testing.md) and raises at its first finding; 'all' collects every\n"
+        "finding and raises with all of them; 'off' (default). outputs: buffer indices that are\n"
+        "outputs: poisoned (0xFF bytes) before the run, every byte must be written, and reading\n"
+        "one before it is written is a finding.\n"
         "Raises RuntimeError with the emulator's message (unknown kernel, bad launch size,\n"
         "missing buffer, barrier divergence, ...), ValueError/TypeError for bad arguments.");
 }

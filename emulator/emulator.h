@@ -11,6 +11,8 @@
 
 namespace jfm::emu {
 
+class SanitizerCall;  // sanitizer.h
+
 // Order in which fibers resume after each collective point (barrier, simd operation).
 enum class Schedule : int { kForward = 0, kReverse = 1, kRandom = 2 };
 
@@ -50,6 +52,9 @@ struct Launch {
   int num_workers = 0;    // OS threads running threadgroups; 0 = hardware concurrency
   // When set, runs the counting variant of the kernel and fills *profile (overwritten).
   Profile* profile = nullptr;
+  // When set, runs the counting variant under the sanitizer (sanitizer.h) on one worker,
+  // checking every access against the call's shadow state; not together with `profile`.
+  SanitizerCall* sanitizer = nullptr;
 };
 
 // Names of every instantiated kernel (host_name or plain kernel name), sorted.

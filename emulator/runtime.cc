@@ -35,12 +35,17 @@
 #include <vector>
 
 #include "emulator.h"
+#include "sanitizer.h"
 
 namespace jfm {
 namespace rt {
 namespace {
 
 constexpr size_t kStackSize = 128 * 1024;  // kernels keep small local arrays; plus a guard page
+// Under the sanitizer each threadgroup allocation follows a poisoned gap (memcheck), so the arena
+// has room beyond the 32 KiB that the allocations themselves may take.
+constexpr size_t kTgRedzone = 64;
+constexpr size_t kArenaSize = kMaxThreadgroupMemory + 8192;
 
 enum class State { kReady, kSimd, kBarrier, kDone };
 
@@ -80,8 +85,9 @@ struct Worker {
   Fiber* current = nullptr;
   void (*launch)(const ThreadCtx&) = nullptr;
   // Threadgroup memory of the running group.
-  alignas(64) unsigned char arena[kMaxThreadgroupMemory];
+  alignas(64) unsigned char arena[kArenaSize];
   size_t arena_used = 0;
+  size_t arena_declared = 0;  // the allocations' bytes without the sanitizer's gaps
   std::vector<Allocation> allocations;
   std::string error;  // set by fail() inside a fiber
 };
@@ -128,7 +134,22 @@ struct Tally {
 // Initial-exec TLS: one load per access instead of a __tls_get_addr call.
 __attribute__((tls_model("initial-exec"))) thread_local Tally* t_tally = nullptr;
 
-inline void tally_access(const void* p, uint64_t n, bool write) {
+// Sanitizer launches: checks the access (sanitizer.cc); the first finding ends the GPU thread's
+// group (unless findings are collected). Accesses of a collective's resolve function (no current
+// fiber) are stopped by the scheduler.
+void sanitize_access(Checker* c, const void* p, uint64_t n, bool write, const void* pc) {
+  san_access(c, p, n, write, pc);
+  if (const char* stop = san_stop(c)) {
+    Worker* w = t_worker;
+    if (w && w->current) fail(stop);
+  }
+}
+
+inline void tally_access(const void* p, uint64_t n, bool write, const void* pc) {
+  if (Checker* c = t_san_checker) {
+    sanitize_access(c, p, n, write, pc);
+    return;
+  }
   Tally* t = t_tally;
   if (!t) return;
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -271,6 +292,7 @@ struct Job {
   std::mutex error_mutex;
   std::string error;
   Tally* tally = nullptr;  // profiled launch: buffer ranges in, every worker's counts summed
+  Checker* checker = nullptr;  // sanitizer launch (one worker)
 
   void set_error(const std::string& e) {
     std::lock_guard<std::mutex> lock(error_mutex);
@@ -287,7 +309,10 @@ std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
   while (w->fibers.size() < n) w->fibers.emplace_back(new Fiber);
   w->launch = job.def->launch;
   w->arena_used = 0;
+  w->arena_declared = 0;
   w->allocations.clear();
+  Checker* checker = job.checker;
+  if (checker) san_begin_group(checker, gid, w->arena, kArenaSize);
   w->error.clear();
   for (uint32_t i = 0; i < n; ++i) {
     Fiber* f = w->fibers[i].get();
@@ -332,6 +357,9 @@ std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
     }
     for (uint32_t i : order) {
       Fiber* f = w->fibers[i].get();
+      if (checker) {
+        san_set_actor(checker, int(i), int(i / kSimdWidth), int(i % kSimdWidth), nullptr, 0);
+      }
       resume(w, f);
       if (!w->error.empty()) {
         err = "kernel " + kname + ": " + w->error + where(f);
@@ -401,7 +429,15 @@ std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
               "threadgroup size " + std::to_string(n) + " is not a multiple of 32)";
         break;
       }
-      if (const char* e = first->fn(lanes)) {
+      if (checker) {
+        san_set_actor(checker, -1, int(s), -1, first->file, first->line);
+        if (std::strcmp(first->what, "simdgroup_barrier") == 0) {
+          san_simdgroup_barrier(checker, int(s), unsigned(first->slot.arg));
+        }
+      }
+      const char* e = first->fn(lanes);
+      if (!e && checker) e = san_stop(checker);
+      if (e) {
         err = "kernel " + kname + ": " + e + " (" + site(first) + ", simdgroup " +
               std::to_string(s) + " of threadgroup " + format_id(gid) + ")";
         break;
@@ -451,6 +487,7 @@ std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
     }
     for (uint32_t i = 0; i < n; ++i) w->fibers[i]->state = State::kReady;
     if (t_tally) ++t_tally->counts.barriers;
+    if (checker) san_threadgroup_barrier(checker, unsigned(first->slot.arg));
   }
   if (t_tally) {
     uint64_t& m = t_tally->counts.threadgroup_memory;
@@ -492,6 +529,7 @@ void work(Job& job) {
     return;
   }
   t_worker = w.get();
+  t_san_checker = job.checker;
   Tally tally;
   if (job.tally) {
     tally = *job.tally;
@@ -516,6 +554,7 @@ void work(Job& job) {
     if (!e.empty()) job.set_error(e);
   }
   t_worker = nullptr;
+  t_san_checker = nullptr;
   if (job.tally) {
     t_tally = nullptr;
     std::lock_guard<std::mutex> lock(job.error_mutex);
@@ -557,18 +596,20 @@ void simd_collective_full(ResolveFn fn, const void* in, void* out, uint64_t arg,
   wait_collective(State::kSimd, fn, in, out, arg, true, what, file, line);
 }
 
-void threadgroup_barrier(const char* file, int line) {
-  wait_collective(State::kBarrier, nullptr, nullptr, nullptr, 0, false, "threadgroup_barrier",
+void threadgroup_barrier(unsigned flags, const char* file, int line) {
+  wait_collective(State::kBarrier, nullptr, nullptr, nullptr, flags, false, "threadgroup_barrier",
                   file, line);
 }
 
-void* threadgroup_alloc(const void* site_marker, size_t size, size_t align, const char* name,
-                        const char* file, int line) {
+void* threadgroup_alloc(const void* site_marker, size_t size, size_t align, size_t element_size,
+                        const char* name, const char* file, int line) {
   Worker* w = current_fiber()->worker;
   for (const Allocation& a : w->allocations)
     if (a.site == site_marker) return w->arena + a.offset;
-  size_t offset = (w->arena_used + align - 1) / align * align;
-  if (offset + size > kMaxThreadgroupMemory) {
+  Checker* checker = t_san_checker;
+  const size_t declared = (w->arena_declared + align - 1) / align * align + size;
+  size_t offset = (w->arena_used + (checker ? kTgRedzone : 0) + align - 1) / align * align;
+  if (declared > kMaxThreadgroupMemory || offset + size > kArenaSize) {
     std::ostringstream msg;
     msg << "threadgroup memory exceeds 32768 bytes with '" << name << "' (" << size
         << " bytes, " << file << ":" << line << ")";
@@ -577,6 +618,8 @@ void* threadgroup_alloc(const void* site_marker, size_t size, size_t align, cons
   }
   std::memset(w->arena + offset, 0xFF, size);
   w->arena_used = offset + size;
+  w->arena_declared = declared;
+  if (checker) san_alloc(checker, offset, size, element_size, name, file, line);
   w->allocations.push_back(Allocation{site_marker, offset});
   return w->arena + offset;
 }
@@ -624,11 +667,13 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
   auto it = rt::registry().find(kernel);
   if (it == rt::registry().end()) return "emulator: unknown kernel '" + kernel + "'";
   const rt::KernelDef* def = it->second;
-  if (launch.profile) {
+  if (launch.profile && launch.sanitizer)
+    return "emulator: a launch is either profiled or sanitized, not both";
+  if (launch.profile || launch.sanitizer) {
     auto c = rt::counting_registry().find(kernel);
     if (c == rt::counting_registry().end())
       return "emulator: no counting variant of kernel '" + kernel +
-             "' (built with JFM_EMULATOR_COUNTING=OFF)";
+             "' (built with JFM_EMULATOR_COUNTING=OFF; the profile and the sanitizer need it)";
     def = c->second;
   }
   const std::string k = "kernel " + kernel + ": ";
@@ -669,6 +714,13 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
   }
   const uint64_t groups = uint64_t(launch.groups[0]) * launch.groups[1] * launch.groups[2];
   if (groups == 0) return "";
+  std::unique_ptr<rt::Checker, void (*)(rt::Checker*)> checker(nullptr, &rt::destroy_checker);
+  if (launch.sanitizer) {
+    size_t sizes[rt::kMaxBuffers] = {};
+    for (int b = 0; b < def->num_buffers; ++b) sizes[uses[b].index] = args[uses[b].index].size;
+    const uint32_t g[3] = {launch.groups[0], launch.groups[1], launch.groups[2]};
+    checker.reset(rt::sanitize_begin(launch.sanitizer, def, g, buffers, sizes));
+  }
   rt::Job job;
   job.def = def;
   job.buffers = buffers;
@@ -677,8 +729,10 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
   job.schedule = launch.schedule;
   job.seed = launch.seed;
   job.tally = launch.profile ? &tally : nullptr;
+  job.checker = checker.get();
   int workers = launch.num_workers > 0 ? launch.num_workers
                                        : int(std::max(1u, std::thread::hardware_concurrency()));
+  if (checker) workers = 1;  // the shadow state is updated without locks
   workers = int(std::min<uint64_t>(uint64_t(workers), groups));
   std::vector<std::thread> pool;
   try {
@@ -687,6 +741,10 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
   }
   rt::work(job);  // the calling thread is a worker too
   for (std::thread& t : pool) t.join();
+  if (checker) {
+    const std::string findings = rt::sanitize_end(checker.get());
+    if (job.error.empty() && !findings.empty()) return "kernel " + kernel + ": " + findings;
+  }
   if (Profile* p = launch.profile) {
     const rt::Counts& c = tally.counts;
     p->threadgroups = groups;
@@ -721,33 +779,38 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
 // the whole runtime). Atomics perform the operation and count one successful read-modify-write.
 extern "C" {
 using jfm::rt::tally_access;
-#define JFM_TSAN_ACCESS(N)                                                               \
-  void __tsan_read##N(void* p) { tally_access(p, N, false); }                            \
-  void __tsan_write##N(void* p) { tally_access(p, N, true); }                            \
-  void __tsan_unaligned_read##N(void* p) { tally_access(p, N, false); }                  \
-  void __tsan_unaligned_write##N(void* p) { tally_access(p, N, true); }                  \
-  void __tsan_volatile_read##N(void* p) { tally_access(p, N, false); }                   \
-  void __tsan_volatile_write##N(void* p) { tally_access(p, N, true); }
+#define JFM_PC __builtin_return_address(0)
+#define JFM_TSAN_ACCESS(N)                                                                        \
+  void __tsan_read##N(void* p) { tally_access(p, N, false, JFM_PC); }                             \
+  void __tsan_write##N(void* p) { tally_access(p, N, true, JFM_PC); }                             \
+  void __tsan_unaligned_read##N(void* p) { tally_access(p, N, false, JFM_PC); }                   \
+  void __tsan_unaligned_write##N(void* p) { tally_access(p, N, true, JFM_PC); }                   \
+  void __tsan_volatile_read##N(void* p) { tally_access(p, N, false, JFM_PC); }                    \
+  void __tsan_volatile_write##N(void* p) { tally_access(p, N, true, JFM_PC); }
 JFM_TSAN_ACCESS(1)
 JFM_TSAN_ACCESS(2)
 JFM_TSAN_ACCESS(4)
 JFM_TSAN_ACCESS(8)
 JFM_TSAN_ACCESS(16)
 #undef JFM_TSAN_ACCESS
-void __tsan_read_range(void* p, unsigned long n) { tally_access(p, n, false); }
-void __tsan_write_range(void* p, unsigned long n) { tally_access(p, n, true); }
+void __tsan_read_range(void* p, unsigned long n) {
+  tally_access(p, n, false, JFM_PC);
+}
+void __tsan_write_range(void* p, unsigned long n) {
+  tally_access(p, n, true, JFM_PC);
+}
 void* __tsan_memcpy(void* d, const void* s, unsigned long n) {
-  tally_access(s, n, false);
-  tally_access(d, n, true);
+  tally_access(s, n, false, JFM_PC);
+  tally_access(d, n, true, JFM_PC);
   return std::memcpy(d, s, n);
 }
 void* __tsan_memmove(void* d, const void* s, unsigned long n) {
-  tally_access(s, n, false);
-  tally_access(d, n, true);
+  tally_access(s, n, false, JFM_PC);
+  tally_access(d, n, true, JFM_PC);
   return std::memmove(d, s, n);
 }
 void* __tsan_memset(void* d, int c, unsigned long n) {
-  tally_access(d, n, true);
+  tally_access(d, n, true, JFM_PC);
   return std::memset(d, c, n);
 }
 void __tsan_init() {}
@@ -760,9 +823,9 @@ jfm_a32 __tsan_atomic32_load(const volatile jfm_a32* a, int) {
 }
 int __tsan_atomic32_compare_exchange_strong(volatile jfm_a32* a, jfm_a32* c, jfm_a32 v, int, int) {
   const bool ok = __atomic_compare_exchange_n(a, c, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
-  if (ok) {
-    tally_access(const_cast<jfm_a32*>(a), 4, false);
-    tally_access(const_cast<jfm_a32*>(a), 4, true);
+  if (ok && !jfm::rt::t_san_checker) {  // atomics are not races: the sanitizer skips them
+    tally_access(const_cast<jfm_a32*>(a), 4, false, nullptr);
+    tally_access(const_cast<jfm_a32*>(a), 4, true, nullptr);
   }
   return ok;
 }

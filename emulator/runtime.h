@@ -49,12 +49,14 @@ void simd_collective(ResolveFn fn, const void* in, void* out, uint64_t arg, cons
 void simd_collective_full(ResolveFn fn, const void* in, void* out, uint64_t arg, const char* what,
                           const char* file, int line);
 // threadgroup_barrier: blocks until every thread of the group arrived at the same barrier.
-void threadgroup_barrier(const char* file, int line);
+// `flags` are its mem_flags bits (the sanitizer orders memory by them).
+void threadgroup_barrier(unsigned flags, const char* file, int line);
 // Storage of a `threadgroup` variable declared in a kernel body: one block per declaration site
 // (`site` is the address of a static marker) per threadgroup, filled with 0xFF bytes (NaN for
-// floats) when the group starts using it. name/file/line identify the declaration in errors.
-void* threadgroup_alloc(const void* site, size_t size, size_t align, const char* name,
-                        const char* file, int line);
+// floats) when the group starts using it. element_size is sizeof one array element (the
+// sanitizer's reports index elements); name/file/line identify the declaration in errors.
+void* threadgroup_alloc(const void* site, size_t size, size_t align, size_t element_size,
+                        const char* name, const char* file, int line);
 // Whether fast:: math functions return garbage for an Inf or NaN argument (fast math promises
 // nothing there): true unless $JFM_EMULATOR_FAST_MATH is "precise" (read once).
 bool fast_math_garbage();

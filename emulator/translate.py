@@ -729,7 +729,10 @@ class Translator:
             file, line = self.src.where(k.tok.start)
             table.append(f'  {{"{name}", &{t}::launch, &{t}::buffers, {k.num_buffers}, '
                          f'{t}::max_threads, "{file_label}", {line}}},')
-        out = ["", "#ifndef JFM_STRICT", "// ---- launchers (generated) ----", "namespace {"]
+        # Launcher code is not shader code: its line information must not name the .metal file
+        # (the sanitizer's reports list the shader lines of an access).
+        out = ["", "#ifndef JFM_STRICT", "// ---- launchers (generated) ----",
+               f'#line 1 "{stem} launchers (generated)"', "namespace {"]
         out += lines
         if table:
             out.append("const ::jfm::rt::KernelDef jfm_defs[] = {")

@@ -150,6 +150,11 @@ void set_metal_fault(const std::string& kernel);
 std::string set_emulator_schedule(const std::string& schedule, uint64_t seed);
 std::string emulator_schedule_name();
 uint64_t emulator_schedule_seed();
+// The emulated device's sanitizer (emulator/sanitizer.h, docs/testing.md) for every later call:
+// "off", "first" (the first finding fails the call) or "all" (every finding of the call, when it
+// ends). Returns "" or an error (unknown mode; a build without the counting variants).
+std::string set_emulator_sanitizer(const std::string& mode);
+std::string emulator_sanitizer();
 
 // Test hook: while non-empty, an emulated run of this kernel fails with an error instead of
 // running, so tests can check that device errors surface as JAX exceptions.

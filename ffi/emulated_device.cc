@@ -8,6 +8,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -19,6 +22,7 @@
 
 #include "device.h"
 #include "../emulator/emulator.h"
+#include "../emulator/sanitizer.h"
 #include "emulator_profile.h"
 
 namespace jfm {
@@ -37,6 +41,13 @@ std::mutex g_hold_mutex;
 std::condition_variable g_hold_released;
 
 std::atomic<bool> g_profiling{false};
+// Sanitizer mode (sanitizer.h): 0 off, 1 the first finding fails the call, 2 collect all.
+// Initially from $JFM_EMULATOR_SANITIZE ("1"/"first" or "all"), then set_emulator_sanitizer.
+std::atomic<int> g_sanitize{[] {
+  const char* v = std::getenv("JFM_EMULATOR_SANITIZE");
+  if (!v || !*v || std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0) return 0;
+  return std::strcmp(v, "all") == 0 ? 2 : 1;
+}()};
 std::mutex g_profile_mutex;
 std::vector<ProfileRecord> g_profile;  // guarded by g_profile_mutex
 
@@ -121,13 +132,40 @@ class EmulatedDevice final : public Device {
   static std::string run_now(const std::vector<Submission>& submissions, emu::Launch launch,
                              const std::string& fault) {
     std::mt19937_64 rng(launch.seed);
-    for (const Submission& submission : submissions) {
+    // Under the sanitizer the call's written buffers are poisoned outputs, and each dispatch
+    // belongs to the segment of the plan between two memory barriers it follows.
+    const int sanitize = g_sanitize.load();
+    if (sanitize && g_profiling.load())
+      return "emulator: the kernel profile and the sanitizer are both on; a call runs one of them";
+    std::unique_ptr<emu::SanitizerCall> call;
+    std::vector<uint64_t> segment_base;
+    if (sanitize) {
+      call.reset(new emu::SanitizerCall(sanitize == 2));
+      uint64_t segments = 0;
+      for (const Submission& submission : submissions) {
+        segment_base.push_back(segments);
+        for (const Dispatch& d : submission) {
+          if (d.barrier_before || &d == &submission.front()) ++segments;
+          for (const Binding& b : d.buffers)
+            if (b.written) call->add_range(b.data, b.size, true);
+        }
+      }
+      launch.sanitizer = call.get();
+    }
+    for (size_t s = 0; s < submissions.size(); ++s) {
+      const Submission& submission = submissions[s];
       for (size_t index : dispatch_order(submission, launch.schedule, &rng)) {
+        if (call) {
+          uint64_t segment = segment_base[s];
+          for (size_t i = 0; i <= index; ++i)
+            if (i == 0 || submission[i].barrier_before) ++segment;
+          call->begin_dispatch(segment);
+        }
         std::string error = run_dispatch(submission[index], &launch, fault);
         if (!error.empty()) return error;
       }
     }
-    return "";
+    return call ? call->finish() : "";
   }
 
   static std::string run_dispatch(const Dispatch& d, emu::Launch* launch,
@@ -204,6 +242,29 @@ std::vector<ProfileRecord> take_emulator_profile() {
   std::vector<ProfileRecord> records;
   records.swap(g_profile);
   return records;
+}
+
+std::string set_emulator_sanitizer(const std::string& mode) {
+  int m;
+  if (mode == "off") {
+    m = 0;
+  } else if (mode == "first") {
+    m = 1;
+  } else if (mode == "all") {
+    m = 2;
+  } else {
+    return "unknown emulator sanitizer mode '" + mode + "' (expected off, first or all)";
+  }
+  if (m && !emu::has_counting_variant())
+    return "the emulator's sanitizer runs the counting kernel variants, which this build lacks: "
+           "reinstall with JFM_EMULATOR_COUNTING=ON in the environment";
+  g_sanitize.store(m);
+  return "";
+}
+
+std::string emulator_sanitizer() {
+  static const char* const names[] = {"off", "first", "all"};
+  return names[g_sanitize.load()];
 }
 
 void set_emulator_fault(const std::string& kernel) {

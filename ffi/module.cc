@@ -339,6 +339,20 @@ void bind_emulator_controls(nb::module_& m) {
       [] { return nb::make_tuple(emulator_schedule_name(), emulator_schedule_seed()); },
       "(schedule: str, seed: int) currently used by the emulated device.");
   m.def(
+      "set_emulator_sanitizer",
+      [](const std::string& mode) {
+        std::string error = set_emulator_sanitizer(mode);
+        if (!error.empty()) throw nb::value_error(error.c_str());
+      },
+      nb::arg("mode"),
+      "The emulated device's sanitizer for every later call (docs/testing.md): 'off', 'first' "
+      "(the first race, uninitialised read or out-of-bounds access fails the call with a report) "
+      "or 'all' (the call fails when it ends, listing every finding). The default comes from "
+      "$JFM_EMULATOR_SANITIZE. ValueError for other names or a build without the counting "
+      "variants.");
+  m.def("emulator_sanitizer", &emulator_sanitizer,
+        "str: the emulated device's sanitizer mode ('off', 'first' or 'all').");
+  m.def(
       "set_emulator_profiling",
       [](bool on) {
         std::string error = set_emulator_profiling(on);

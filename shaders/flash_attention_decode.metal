@@ -74,7 +74,8 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
 
   // The forward's tiles (Q staged through the K/V tiles where it lives in registers).
   threadgroup uint4 tile_words[Traits::TILE_WORDS];
-  threadgroup int nonfinite_v_block[1];
+  // Per simdgroup: the latest key block whose V had Inf/NaN (jfm_note_nonfinite_v).
+  threadgroup int nonfinite_v_block[THREADS / JFM_SIMD_WIDTH];
   threadgroup T* q_tile = (threadgroup T*)tile_words;
   threadgroup T* kv_tile = q_tile + (Q_IN_REGISTERS ? 0 : BQ * LDK);
 
@@ -132,8 +133,8 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
                                                 f.in.q_segment_ids + ulong(b) * params.q_len,
                                                 params.q_len, rows, 0, int(q_valid), thread_index);
     }
-    if (thread_index == 0) {
-      nonfinite_v_block[0] = -1;
+    if (thread_index < uint(THREADS / JFM_SIMD_WIDTH)) {
+      nonfinite_v_block[thread_index] = -1;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const bool rows_full = q_valid == long(params.q_len);

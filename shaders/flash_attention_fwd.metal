@@ -47,7 +47,8 @@ template <typename T, int DK, int DV>
   // lives in registers it is staged through the K/V tiles (the key-block loop reads it into
   // registers before its first barrier), else it has its own tile before them.
   threadgroup uint4 tile_words[Traits::TILE_WORDS];
-  threadgroup int nonfinite_v_block[1];  // start of the latest key block whose V had Inf/NaN
+  // Per simdgroup: the latest key block whose V had Inf/NaN (jfm_note_nonfinite_v).
+  threadgroup int nonfinite_v_block[THREADS / JFM_SIMD_WIDTH];
   threadgroup T* q_tile = (threadgroup T*)tile_words;
   threadgroup T* kv_tile = q_tile + (Q_IN_REGISTERS ? 0 : BQ * LDK);
 
@@ -101,8 +102,8 @@ template <typename T, int DK, int DV>
           q_tile, f.in.q_segment_ids + ulong(b) * params.q_len + i0, uint(BQ), BQ, 0, valid_rows,
           thread_index);
     }
-    if (thread_index == 0) {
-      nonfinite_v_block[0] = -1;
+    if (thread_index < uint(THREADS / JFM_SIMD_WIDTH)) {
+      nonfinite_v_block[thread_index] = -1;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const JfmKeyBlocks<T> blocks = {q_tile + band * LDK,

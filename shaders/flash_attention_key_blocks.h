@@ -238,7 +238,7 @@ struct JfmKeyBlocks {
                                 // registers before the first block's barrier, after which K
                                 // overwrites it)
   threadgroup T* kv_tile;              // the K/V tiles
-  threadgroup int* nonfinite_v_block;  // start of the latest block whose V had Inf/NaN
+  threadgroup int* nonfinite_v_block;  // per simdgroup: the latest block whose V had Inf/NaN
   device const T* k_head;              // row 0 of K and V of the kv head (jfm_kv_head_offset):
   device const T* v_head;              // rows k_stride and v_stride elements apart, contiguous
   uint k_stride, v_stride;             // or paged (rows)
@@ -251,6 +251,27 @@ struct JfmKeyBlocks {
   uint thread_index;
   uint lane;
 };
+
+// Notes that key block j0's V had Inf/NaN where this thread staged it (`mine`): each simdgroup
+// keeps its own entry, written by its lane 0 (several threads storing one word, even the same
+// value, would race), read after the next barrier by jfm_v_block_nonfinite. Uniform control
+// flow (a simd_any).
+template <typename T>
+inline void jfm_note_nonfinite_v(thread const JfmKeyBlocks<T>& c, int j0, bool mine) {
+  if (simd_any(mine) && c.lane == 0) {
+    c.nonfinite_v_block[c.thread_index / JFM_SIMD_WIDTH] = j0;
+  }
+}
+
+// Whether any simdgroup noted key block j0's V non-finite (jfm_note_nonfinite_v).
+template <typename T, int THREADS>
+inline bool jfm_v_block_nonfinite(thread const JfmKeyBlocks<T>& c, int j0) {
+  bool any = false;
+  for (int s = 0; s < THREADS / JFM_SIMD_WIDTH; ++s) {
+    any = any || c.nonfinite_v_block[s] == j0;
+  }
+  return any;
+}
 
 // Key blocks [j0, j0 + BK) from the one holding c.union_lo to the one holding c.union_hi: stage
 // K and V (zero-filled outside [union_lo, union_hi], V sanitized), S = Q K^T by MMA, online
@@ -313,11 +334,12 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
     jfm_load_tile_runs<T, BK, DK, THREADS, false>(
         k_tile, c.k_head + kv.row * c.k_stride, c.k_stride, kv.run, kv.run_rows * c.k_stride,
         load_begin, load_end, 0, BK, c.thread_index);
-    if (!ONE_KV_BUFFER && jfm_load_tile_runs<T, BK, DV, THREADS, true>(
-                              v_tile, c.v_head + kv.row * c.v_stride, c.v_stride, kv.run,
-                              kv.run_rows * c.v_stride, load_begin, load_end, 0, BK,
-                              c.thread_index)) {
-      c.nonfinite_v_block[0] = j0;
+    if (!ONE_KV_BUFFER) {
+      jfm_note_nonfinite_v(c, j0,
+                           jfm_load_tile_runs<T, BK, DV, THREADS, true>(
+                               v_tile, c.v_head + kv.row * c.v_stride, c.v_stride, kv.run,
+                               kv.run_rows * c.v_stride, load_begin, load_end, 0, BK,
+                               c.thread_index));
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -353,11 +375,11 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
 
     if (ONE_KV_BUFFER) {  // V replaces K in the one buffer
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (jfm_load_tile_runs<T, BK, DV, THREADS, true>(
-              v_tile, c.v_head + kv.row * c.v_stride, c.v_stride, kv.run,
-              kv.run_rows * c.v_stride, load_begin, load_end, 0, BK, c.thread_index)) {
-        c.nonfinite_v_block[0] = j0;
-      }
+      jfm_note_nonfinite_v(c, j0,
+                           jfm_load_tile_runs<T, BK, DV, THREADS, true>(
+                               v_tile, c.v_head + kv.row * c.v_stride, c.v_stride, kv.run,
+                               kv.run_rows * c.v_stride, load_begin, load_end, 0, BK,
+                               c.thread_index));
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
 
@@ -369,7 +391,7 @@ inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
         jfm_mma(acc[d], s[n], jfm_frag_load(v_tile + n * 8 * LDV + d * 8, LDV, at));
       }
     }
-    if (c.nonfinite_v_block[0] == j0) {
+    if (jfm_v_block_nonfinite<T, THREADS>(c, j0)) {
       // Rare: the staged V had Inf/NaN, stored as 0. Poison exactly the O elements whose row
       // sees such a value, reading only this row's visible keys.
       const int hi = min(c.keys.hi, j0 + BK - 1);

@@ -43,7 +43,8 @@
   static char name##_jfm_tg_site;                                                      \
   __VA_ARGS__(&name) dims = *static_cast<__VA_ARGS__(*) dims>(                         \
       ::jfm::rt::threadgroup_alloc(&name##_jfm_tg_site, sizeof(__VA_ARGS__ dims),      \
-                                   alignof(__VA_ARGS__ dims), #name, __FILE__, __LINE__))
+                                   alignof(__VA_ARGS__ dims), sizeof(__VA_ARGS__), #name, \
+                                   __FILE__, __LINE__))
 
 #include "metal_constants.h"
 
@@ -766,9 +767,9 @@ JFM_INT_LIMITS(ulong, 0ul, 18446744073709551615ul)
 #undef JFM_INT_LIMITS
 
 // ---- synchronisation ----------------------------------------------------------------------------
-inline void threadgroup_barrier(mem_flags, const char* file = __builtin_FILE(),
+inline void threadgroup_barrier(mem_flags flags, const char* file = __builtin_FILE(),
                                 int line = __builtin_LINE()) {
-  ::jfm::rt::threadgroup_barrier(file, line);
+  ::jfm::rt::threadgroup_barrier(unsigned(flags), file, line);
 }
 
 namespace detail {
@@ -949,9 +950,11 @@ inline bool simd_all(bool x, const char* file = __builtin_FILE(), int line = __b
 inline bool simd_any(bool x, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   return detail::collective(&detail::resolve_or<bool>, x, 0, "simd_any", file, line);
 }
-inline void simdgroup_barrier(mem_flags, const char* file = __builtin_FILE(),
+inline void simdgroup_barrier(mem_flags flags, const char* file = __builtin_FILE(),
                               int line = __builtin_LINE()) {
-  ::jfm::rt::simd_collective(&detail::resolve_nothing, nullptr, nullptr, 0, "simdgroup_barrier",
+  // The flags travel as the collective's argument (the sanitizer orders memory by them).
+  ::jfm::rt::simd_collective(&detail::resolve_nothing, nullptr, nullptr, unsigned(flags),
+                             "simdgroup_barrier",
                              file, line);
 }
 

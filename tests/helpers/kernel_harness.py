@@ -9,7 +9,11 @@ dispatched. Inputs and outputs are NumPy arrays of float32, float16 or ml_dtypes
 to write shows up.
 """
 
+import glob
 import math
+import os
+import shutil
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -60,6 +64,13 @@ assert PARAMS_DTYPE.fields["bias_strides"][1] == 120
 # host does; the kernels must not read it (if they did, these values would empty every row and
 # the comparison with the oracle would fail).
 _PLACEHOLDER = np.full(4, -7, dtype=np.int32)
+
+# Whether the sanitizer's reports name shader lines: the build kept the counting variant's line
+# tables next to the module (Linux, with objcopy) and addr2line can read them; elsewhere reports
+# give code offsets.
+_EXT_FOLDER = os.path.dirname(sys.modules["jax_flash_metal._ext"].__file__)
+SANITIZER_LINES = (bool(glob.glob(os.path.join(_EXT_FOLDER, "_ext*.so.debug")))
+                   and shutil.which("addr2line") is not None)
 
 
 def type_name(dtype):

@@ -160,18 +160,19 @@ def tiled_forward_counts(problem, mask):
             blocks = hi // bk - lo // bk + 1
             valid = int(np.clip(q_valid[b] - i0, 0, bq))
             c["device_bytes_read"] += (valid + 2 * (hi - lo + 1)) * d * s
-            c["threadgroup_bytes_written"] += bq * d * s + 4 + blocks * 2 * bk * d * s
+            # + the non-finite-V flags: one int per simdgroup, set once, all read per block
+            c["threadgroup_bytes_written"] += bq * d * s + 4 * sg + blocks * 2 * bk * d * s
             q_frag_reads = 1 if shape["q_in_registers"] else blocks
             c["threadgroup_bytes_read"] += threads * (
-                q_frag_reads * df * 2 * s + blocks * (2 * kf * df * 2 * s + 4))
+                q_frag_reads * df * 2 * s + blocks * (2 * kf * df * 2 * s + 4 * sg))
             c["barriers"] += 1 + blocks * (4 if shape["kv_one_buffer"] else 2)
             c["mma_ops"] += blocks * sg * 2 * df * kf
-            c["simd_ops"] += blocks * 2 * sg
+            c["simd_ops"] += blocks * 3 * sg  # 2 row-max/sum shuffles, the non-finite-V vote
     c = {k: int(v) * (h if k != "fma_ops" else 1) for k, v in c.items()}
     kv_rows = (1 if shape["kv_one_buffer"] else 2) * bk
     # Q in registers is staged through the K/V tiles, else it has its own tile.
     tile_rows = max(bq, kv_rows) if shape["q_in_registers"] else bq + kv_rows
-    c["threadgroup_memory_bytes"] = tile_rows * stride * s + 4
+    c["threadgroup_memory_bytes"] = tile_rows * stride * s + 4 * sg
     return c
 
 

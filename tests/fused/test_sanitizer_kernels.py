@@ -1,0 +1,176 @@
+"""Every attention kernel family under the emulator's sanitizer (racecheck, initcheck, memcheck;
+docs/testing.md): forward, decode (both passes and the combine), backward (joint and split),
+dropout and paging, on small shapes with partial tiles, lengths and fully masked rows. A finding
+fails the call (an FFI error naming both accesses and their shader lines); the results must
+still match the float64 oracle, as the sanitizer poisons every output before the call.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tolerance
+from api_helpers import FAMILIES, check_against_oracle, make_inputs, needs_emulator, normal
+from api_helpers import run as run_with_gradients
+
+ext = pytest.importorskip("jax_flash_metal._ext")
+from jax_flash_metal import flash_attention  # noqa: E402
+
+pytestmark = [
+    needs_emulator,
+    pytest.mark.skipif(not ext.emulator.has_counting_variant(),
+                       reason="the sanitizer runs the counting variant: build with "
+                              "JFM_EMULATOR_COUNTING=ON"),
+]
+
+
+@pytest.fixture(autouse=True)
+def sanitizer():
+    before = ext.emulator_sanitizer()
+    ext.set_emulator_sanitizer("first")
+    try:
+        yield
+    finally:
+        ext.set_emulator_sanitizer(before)
+
+
+# Tails in both directions (19 queries, 37 keys: partial tiles), grouped-query attention, and
+# bottom-right causal with q_len > kv_len in the first case: its first rows see no key.
+SHAPES = [dict(q_len=19, kv_len=37, is_causal=True),
+          dict(q_len=40, kv_len=23, is_causal=True, causal_alignment="bottom_right")]
+
+
+@pytest.mark.parametrize("dk,dv", FAMILIES, ids=[f"d{dk}_v{dv}" for dk, dv in FAMILIES])
+def test_sanitizer_every_family_forward_and_backward(dk, dv):
+    for i, shape in enumerate(SHAPES if dk <= 64 else SHAPES[:1]):
+        shape = dict(shape)
+        q_len, kv_len = shape.pop("q_len"), shape.pop("kv_len")
+        q, k, v, do, g = make_inputs(i, 1, q_len, kv_len, 2, 1, dk, jnp.float32)
+        if dv != dk:
+            v = normal(np.random.default_rng(i), (1, kv_len, 1, dv), jnp.float32)
+            do = normal(np.random.default_rng(i + 1), (1, q_len, 2, dv), jnp.float32)
+        check_against_oracle(q, k, v, do, g, implementation="emulator", **shape)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_sanitizer_half_precision_with_lengths_and_window(dtype):
+    q, k, v, do, g = make_inputs(3, 2, 21, 45, 4, 2, 32, getattr(jnp, {"f16": "float16",
+                                                                        "bf16": "bfloat16"}[dtype]))
+    check_against_oracle(q, k, v, do, g, implementation="emulator", local_window_size=(6, 2),
+                         query_seq_lengths=np.array([21, 5], np.int32),
+                         key_value_seq_lengths=np.array([45, 12], np.int32))
+
+
+def test_sanitizer_every_score_feature_forward_and_backward():
+    rng = np.random.default_rng(4)
+    q, k, v, do, g = make_inputs(4, 2, 17, 29, 4, 2, 16, jnp.float32)
+    ids_q = jnp.asarray(np.sort(rng.integers(0, 3, (2, 17)), 1), jnp.int32)
+    ids_k = jnp.asarray(np.sort(rng.integers(0, 3, (2, 29)), 1), jnp.int32)
+    out = run_with_gradients(
+        q, k, v, do, g, implementation="emulator", is_causal=True,
+        causal_alignment="bottom_right",
+        bias=normal(rng, (2, 4, 17, 29), jnp.float32),
+        mask=jnp.asarray(rng.random((2, 4, 17, 29)) < 0.7),
+        query_segment_ids=ids_q, key_value_segment_ids=ids_k, logits_soft_cap=3.0,
+        sinks=normal(rng, (4,), jnp.float32), alibi_slopes=jnp.asarray(
+            rng.uniform(0.1, 0.5, (4,)), jnp.float32))
+    # The sanitizer's verdict is the point (the feature matrices check the values); no output
+    # may hold the poison (NaN) either.
+    for name, x in out.items():
+        if name != "lse":
+            assert np.isfinite(np.asarray(x, np.float32)).all(), name
+
+
+@pytest.mark.parametrize("heads,kv_heads,dtype", [(8, 1, jnp.float32), (2, 2, jnp.float16)])
+def test_sanitizer_decode_both_passes_and_the_combine(heads, kv_heads, dtype):
+    # q_len 1 against a long cache: the split-KV decode (pass 1 per split, then the combine).
+    rng = np.random.default_rng(5)
+    q = normal(rng, (2, 1, heads, 64), dtype)
+    k = normal(rng, (2, 517, kv_heads, 64), dtype)
+    v = normal(rng, (2, 517, kv_heads, 64), dtype)
+    lengths = np.array([517, 200], np.int32)
+    o, lse = flash_attention(q, k, v, key_value_seq_lengths=lengths, implementation="emulator",
+                             return_lse=True)
+    do = jnp.zeros(q.shape, q.dtype)
+    tolerance.assert_all_match_oracle(dict(o=o, lse=lse), q, k, v, do, names=("o", "lse"),
+                                      key_value_seq_lengths=lengths)
+
+
+def test_sanitizer_dropout_forward_and_backward():
+    q, k, v, do, g = make_inputs(6, 1, 23, 31, 2, 1, 32, jnp.float32)
+    out = run_with_gradients(q, k, v, do, g, implementation="emulator", dropout_rate=0.25,
+                             dropout_rng=jax.random.key(3), is_causal=True)
+    assert all(np.isfinite(np.asarray(x)).all() for n, x in out.items() if n != "lse")
+
+
+def test_sanitizer_paged_cache():
+    rng = np.random.default_rng(7)
+    page, pages = 16, 4
+    q = normal(rng, (2, 5, 4, 32), jnp.float32)
+    k_pages = normal(rng, (9, page, 2, 32), jnp.float32)
+    v_pages = normal(rng, (9, page, 2, 32), jnp.float32)
+    table = jnp.asarray(rng.permutation(9)[:8].reshape(2, pages), jnp.int32)
+    lengths = np.array([50, 17], np.int32)
+    o, lse = flash_attention(q, k_pages, v_pages, page_table=table, key_value_seq_lengths=lengths,
+                             is_causal=True, causal_alignment="bottom_right",
+                             implementation="emulator", return_lse=True)
+    k = np.asarray(k_pages)[np.asarray(table)].reshape(2, page * pages, 2, 32)
+    v = np.asarray(v_pages)[np.asarray(table)].reshape(2, page * pages, 2, 32)
+    tolerance.assert_all_match_oracle(dict(o=o, lse=lse), q, k, v, jnp.zeros(q.shape),
+                                      names=("o", "lse"), key_value_seq_lengths=lengths,
+                                      is_causal=True, causal_alignment="bottom_right")
+
+
+def test_memcheck_sees_the_attention_kernels_accesses():
+    # The forward kernel bound to an O one query row short, as a host sizing bug would: the last
+    # row's store lands past the buffer (where Metal may have mapped another one) and is reported
+    # with the kernel's shader line; the declared outputs start poisoned.
+    import kernel_harness as kh
+
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((1, 19, 2, 16)).astype(np.float32) for _ in range(3))
+    lse, row_max, log_sum = (np.zeros((1, 2, 19), np.float32) for _ in range(3))
+    bound = {kh.Q: q, kh.K: k, kh.V: v, kh.Q_LENGTHS: kh._PLACEHOLDER,
+             kh.KV_LENGTHS: kh._PLACEHOLDER, kh.O: np.zeros((1, 19, 2, 16), np.float32)[:, :18]
+             .copy(), kh.LSE: lse, kh.ROW_MAX: row_max, kh.LOG_SUM: log_sum,
+             kh.PARAMS: kh.pack_params(q.shape, k.shape)}
+    for index in (kh.Q_SEGMENT_IDS, kh.KV_SEGMENT_IDS, kh.BIAS, kh.MASK, kh.SINKS, kh.DROPOUT,
+                  kh.PAGE_TABLE, kh.ALIBI_SLOPES):
+        bound[index] = kh._PLACEHOLDER
+    shape = kh.tile_shape("fwd", "f32", 16)
+    kernel = kh.kernel_name("fwd", np.float32, 16)
+    run = lambda: ext.emulator.run(  # noqa: E731
+        kernel, bound, (-(-19 // shape["rows"]), 2, 1), (shape["threads"], 1, 1),
+        sanitize="first", outputs=[kh.O, kh.LSE, kh.ROW_MAX, kh.LOG_SUM])
+    with pytest.raises(RuntimeError) as e:
+        run()
+    report = str(e.value)
+    assert f"memcheck in kernel {kernel}: write of" in report, report
+    assert "[[buffer(3)]] 'o' element" in report and "outside its buffer" in report
+    if kh.SANITIZER_LINES:
+        assert "at shaders/flash_attention_" in report  # the store's line in the kernel source
+    # Bound at its size, the same launch runs clean.
+    bound[kh.O] = np.zeros((1, 19, 2, 16), np.float32)
+    run()
+
+
+@pytest.mark.parametrize("head_dim,q_len", [(16, 19), (256, 9), (64, 1)],
+                         ids=["fwd", "fwd_one_kv_buffer", "decode"])
+def test_racecheck_nonfinite_v_flag_has_one_writer_per_simdgroup(head_dim, q_len):
+    # Regression: every thread that staged a non-finite V element stored the block's index to one
+    # shared threadgroup word (a write-write race the schedules could not expose, as all
+    # threads store the same value). The rows that see the NaN must still output NaN exactly
+    # where the oracle does.
+    rng = np.random.default_rng(9)
+    q = normal(rng, (1, q_len, 4, head_dim), jnp.float32)
+    k = normal(rng, (1, 40, 2, head_dim), jnp.float32)
+    v = np.asarray(normal(rng, (1, 40, 2, head_dim), jnp.float32)).copy()
+    v[0, 7, 1, 3] = np.nan
+    v[0, 30, 0, 0] = np.inf
+    v = jnp.asarray(v)
+    kw = dict(is_causal=True, causal_alignment="bottom_right")
+    o, lse = flash_attention(q, k, v, implementation="emulator", return_lse=True, **kw)
+    tolerance.assert_all_match_oracle(dict(o=o, lse=lse), q, k, v, jnp.zeros(q.shape),
+                                      names=("o", "lse"), **kw)
+    assert np.isnan(np.asarray(o)).any()
