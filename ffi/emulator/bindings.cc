@@ -75,8 +75,10 @@ nb::dict profile_to_dict(const emu::Profile& p) {
 namespace {
 
 nb::object run(const std::string& kernel, nb::dict buffers, Dim3 groups, Dim3 group_size,
-               const std::string& schedule, uint64_t seed, int num_workers, bool profile) {
+               const std::string& schedule, uint64_t seed, int num_workers, bool profile,
+               uint32_t function_constants) {
   emu::Launch launch;
+  launch.function_constants = function_constants;
   launch.groups = {std::get<0>(groups), std::get<1>(groups), std::get<2>(groups)};
   launch.group_size = {std::get<0>(group_size), std::get<1>(group_size), std::get<2>(group_size)};
   launch.schedule = parse_schedule(schedule);
@@ -114,6 +116,7 @@ void bind_emulator(nb::module_& m) {
   m.def("run", &run, nb::arg("kernel"), nb::arg("buffers"), nb::arg("groups"),
         nb::arg("group_size"), nb::arg("schedule") = "forward", nb::arg("seed") = 0,
         nb::arg("num_workers") = 0, nb::arg("profile") = false,
+        nb::arg("function_constants") = 0xffffffffu,
         "Run `kernel` on the emulator.\n\n"
         "buffers: dict {buffer index: numpy array} (C-contiguous, writeable; written in place;\n"
         "`constant` structs as byte arrays). groups: threadgroups per grid (x, y, z);\n"
@@ -125,6 +128,8 @@ void bind_emulator(nb::module_& m) {
         "device_bytes_written, threadgroup_bytes_read, threadgroup_bytes_written, mma_ops,\n"
         "simd_ops, barriers, fma_ops, math_ops, buffers: {index: {read, written, constant}}; bytes; see\n"
         "ffi/emulator/README.md); returns None otherwise.\n"
+        "function_constants: bit n is the value of the kernel's bool [[function_constant(n)]]\n"
+        "for this launch (default: all true, the unspecialised kernel).\n"
         "Raises RuntimeError with the emulator's message (unknown kernel, bad launch size,\n"
         "missing buffer, barrier divergence, ...), ValueError/TypeError for bad arguments.");
 }

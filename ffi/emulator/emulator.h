@@ -50,6 +50,9 @@ struct Launch {
   int num_workers = 0;    // OS threads running threadgroups; 0 = hardware concurrency
   // When set, runs the counting variant of the kernel and fills *profile (overwritten).
   Profile* profile = nullptr;
+  // Bit n: the value of the kernel's bool [[function_constant(n)]] (bound per launch, as Metal
+  // binds them per pipeline). All set: every feature branch is live, the unspecialised kernel.
+  uint32_t function_constants = ~0u;
 };
 
 // Names of every instantiated kernel (host_name or plain kernel name), sorted.
