@@ -37,8 +37,13 @@ forward reads next to the contiguous cache's (both with key/value lengths, which
 needs): paged kernels read K and V in place through the table, so the two should agree up to
 the table's own bytes.
 
+``--variant V [V ...]`` (default 0) profiles the kernels' tile variants V
+(docs/kernels.md#kernel-variants; ``all``: every distinct variant of each problem's family), one
+row per launch and variant: the variant is part of the kernel name (``..._fwd_var1_...``) and its
+register estimate is that variant's.
+
 ``--json PATH`` writes a JSON list with one record per launch, in launch order, with exactly the
-keys of ``JSON_KEYS``: the problem (kernel, dtype, head_dim, value_head_dim, batch, q_len,
+keys of ``JSON_KEYS``: the problem (kernel, variant: the tile variant, dtype, head_dim, value_head_dim, batch, q_len,
 kv_len, heads, kv_heads, causal, alibi, dropout: the rate), the exact counts (threadgroups,
 threads_per_threadgroup, threadgroup_memory_bytes, device_bytes_read, device_bytes_written,
 threadgroup_bytes_read, threadgroup_bytes_written: bytes; mma_ops, simd_ops, barriers, fma_ops,
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -62,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import contract, reference, validation
+from . import contract, reference, validation, variants
 from ._cli import HelpFormatter, progress_bar
 from .attention import flash_attention
 from .roofline import GPUS, REGISTER_BUDGET, model_launch, occupancy
@@ -77,7 +83,7 @@ COUNT_KEYS = ("threadgroups", "threads_per_threadgroup", "threadgroup_memory_byt
               "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
               "threadgroup_bytes_written", "mma_ops", "simd_ops", "barriers", "fma_ops", "math_ops")
 # Keys of each --json record, in order.
-JSON_KEYS = ("kernel", *PROBLEM_KEYS, *COUNT_KEYS, "useful_flops", "registers", "model",
+JSON_KEYS = ("kernel", "variant", *PROBLEM_KEYS, *COUNT_KEYS, "useful_flops", "registers", "model",
              "occupancy")
 
 # Useful FLOPs per visible (query, key) pair credited to each kernel stage (kernel names are
@@ -92,7 +98,10 @@ USEFUL_FLOPS_PER_PAIR = {"fwd": (2, 2), "decode_partial": (2, 2), "decode_vector
                          "bwd_dk": (4, 2), "bwd_dv": (0, 2)}  # the split pair: as bwd_dkdv
 MMA_FLOPS = 2 * 8 * 8 * 8  # one simdgroup_multiply_accumulate: an 8x8x8 multiply-add
 KERNEL_NAME = re.compile(
-    r"^flash_attention_(?P<stage>\w+?)_(?P<dtype>f32|f16|bf16)_d(?P<d>\d+)(?:_v(?P<dv>\d+))?$")
+    r"^flash_attention_(?P<stage>\w+?)(?:_var(?P<variant>\d+))?_(?P<dtype>f32|f16|bf16)"
+    r"_d(?P<d>\d+)(?:_v(?P<dv>\d+))?$")
+# The stages whose kernels come in tile variants (docs/kernels.md#kernel-variants).
+TILED_STAGES = ("fwd", "decode_partial", "bwd_dq", "bwd_dkdv", "bwd_dk", "bwd_dv")
 
 # The counting variants are built only when asked (ffi/emulator/CMakeLists.txt).
 NO_COUNTING_MESSAGE = ("this build has no counting kernel variants (they are built only when "
@@ -185,6 +194,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", nargs="+", type=_positive, default=None, metavar="N",
                    help="also run the forward on the K/V cache as pages of N keys and compare "
                         "its device bytes read with the contiguous cache's (forward only)")
+    p.add_argument("--variant", nargs="+", default=["0"], metavar="V",
+                   help="tile variants to profile (docs/kernels.md#kernel-variants): indices "
+                        "(default: 0), or 'all': every distinct variant of each problem's family")
     p.add_argument("--gpu", nargs="+", choices=list(GPUS), default=list(GPUS),
                    metavar="GPU", help=f"GPUs of the roofline model: {', '.join(GPUS)}")
     p.add_argument("--json", metavar="PATH", default=None,
@@ -387,7 +399,39 @@ def registers(kernel: str) -> int:
         raise ValueError(f"profile: not an attention kernel name: {kernel!r}")
     d = int(m.group("d"))
     tile_dim = _ext().tile_head_dim(d, int(m.group("dv") or d))
-    return _ext().tile_shape(m.group("stage"), m.group("dtype"), tile_dim)["registers"]
+    return _ext().tile_shape(m.group("stage"), m.group("dtype"), tile_dim,
+                             kernel_variant(kernel))["registers"]
+
+
+def kernel_variant(kernel: str) -> int:
+    """The tile variant of a kernel, from its name ("..._fwd_var1_..." is 1; 0 without)."""
+    m = KERNEL_NAME.match(kernel)
+    return int(m.group("variant") or 0) if m else 0
+
+
+def problem_variants(problem: Problem) -> list[int]:
+    """The distinct tile variants of the problem's family over the tiled stages
+    (``_ext.kernel_variants``)."""
+    suffix = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[problem.dtype]
+    tile_dim = _ext().tile_head_dim(problem.head_dim, problem.value_head_dim)
+    return sorted({v["variant"] for stage in TILED_STAGES
+                   for v in _ext().kernel_variants(stage, suffix, tile_dim)})
+
+
+def variant_records(problem: Problem, passes, gpus, variant: int) -> list[dict]:
+    """profile_records with the kernels' tile variant forced ($JFM_KERNEL_VARIANT, read when
+    the calls are traced: the caches are cleared first)."""
+    previous = os.environ.get(variants.ENV)
+    os.environ[variants.ENV] = str(variant)
+    jax.clear_caches()
+    try:
+        return profile_records(problem, passes, gpus)
+    finally:
+        if previous is None:
+            del os.environ[variants.ENV]
+        else:
+            os.environ[variants.ENV] = previous
+        jax.clear_caches()
 
 
 def profile_records(problem: Problem, passes, gpus) -> list[dict]:
@@ -401,7 +445,8 @@ def profile_records(problem: Problem, passes, gpus) -> list[dict]:
         mma_flops = r["mma_ops"] * MMA_FLOPS
         executed = _executed_flops(r)
         record = {
-            "kernel": r["kernel"], **{k: getattr(problem, k) for k in PROBLEM_KEYS},
+            "kernel": r["kernel"], "variant": kernel_variant(r["kernel"]),
+            **{k: getattr(problem, k) for k in PROBLEM_KEYS},
             **{k: r[k] for k in COUNT_KEYS},
             "useful_flops": useful,
             "registers": registers(r["kernel"]),
@@ -465,7 +510,7 @@ def format_paged_table(records: list[dict]) -> str:
     """Device bytes read by each forward launch of the paged runs (pass "pagedN") over the
     contiguous forward's launch of the same stage (pass "forward")."""
     contiguous = {(r["dtype"], r["head_dim"], _stage(r["kernel"])): r["device_bytes_read"]
-                  for r in records if r["pass"] == "forward"}
+                  for r in records if r["pass"] == "forward" and r["variant"] == 0}
     head = (f"{'kernel':<40} {'page size':>9} {'contiguous B rd':>16} {'paged B rd':>16} "
             f"{'paged/contiguous':>16}")
     lines = ["paged KV cache: device bytes read (exact counts, emulator), paged over contiguous:",
@@ -518,17 +563,28 @@ def main(argv=None) -> int:
         except (TypeError, ValueError, NotImplementedError) as e:
             parser.error(f"--dtype {problem.dtype} --head-dim {problem.head_dim} "
                          f"--value-head-dim {problem.value_head_dim}: {e}")
+    chosen = {}
+    for problem in problems:
+        listed = problem_variants(problem)
+        asked = listed if args.variant == ["all"] else args.variant
+        if not all(str(v).isdigit() and int(v) in listed for v in asked):
+            parser.error(f"--variant {' '.join(args.variant)}: the variants of --dtype "
+                         f"{problem.dtype} --head-dim {problem.head_dim} are {listed} (or 'all')")
+        chosen[id(problem)] = [int(v) for v in asked]
     if not _ext().emulator.has_counting_variant():
         parser.error(NO_COUNTING_MESSAGE)
     records = []
-    bar = progress_bar(len(problems) * len(args.passes), "profile", enabled=not args.no_progress)
+    bar = progress_bar(sum(map(len, chosen.values())) * len(args.passes), "profile",
+                       enabled=not args.no_progress)
     try:
         for problem in problems:
             start, new = time.perf_counter(), []
-            for pass_name in (p for p in PASSES if p in args.passes):
-                bar.set_postfix_str(f"{problem.dtype} D={problem.dims()} {pass_name}")
-                new += profile_records(problem, (pass_name,), args.gpu)
-                bar.update(1)
+            for variant in chosen[id(problem)]:
+                for pass_name in (p for p in PASSES if p in args.passes):
+                    bar.set_postfix_str(f"{problem.dtype} D={problem.dims()} variant {variant} "
+                                        f"{pass_name}")
+                    new += variant_records(problem, (pass_name,), args.gpu, variant)
+                    bar.update(1)
             for n in page_sizes:
                 runs = profile_records(problem.paged(n), ("forward",), args.gpu)
                 new += [dict(r, **{"pass": f"paged{n}"}) for r in runs]

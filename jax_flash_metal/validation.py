@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import paging
+from . import paging, variants
 from .contract import IMPLEMENTATIONS, UNBOUNDED, Operands, StaticParams
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -465,6 +465,7 @@ def check_inputs(
         has_alibi=operands.alibi_slopes is not None,
         has_page_table=page_table is not None,
         dropout_rate=dropout_rate,
+        kernel_variant=variants.from_env(),
     )
     return q, k, v, operands, params
 

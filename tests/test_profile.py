@@ -348,7 +348,7 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
     records = json.loads(path.read_text())
     assert [r["kernel"] for r in records] == [
         f"flash_attention_{s}_f32_d16" for s in ("fwd", "bwd_dq", "bwd_dkdv")]
-    keys = ["kernel", "dtype", "head_dim", "value_head_dim", "batch", "q_len", "kv_len", "heads",
+    keys = ["kernel", "variant", "dtype", "head_dim", "value_head_dim", "batch", "q_len", "kv_len", "heads",
             "kv_heads", "causal", "alibi", "dropout", "threadgroups", "threads_per_threadgroup",
             "threadgroup_memory_bytes", "device_bytes_read", "device_bytes_written",
             "threadgroup_bytes_read", "threadgroup_bytes_written", "mma_ops", "simd_ops",
@@ -375,8 +375,32 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
     assert sum(r["useful_flops"] for r in records[1:]) == 10 * 16 * pairs * 2
 
 
+@needs_counting
+def test_every_variant_with_its_register_estimate(tmp_path):
+    """--variant all: one record per launch and tile variant, each variant's kernels with its own
+    register estimate (the forward's variant 1 reloads Q: fewer registers)."""
+    path = tmp_path / "profile.json"
+    assert profile.main([*TINY, "--dtype", "float32", "--variant", "all", "--no-progress",
+                         "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [(r["kernel"], r["variant"]) for r in records] == [
+        ("flash_attention_fwd_f32_d16", 0), ("flash_attention_bwd_dq_f32_d16", 0),
+        ("flash_attention_bwd_dkdv_f32_d16", 0), ("flash_attention_fwd_var1_f32_d16", 1),
+        ("flash_attention_bwd_dq_var1_f32_d16", 1), ("flash_attention_bwd_dkdv_var1_f32_d16", 1)]
+    for r in records:
+        stage = profile.KERNEL_NAME.match(r["kernel"]).group("stage")
+        assert r["registers"] == ext.tile_shape(stage, "f32", 16, r["variant"])["registers"]
+    assert records[3]["registers"] < records[0]["registers"]
+    # The same useful work in every variant; the forward's tiles keep their blocks, so its MMA
+    # operations are the same too.
+    for a, b in zip(records[:3], records[3:]):
+        assert a["useful_flops"] == b["useful_flops"]
+    assert records[0]["mma_ops"] == records[3]["mma_ops"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--dtype", "float64"], "invalid choice: 'float64'"),
+    (["--variant", "7"], "the variants of --dtype float16 --head-dim 64 are [0, 1]"),
     (["--head-dim", "24"], "head_dim 24"),
     (["--heads", "3", "--kv-heads", "2"], "must be a multiple of --kv-heads"),
     (["--batch", "2", "--q-lengths", "5"], "needs 2 values"),
