@@ -315,8 +315,8 @@ void bind_emulator_controls(nb::module_& m) {
         return records;
       },
       "list[dict]: one record per kernel launch since profiling was turned on, in launch "
-      "order (kernel, groups, group_size, function_constants and the counts of emulator.run(..., profile=True)); "
-      "clears them.");
+      "order (kernel, groups, group_size, function_constants and the counts of "
+      "emulator.run(..., profile=True)); clears them.");
 }
 
 nb::dict tile_shape_dict(const TileShape& shape) {

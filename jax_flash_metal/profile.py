@@ -43,16 +43,16 @@ row per launch and variant: the variant is part of the kernel name (``..._fwd_va
 register estimate is that variant's.
 
 ``--json PATH`` writes a JSON list with one record per launch, in launch order, with exactly the
-keys of ``JSON_KEYS``: the problem (kernel, variant: the tile variant, dtype, head_dim, value_head_dim, batch, q_len,
-kv_len, heads, kv_heads, causal, alibi, dropout: the rate), the exact counts (threadgroups,
-threads_per_threadgroup, threadgroup_memory_bytes, device_bytes_read, device_bytes_written,
-threadgroup_bytes_read, threadgroup_bytes_written: bytes; mma_ops, simd_ops, barriers, fma_ops,
-math_ops: counts as defined in ffi/emulator/README.md), useful_flops (analytic), registers
-(estimated live 32-bit registers per thread), ``model``: the roofline MODEL, not a
-measurement, {GPU name: {"bound": "compute" | "device" | "threadgroup", "seconds": modelled
-time, "percent_of_peak": modelled useful FLOP/s over peak FLOP/s, in percent}}, and
-``occupancy``: {GPU name: {"threadgroups", "simdgroups": per core, "limit": "memory" |
-"threads" | "registers"}} (a model).
+keys of ``JSON_KEYS``: the problem (kernel, variant: the tile variant, dtype, head_dim,
+value_head_dim, batch, q_len, kv_len, heads, kv_heads, causal, alibi, dropout: the rate), the exact
+counts (threadgroups, threads_per_threadgroup, threadgroup_memory_bytes, device_bytes_read,
+device_bytes_written, threadgroup_bytes_read, threadgroup_bytes_written: bytes; mma_ops, simd_ops,
+barriers, fma_ops, math_ops: counts as defined in ffi/emulator/README.md), useful_flops (analytic),
+registers (estimated live 32-bit registers per thread), ``model``: the roofline MODEL, not a
+measurement, {GPU name: {"bound": "compute" | "device" | "threadgroup", "seconds": modelled time,
+"percent_of_peak": modelled useful FLOP/s over peak FLOP/s, in percent}}, and ``occupancy``: {GPU
+name: {"threadgroups", "simdgroups": per core, "limit": "memory" | "threads" | "registers"}} (a
+model).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ library the host compiles. Each library is then compiled once more per function-
 the host may pick for its kernels (``Library.constant_sets``), with ``-DJFM_SPECIALISED=SET``,
 which makes the constants those literals: the code a pipeline specialised with that set keeps.
 ``--specialise`` limits these compiles to the named families ("half_128"; "all": every family;
-default "all"), run N at a time (``--jobs``, default 1). CMD defaults to ``xcrun -sdk macosx metal``, METALLIB to
-``xcrun -sdk macosx metallib``. Exit status 1 when any compile fails; the failures are printed
+default "all"), run N at a time (``--jobs``, default 1). CMD defaults to
+``xcrun -sdk macosx metal``, METALLIB to ``xcrun -sdk macosx metallib``. Exit status 1 when any compile fails; the failures are printed
 with the compiler's messages.
 """
 

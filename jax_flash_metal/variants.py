@@ -1,4 +1,5 @@
-"""Kernel variants: the tile/register strategy the fused kernels run (docs/kernels.md#kernel-variants).
+"""Kernel variants: the tile/register strategy the fused kernels run
+(docs/kernels.md#kernel-variants).
 
 The forward's tiles (the forward and decode pass 1) and the backward's come in several variants
 (``shaders/tile_shapes.h``); the extension lists a family's distinct ones

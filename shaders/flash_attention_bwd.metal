@@ -195,7 +195,7 @@ kernel void flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   jfm_load_tile<T, BQ, DV, THREADS, false>(do_tile, d_o + o_block, o_stride, 0, valid_rows,
                                            thread_index);
   const bool features = jfm_has_score_features(params);
-  const bool segments = params.has_segment_ids != 0;
+  const bool segments = features && params.has_segment_ids != 0;
   const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
   const JfmFeatureRow feature_row =
       jfm_feature_row(params, b, h, i, jfm_alignment_offset(params, q_valid, kv_valid),
@@ -428,7 +428,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   const ulong k_block = jfm_row_offset(b, j0, hk, params.kv_len, params.num_kv_heads, DK);
   const ulong v_block = jfm_row_offset(b, j0, hk, params.kv_len, params.num_kv_heads, DV);
   const bool features = jfm_has_score_features(params);
-  const bool segments = params.has_segment_ids != 0;
+  const bool segments = features && params.has_segment_ids != 0;
   const bool dropout_on = jfm_has_dropout(params);
   const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
   const long off = jfm_alignment_offset(params, q_valid, kv_valid);

@@ -100,7 +100,8 @@ inline ulong jfm_feature_offset(constant jfm_long* strides, uint b, uint h, long
 // The ALiBi slope of head h in batch b (b < batch, h < num_heads), 0 without ALiBi: read once
 // per row (or per head of a key block), never per element.
 inline float jfm_alibi_slope(constant AttentionParams& p, JfmFeatureBuffers in, uint b, uint h) {
-  return jfm_fc_score_features && p.has_alibi != 0 ? in.alibi_slopes[ulong(b) * p.num_heads + h] : 0.0f;
+  return jfm_fc_score_features && p.has_alibi != 0 ? in.alibi_slopes[ulong(b) * p.num_heads + h]
+                                                   : 0.0f;
 }
 
 // off: the row's causal alignment offset (jfm_alignment_offset); slope: jfm_alibi_slope.

@@ -81,8 +81,9 @@ inline JfmFeatureLane jfm_feature_lane(constant AttentionParams& p, JfmFeatureBu
   JfmFeatureLane f;
   f.in = in;
   f.row = jfm_feature_row(p, b, h, i, off, jfm_alibi_slope(p, in, b, h));
-  f.kv_segments = p.has_segment_ids != 0 ? in.kv_segment_ids + ulong(b) * p.kv_len
-                                         : in.kv_segment_ids;
+  f.kv_segments = jfm_has_score_features(p) && p.has_segment_ids != 0
+                      ? in.kv_segment_ids + ulong(b) * p.kv_len
+                      : in.kv_segment_ids;
   f.segment = 0;
   f.row_segments.lo = 0;
   f.row_segments.hi = 0;

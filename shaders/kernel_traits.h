@@ -3,8 +3,8 @@
 // algorithm). The choices themselves are tile_shapes.h's, shared with the host; the traits add
 // what only the kernels derive from them (tile strides, fragment counts). A kernel names its
 // traits once (`typedef JfmFwdTraits<T, DK, DV, VARIANT> Traits;`) and reads `Traits::BK`. To
-// add a tile constant: a member here, computed from tile_shapes.h (or a new choice there when the host's
-// dispatch needs it too).
+// add a tile constant: a member here, computed from tile_shapes.h (or a new choice there when
+// the host's dispatch needs it too).
 #ifndef JAX_FLASH_METAL_KERNEL_TRAITS_H_
 #define JAX_FLASH_METAL_KERNEL_TRAITS_H_
 

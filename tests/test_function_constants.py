@@ -193,7 +193,7 @@ def test_a_plain_pipeline_has_no_feature_code():
     bias, mask, segment ids, soft cap, ALiBi, sinks, dropout, paging; their buffers garbage)
     gives the plain result and exactly the plain call's counted instructions and traffic: no
     feature buffer byte is read, so no feature code is left in the pipeline."""
-    q, k, v = (np.asarray(normal(np.random.default_rng(s), (1, 16, 2, D), jnp.float32))
+    q, k, v = (np.array(normal(np.random.default_rng(s), (1, 16, 2, D), jnp.float32))
                for s in range(3))
     plain = kh.pack_params(q.shape, k.shape)
     p = np.frombuffer(plain.tobytes(), dtype=kh.PARAMS_DTYPE).copy()

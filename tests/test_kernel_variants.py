@@ -52,7 +52,7 @@ def test_every_family_lists_its_variants():
         fwd = _ext.kernel_variants("fwd", suffix, d)
         if d <= 128:
             assert [v["q_in_registers"] for v in fwd] == [True, False]
-            assert fwd[1]["registers"] < fwd[0]["registers"]
+            assert fwd[1]["registers"] <= fwd[0]["registers"]
     for stage in ("decode_vector", "decode_combine"):
         assert _ext.tile_variants(stage) == 1
     with pytest.raises(ValueError, match="variant 2"):
@@ -74,11 +74,11 @@ def test_each_variant_against_the_oracle_under_every_schedule(dtype, head_dim, v
     cutting blocks: O, LSE, dQ, dK, dV against the oracle under each schedule, and bit-identical
     across the schedules."""
     bq, bk = kh.blocks("fwd", dtype, head_dim)
-    mask = dict(is_causal=True, causal_alignment="bottom_right",
-                query_seq_lengths=np.array([bq + 3, 5], np.int32),
-                key_value_seq_lengths=np.array([2 * bk + 1, bk], np.int32))
+    lengths = dict(query_seq_lengths=np.array([bq + 3, 5], np.int32),
+                   key_value_seq_lengths=np.array([2 * bk + 1, bk], np.int32))
+    mask = dict(lengths, is_causal=True, causal_alignment="bottom_right")
     q, k, v, do, g = kh.random_inputs(kh.DTYPES[dtype], 2, bq + 5, 2 * bk + 3, 4, 2, head_dim,
-                                      seed=variant, **mask)
+                                      seed=variant, **lengths)
     results = [kh.check_against_oracle(q, k, v, do, g, schedule=s, seed=seed, variant=variant,
                                        **mask) for s, seed in SCHEDULES]
     for other in results[1:]:

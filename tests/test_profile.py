@@ -348,9 +348,9 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
     records = json.loads(path.read_text())
     assert [r["kernel"] for r in records] == [
         f"flash_attention_{s}_f32_d16" for s in ("fwd", "bwd_dq", "bwd_dkdv")]
-    keys = ["kernel", "variant", "dtype", "head_dim", "value_head_dim", "batch", "q_len", "kv_len", "heads",
-            "kv_heads", "causal", "alibi", "dropout", "threadgroups", "threads_per_threadgroup",
-            "threadgroup_memory_bytes", "device_bytes_read", "device_bytes_written",
+    keys = ["kernel", "variant", "dtype", "head_dim", "value_head_dim", "batch", "q_len", "kv_len",
+            "heads", "kv_heads", "causal", "alibi", "dropout", "threadgroups",
+            "threads_per_threadgroup", "threadgroup_memory_bytes", "device_bytes_read", "device_bytes_written",
             "threadgroup_bytes_read", "threadgroup_bytes_written", "mma_ops", "simd_ops",
             "barriers", "fma_ops", "math_ops", "useful_flops", "registers", "model", "occupancy"]
     for r in records:
