@@ -563,6 +563,8 @@ def main(argv=None) -> int:
         except (TypeError, ValueError, NotImplementedError) as e:
             parser.error(f"--dtype {problem.dtype} --head-dim {problem.head_dim} "
                          f"--value-head-dim {problem.value_head_dim}: {e}")
+    if not _ext().emulator.has_counting_variant():
+        parser.error(NO_COUNTING_MESSAGE)
     chosen = {}
     for problem in problems:
         listed = problem_variants(problem)
@@ -571,8 +573,6 @@ def main(argv=None) -> int:
             parser.error(f"--variant {' '.join(args.variant)}: the variants of --dtype "
                          f"{problem.dtype} --head-dim {problem.head_dim} are {listed} (or 'all')")
         chosen[id(problem)] = [int(v) for v in asked]
-    if not _ext().emulator.has_counting_variant():
-        parser.error(NO_COUNTING_MESSAGE)
     records = []
     bar = progress_bar(sum(map(len, chosen.values())) * len(args.passes), "profile",
                        enabled=not args.no_progress)

@@ -376,6 +376,13 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
 
 
 @needs_counting
+def test_an_unknown_variant_is_refused_with_the_familys_list(capsys):
+    with pytest.raises(SystemExit):
+        profile.main(["--variant", "7"])
+    assert "the variants of --dtype float16 --head-dim 64 are [0, 1]" in capsys.readouterr().err
+
+
+@needs_counting
 def test_every_variant_with_its_register_estimate(tmp_path):
     """--variant all: one record per launch and tile variant, each variant's kernels with its own
     register estimate (the forward's variant 1 reloads Q: fewer registers)."""
@@ -400,7 +407,6 @@ def test_every_variant_with_its_register_estimate(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--dtype", "float64"], "invalid choice: 'float64'"),
-    (["--variant", "7"], "the variants of --dtype float16 --head-dim 64 are [0, 1]"),
     (["--head-dim", "24"], "head_dim 24"),
     (["--heads", "3", "--kv-heads", "2"], "must be a multiple of --kv-heads"),
     (["--batch", "2", "--q-lengths", "5"], "needs 2 values"),
