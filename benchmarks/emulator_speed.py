@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/emulator_speed.py [--workers N] [--repeat R]
 
-Rows: a 64x64x64 simdgroup_matrix GEMM (tests/shaders/bench.metal, float and half inputs), a
+Rows: a 64x64x64 simdgroup_matrix GEMM (tests/emulator/shaders/bench.metal, float and half inputs), a
 256-thread kernel with 2 threadgroup barriers per round, and one forward + backward of the
 attention kernels (shaders/*.metal) at a small shape, per dtype. Needs the built extension
 (jax_flash_metal._ext). Times are the best of --repeat runs.
@@ -52,7 +52,7 @@ def barrier_row(workers, repeat):
 
 
 def attention_rows(repeat):
-    """One causal forward and backward per dtype through tests/kernel_harness.py, which binds
+    """One causal forward and backward per dtype through tests/helpers/kernel_harness.py, which binds
     and dispatches the attention kernels the way the host does (all cores)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
     import kernel_harness as kh

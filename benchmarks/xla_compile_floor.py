@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_flash_metal import flash_attention
-from jax_flash_metal.benchmark import compile_seconds, inputs
+from jax_flash_metal.tools.benchmark_model import compile_seconds, inputs
 
 BLOCK = 128
 

@@ -32,8 +32,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jax_flash_metal import flash_attention, xla_schedule
-from jax_flash_metal.benchmark import attention_flops, inputs
+from jax_flash_metal import flash_attention
+from jax_flash_metal.xla import schedule as xla_schedule
+from jax_flash_metal.tools.benchmark_model import attention_flops, inputs
 
 
 def _fwd_bwd(attention, causal):

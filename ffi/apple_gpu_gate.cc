@@ -1,6 +1,8 @@
-// See apple_gpu_gate, gpu_cores_by_name, gpu_core_count and set_metal_debug in device.h.
+// See apple_gpu_gate, gpu_cores_by_name, gpu_core_count, set_metal_debug and run_and_wait in
+// device.h.
 #include <atomic>
 #include <cstdint>
+#include <future>
 #include <string>
 #include <utility>
 
@@ -50,5 +52,13 @@ std::atomic<bool> g_metal_debug{false};
 void set_metal_debug(bool on) { g_metal_debug.store(on); }
 
 bool metal_debug() { return g_metal_debug.load(); }
+
+std::string run_and_wait(Device& device, std::vector<Submission> submissions) {
+  std::promise<std::string> finished;
+  std::future<std::string> error = finished.get_future();
+  device.run_async(std::move(submissions),
+                   [&finished](const std::string& message) { finished.set_value(message); });
+  return error.get();
+}
 
 }  // namespace jfm

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -17,6 +18,7 @@
 #include "device.h"
 #include "dispatch_plan.h"
 #include "function_constants.h"
+#include "host_timing.h"
 #include "xla/ffi/api/ffi.h"
 
 // jfm::Attributes decoded from the attributes dictionary, member by member in the order of
@@ -76,7 +78,21 @@ std::string dtype_name(ffi::DataType t) {
   }
 }
 
-template <typename Dims>  // ffi::AnyBuffer::Dimensions or std::vector<int64_t>
+// A shape of rank <= 4 held in place: a call checks about a dozen, with no allocation.
+struct Shape {
+  int64_t dims[4] = {0, 0, 0, 0};
+  size_t rank = 0;
+
+  Shape(std::initializer_list<int64_t> values) : rank(std::min<size_t>(values.size(), 4)) {
+    std::copy(values.begin(), values.begin() + rank, dims);
+  }
+  size_t size() const { return rank; }
+  int64_t operator[](size_t i) const { return dims[i]; }
+  const int64_t* begin() const { return dims; }
+  const int64_t* end() const { return dims + rank; }
+};
+
+template <typename Dims>  // ffi::AnyBuffer::Dimensions or Shape
 std::string dims_string(const Dims& dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) {
@@ -86,7 +102,7 @@ std::string dims_string(const Dims& dims) {
   return s + "]";
 }
 
-bool same_dims(ffi::AnyBuffer::Dimensions dims, const std::vector<int64_t>& want) {
+bool same_dims(ffi::AnyBuffer::Dimensions dims, const Shape& want) {
   return dims.size() == want.size() && std::equal(want.begin(), want.end(), dims.begin());
 }
 
@@ -99,11 +115,11 @@ struct Problem {
   bool dropout = false;          // dropout_rate > 0: the forward runs the tiled kernel
   int variant = 0;               // the kernels' tile variant (kernel_variant)
 
-  std::vector<int64_t> q_shape() const { return {batch, q_len, heads, head_dim}; }
-  std::vector<int64_t> o_shape() const { return {batch, q_len, heads, value_head_dim}; }
-  std::vector<int64_t> k_shape() const { return {batch, kv_len, kv_heads, head_dim}; }
-  std::vector<int64_t> v_shape() const { return {batch, kv_len, kv_heads, value_head_dim}; }
-  std::vector<int64_t> row_shape() const { return {batch, heads, q_len}; }
+  Shape q_shape() const { return {batch, q_len, heads, head_dim}; }
+  Shape o_shape() const { return {batch, q_len, heads, value_head_dim}; }
+  Shape k_shape() const { return {batch, kv_len, kv_heads, head_dim}; }
+  Shape v_shape() const { return {batch, kv_len, kv_heads, value_head_dim}; }
+  Shape row_shape() const { return {batch, heads, q_len}; }
 };
 
 // q, k, v: ranks, matching dims, one supported dtype, divisible heads. With `paged` k and v are
@@ -163,7 +179,7 @@ ffi::Error read_problem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, bo
 }
 
 ffi::Error expect(const char* what, ffi::AnyBuffer buffer, ffi::DataType dtype,
-                  const std::vector<int64_t>& shape) {
+                  const Shape& shape) {
   if (buffer.element_type() != dtype || !same_dims(buffer.dimensions(), shape)) {
     return invalid(std::string(what) + " must be " + dtype_name(dtype) + " " +
                    dims_string(shape) + ", got " + dtype_name(buffer.element_type()) + " " +
@@ -191,10 +207,46 @@ ffi::Error check_attributes(const Attributes& o) {
   return ffi::Error::Success();
 }
 
-// The operands before the page table (attention_ffi.h's order).
-size_t operands_before_page_table(const Attributes& o) {
-  return size_t{o.has_q_lengths} + size_t{o.has_kv_lengths} + 2 * size_t{o.has_segment_ids} +
-         size_t{o.has_bias} + size_t{o.has_mask} + size_t{o.has_sinks};
+bool flag_set(bool flag) { return flag; }
+bool flag_set(double rate) { return rate > 0.0; }  // dropout_rate
+
+// JFM_OPTIONAL_OPERANDS's names, by Operand.
+const char* const kOperandNames[kOperandCount] = {
+#define JFM_OPERAND_NAME(name, flag) #name,
+    JFM_OPTIONAL_OPERANDS(JFM_OPERAND_NAME)
+#undef JFM_OPERAND_NAME
+};
+
+// Where each optional operand of a call is among the handler's remaining args: its position
+// (the present operands before it in JFM_OPTIONAL_OPERANDS's order), or -1 when absent.
+struct OperandSlots {
+  int index[kOperandCount];
+  size_t count = 0;  // the present operands
+};
+
+OperandSlots operand_slots(const Attributes& o) {
+  OperandSlots slots;
+  const bool present[kOperandCount] = {
+#define JFM_OPERAND_PRESENT(name, flag) flag_set(o.flag),
+      JFM_OPTIONAL_OPERANDS(JFM_OPERAND_PRESENT)
+#undef JFM_OPERAND_PRESENT
+  };
+  for (int n = 0; n < kOperandCount; ++n) {
+    slots.index[n] = present[n] ? static_cast<int>(slots.count++) : -1;
+  }
+  return slots;
+}
+
+// The present operand `id` of a call, from its own slot.
+ffi::ErrorOr<ffi::AnyBuffer> operand_at(ffi::RemainingArgs rest, const OperandSlots& slots,
+                                        Operand id) {
+  const std::string name = kOperandNames[id];
+  if (slots.index[id] < 0 || static_cast<size_t>(slots.index[id]) >= rest.size()) {
+    return ffi::Unexpected(invalid(name + ": operand missing"));
+  }
+  auto arg = rest.get<ffi::AnyBuffer>(static_cast<size_t>(slots.index[id]));
+  if (arg.has_error()) return ffi::Unexpected(invalid(name + ": " + arg.error().message()));
+  return arg.value();
 }
 
 // A paged call's table, ahead of the other optional operands (their shapes use the logical
@@ -207,10 +259,8 @@ ffi::Error read_page_table(ffi::RemainingArgs rest, const Attributes& o, Problem
     return invalid("page_table: page_size " + std::to_string(p->page_size) +
                    " is not a power of two >= 16 (the kernels' key blocks must tile pages)");
   }
-  const size_t index = operands_before_page_table(o);
-  if (index >= rest.size()) return invalid("page_table: operand missing");
-  auto arg = rest.get<ffi::AnyBuffer>(index);
-  if (arg.has_error()) return invalid("page_table: " + arg.error().message());
+  auto arg = operand_at(rest, operand_slots(o), kOperand_page_table);
+  if (arg.has_error()) return arg.error();
   auto dims = arg.value().dimensions();
   if (arg.value().element_type() != ffi::DataType::S32 || dims.size() != 2 ||
       dims[0] != p->batch) {
@@ -228,14 +278,14 @@ ffi::Error read_page_table(ffi::RemainingArgs rest, const Attributes& o, Problem
 }
 
 // The backward's dbias result: the full score layout with bias_grad, else empty.
-std::vector<int64_t> dbias_shape(const Problem& p, bool bias_grad) {
+Shape dbias_shape(const Problem& p, bool bias_grad) {
   if (!bias_grad) return {0};
   return {p.batch, p.heads, p.q_len, p.kv_len};
 }
 
 // The backward's dalibi result: one slope-gradient share per query row with alibi_grad, else
 // empty.
-std::vector<int64_t> dalibi_shape(const Problem& p, bool alibi_grad) {
+Shape dalibi_shape(const Problem& p, bool alibi_grad) {
   if (!alibi_grad) return {0};
   return p.row_shape();
 }
@@ -276,7 +326,7 @@ void broadcast_strides(ffi::AnyBuffer::Dimensions dims, int64_t* strides) {
 
 // A bias or mask: rank 4, each axis 1 or the full size of [B, H, Tq, Tkv].
 ffi::Error expect_broadcastable(const char* what, ffi::AnyBuffer buffer, const Problem& p) {
-  const std::vector<int64_t> full = {p.batch, p.heads, p.q_len, p.kv_len};
+  const Shape full = {p.batch, p.heads, p.q_len, p.kv_len};
   auto dims = buffer.dimensions();
   bool ok = dims.size() == 4;
   for (size_t axis = 0; ok && axis < 4; ++axis) {
@@ -287,139 +337,130 @@ ffi::Error expect_broadcastable(const char* what, ffi::AnyBuffer buffer, const P
                  dims_string(full) + ", got shape " + dims_string(dims));
 }
 
-// Reads the optional operands after the main ones, in the contract's order (q_lengths,
-// kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, sinks, alibi_slopes, page_table,
-// dropout; each present iff its flag is set), checks their dtypes and shapes, and prepares
-// their bindings and strides. One function for both directions, so both see one set of rules.
+// The call's operand count against its flags.
+ffi::Error check_operand_count(ffi::RemainingArgs rest, const OperandSlots& slots) {
+  if (rest.size() == slots.count) return ffi::Error::Success();
+  std::string names;
+  for (int n = 0; n < kOperandCount; ++n) {
+    if (slots.index[n] >= 0) names += std::string(names.empty() ? "" : ", ") + kOperandNames[n];
+  }
+  return invalid("expected " + std::to_string(slots.count) + " optional operand(s) after the " +
+                 "arrays (" + (names.empty() ? "none" : names) + ", by the has_* attributes " +
+                 "and dropout_rate), got " + std::to_string(rest.size()));
+}
+
+// A length operand int32 [B], copied for binding.
+ffi::Error copy_lengths(const char* what, ffi::AnyBuffer buffer, const Problem& p,
+                        std::vector<int32_t>* values) {
+  if (ffi::Error e = expect(what, buffer, ffi::DataType::S32, {p.batch}); e.failure()) return e;
+  const int32_t* data = static_cast<const int32_t*>(buffer.untyped_data());
+  std::copy(data, data + p.batch, values->begin());
+  return ffi::Error::Success();
+}
+
+ffi::Error check_bias(ffi::AnyBuffer b, const Problem& p, OptionalOperands* out) {
+  const ffi::DataType t = b.element_type();
+  if (t != p.dtype && t != ffi::DataType::F32) {
+    return invalid("bias must have the dtype of query (" + dtype_name(p.dtype) +
+                   ") or float32, got " + dtype_name(t));
+  }
+  if (ffi::Error e = expect_broadcastable("bias", b, p); e.failure()) return e;
+  out->bias_kind = t == p.dtype ? JFM_BIAS_OF_Q : JFM_BIAS_FLOAT32;
+  broadcast_strides(b.dimensions(), out->bias_strides);
+  return ffi::Error::Success();
+}
+
+ffi::Error check_mask(ffi::AnyBuffer b, const Problem& p, OptionalOperands* out) {
+  const ffi::DataType t = b.element_type();
+  if (t != ffi::DataType::PRED && t != ffi::DataType::U8) {
+    return invalid("mask must be bool or uint8 (0 = hidden), got " + dtype_name(t));
+  }
+  if (ffi::Error e = expect_broadcastable("mask", b, p); e.failure()) return e;
+  broadcast_strides(b.dimensions(), out->mask_strides);
+  return ffi::Error::Success();
+}
+
+// Checks the present operand `id`'s dtype and shape and keeps what the kernels need of it.
+ffi::Error check_operand(Operand id, ffi::AnyBuffer b, const Problem& p, OptionalOperands* out) {
+  const char* what = kOperandNames[id];
+  const ffi::DataType s32 = ffi::DataType::S32, f32 = ffi::DataType::F32;
+  switch (id) {
+    case kOperand_q_lengths:
+      return copy_lengths(what, b, p, &out->q_lengths);
+    case kOperand_kv_lengths:
+      return copy_lengths(what, b, p, &out->kv_lengths);
+    case kOperand_q_segment_ids:
+      return expect(what, b, s32, {p.batch, p.q_len});
+    case kOperand_kv_segment_ids:
+      return expect(what, b, s32, {p.batch, p.kv_len});
+    case kOperand_bias:
+      return check_bias(b, p, out);
+    case kOperand_mask:
+      return check_mask(b, p, out);
+    case kOperand_sinks:
+      out->sinks = static_cast<const float*>(b.untyped_data());
+      return expect(what, b, f32, {p.heads});
+    case kOperand_alibi_slopes:
+      return expect(what, b, f32, {p.batch, p.heads});
+    case kOperand_page_table:  // checked by read_page_table
+      return ffi::Error::Success();
+    case kOperand_dropout:
+      return expect(what, b, ffi::DataType::U32, {p.batch, p.heads, 4});
+    case kOperandCount:
+      break;
+  }
+  return invalid(std::string("no check for the optional operand ") + what);
+}
+
+// The kernel buffer an optional operand is bound to in place; -1 for the lengths, which are
+// copied (with_optional binds them).
+int buffer_of(Operand id) {
+  switch (id) {
+    case kOperand_q_segment_ids:
+      return JFM_BUFFER_Q_SEGMENT_IDS;
+    case kOperand_kv_segment_ids:
+      return JFM_BUFFER_KV_SEGMENT_IDS;
+    case kOperand_bias:
+      return JFM_BUFFER_BIAS;
+    case kOperand_mask:
+      return JFM_BUFFER_MASK;
+    case kOperand_sinks:
+      return JFM_BUFFER_SINKS;
+    case kOperand_alibi_slopes:
+      return JFM_BUFFER_ALIBI_SLOPES;
+    case kOperand_page_table:
+      return JFM_BUFFER_PAGE_TABLE;
+    case kOperand_dropout:
+      return JFM_BUFFER_DROPOUT;
+    default:
+      return -1;
+  }
+}
+
+// Reads the optional operands after the main ones (JFM_OPTIONAL_OPERANDS), each from its own
+// slot (operand_slots), checks their dtypes and shapes, and prepares their bindings and
+// strides. One function for both directions, so both see one set of rules.
 ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Problem& p,
                          OptionalOperands* out) {
-  const size_t length_operands = size_t{o.has_q_lengths} + size_t{o.has_kv_lengths};
-  const bool has_dropout = o.dropout_rate > 0.0;
-  const size_t feature_operands = 2 * size_t{o.has_segment_ids} + size_t{o.has_bias} +
-                                  size_t{o.has_mask} + size_t{o.has_sinks} +
-                                  size_t{o.has_alibi} + size_t{o.has_page_table} +
-                                  size_t{has_dropout};
-  if (rest.size() != length_operands + feature_operands) {
-    return invalid("expected " + std::to_string(length_operands) + " length operand(s) and " +
-                   std::to_string(feature_operands) + " feature operand(s) after the arrays " +
-                   "(has_q_lengths=" + std::to_string(o.has_q_lengths) +
-                   ", has_kv_lengths=" + std::to_string(o.has_kv_lengths) +
-                   ", has_segment_ids=" + std::to_string(o.has_segment_ids) +
-                   ", has_bias=" + std::to_string(o.has_bias) +
-                   ", has_mask=" + std::to_string(o.has_mask) +
-                   ", has_sinks=" + std::to_string(o.has_sinks) +
-                   ", has_alibi=" + std::to_string(o.has_alibi) +
-                   ", has_page_table=" + std::to_string(o.has_page_table) +
-                   ", dropout_rate=" + std::to_string(o.dropout_rate) + "), got " +
-                   std::to_string(rest.size()));
-  }
-  size_t next = 0;
-  // Takes the next operand and hands it to `use`.
-  auto take = [&](const char* what, auto use) -> ffi::Error {
-    auto arg = rest.get<ffi::AnyBuffer>(next++);
-    if (arg.has_error()) return invalid(std::string(what) + ": " + arg.error().message());
-    return use(arg.value());
-  };
-  auto lengths = [&](bool present, const char* what, int64_t full,
-                     std::vector<int32_t>* values) -> ffi::Error {
-    values->assign(static_cast<size_t>(std::max<int64_t>(p.batch, 1)),
-                   static_cast<int32_t>(full));
-    if (!present) return ffi::Error::Success();
-    return take(what, [&](ffi::AnyBuffer buffer) {
-      if (ffi::Error e = expect(what, buffer, ffi::DataType::S32, {p.batch}); e.failure()) {
-        return e;
-      }
-      const int32_t* data = static_cast<const int32_t*>(buffer.untyped_data());
-      std::copy(data, data + p.batch, values->begin());
-      return ffi::Error::Success();
-    });
-  };
-  if (ffi::Error e = lengths(o.has_q_lengths, "q_lengths", p.q_len, &out->q_lengths);
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = lengths(o.has_kv_lengths, "kv_lengths", p.kv_len, &out->kv_lengths);
-      e.failure()) {
-    return e;
-  }
-  // A present feature operand, checked, bound read-only in place; an absent one, the placeholder.
-  auto feature = [&](bool present, const char* what, int index,
-                     auto check) -> ffi::Error {
-    if (!present) {
-      out->features.push_back(out->unused(index));
-      return ffi::Error::Success();
+  const OperandSlots slots = operand_slots(o);
+  if (ffi::Error e = check_operand_count(rest, slots); e.failure()) return e;
+  const size_t rows = static_cast<size_t>(std::max<int64_t>(p.batch, 1));
+  out->q_lengths.assign(rows, static_cast<int32_t>(p.q_len));
+  out->kv_lengths.assign(rows, static_cast<int32_t>(p.kv_len));
+  out->features.reserve(kOperandCount);  // every feature buffer: bound, or its placeholder
+  for (int n = 0; n < kOperandCount; ++n) {
+    const Operand id = static_cast<Operand>(n);
+    const int buffer = buffer_of(id);
+    if (slots.index[id] < 0) {  // absent: a bound placeholder nothing reads (its flag is 0)
+      if (buffer >= 0) out->features.push_back(out->unused(buffer));
+      continue;
     }
-    return take(what, [&](ffi::AnyBuffer buffer) {
-      if (ffi::Error e = check(buffer); e.failure()) return e;
-      out->features.push_back(whole(index, buffer, false));
-      return ffi::Error::Success();
-    });
-  };
-  const ffi::DataType s32 = ffi::DataType::S32;
-  if (ffi::Error e = feature(o.has_segment_ids, "q_segment_ids", JFM_BUFFER_Q_SEGMENT_IDS,
-                             [&](ffi::AnyBuffer b) {
-                               return expect("q_segment_ids", b, s32, {p.batch, p.q_len});
-                             });
-      e.failure()) {
-    return e;
+    auto arg = operand_at(rest, slots, id);
+    if (arg.has_error()) return arg.error();
+    if (ffi::Error e = check_operand(id, arg.value(), p, out); e.failure()) return e;
+    if (buffer >= 0) out->features.push_back(whole(buffer, arg.value(), false));
   }
-  if (ffi::Error e = feature(o.has_segment_ids, "kv_segment_ids", JFM_BUFFER_KV_SEGMENT_IDS,
-                             [&](ffi::AnyBuffer b) {
-                               return expect("kv_segment_ids", b, s32, {p.batch, p.kv_len});
-                             });
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = feature(o.has_bias, "bias", JFM_BUFFER_BIAS, [&](ffi::AnyBuffer b) {
-        const ffi::DataType t = b.element_type();
-        if (t != p.dtype && t != ffi::DataType::F32) {
-          return invalid("bias must have the dtype of query (" + dtype_name(p.dtype) +
-                         ") or float32, got " + dtype_name(t));
-        }
-        if (ffi::Error e = expect_broadcastable("bias", b, p); e.failure()) return e;
-        out->bias_kind = t == p.dtype ? JFM_BIAS_OF_Q : JFM_BIAS_FLOAT32;
-        broadcast_strides(b.dimensions(), out->bias_strides);
-        return ffi::Error::Success();
-      });
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = feature(o.has_mask, "mask", JFM_BUFFER_MASK, [&](ffi::AnyBuffer b) {
-        const ffi::DataType t = b.element_type();
-        if (t != ffi::DataType::PRED && t != ffi::DataType::U8) {
-          return invalid("mask must be bool or uint8 (0 = hidden), got " + dtype_name(t));
-        }
-        if (ffi::Error e = expect_broadcastable("mask", b, p); e.failure()) return e;
-        broadcast_strides(b.dimensions(), out->mask_strides);
-        return ffi::Error::Success();
-      });
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = feature(o.has_sinks, "sinks", JFM_BUFFER_SINKS, [&](ffi::AnyBuffer b) {
-        out->sinks = static_cast<const float*>(b.untyped_data());
-        return expect("sinks", b, ffi::DataType::F32, {p.heads});
-      });
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = feature(o.has_alibi, "alibi_slopes", JFM_BUFFER_ALIBI_SLOPES,
-                             [&](ffi::AnyBuffer b) {
-                               return expect("alibi_slopes", b, ffi::DataType::F32,
-                                             {p.batch, p.heads});
-                             });
-      e.failure()) {
-    return e;
-  }
-  // Checked by read_page_table; bound in place.
-  if (ffi::Error e = feature(o.has_page_table, "page_table", JFM_BUFFER_PAGE_TABLE,
-                             [&](ffi::AnyBuffer) { return ffi::Error::Success(); });
-      e.failure()) {
-    return e;
-  }
-  return feature(has_dropout, "dropout", JFM_BUFFER_DROPOUT, [&](ffi::AnyBuffer b) {
-    return expect("dropout", b, ffi::DataType::U32, {p.batch, p.heads, 4});
-  });
+  return ffi::Error::Success();
 }
 
 ffi::Error require_kernel(Device& device, const std::string& kernel, const Problem& p) {
@@ -477,6 +518,7 @@ Binding lengths_binding(int index, std::vector<int32_t>& values) {
 // `main` followed by the optional operands' bindings: the lengths, then buffers 16-20, 23, 25
 // and 26.
 std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& x) {
+  main.reserve(main.size() + 2 + x.features.size());  // one allocation, not one per growth
   main.push_back(lengths_binding(JFM_BUFFER_Q_LENGTHS, x.q_lengths));
   main.push_back(lengths_binding(JFM_BUFFER_KV_LENGTHS, x.kv_lengths));
   main.insert(main.end(), x.features.begin(), x.features.end());
@@ -501,23 +543,27 @@ ffi::Error require_kernels(Device& device, const std::vector<StageShape>& stages
   return ffi::Error::Success();
 }
 
-ffi::Error run(Device& device, const std::vector<Submission>& submissions) {
-  std::string error = device.run(submissions);
-  if (error.empty()) return ffi::Error::Success();
-  return ffi::Error(ffi::ErrorCode::kInternal,
-                    std::string("jax_flash_metal: ") + device.kind() + " device error: " + error);
-}
-
-// Runs the stages (stage i binds buffers[i]) in the submissions of the dispatch plan, each
-// chunk with its offsets in AttentionParams.
-ffi::Error run_stages(Device& device, const Problem& p, const Attributes& o,
-                      const OptionalOperands& x, const std::vector<StageShape>& stages,
-                      const std::vector<std::vector<Binding>>& buffers, int64_t splits = 0) {
-  AttentionParams base = make_params(p, o, x);
-  base.splits = static_cast<uint32_t>(splits);
+// One handler call from validation until the device reports: the optional operands' host
+// arrays, which the bindings point into (so they stay in place until the run has finished), the
+// submissions, the promise behind the future the handler returns, and its host-path timer.
+struct PendingCall {
+  OptionalOperands x;
   std::vector<Submission> submissions;
+  ffi::Promise promise;
+  HostTimer timer;
+};
+
+// Appends to call->submissions the stages (stage i binds buffers[i]) in the submissions of the
+// dispatch plan, each chunk with its offsets in AttentionParams.
+void plan_stages(Device& device, const Problem& p, const Attributes& o,
+                 const std::vector<StageShape>& stages,
+                 const std::vector<std::vector<Binding>>& buffers, PendingCall* call,
+                 int64_t splits = 0) {
+  AttentionParams base = make_params(p, o, call->x);
+  base.splits = static_cast<uint32_t>(splits);
   for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
     Submission submission;
+    submission.reserve(chunks.size());
     for (const Chunk& chunk : chunks) {
       const StageShape& stage = stages[chunk.stage];
       AttentionParams params = base;
@@ -537,9 +583,42 @@ ffi::Error run_stages(Device& device, const Problem& p, const Attributes& o,
       submission.push_back(std::move(d));
     }
     mark_barriers(&submission);
-    submissions.push_back(std::move(submission));
+    call->submissions.push_back(std::move(submission));
   }
-  return run(device, submissions);
+  call->timer.lap(kHostPlan);
+}
+
+// The future of a call that finished (or failed) before reaching the device.
+ffi::Future finished(ffi::Error error) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (error.failure()) {
+    promise.SetError(std::move(error));
+  } else {
+    promise.SetAvailable();
+  }
+  return future;
+}
+
+// Starts the call's submissions on the device; the future completes when the device reports
+// (a device error becomes an FFI error, naming the kernel as the device's message does).
+ffi::Future launch(Device& device, std::shared_ptr<PendingCall> call) {
+  if (call->submissions.empty()) return finished(ffi::Error::Success());
+  ffi::Future future(call->promise);
+  const char* kind = device.kind();
+  std::vector<Submission> submissions = std::move(call->submissions);
+  device.run_async(std::move(submissions), [call, kind](const std::string& error) {
+    if (error.empty()) {
+      call->promise.SetAvailable();
+    } else {
+      call->promise.SetError(ffi::Error(
+          ffi::ErrorCode::kInternal,
+          std::string("jax_flash_metal: ") + kind + " device error: " + error));
+    }
+  });
+  call->timer.lap(kHostLaunch);
+  call->timer.finish();
+  return future;
 }
 
 ffi::Error unavailable(const std::string& why) {
@@ -568,10 +647,11 @@ void write_empty_rows(const Problem& p, const float* sinks, ffi::AnyBuffer o, ff
   }
 }
 
+// Validates a forward call and plans it into call->submissions (none when nothing is to run).
 ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::RemainingArgs rest, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                    ffi::AnyBuffer row_max, ffi::AnyBuffer log_sum, ffi::AnyBuffer workspace,
-                   const Attributes& opt) {
+                   const Attributes& opt, PendingCall* call) {
   Problem p;
   if (ffi::Error e = read_problem(q, k, v, opt.has_page_table, &p); e.failure()) return e;
   if (ffi::Error e = check_attributes(opt); e.failure()) return e;
@@ -595,8 +675,9 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
       e.failure()) {
     return e;
   }
-  OptionalOperands x;
+  OptionalOperands& x = call->x;
   if (ffi::Error e = read_optional(rest, opt, p, &x); e.failure()) return e;
+  call->timer.lap(kHostValidate);
 
   if (p.batch == 0 || p.q_len == 0 || p.heads == 0) return ffi::Error::Success();  // empty
   if (p.kv_len == 0) {  // no key is visible anywhere
@@ -604,30 +685,36 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
     return ffi::Error::Success();
   }
   const std::vector<StageShape> stages = stages_of(false, p, device->gpu_cores());
+  call->timer.lap(kHostPlan);
   if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
+  call->timer.lap(kHostLookup);
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
                 bv = whole(JFM_BUFFER_V, v, false), bo = whole(JFM_BUFFER_O, o, true),
                 blse = whole(JFM_BUFFER_LSE, lse, true),
                 bmax = whole(JFM_BUFFER_ROW_MAX, row_max, true),
                 bsum = whole(JFM_BUFFER_LOG_SUM, log_sum, true);
   if (splits == 0) {
-    return run_stages(*device, p, opt, x, stages,
-                      {with_optional({bq, bk, bv, bo, blse, bmax, bsum}, x)});
+    plan_stages(*device, p, opt, stages, {with_optional({bq, bk, bv, bo, blse, bmax, bsum}, x)},
+                call);
+    return ffi::Error::Success();
   }
   // Decode: pass 1 writes the workspace that pass 2 combines (with the sinks).
-  return run_stages(
-      *device, p, opt, x, stages,
+  plan_stages(
+      *device, p, opt, stages,
       {with_optional({bq, bk, bv, whole(JFM_BUFFER_WORKSPACE, workspace, true)}, x),
        with_optional({whole(JFM_BUFFER_WORKSPACE, workspace, false), bo, blse, bmax, bsum}, x)},
-      splits);
+      call, splits);
+  return ffi::Error::Success();
 }
 
+// Validates a backward call and plans it into call->submissions (none when nothing is to run).
 ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer o, ffi::AnyBuffer row_max, ffi::AnyBuffer log_sum,
                     ffi::AnyBuffer d_o, ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                     ffi::AnyBuffer dq,
                     ffi::AnyBuffer dk, ffi::AnyBuffer dv, ffi::AnyBuffer dbias,
-                    ffi::AnyBuffer dalibi, ffi::AnyBuffer delta, const Attributes& opt) {
+                    ffi::AnyBuffer dalibi, ffi::AnyBuffer delta, const Attributes& opt,
+                    PendingCall* call) {
   if (opt.has_page_table) {
     return invalid("a paged K/V cache (has_page_table) has no backward: the forward only");
   }
@@ -651,8 +738,9 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
         std::make_tuple("workspace delta", delta, f32, p.row_shape())}) {
     if (ffi::Error e = expect(what, buffer, dtype, shape); e.failure()) return e;
   }
-  OptionalOperands x;
+  OptionalOperands& x = call->x;
   if (ffi::Error e = read_optional(rest, opt, p, &x); e.failure()) return e;
+  call->timer.lap(kHostValidate);
 
   if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();  // every output is empty
   if (p.q_len == 0 || p.kv_len == 0) {  // no query sees any key: all gradients are zero
@@ -664,7 +752,9 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
     return ffi::Error::Success();
   }
   const std::vector<StageShape> stages = stages_of(true, p, device->gpu_cores());
+  call->timer.lap(kHostPlan);
   if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
+  call->timer.lap(kHostLookup);
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
                 bv = whole(JFM_BUFFER_V, v, false), bdo = whole(JFM_BUFFER_DO, d_o, false),
                 bmax = whole(JFM_BUFFER_ROW_MAX, row_max, false),
@@ -686,29 +776,38 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
                                 whole(JFM_BUFFER_DELTA, delta, false),
                                 whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)},
                                x));
-  return run_stages(*device, p, opt, x, stages, buffers);
+  plan_stages(*device, p, opt, stages, buffers, call);
+  return ffi::Error::Success();
 }
 
 // Handler bodies, one per (direction, device); the device getter is a template argument so the
-// same validation and plan serve both devices.
+// same validation and plan serve both devices. Each validates and plans on XLA's thread, starts
+// the device and returns a future the device completes (asynchronous FFI handlers: XLA:CPU runs
+// independent work of the program meanwhile), or an already failed one for invalid input.
 template <Device* (*GetDevice)(std::string*)>
-ffi::Error forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Future forward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::RemainingArgs rest, ffi::Result<ffi::AnyBuffer> o,
                            ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> row_max,
                            ffi::Result<ffi::AnyBuffer> log_sum,
                            ffi::Result<ffi::AnyBuffer> workspace, Attributes attributes) {
   if (attributes.bias_grad || attributes.alibi_grad) {
-    return invalid("bias_grad and alibi_grad are the backward's attributes (the forward has no "
-                   "dbias or dalibi result)");
+    return finished(invalid("bias_grad and alibi_grad are the backward's attributes (the "
+                            "forward has no dbias or dalibi result)"));
   }
   std::string why;
   Device* device = GetDevice(&why);
-  if (device == nullptr) return unavailable(why);
-  return forward(device, q, k, v, rest, *o, *lse, *row_max, *log_sum, *workspace, attributes);
+  if (device == nullptr) return finished(unavailable(why));
+  auto call = std::make_shared<PendingCall>();
+  if (ffi::Error e = forward(device, q, k, v, rest, *o, *lse, *row_max, *log_sum, *workspace,
+                             attributes, call.get());
+      e.failure()) {
+    return finished(std::move(e));
+  }
+  return launch(*device, std::move(call));
 }
 
 template <Device* (*GetDevice)(std::string*)>
-ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Future backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::AnyBuffer o, ffi::AnyBuffer row_max, ffi::AnyBuffer log_sum,
                             ffi::AnyBuffer d_o, ffi::AnyBuffer g_lse, ffi::RemainingArgs rest,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
@@ -716,16 +815,21 @@ ffi::Error backward_handler(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v
                             ffi::Result<ffi::AnyBuffer> dalibi,
                             ffi::Result<ffi::AnyBuffer> delta, Attributes attributes) {
   if (attributes.bias_grad && !attributes.has_bias) {
-    return invalid("bias_grad needs has_bias (a bias operand)");
+    return finished(invalid("bias_grad needs has_bias (a bias operand)"));
   }
   if (attributes.alibi_grad && !attributes.has_alibi) {
-    return invalid("alibi_grad needs has_alibi (an alibi_slopes operand)");
+    return finished(invalid("alibi_grad needs has_alibi (an alibi_slopes operand)"));
   }
   std::string why;
   Device* device = GetDevice(&why);
-  if (device == nullptr) return unavailable(why);
-  return backward(device, q, k, v, o, row_max, log_sum, d_o, g_lse, rest, *dq, *dk, *dv, *dbias,
-                  *dalibi, *delta, attributes);
+  if (device == nullptr) return finished(unavailable(why));
+  auto call = std::make_shared<PendingCall>();
+  if (ffi::Error e = backward(device, q, k, v, o, row_max, log_sum, d_o, g_lse, rest, *dq, *dk,
+                              *dv, *dbias, *dalibi, *delta, attributes, call.get());
+      e.failure()) {
+    return finished(std::move(e));
+  }
+  return launch(*device, std::move(call));
 }
 
 auto forward_binding() {

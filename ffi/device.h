@@ -6,6 +6,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,9 @@ using Submission = std::vector<Dispatch>;
 // second at peak), taken well below peak so that the first submissions are short.
 constexpr double kInitialMultiplyAddsPerSecond = 5e10;
 
+// Called once when a Device::run_async has finished: "" on success, else the error message.
+using RunDone = std::function<void(const std::string& error)>;
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -80,12 +84,20 @@ class Device {
   // device reports a fixed kEmulatedGpuCores; Metal has no API for it, so the Metal device reads
   // the IORegistry's "gpu-core-count" of the GPU (gpu_core_count).
   virtual int gpu_cores() = 0;
-  // Runs the submissions in order and returns when all have finished. Returns "" on success,
-  // else the device's error message. Safe to call from several threads at once. The emulated
-  // device runs the dispatches between two barriers in the order of its thread schedule
-  // (reversed or shuffled under "reverse" and "random"), so a missing barrier changes results.
-  virtual std::string run(const std::vector<Submission>& submissions) = 0;
+  // Starts the submissions in order and returns without waiting for them; calls `done` exactly
+  // once when all have finished, with "" on success, else the device's error message naming the
+  // kernel. `done` may run on another thread (Metal: a global dispatch queue, once the last
+  // command buffer's completion handler ran; the emulated device: a worker thread) and may run
+  // before run_async returns. The host memory of
+  // every binding must stay valid until `done` runs. Safe to call from several threads at once.
+  // The emulated device runs the dispatches between two barriers in the order of its thread
+  // schedule (reversed or shuffled under "reverse" and "random"), so a missing barrier changes
+  // results.
+  virtual void run_async(std::vector<Submission> submissions, RunDone done) = 0;
 };
+
+// Runs the submissions on `device` and waits for them: run_async's error message, or "".
+std::string run_and_wait(Device& device, std::vector<Submission> submissions);
 
 // The emulated device's core count: a 32-core GPU (M1 Max class), so the emulated plan is the
 // one of a mid-size Apple GPU.
@@ -150,6 +162,14 @@ uint64_t emulator_schedule_seed();
 // Test hook: while non-empty, an emulated run of this kernel fails with an error instead of
 // running, so tests can check that device errors surface as JAX exceptions.
 void set_emulator_fault(const std::string& kernel);
+
+// Test hook: while on, every emulated run waits on its worker thread before running until the
+// hold is turned off (failing after kEmulatorHoldSeconds), so a test can show that other work of
+// the same XLA program completes while an attention call is in flight. emulator_runs_held() is
+// the number of runs waiting on the hold now.
+constexpr int kEmulatorHoldSeconds = 30;
+void set_emulator_hold(bool on);
+int emulator_runs_held();
 
 }  // namespace jfm
 

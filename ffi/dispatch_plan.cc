@@ -72,9 +72,9 @@ bool conflicts(const Access& a, const Access& b) {
 }  // namespace
 
 void mark_barriers(std::vector<Dispatch>* submission) {
-  std::vector<Access> since_barrier;
+  std::vector<Access> since_barrier, mine;  // reused across dispatches: no allocation each
   for (Dispatch& d : *submission) {
-    std::vector<Access> mine;
+    mine.clear();
     for (const Binding& b : d.buffers) {
       if (b.copy || b.size == 0) continue;  // copied into the command when encoded
       const uintptr_t begin = reinterpret_cast<uintptr_t>(b.data);

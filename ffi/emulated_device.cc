@@ -1,16 +1,24 @@
 // The emulated device: runs the translated shaders/*.metal kernels on the CPU through the
-// MSL-on-CPU emulator (ffi/emulator), so the whole FFI path is testable without an Apple GPU.
+// MSL-on-CPU emulator (emulator/), so the whole FFI path is testable without an Apple GPU.
+// Each run happens on a worker thread of its own and reports through its completion callback,
+// as a Metal command buffer's completion handler does, so the asynchronous FFI handler is
+// exercised the same way on both devices.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <mutex>
 #include <numeric>
 #include <random>
 #include <string>
+#include <system_error>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "device.h"
-#include "emulator/emulator.h"
+#include "../emulator/emulator.h"
 #include "emulator_profile.h"
 
 namespace jfm {
@@ -21,6 +29,12 @@ std::atomic<uint64_t> g_seed{0};
 
 std::mutex g_fault_mutex;
 std::string g_fault_kernel;  // guarded by g_fault_mutex
+
+// set_emulator_hold: the flag is read without the lock on every run; waiting takes it.
+std::atomic<bool> g_hold{false};
+std::atomic<int> g_held{0};
+std::mutex g_hold_mutex;
+std::condition_variable g_hold_released;
 
 std::atomic<bool> g_profiling{false};
 std::mutex g_profile_mutex;
@@ -70,8 +84,8 @@ class EmulatedDevice final : public Device {
   double multiply_adds_per_second() override { return kInitialMultiplyAddsPerSecond; }
   int gpu_cores() override { return kEmulatedGpuCores; }
 
-  std::string run(const std::vector<Submission>& submissions) override {
-    emu::Launch launch;
+  void run_async(std::vector<Submission> submissions, RunDone done) override {
+    emu::Launch launch;  // the schedule and fault in force when the call was made
     launch.schedule = static_cast<emu::Schedule>(g_schedule.load());
     launch.seed = g_seed.load();
     std::string fault;
@@ -79,35 +93,68 @@ class EmulatedDevice final : public Device {
       std::lock_guard<std::mutex> lock(g_fault_mutex);
       fault = g_fault_kernel;
     }
+    try {
+      std::thread([submissions = std::move(submissions), done, launch, fault]() mutable {
+        std::string error = wait_for_hold();
+        if (error.empty()) error = run_now(submissions, launch, fault);
+        done(error);
+      }).detach();
+    } catch (const std::system_error& e) {
+      done(std::string("emulator: could not start a worker thread: ") + e.what());
+    }
+  }
+
+ private:
+  // Waits while set_emulator_hold is on; an error after kEmulatorHoldSeconds.
+  static std::string wait_for_hold() {
+    if (!g_hold.load()) return "";
+    std::unique_lock<std::mutex> lock(g_hold_mutex);
+    ++g_held;
+    const bool released = g_hold_released.wait_for(
+        lock, std::chrono::seconds(kEmulatorHoldSeconds), [] { return !g_hold.load(); });
+    --g_held;
+    if (released) return "";
+    return "emulator: run held for " + std::to_string(kEmulatorHoldSeconds) +
+           " s by the test hook set_emulator_hold and never released";
+  }
+
+  static std::string run_now(const std::vector<Submission>& submissions, emu::Launch launch,
+                             const std::string& fault) {
     std::mt19937_64 rng(launch.seed);
     for (const Submission& submission : submissions) {
       for (size_t index : dispatch_order(submission, launch.schedule, &rng)) {
-        const Dispatch& d = submission[index];
-        if (!fault.empty() && d.kernel == fault) {
-          return "emulator: injected fault in kernel " + d.kernel;
-        }
-        int max_index = d.constants.empty() ? 0 : d.constants_index;
-        for (const Binding& b : d.buffers) max_index = std::max(max_index, b.index);
-        std::vector<emu::Arg> args(static_cast<size_t>(max_index) + 1);
-        for (const Binding& b : d.buffers) args[b.index] = emu::Arg{b.data, b.size};
-        // The emulator reads constants in place; the dispatch outlives the run.
-        if (!d.constants.empty()) {
-          args[d.constants_index] =
-              emu::Arg{const_cast<uint8_t*>(d.constants.data()), d.constants.size()};
-        }
-        launch.groups = d.groups;
-        launch.group_size = d.group_size;
-        launch.function_constants = d.function_constants;
-        ProfileRecord record{d.kernel, d.groups, d.group_size, d.function_constants, {}};
-        const bool profiling = g_profiling.load();
-        launch.profile = profiling ? &record.counts : nullptr;
-        std::string error = emu::run(d.kernel, args, launch);
+        std::string error = run_dispatch(submission[index], &launch, fault);
         if (!error.empty()) return error;
-        if (profiling) {
-          std::lock_guard<std::mutex> lock(g_profile_mutex);
-          g_profile.push_back(record);
-        }
       }
+    }
+    return "";
+  }
+
+  static std::string run_dispatch(const Dispatch& d, emu::Launch* launch,
+                                  const std::string& fault) {
+    if (!fault.empty() && d.kernel == fault) {
+      return "emulator: injected fault in kernel " + d.kernel;
+    }
+    int max_index = d.constants.empty() ? 0 : d.constants_index;
+    for (const Binding& b : d.buffers) max_index = std::max(max_index, b.index);
+    std::vector<emu::Arg> args(static_cast<size_t>(max_index) + 1);
+    for (const Binding& b : d.buffers) args[b.index] = emu::Arg{b.data, b.size};
+    // The emulator reads constants in place; the dispatch outlives the run.
+    if (!d.constants.empty()) {
+      args[d.constants_index] =
+          emu::Arg{const_cast<uint8_t*>(d.constants.data()), d.constants.size()};
+    }
+    launch->groups = d.groups;
+    launch->group_size = d.group_size;
+    launch->function_constants = d.function_constants;
+    ProfileRecord record{d.kernel, d.groups, d.group_size, d.function_constants, {}};
+    const bool profiling = g_profiling.load();
+    launch->profile = profiling ? &record.counts : nullptr;
+    std::string error = emu::run(d.kernel, args, *launch);
+    if (!error.empty()) return error;
+    if (profiling) {
+      std::lock_guard<std::mutex> lock(g_profile_mutex);
+      g_profile.push_back(record);
     }
     return "";
   }
@@ -164,5 +211,15 @@ void set_emulator_fault(const std::string& kernel) {
   std::lock_guard<std::mutex> lock(g_fault_mutex);
   g_fault_kernel = kernel;
 }
+
+void set_emulator_hold(bool on) {
+  {
+    std::lock_guard<std::mutex> lock(g_hold_mutex);
+    g_hold.store(on);
+  }
+  g_hold_released.notify_all();
+}
+
+int emulator_runs_held() { return g_held.load(); }
 
 }  // namespace jfm

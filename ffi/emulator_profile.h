@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "emulator/emulator.h"
+#include "../emulator/emulator.h"
 
 namespace jfm {
 

@@ -5,7 +5,9 @@
 // setBytes.
 //
 // Only Apple-silicon GPUs are accepted (apple_gpu_gate in device.h): the kernels assume 32-wide
-// simdgroups and would give wrong results elsewhere.
+// simdgroups and would give wrong results elsewhere. The GPU is looked for with MTLCopyAllDevices
+// first, then MTLCreateSystemDefaultDevice (discover_device); when none qualifies, the reason
+// names what each call found.
 //
 // Shader libraries are compiled lazily from the embedded source, one (source file, dtype, head
 // dim) family at a time (JFM_IF_FAMILY in shaders/flash_attention_common.h), so a model pays
@@ -33,10 +35,13 @@
 // built once by std::call_once on its own slot, so a compile blocks only calls that need that
 // same library or pipeline. Compile messages have a mutex held only to append or read them; the
 // staging pool has its own; the throughput estimate and the GPU-time total are atomic;
-// MTLCommandQueue is itself thread-safe, so handlers may run concurrently.
+// MTLCommandQueue is itself thread-safe, so handlers may run concurrently. A call never waits
+// for the GPU: run_async commits its command buffers and returns; their completion handlers
+// finish it (Call), and its `done` runs on a global dispatch queue.
 #import <Foundation/Foundation.h>
 #import <IOKit/IOKitLib.h>
 #import <Metal/Metal.h>
+#include <dispatch/dispatch.h>
 
 #include <unistd.h>
 
@@ -55,7 +60,7 @@
 #include <vector>
 
 #include "device.h"
-#include "emulator/emulator.h"
+#include "../emulator/emulator.h"
 #include "shader_sources.h"
 
 // Encoder status of an injected fault (set_metal_fault): stands in for what Metal reports in
@@ -111,8 +116,11 @@ std::string fault_kernel() {
   return g_fault_kernel;
 }
 
-// The kernel a dispatch label names (labels are "<kernel> groups [x, y, z]").
-std::string kernel_of(const std::string& label) { return label.substr(0, label.find(' ')); }
+// A dispatch's label in error messages and debug signposts: "<kernel> groups [x, y, z]".
+std::string dispatch_label(const Dispatch& d) {
+  return d.kernel + " groups [" + std::to_string(d.groups[0]) + ", " +
+         std::to_string(d.groups[1]) + ", " + std::to_string(d.groups[2]) + "]";
+}
 
 std::string utf8(NSString* text) { return text != nil ? std::string(text.UTF8String) : ""; }
 
@@ -343,37 +351,21 @@ class MetalDevice final : public Device {
     return gate_failure_;
   }
 
-  std::string run(const std::vector<Submission>& submissions) override {
+  // Encodes and commits every submission, then returns; the last command buffer to complete
+  // (or this function, when none was committed) finishes the call on its thread.
+  void run_async(std::vector<Submission> submissions, RunDone done) override {
     @autoreleasepool {
-      Call call;
+      auto call = std::make_shared<Call>();
+      call->done = std::move(done);
+      call->fault = fault_kernel();
+      call->submissions = std::move(submissions);
       std::string error;
-      for (const Submission& submission : submissions) {
-        error = encode_and_commit(submission, &call);
+      for (const Submission& submission : call->submissions) {
+        error = encode_and_commit(submission, call);
         if (!error.empty()) break;
       }
-      // Wait for everything committed, even after an error: the GPU may still be using the
-      // host memory, which XLA reclaims once the handler returns.
-      const std::string fault = fault_kernel();
-      for (const Committed& c : call.committed) {
-        [c.command_buffer waitUntilCompleted];
-        if (!error.empty()) continue;
-        if (c.command_buffer.status != MTLCommandBufferStatusCompleted) {
-          error = failure_message(c.command_buffer.error, c.labels);
-        } else if (!fault.empty() && c.holds(fault)) {
-          const bool status = (c.command_buffer.errorOptions &
-                               MTLCommandBufferErrorOptionEncoderExecutionStatus) != 0;
-          error = failure_message(injected_error(c.encoder_label, c.labels, status), c.labels);
-        } else {
-          const double seconds = c.command_buffer.GPUEndTime - c.command_buffer.GPUStartTime;
-          calibrate(c.multiply_adds, seconds);
-          add_gpu_seconds(seconds);
-        }
-      }
-      for (const Staged& s : call.staged) {
-        if (error.empty() && s.copy_back) std::memcpy(s.host, s.buffer.contents, s.size);
-        staging_.release(s.buffer);
-      }
-      return error;
+      call->encode_error = error;  // read by finish() only after the release below
+      release(call);
     }
   }
 
@@ -393,26 +385,94 @@ class MetalDevice final : public Device {
     ptrdiff_t staged_index;  // into the Staged list, or -1 when wrapped in place
   };
 
+  // A committed command buffer and the submission it holds (in its Call, which outlives it).
+  // The labels are formatted only when needed (an error, debug mode), not on every call.
   struct Committed {
     id<MTLCommandBuffer> command_buffer;
-    std::string encoder_label;
-    std::vector<std::string> labels;  // its dispatches' labels, in order
+    const Submission* submission;
     double multiply_adds;
 
     bool holds(const std::string& kernel) const {
-      return std::any_of(labels.begin(), labels.end(),
-                         [&](const std::string& label) { return kernel_of(label) == kernel; });
+      return std::any_of(submission->begin(), submission->end(),
+                         [&](const Dispatch& d) { return d.kernel == kernel; });
+    }
+    std::vector<std::string> labels() const {
+      std::vector<std::string> labels;
+      for (const Dispatch& d : *submission) labels.push_back(dispatch_label(d));
+      return labels;
     }
   };
 
-  // One run(): one Metal buffer per distinct host range for the whole call, so a range written
-  // by one dispatch and read by a later one (the backward's delta), even in a later command
-  // buffer on this queue, is the same hazard-tracked buffer.
+  // An encoder's label: "jax_flash_metal" and the submission's kernels, each once.
+  static std::string encoder_label(const Submission& submission) {
+    std::vector<std::string> kernels;
+    for (const Dispatch& d : submission) {
+      if (std::find(kernels.begin(), kernels.end(), d.kernel) == kernels.end()) {
+        kernels.push_back(d.kernel);
+      }
+    }
+    return "jax_flash_metal " + joined(kernels);
+  }
+
+  // One run_async(): one Metal buffer per distinct host range for the whole call, so a range
+  // written by one dispatch and read by a later one (the backward's delta), even in a later
+  // command buffer on this queue, is the same hazard-tracked buffer. Shared by the encoding
+  // thread and the completion handlers of its command buffers; `pending` counts the encoding
+  // (1 until it ends) and each committed command buffer not yet completed, and whoever drops it
+  // to 0 calls finish(). `committed`, `staged` and `ranges` change only while encoding holds its
+  // count, so finish() reads them alone.
   struct Call {
+    std::vector<Submission> submissions;  // never resized once encoding starts
     std::map<std::pair<void*, size_t>, Bound> ranges;
     std::vector<Staged> staged;
     std::vector<Committed> committed;
+    std::atomic<int> pending{1};
+    std::string encode_error;
+    std::string fault;  // set_metal_fault's kernel when the call started
+    RunDone done;
   };
+
+  void release(const std::shared_ptr<Call>& call) {
+    if (call->pending.fetch_sub(1, std::memory_order_acq_rel) == 1) finish(*call);
+  }
+
+  // Every command buffer of the call has completed: the first error (encoding, then each
+  // command buffer in order; the GPU time of the good ones refines the estimate), the staged
+  // results copied back, the staging buffers returned, then `done`.
+  void finish(Call& call) {
+    @autoreleasepool {
+      std::string error = call.encode_error;
+      for (const Committed& c : call.committed) {
+        if (!error.empty()) break;
+        if (c.command_buffer.status != MTLCommandBufferStatusCompleted) {
+          error = failure_message(c.command_buffer.error, c.labels());
+        } else if (!call.fault.empty() && c.holds(call.fault)) {
+          const bool status = (c.command_buffer.errorOptions &
+                               MTLCommandBufferErrorOptionEncoderExecutionStatus) != 0;
+          error = failure_message(
+              injected_error(encoder_label(*c.submission), c.labels(), status), c.labels());
+        } else {
+          const double seconds = c.command_buffer.GPUEndTime - c.command_buffer.GPUStartTime;
+          calibrate(c.multiply_adds, seconds);
+          add_gpu_seconds(seconds);
+        }
+      }
+      for (const Staged& s : call.staged) {
+        if (error.empty() && s.copy_back) std::memcpy(s.host, s.buffer.contents, s.size);
+        staging_.release(s.buffer);
+      }
+      // The command buffers hold their completion blocks, which hold this call: let go of them.
+      call.committed.clear();
+      call.ranges.clear();
+      call.staged.clear();
+      // XLA resumes the program on the thread that completes its future: a global queue's, not
+      // Metal's completion-handler thread, which other command buffers' handlers wait for.
+      const RunDone done = std::move(call.done);
+      dispatch_async(dispatch_get_global_queue(QOS_CLASS_USER_INITIATED, 0), ^{
+        done(error);
+      });
+    }
+  }
 
   // Measured GPU time of a command buffer: lower the estimate at once when the GPU was slower
   // than assumed (the watchdog is what the budget guards against), raise it gradually when it
@@ -563,7 +623,10 @@ class MetalDevice final : public Device {
   // Binds a host range: wrapped in place when Metal accepts the page-aligned region around it
   // (and `wrap` allows it) with the whole length (some virtual machines' Metal returns
   // zero-length buffers there), else through a staging buffer (copied in now unless the kernel
-  // only writes it).
+  // only writes it). newBufferWithBytesNoCopy takes a page-aligned pointer and a length that
+  // is a whole number of pages (Apple's documentation of the method), hence the rounding out to
+  // page boundaries and the offset into the wrapped region. Each range is wrapped once per call
+  // (set_binding's Call::ranges).
   std::string bind(const Binding& binding, bool wrap, std::vector<Staged>* staged, Bound* bound) {
     const size_t size = std::max<size_t>(binding.size, 1);
     if (size > device_.maxBufferLength) {
@@ -627,13 +690,9 @@ class MetalDevice final : public Device {
              std::to_string(state.maxTotalThreadsPerThreadgroup) +
              " threads per threadgroup, the dispatch needs " + std::to_string(threads);
     }
-    const std::string label = d.kernel + " groups [" + std::to_string(d.groups[0]) + ", " +
-                              std::to_string(d.groups[1]) + ", " +
-                              std::to_string(d.groups[2]) + "]";
-    committed->labels.push_back(label);
     committed->multiply_adds += d.multiply_adds;
     if (d.barrier_before) [encoder memoryBarrierWithScope:MTLBarrierScopeBuffers];
-    if (debug) [encoder insertDebugSignpost:ns(label)];
+    if (debug) [encoder insertDebugSignpost:ns(dispatch_label(d))];
     [encoder setComputePipelineState:state];
     for (const Binding& b : d.buffers) {
       error = set_binding(encoder, b, call);
@@ -648,8 +707,10 @@ class MetalDevice final : public Device {
   }
 
   // Encodes one submission into its own command buffer, one concurrent compute encoder labelled
-  // with the submission's kernels, and commits it.
-  std::string encode_and_commit(const Submission& submission, Call* call) {
+  // with the submission's kernels, and commits it with a completion handler that releases the
+  // call's count for it.
+  std::string encode_and_commit(const Submission& submission,
+                                const std::shared_ptr<Call>& call) {
     const bool debug = metal_debug();
     MTLCommandBufferDescriptor* descriptor = [[MTLCommandBufferDescriptor alloc] init];
     descriptor.errorOptions = debug ? MTLCommandBufferErrorOptionEncoderExecutionStatus
@@ -659,23 +720,24 @@ class MetalDevice final : public Device {
     id<MTLComputeCommandEncoder> encoder =
         [command_buffer computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
     if (encoder == nil) return "could not create a compute command encoder";
-    std::vector<std::string> kernels;
-    for (const Dispatch& d : submission) {
-      if (std::find(kernels.begin(), kernels.end(), d.kernel) == kernels.end()) {
-        kernels.push_back(d.kernel);
-      }
-    }
-    Committed committed{command_buffer, "jax_flash_metal " + joined(kernels), {}, 0};
-    encoder.label = ns(committed.encoder_label);
+    // The encoder's label shows in its execution status, which only debug mode asks for.
+    if (debug) encoder.label = ns(encoder_label(submission));
+    Committed committed{command_buffer, &submission, 0};
     std::string error;
     for (const Dispatch& d : submission) {
-      error = encode(encoder, d, debug, &committed, call);
+      error = encode(encoder, d, debug, &committed, call.get());
       if (!error.empty()) break;
     }
     [encoder endEncoding];
     if (!error.empty()) return error;  // never commit a partly encoded submission
-    [command_buffer commit];
     call->committed.push_back(std::move(committed));
+    call->pending.fetch_add(1, std::memory_order_relaxed);
+    // Added before commit, as Metal requires; the block holds the call, not the command buffer.
+    std::shared_ptr<Call> held = call;
+    [command_buffer addCompletedHandler:^(id<MTLCommandBuffer>) {
+      release(held);
+    }];
+    [command_buffer commit];
     return "";
   }
 
@@ -703,23 +765,48 @@ struct MetalState {
   std::string unavailable_reason;
 };
 
+// Why `device` cannot run the kernels ("" when it can): apple_gpu_gate on its traits.
+std::string device_gate(id<MTLDevice> device) {
+  return apple_gpu_gate(utf8(device.name), [device supportsFamily:MTLGPUFamilyApple7],
+                        device.hasUnifiedMemory, 0);
+}
+
+// The GPU the kernels run on: the first qualifying device of MTLCopyAllDevices (macOS-only API,
+// MTLDevice.h: it lists every GPU and does not depend on a display), else
+// MTLCreateSystemDefaultDevice. nil when neither gives one, with every reason in `why`
+// (each device's gate failure, or that the call found no GPU), so the user learns all of them.
+id<MTLDevice> discover_device(std::string* why) {
+  std::vector<std::string> reasons;
+  NSArray<id<MTLDevice>>* all = MTLCopyAllDevices();
+  if (all.count == 0) reasons.push_back("MTLCopyAllDevices listed no GPU");
+  for (id<MTLDevice> device in all) {
+    const std::string gate = device_gate(device);
+    if (gate.empty()) return device;
+    reasons.push_back("MTLCopyAllDevices: " + gate);
+  }
+  id<MTLDevice> fallback = MTLCreateSystemDefaultDevice();
+  if (fallback == nil) {
+    reasons.push_back("MTLCreateSystemDefaultDevice returned no GPU");
+  } else {
+    const std::string gate = device_gate(fallback);
+    if (gate.empty()) return fallback;
+    reasons.push_back("MTLCreateSystemDefaultDevice: " + gate);
+  }
+  for (const std::string& reason : reasons) *why += (why->empty() ? "" : "; ") + reason;
+  return nil;
+}
+
 MetalState create_metal_device() {
   MetalState state;
   @autoreleasepool {
     // The kernels are Metal Shading Language 3.0.
     if (@available(macOS 13.0, *)) {
-      id<MTLDevice> device = MTLCreateSystemDefaultDevice();
-      if (device == nil) {
-        state.unavailable_reason = "MTLCreateSystemDefaultDevice found no Metal GPU";
-        return state;
-      }
-      state.unavailable_reason =
-          apple_gpu_gate(utf8(device.name), [device supportsFamily:MTLGPUFamilyApple7],
-                         device.hasUnifiedMemory, 0);
-      if (!state.unavailable_reason.empty()) return state;
+      id<MTLDevice> device = discover_device(&state.unavailable_reason);
+      if (device == nil) return state;
       id<MTLCommandQueue> queue = [device newCommandQueue];
       if (queue == nil) {
-        state.unavailable_reason = "could not create a Metal command queue";
+        state.unavailable_reason = "could not create a Metal command queue on " +
+                                   utf8(device.name);
         return state;
       }
       state.device = new MetalDevice(device, queue, MTLLanguageVersion3_0);

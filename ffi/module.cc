@@ -7,6 +7,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <cstdint>
 #include <iterator>
 #include <optional>
@@ -26,9 +27,9 @@
 namespace nb = nanobind;
 
 namespace jfm {
-void bind_emulator(nb::module_& m);                // ffi/emulator/bindings.cc
-nb::dict profile_to_dict(const emu::Profile& p);  // ffi/emulator/bindings.cc
-emu::Arg bind_array(int index, nb::handle array); // ffi/emulator/bindings.cc
+void bind_emulator(nb::module_& m);                // emulator/bindings.cc
+nb::dict profile_to_dict(const emu::Profile& p);  // emulator/bindings.cc
+emu::Arg bind_array(int index, nb::handle array); // emulator/bindings.cc
 void bind_testing(nb::module_& m);                 // ffi/testing_bindings.cc
 
 namespace {
@@ -47,7 +48,29 @@ Device& device_named(const std::string& implementation) {
 
 using Dim3 = std::tuple<uint32_t, uint32_t, uint32_t>;
 
-// One dispatch of `kernel` on the device behind `implementation`, through Device::run (on Metal:
+nb::tuple dim3(const std::array<uint32_t, 3>& v) { return nb::make_tuple(v[0], v[1], v[2]); }
+
+// The dicts handed to Python, each field list in one place: X(key, value) with the value an
+// expression over the source objects. set_fields fills a dict `d` from a list; field_keys names
+// its keys for the docstring, so the two cannot drift apart.
+#define JFM_TILE_SHAPE_FIELDS(X)                                                         \
+  X(rows, t.rows) X(cols, t.cols) X(simdgroups, t.simdgroups) X(threads, t.threads)     \
+  X(q_in_registers, t.q_in_registers) X(kv_one_buffer, t.kv_one_buffer)                 \
+  X(registers, t.registers)
+#define JFM_DISPATCH_FIELDS(X)                                                           \
+  X(kernel, s.kernel) X(groups, dim3(c.groups)) X(threads, s.threads)                    \
+  X(rows_per_group, s.rows_per_group) X(block_offset, c.offset[0])                       \
+  X(head_offset, c.offset[1]) X(batch_offset, c.offset[2]) X(multiply_adds, c.multiply_adds)
+#define JFM_PROFILE_RECORD_FIELDS(X) \
+  X(kernel, r.kernel) X(groups, dim3(r.groups)) X(group_size, dim3(r.group_size)) \
+  X(function_constants, r.function_constants)
+#define JFM_SET_FIELD(key, value) d[#key] = value;
+#define JFM_FIELD_KEY(key, value) ", " #key
+
+// "a, b, c" from a field list's keys (which JFM_FIELD_KEY prefixes with ", ").
+const char* field_keys(const char* prefixed) { return prefixed + 2; }
+
+// One dispatch of `kernel` on the device behind `implementation`, through run_and_wait (on Metal:
 // compiled from the embedded sources, buffers wrapped or staged as the FFI handlers' are).
 // buffers: {index: C-contiguous writeable NumPy array}; `outputs` the indices the kernel writes.
 void run_kernel(const std::string& implementation, const std::string& kernel, nb::dict buffers,
@@ -76,14 +99,42 @@ void run_kernel(const std::string& implementation, const std::string& kernel, nb
     if (!device.has_kernel(kernel)) {
       error = "no kernel '" + kernel + "' on " + device.kind() + ": " + device.library_error();
     } else {
-      error = device.run({Submission{d}});
+      error = run_and_wait(device, {Submission{d}});
     }
   }
   if (!error.empty()) throw std::runtime_error(error);
 }
 
-// The devices: FFI targets, availability, kernels, shader sources and one-off kernel runs.
-void bind_devices(nb::module_& m) {
+// The contract of the FFI targets as the handlers take it: attributes and optional operands.
+void bind_contract(nb::module_& m) {
+  m.def(
+      "ffi_attributes",
+      [] {
+        std::vector<std::pair<std::string, std::string>> attributes;
+#define JFM_ATTRIBUTE_ENTRY(type, name) attributes.emplace_back(#name, #type);
+        JFM_FFI_ATTRIBUTES(JFM_ATTRIBUTE_ENTRY)
+#undef JFM_ATTRIBUTE_ENTRY
+        return attributes;
+      },
+      "list[tuple[str, str]]: the static attributes of every FFI target, in order, as (name, C++ "
+      "type): float is f32, int32_t i32, bool pred (JFM_FFI_ATTRIBUTES in ffi/attention_ffi.h). "
+      "The lowering builds its attributes from this list.");
+  m.def(
+      "optional_operands",
+      [] {
+        std::vector<std::pair<std::string, std::string>> operands;
+#define JFM_OPERAND_ENTRY(name, flag) operands.emplace_back(#name, #flag);
+        JFM_OPTIONAL_OPERANDS(JFM_OPERAND_ENTRY)
+#undef JFM_OPERAND_ENTRY
+        return operands;
+      },
+      "list[tuple[str, str]]: the optional operands of every FFI target, in operand order, as "
+      "(name, the attribute that says it is present) (JFM_OPTIONAL_OPERANDS in "
+      "ffi/attention_ffi.h); contract.Operands must list the same.");
+}
+
+// The FFI targets of this build.
+void bind_ffi_targets(nb::module_& m) {
   m.def(
       "ffi_targets",
       [] {
@@ -102,18 +153,10 @@ void bind_devices(nb::module_& m) {
       },
       "dict[str, PyCapsule]: XLA FFI handlers (api_version 1) of this build, by target name "
       "jax_flash_metal_attention_{fwd,bwd}_{emulator,metal}; metal ones only in macOS builds.");
-  m.def(
-      "ffi_attributes",
-      [] {
-        std::vector<std::pair<std::string, std::string>> attributes;
-#define JFM_ATTRIBUTE_ENTRY(type, name) attributes.emplace_back(#name, #type);
-        JFM_FFI_ATTRIBUTES(JFM_ATTRIBUTE_ENTRY)
-#undef JFM_ATTRIBUTE_ENTRY
-        return attributes;
-      },
-      "list[tuple[str, str]]: the static attributes of every FFI target, in order, as (name, C++ "
-      "type): float is f32, int32_t i32, bool pred (JFM_FFI_ATTRIBUTES in ffi/attention_ffi.h). "
-      "The lowering builds its attributes from this list.");
+}
+
+// Whether the Metal device is there (and why not), the devices' names and the Metal debug mode.
+void bind_availability(nb::module_& m) {
   m.def(
       "metal_available",
       [] {
@@ -144,6 +187,15 @@ void bind_devices(nb::module_& m) {
       nb::arg("implementation"),
       "str: name of the device behind 'emulator' or 'metal' (the GPU's name). ValueError if "
       "that device is unavailable.");
+  m.def("set_metal_debug", &set_metal_debug, nb::arg("on"),
+        "Metal debug mode for every later command buffer: encoder execution status and a "
+        "debug signpost per dispatch, so a failed command buffer names its encoder's status "
+        "(set from $JAX_FLASH_METAL_DEBUG on import; no effect without a Metal device).");
+  m.def("metal_debug", &metal_debug, "bool: whether the Metal debug mode is on.");
+}
+
+// A device's kernels, its shader compiles, its throughput figures, and one-off kernel runs.
+void bind_device_state(nb::module_& m) {
   m.def(
       "kernel_names",
       [](const std::string& implementation) {
@@ -199,6 +251,28 @@ void bind_devices(nb::module_& m) {
       "GPU time, exact when no other Metal call runs concurrently. ValueError if that device is "
       "unavailable.");
   m.def(
+      "has_kernel",
+      [](const std::string& implementation, const std::string& kernel) {
+        Device& device = device_named(implementation);
+        nb::gil_scoped_release release;
+        return device.has_kernel(kernel);
+      },
+      nb::arg("implementation"), nb::arg("kernel"),
+      "bool: the device behind 'emulator' or 'metal' has this kernel; on Metal this compiles "
+      "the kernel's (source, dtype, head dim) library on first use, and library_error() says "
+      "why it failed. ValueError if that device is unavailable.");
+  m.def("run_kernel", &run_kernel, nb::arg("implementation"), nb::arg("kernel"),
+        nb::arg("buffers"), nb::arg("outputs"), nb::arg("groups"), nb::arg("group_size"),
+        "Runs one dispatch of `kernel` (e.g. the self-check's probe) on the device behind "
+        "'emulator' or 'metal' and waits for it. buffers: {index: NumPy array} (C-contiguous, "
+        "writeable), bound at [[buffer(index)]]; outputs: the indices the kernel writes (results "
+        "land in those arrays); groups, group_size: (x, y, z). RuntimeError with the device's "
+        "message; ValueError for an unavailable device or bad indices.");
+}
+
+// The embedded shader sources, the kernel families and how a kernel's library is compiled.
+void bind_shader_sources(nb::module_& m) {
+  m.def(
       "shader_sources",
       [] {
         nb::dict sources;
@@ -250,29 +324,6 @@ void bind_devices(nb::module_& m) {
       "source file (shader_sources()[file]), its (element type, head dim) family such as "
       "'half_64' ('' for the whole source) and the preprocessor macros {name: value} it passes "
       "(MTLCompileOptions.preprocessorMacros). ValueError when no embedded source defines it.");
-  m.def("set_metal_debug", &set_metal_debug, nb::arg("on"),
-        "Metal debug mode for every later command buffer: encoder execution status and a "
-        "debug signpost per dispatch, so a failed command buffer names its encoder's status "
-        "(set from $JAX_FLASH_METAL_DEBUG on import; no effect without a Metal device).");
-  m.def("metal_debug", &metal_debug, "bool: whether the Metal debug mode is on.");
-  m.def(
-      "has_kernel",
-      [](const std::string& implementation, const std::string& kernel) {
-        Device& device = device_named(implementation);
-        nb::gil_scoped_release release;
-        return device.has_kernel(kernel);
-      },
-      nb::arg("implementation"), nb::arg("kernel"),
-      "bool: the device behind 'emulator' or 'metal' has this kernel; on Metal this compiles "
-      "the kernel's (source, dtype, head dim) library on first use, and library_error() says "
-      "why it failed. ValueError if that device is unavailable.");
-  m.def("run_kernel", &run_kernel, nb::arg("implementation"), nb::arg("kernel"),
-        nb::arg("buffers"), nb::arg("outputs"), nb::arg("groups"), nb::arg("group_size"),
-        "Runs one dispatch of `kernel` (e.g. the self-check's probe) on the device behind "
-        "'emulator' or 'metal' and waits for it. buffers: {index: NumPy array} (C-contiguous, "
-        "writeable), bound at [[buffer(index)]]; outputs: the indices the kernel writes (results "
-        "land in those arrays); groups, group_size: (x, y, z). RuntimeError with the device's "
-        "message; ValueError for an unavailable device or bad indices.");
 }
 
 // The emulated device's thread schedule and kernel profile.
@@ -300,39 +351,41 @@ void bind_emulator_controls(nb::module_& m) {
       "Kernel profile: while on, every kernel the emulated device runs uses its counting "
       "variant and is recorded (turning it on clears earlier records). RuntimeError if this "
       "build has no counting variants.");
+  static const std::string profile_doc =
+      "list[dict]: one record per kernel launch since profiling was turned on, in launch "
+      "order (" + std::string(field_keys(JFM_PROFILE_RECORD_FIELDS(JFM_FIELD_KEY))) +
+      " and the counts of emulator.run(..., profile=True)); clears them.";
   m.def(
       "take_emulator_profile",
       [] {
         nb::list records;
         for (const ProfileRecord& r : take_emulator_profile()) {
           nb::dict d = profile_to_dict(r.counts);
-          d["kernel"] = r.kernel;
-          d["groups"] = nb::make_tuple(r.groups[0], r.groups[1], r.groups[2]);
-          d["group_size"] = nb::make_tuple(r.group_size[0], r.group_size[1], r.group_size[2]);
-          d["function_constants"] = r.function_constants;
+          JFM_PROFILE_RECORD_FIELDS(JFM_SET_FIELD)
           records.append(d);
         }
         return records;
       },
-      "list[dict]: one record per kernel launch since profiling was turned on, in launch "
-      "order (kernel, groups, group_size, function_constants and the counts of "
-      "emulator.run(..., profile=True)); clears them.");
+      profile_doc.c_str());
 }
 
-nb::dict tile_shape_dict(const TileShape& shape) {
+nb::dict tile_shape_dict(const TileShape& t) {
   nb::dict d;
-  d["rows"] = shape.rows;
-  d["cols"] = shape.cols;
-  d["simdgroups"] = shape.simdgroups;
-  d["threads"] = shape.threads;
-  d["q_in_registers"] = shape.q_in_registers;
-  d["kv_one_buffer"] = shape.kv_one_buffer;
-  d["registers"] = shape.registers;
+  JFM_TILE_SHAPE_FIELDS(JFM_SET_FIELD)
   return d;
 }
 
 // The dispatch plan the handlers use (dispatch_plan.h), read by the lowering and the tests.
 void bind_planning(nb::module_& m) {
+  static const std::string dispatch_plan_doc =
+      "list[list[dict]]: the submissions (command buffers) the handler of `direction` ('fwd' or "
+      "'bwd') would run for this problem on that device (value_head_dim: that of value, default "
+      "head_dim; dropout: a call with dropout_rate > 0, whose forward never takes the decode "
+      "kernels; variant: the kernel_variant attribute), each a list of dispatches {" +
+      std::string(field_keys(JFM_DISPATCH_FIELDS(JFM_FIELD_KEY))) +
+      "}: groups (x, y, z), multiply_adds an estimate. Dispatch x covers row blocks "
+      "block_offset.., y heads head_offset.., z batch elements batch_offset... ValueError for "
+      "bad names.";
   m.def(
       "dispatch_plan",
       [](const std::string& direction, const std::string& dtype, int64_t batch, int64_t q_len,
@@ -356,14 +409,7 @@ void bind_planning(nb::module_& m) {
           for (const Chunk& c : chunks) {
             const StageShape& s = stages[c.stage];
             nb::dict d;
-            d["kernel"] = s.kernel;
-            d["groups"] = nb::make_tuple(c.groups[0], c.groups[1], c.groups[2]);
-            d["threads"] = s.threads;
-            d["rows_per_group"] = s.rows_per_group;
-            d["block_offset"] = c.offset[0];
-            d["head_offset"] = c.offset[1];
-            d["batch_offset"] = c.offset[2];
-            d["multiply_adds"] = c.multiply_adds;
+            JFM_DISPATCH_FIELDS(JFM_SET_FIELD)
             dispatches.append(d);
           }
           submissions.append(dispatches);
@@ -374,13 +420,7 @@ void bind_planning(nb::module_& m) {
       nb::arg("kv_len"), nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
       nb::arg("implementation") = "emulator", nb::arg("value_head_dim") = nb::none(),
       nb::arg("dropout") = false, nb::arg("variant") = 0,
-      "list[list[dict]]: the submissions (command buffers) the handler of `direction` ('fwd' or "
-      "'bwd') would run for this problem on that device (value_head_dim: that of value, default "
-      "head_dim; dropout: a call with dropout_rate > 0, whose forward never takes the decode "
-      "kernels; variant: the kernel_variant attribute), each a list of dispatches {kernel, "
-      "groups (x, y, z), threads, rows_per_group, block_offset, head_offset, batch_offset, "
-      "multiply_adds (estimate)}. Dispatch x covers row blocks block_offset.., y heads "
-      "head_offset.., z batch elements batch_offset... ValueError for bad names.");
+      dispatch_plan_doc.c_str());
   m.def(
       "decode_splits",
       [](const std::string& dtype, int64_t batch, int64_t q_len, int64_t kv_len,
@@ -406,6 +446,10 @@ void bind_planning(nb::module_& m) {
       "this forward problem on that device (0: the tiled forward runs, always with `dropout`) "
       "and the float32 elements of the forward's workspace result, as the handler requires them "
       "(value_head_dim: that of value, default head_dim). ValueError for bad names.");
+}
+
+// The core counts and tile shapes the plan is sized by (shaders/tile_shapes.h).
+void bind_tiles(nb::module_& m) {
   m.def(
       "gpu_cores",
       [](const std::string& implementation) { return device_named(implementation).gpu_cores(); },
@@ -433,6 +477,15 @@ void bind_planning(nb::module_& m) {
   m.def("bwd_stages", &bwd_stages, nb::arg("head_dim"),
         "list[str]: the backward kernel stages the host dispatches, in order: 'bwd_dq' (which "
         "also writes D), then 'bwd_dkdv', or 'bwd_dk' and 'bwd_dv' for the widest heads.");
+  static const std::string tile_shape_doc =
+      "dict(" + std::string(field_keys(JFM_TILE_SHAPE_FIELDS(JFM_FIELD_KEY))) +
+      "): the tile shape of shaders/tile_shapes.h for a kernel stage ('fwd', 'bwd_dq', "
+      "'bwd_dkdv', 'bwd_dk', 'bwd_dv', 'decode_partial', 'decode_combine', 'decode_vector'), "
+      "dtype ('f32', 'f16', 'bf16'), head dim and tile variant: rows per threadgroup, block size "
+      "of the traversed dimension, simdgroups and threads per threadgroup; forward tiles only: "
+      "Q kept in registers, K and V sharing one threadgroup buffer; the estimated live 32-bit "
+      "registers per thread (jfm_tile_registers). ValueError for an unknown stage, dtype or "
+      "variant.";
   m.def(
       "tile_shape",
       [](const std::string& stage, const std::string& dtype, int head_dim, int variant) {
@@ -449,14 +502,7 @@ void bind_planning(nb::module_& m) {
         return tile_shape_dict(shape);
       },
       nb::arg("stage"), nb::arg("dtype"), nb::arg("head_dim"), nb::arg("variant") = 0,
-      "dict(rows, cols, simdgroups, threads, q_in_registers, kv_one_buffer, registers): the "
-      "tile shape of shaders/tile_shapes.h for a kernel stage ('fwd', 'bwd_dq', 'bwd_dkdv', "
-      "'bwd_dk', 'bwd_dv', 'decode_partial', 'decode_combine', 'decode_vector'), dtype ('f32', "
-      "'f16', 'bf16'), head dim and tile variant: rows per threadgroup, block size of the "
-      "traversed dimension, simdgroups and threads per threadgroup; forward tiles only: Q kept "
-      "in registers, K and V sharing one threadgroup buffer; the estimated live 32-bit "
-      "registers per thread (jfm_tile_registers). ValueError for an unknown stage, dtype or "
-      "variant.");
+      tile_shape_doc.c_str());
   m.def("tile_variants", &tile_variants, nb::arg("stage"),
         "int: the tile variants a stage's kernels are instantiated in (the kernel_variant "
         "attribute's range; 1 for decode_vector and decode_combine, 0 for an unknown stage).");
@@ -489,9 +535,14 @@ void bind_planning(nb::module_& m) {
 NB_MODULE(_ext, m) {
   nb::module_ emulator = m.def_submodule("emulator", "MSL-on-CPU emulator (tests)");
   jfm::bind_emulator(emulator);
-  jfm::bind_devices(m);
+  jfm::bind_contract(m);
+  jfm::bind_ffi_targets(m);
+  jfm::bind_availability(m);
+  jfm::bind_device_state(m);
+  jfm::bind_shader_sources(m);
   jfm::bind_emulator_controls(m);
   jfm::bind_planning(m);
+  jfm::bind_tiles(m);
   nb::module_ testing = m.def_submodule(
       "testing", "Test hooks: fault injection, the submission budget, the plain C++ rules the "
                  "Metal device applies (GPU gate, core count) and mark_barriers.");

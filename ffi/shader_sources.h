@@ -34,7 +34,7 @@ struct ShaderLibrary {
 // shaders/kernel_families.h comes from the source whose instantiation grid names the stage
 // (JFM_HOST_NAME(STAGE, ...), expanded for every family); any other name from the source that
 // defines it as a plain kernel function. Plain C++, so the offline compile (python -m
-// jax_flash_metal.shader_libraries) and the tests use the host's own rule.
+// jax_flash_metal.fused.shader_libraries) and the tests use the host's own rule.
 ShaderLibrary shader_library(const std::vector<ShaderSource>& sources, const std::string& kernel);
 
 // One (element type, key head dim, value head dim) family of shaders/kernel_families.h.

@@ -15,6 +15,7 @@
 
 #include "device.h"
 #include "dispatch_plan.h"
+#include "host_timing.h"
 #include "tile_shapes.h"
 
 namespace nb = nanobind;
@@ -42,6 +43,27 @@ void bind_testing(nb::module_& m) {
       "set_emulator_fault", [](const std::string& kernel) { set_emulator_fault(kernel); },
       nb::arg("kernel"),
       "Emulated runs of this kernel fail with a device error ('' turns it off).");
+  m.def("set_emulator_hold", &set_emulator_hold, nb::arg("on"),
+        "While on, every emulated run waits on its worker thread until the hold is turned off "
+        "(failing with a device error after a time limit), so a test can order other work "
+        "of the same program before an attention call completes.");
+  m.def("set_host_timing", &set_host_timing, nb::arg("on"),
+        "While on, every FFI handler call adds the wall time of its host phases to totals "
+        "that take_host_times() returns (turning it on or off clears them).");
+  m.def(
+      "take_host_times",
+      [] {
+        const HostTimes t = take_host_times();
+        nb::dict seconds;
+        const char* names[kHostPhases] = {"validate", "lookup", "plan", "launch"};
+        for (int p = 0; p < kHostPhases; ++p) seconds[names[p]] = t.nanoseconds[p] * 1e-9;
+        return nb::make_tuple(t.calls, seconds);
+      },
+      "(calls, {phase: seconds}): the handler calls timed since the last take and the total "
+      "seconds of each host phase (validate, lookup, plan, launch: host_timing.h); clears "
+      "them.");
+  m.def("emulator_runs_held", &emulator_runs_held,
+        "int: the emulated runs waiting on set_emulator_hold now.");
   m.def(
       "mark_barriers",
       [](const std::vector<RangesOf>& dispatches) {

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Hashable, Literal, Optional, Tuple, Union, overload
+from typing import Hashable, Literal, overload
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike
 
-from . import ring_attention, validation
-from .primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
-from .contract import Implementation, Operands
-
-# local_window_size: None, w, or (left, right) with None for an unbounded side.
-Window = Optional[Union[int, Tuple[Optional[int], Optional[int]]]]
+from . import ring_attention
+from .core import validation
+from .core.contract import Implementation, Operands
+from .core.options import Options, Window
+from .lowering.primitives import NO_JVP_MESSAGE, bwd_p, fwd_p
 
 
 class _Static:
@@ -171,142 +170,51 @@ def flash_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     return_lse: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Fused scaled dot-product attention (FlashAttention-2 forward and recompute backward).
 
-    A drop-in for ``jax.nn.dot_product_attention`` (same positional bias and mask, same keyword
-    meanings; not ``return_residual`` or cuDNN); the one difference: a row with no visible key
-    outputs 0, not the mean of V.
+    A drop-in for ``jax.nn.dot_product_attention``: same positional bias and mask, same keyword
+    meanings (not ``return_residual`` or cuDNN); a row with no visible key outputs 0, not the
+    mean of V. Every keyword, its default and its rules: docs/api.md (the keywords are the
+    fields of ``core.options.Options``).
 
-    Layout as ``jax.nn.dot_product_attention`` (BTNH):
-      query: [batch, q_len, num_heads, Dk]; key: [batch, kv_len, num_kv_heads, Dk]; value:
-      [batch, kv_len, num_kv_heads, Dv] (Dv may differ from Dk; the output has Dv); or any of
-      them without the batch axis (rank 3, batch 1). float32, float16 or
-      bfloat16, all one dtype; num_heads % num_kv_heads == 0 (grouped-query attention: query
-      head n reads kv head n // (num_heads // num_kv_heads)).
-    Every array argument takes what ``jnp.asarray`` takes, as jax.nn does: JAX or NumPy arrays,
-    (nested) Python lists, scalars where the shape allows (a scalar bias or mask).
-    Args:
-      bias: float, rank <= 4, broadcastable to [batch, num_heads, q_len, kv_len] (each axis 1
-        or full; missing leading axes are 1); added to the (soft-capped) scores. A -inf entry
-        hides that key exactly as a False mask entry (never NaN); +inf or NaN propagates.
-        Differentiable (the gradient is summed over the broadcast axes).
-      mask: bool, broadcastable like bias; True = the key takes part.
-      scale: multiplies q.k; None means 1/sqrt(Dk). Any finite real number known at trace
-        time (Python, NumPy or a concrete JAX scalar; 0 and negatives included) is used as
-        given; NaN and +-inf raise ValueError.
-      is_causal: key j visible to query i only if j <= i + off.
-      query_seq_lengths, key_value_seq_lengths: integer [batch], clamped exactly to [0, len]
-        in their own dtype, then cast to int32 (concrete ones, e.g. NumPy int64 2**40, are
-        clamped in NumPy first; under jit a 64-bit argument reaches this function already
-        converted by JAX, which wraps values >= 2**31 unless jax_enable_x64 is on); rows
-        i >= q_len_b output 0, keys j >= kv_len_b are never read.
-      local_window_size: None, int w (= (w, w)) or (left, right) with ints >= 0 or None
-        (unbounded side): visible iff i + off - left <= j <= i + off + right (inclusive).
-      implementation: None (best for the platform and this call, or
-        $JAX_FLASH_METAL_IMPLEMENTATION), "xla", "metal" or "emulator"; resolved when the
-        computation is lowered. The fused kernels implement every feature below, forward and
-        backward (dbias: one float32 [batch, num_heads, q_len, kv_len] temporary, summed to the
-        bias's shape).
-      query_segment_ids, key_value_segment_ids: integer [batch, q_len] / [batch, kv_len]
-        ([len] for rank-3 inputs), both or neither; key j visible to query i only when their
-        ids are equal (packed sequences), compared exactly in any integer dtypes (64-bit or
-        mixed ids are ranked jointly, not cast; TypeError for JAX arrays of two dtypes with no
-        32-bit common dtype, and with ``sequence_axis_name`` unless both share one dtype of at
-        most 32 bits).
-      logits_soft_cap: None or a positive static float c: scores become c * tanh(s / c) before
-        the bias (Gemma 2).
-      sinks: float [num_heads]: one extra logit per query head in every row's softmax
-        denominator, carrying no value (gpt-oss); differentiable.
-      causal_alignment: "top_left" (off = 0, jax.nn / PyTorch) or "bottom_right"
-        (off = kv_len_b - q_len_b, FlashAttention-2 / KV-cache decoding).
-      alibi_slopes: float32 [num_heads] or [batch, num_heads]: ALiBi (Press et al., "Train
-        Short, Test Long", 2022): -slope * |i + off - j| is added to each score after the soft
-        cap, with the bias, computed from the slopes (no bias tensor). Differentiable.
-      page_table: integer [batch, max_pages] (cast to int32): key and value are then a paged
-        KV cache [num_pages, page_size, num_kv_heads, Dk or Dv] and logical key j of batch b
-        is key[page_table[b, j // page_size], j % page_size] (kv_len = max_pages *
-        page_size); key_value_seq_lengths is required. Entries past a row's last used page
-        (ceil(kv_len_b / page_size)) are never read and may hold anything; a used entry must
-        be in [0, num_pages). Composes with every other argument; forward only.
-      sequence_axis_name: None, or the name of a ``shard_map`` mesh axis over which the
-        sequence is split (context parallelism): device i of that axis passes its contiguous
-        slice [i * T / n, (i + 1) * T / n) of query, key, value and segment ids (lengths count
-        global positions, and stay whole), and gets exact attention over the whole sequence by
-        ring attention (K/V passed around the axis with ``lax.ppermute``; Liu et al., "Ring
-        Attention with Blockwise Transformers", 2023; ``ring_attention.py``). Causal, windows,
-        lengths, alignment, segment ids, soft cap, sinks and grouped-query attention use global
-        positions; bias, mask, alibi_slopes, page_table and dropout_rate > 0 raise ValueError,
-        as does a name not bound there.
-      sequence_layout: with ``sequence_axis_name``, "contiguous" (above) or "striped": device
-        i holds positions i, i + n, i + 2n, ... (Brandon et al., "Striped Attention", 2023;
-        causal work is then even across devices); ``ring_attention.stripe`` / ``unstripe``
-        reorder whole arrays into / out of that layout. Without a sequence axis, only
-        "contiguous" (ValueError otherwise).
-      dropout_rate: a static float in [0, 1): attention dropout on the normalised
-        probabilities, O = (P * M / (1 - dropout_rate)) V (inverted dropout; lse is that of the
-        undropped scores, gradients those of this formula). M is ``dropout_mask(dropout_rng,
-        (batch, num_heads, q_len, kv_len), dropout_rate)``: a pure function of the key, the
-        batch index, query head, query and key positions and the rate (Philox-4x32-10 with
-        the positions as its counter; ``jax_flash_metal.dropout``), the same for every
-        implementation, shape and schedule, recomputed (not stored) by the backward; every
-        implementation has it (a forward with dropout never runs the split-KV decode).
-      dropout_rng: a JAX PRNG key (``jax.random.key`` with threefry's uint32 [2] key data, or a
-        legacy uint32 [2] ``jax.random.PRNGKey``), required when dropout_rate > 0 (accepted
-        and unused at 0). A traced operand: new keys under jit do not recompile. Under
-        ``jax.vmap`` with a batched key each mapped element uses its own key, as a call per
-        element would.
-      return_lse: also return the log-sum-exp; gradients flow through it.
+    Shapes (BTNH, as jax.nn; every leading batch axis may be dropped, rank 3 = batch 1):
+      query [batch, q_len, num_heads, Dk]; key [batch, kv_len, num_kv_heads, Dk]; value
+      [batch, kv_len, num_kv_heads, Dv]; num_heads % num_kv_heads == 0 (grouped-query
+      attention); with ``page_table``, key and value are pages [num_pages, page_size,
+      num_kv_heads, D]. bias (float) and mask (bool, True = attend) broadcast to
+      [batch, num_heads, q_len, kv_len].
+    Dtypes: query, key and value share float32, float16 or bfloat16; softmax math and
+      accumulation are float32. Array arguments take what ``jnp.asarray`` takes.
     Returns:
-      out [batch, q_len, num_heads, Dv] (no batch axis for a rank-3 query), in the query's
-      dtype; with return_lse=True, (out, lse) where lse is float32
-      [batch, num_heads, q_len] ([num_heads, q_len] for a rank-3 query), natural log:
-      log(exp(sink) + sum_j exp(s_ij)) with sinks. A row with no visible key has out = 0 and
-      lse = -inf (the sink with sinks) and contributes nothing to any gradient but dsinks.
+      out [batch, q_len, num_heads, Dv] in the query's dtype; with ``return_lse=True`` also
+      lse, float32 [batch, num_heads, q_len], natural log (-inf for a row with no visible key,
+      the sink with ``sinks``).
     Raises:
-      TypeError / ValueError (naming the argument) for bad ranks, shapes, dtypes, head counts,
-      lengths, windows, alignment, scale, bias, mask, segment ids, soft cap, sinks, ALiBi
-      slopes, page table, dropout rate or key, or implementation name; NotImplementedError at
-      lowering when an explicitly requested implementation cannot run the call there (a fused
-      one names what it lacks: a page size its kernels do not read); ValueError at lowering
-      for a dtype, head dim or (Dk, Dv) pair without fused kernels, asked for explicitly;
-      TypeError when a paged call is differentiated.
-    Differentiable w.r.t. query, key, value, bias, sinks and alibi_slopes in reverse mode,
-    first order only (jax.custom_vjp), except with page_table (TypeError when differentiated);
-    softmax math is float32. Method: Dao, "FlashAttention-2" (2023), recompute
-    backward from (q, k, v, o, lse, dO) with D = rowsum(dO * O) - g_lse.
+      TypeError / ValueError at trace time, naming the argument, for bad shapes, dtypes and
+      values; NotImplementedError at lowering when an explicitly requested implementation
+      cannot run the call there, saying why; ValueError at lowering for a dtype or head dims
+      without fused kernels, asked for explicitly; TypeError when a paged call, or any call in
+      forward mode or to second order, is differentiated.
+    Differentiable in reverse mode, first order (``jax.custom_vjp``), w.r.t. query, key, value,
+    bias, sinks and alibi_slopes. ``implementation=None`` picks the best implementation for the
+    platform and call when the computation is lowered ($JAX_FLASH_METAL_IMPLEMENTATION
+    overrides it); ``sequence_axis_name`` runs ring attention over a ``shard_map`` axis.
+
+    Method: Dao, "FlashAttention-2" (2023): online softmax over key blocks; the backward
+    recomputes P from (q, k, lse) with D = rowsum(dO * O) - g_lse. Ring attention: Liu et al.
+    (2023); striped layout: Brandon et al. (2023); dropout: Philox-4x32-10 (Salmon et al.,
+    2011) over the positions.
     """
-    return_lse = validation.check_bool(return_lse, "return_lse")
-    if sequence_axis_name is None and sequence_layout != "contiguous":
-        raise ValueError(f"sequence_layout={sequence_layout!r} needs sequence_axis_name (the "
-                         "layout of a sequence split over devices)")
-    if sequence_axis_name is not None:
-        for name, given in (("alibi_slopes", alibi_slopes), ("page_table", page_table)):
-            if given is not None:
-                raise ValueError(f"{name} is not supported with sequence_axis_name")
-        if validation.check_dropout(dropout_rate, dropout_rng, 1, 1)[0] > 0:
-            raise ValueError("dropout_rate > 0 is not supported with sequence_axis_name (ring "
-                             "attention)")
-        return ring_attention.ring_flash_attention(
-            query, key, value, bias, mask, axis_name=sequence_axis_name,
-            sequence_layout=sequence_layout, primitives=(fwd_p, bwd_p),
-            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-            return_lse=return_lse, scale=scale, is_causal=is_causal,
-            local_window_size=local_window_size, causal_alignment=causal_alignment,
-            implementation=implementation, query_segment_ids=query_segment_ids,
-            key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
-            sinks=sinks)
-    return attend(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-                  local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
-                  key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
-                  implementation=implementation, query_segment_ids=query_segment_ids,
-                  key_value_segment_ids=key_value_segment_ids, logits_soft_cap=logits_soft_cap,
-                  sinks=sinks, alibi_slopes=alibi_slopes, page_table=page_table,
-                  dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_lse=return_lse)
+    options = Options.of(locals())
+    if options.sequence_axis_name is not None:
+        return ring_attention.ring_flash_attention(query, key, value, bias, mask, options)
+    return attend(query, key, value, bias, mask, options)
 
 
-def attend(query, key, value, bias=None, mask=None, *, return_lse=False, **kwargs):
-    """``flash_attention`` on one device (no ``sequence_axis_name``), with the keywords of
-    ``validation.check_inputs``; the Flax integration also passes ``dropout_broadcast`` (one
-    keep mask for every batch entry and head)."""
-    q, k, v, operands, params = validation.check_inputs(query, key, value, bias, mask, **kwargs)
+def attend(query, key, value, bias, mask, options: Options, dropout_broadcast=False):
+    """``flash_attention`` on one device (``options.sequence_axis_name`` None);
+    ``dropout_broadcast``: one keep mask for every batch entry and head (the Flax
+    integration's ``broadcast_dropout``)."""
+    q, k, v, operands, params = validation.check_inputs(query, key, value, bias, mask, options,
+                                                        dropout_broadcast)
     try:
         out, lse = _attention(params, q, k, v, operands)
     except TypeError as e:
@@ -315,4 +223,4 @@ def attend(query, key, value, bias=None, mask=None, *, return_lse=False, **kwarg
         if "forward-mode" in str(e) and "custom_vjp" in str(e):
             raise TypeError(NO_JVP_MESSAGE) from e
         raise
-    return validation.restore_rank(query, out, lse, return_lse)
+    return validation.restore_rank(query, out, lse, options.return_lse)

@@ -1,98 +1,14 @@
-"""Attention dropout's keep mask, one construction for every implementation
-(docs/design.md#dropout).
-
-``M[b, n, i, j]`` (True = keep) is a pure function of the key's two 32-bit words, the batch
-index b, the query head n, the query position i, the key position j and the rate: word
-``j % 4`` of Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
-SC 2011) with the counter ``(j // 4, i, n, b)`` and the key's two words as its key, kept iff that
-word is >= ``threshold(rate)``. So a sub-shape's mask is the slice of a larger one, and no
-padding, block schedule or kernel changes it.
-
-The primitives carry the key as the ``dropout`` operand, uint32 [B, H, 4]: per (batch row, query
-head) the key's words and the (b, n) its counter uses (``validation.check_dropout``), so rows
-that vmap folds into the batch axis, or shards of batch and heads, keep their own key and
-indices.
+"""The public face of attention dropout: ``dropout_mask``, the keep mask every
+``flash_attention`` call with ``dropout_rate > 0`` applies. The construction (Philox-4x32-10
+over the positions) is ``core/dropout.py``'s; docs/design.md#dropout describes it.
 """
 
 from __future__ import annotations
 
-import math
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import validation
-
-_U32 = jnp.uint32
-# Philox-4x32's multipliers and key increments (Weyl constants), as in Random123.
-_M0, _M1 = 0xD2511F53, 0xCD9E8D57
-_W0, _W1 = 0x9E3779B9, 0xBB67AE85
-ROUNDS = 10
-
-
-def _mulhilo(a: int, b):
-    """(hi, lo) words of the 64-bit product of the constant ``a`` and uint32 ``b``, from 16-bit
-    halves (JAX has no 64-bit integers without x64): every partial product fits in 32 bits."""
-    a_hi, a_lo = a >> 16, a & 0xFFFF
-    b_hi, b_lo = b >> 16, b & 0xFFFF
-    lo_lo, lo_hi = b_lo * _U32(a_lo), b_hi * _U32(a_lo)
-    hi_lo, hi_hi = b_lo * _U32(a_hi), b_hi * _U32(a_hi)
-    carry = ((lo_lo >> 16) + (lo_hi & 0xFFFF) + (hi_lo & 0xFFFF)) >> 16
-    return hi_hi + (lo_hi >> 16) + (hi_lo >> 16) + carry, b * _U32(a)
-
-
-def philox4x32(counter, key):
-    """Philox-4x32-10: four uint32 arrays (the counter words, broadcastable) and two (the key
-    words) -> the four uint32 output words, broadcast together."""
-    c0, c1, c2, c3 = (jnp.asarray(c, _U32) for c in counter)
-    k0, k1 = (jnp.asarray(k, _U32) for k in key)
-    for r in range(ROUNDS):
-        if r:
-            k0, k1 = k0 + _U32(_W0), k1 + _U32(_W1)
-        hi0, lo0 = _mulhilo(_M0, c0)
-        hi1, lo1 = _mulhilo(_M1, c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return jnp.broadcast_arrays(c0, c1, c2, c3)
-
-
-def threshold(rate: float) -> int:
-    """floor(rate * 2**32), exact (a float64 times a power of two): a word below it drops its
-    entry, so the keep probability is 1 - threshold / 2**32, within 2**-32 of 1 - rate."""
-    return math.floor(rate * 2.0 ** 32)
-
-
-def keep_scale(rate: float) -> float:
-    """The weight of a kept entry, 1 / (1 - rate), rounded once to float32."""
-    return float(np.float32(1.0 / (1.0 - rate)))
-
-
-def keep(seeds, rows, key_start, num_keys: int, rate: float, aligned: bool = False):
-    """bool [..., R, num_keys]: the keep mask of query positions ``rows`` (int [R]) and key
-    positions ``key_start + arange(num_keys)`` for the ``dropout`` operand's entries ``seeds``
-    uint32 [..., 4] (key words, b, n). ``key_start``: an int, or a traced int32 (``aligned``:
-    known to be a multiple of 4, else one more group of 4 keys is generated and sliced)."""
-    static = isinstance(key_start, int)
-    offset = key_start % 4 if static else 0
-    exact = static or aligned
-    groups = -(-(offset + num_keys) // 4) + (0 if exact else 1)
-    first = jnp.asarray(key_start, jnp.int32) // 4
-    counter0 = (first + jnp.arange(groups, dtype=jnp.int32)).astype(_U32)
-    k0, k1, b, n = (seeds[..., w, None, None] for w in range(4))
-    words = philox4x32((counter0, jnp.asarray(rows).astype(_U32)[:, None], n, b), (k0, k1))
-    words = jnp.stack(words, axis=-1).reshape(words[0].shape[:-1] + (groups * 4,))
-    if exact:
-        words = words[..., offset:offset + num_keys]
-    else:
-        words = jax.lax.dynamic_slice_in_dim(words, jnp.asarray(key_start, jnp.int32) % 4,
-                                             num_keys, axis=-1)
-    return words >= _U32(threshold(rate))
-
-
-def weights(seeds, rows, key_start, num_keys, rate, aligned=False):
-    """float32 M / (1 - rate) of ``keep``'s block: the factor dropout puts on P."""
-    return jnp.where(keep(seeds, rows, key_start, num_keys, rate, aligned),
-                     jnp.float32(keep_scale(rate)), jnp.float32(0.0))
+from .core.dropout import keep, operand
 
 
 def dropout_mask(dropout_rng, shape, rate):
@@ -107,7 +23,7 @@ def dropout_mask(dropout_rng, shape, rate):
       rate: a static float in [0, 1); rate 0 keeps everything.
     Returns:
       bool [batch, num_heads, q_len, kv_len]; entry [b, n, i, j] is the construction of
-      ``jax_flash_metal.dropout`` (Philox-4x32-10 with the counter (j // 4, i, n, b), word
+      docs/design.md#dropout (Philox-4x32-10 with the counter (j // 4, i, n, b), word
       j % 4 >= floor(rate * 2**32)), so any slice of it is the mask of that sub-shape.
     Raises:
       TypeError / ValueError naming ``dropout_rng``, ``shape`` or ``dropout_rate``.
@@ -117,7 +33,7 @@ def dropout_mask(dropout_rng, shape, rate):
         raise ValueError(f"shape must be (batch, num_heads, q_len, kv_len) of ints >= 0, got "
                          f"{shape!r}")
     batch, heads, q_len, kv_len = (int(s) for s in shape)
-    rate, seeds = validation.check_dropout(rate, dropout_rng, batch, heads)
+    rate, seeds = operand(rate, dropout_rng, batch, heads)
     if seeds is None:
         return jnp.ones((batch, heads, q_len, kv_len), bool)
     return keep(seeds, jnp.arange(q_len, dtype=jnp.int32), 0, kv_len, rate)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .attention import flash_attention
-from .contract import Implementation
+from .core.contract import Implementation
 
 
 class MultiheadAttention(eqx.nn.MultiheadAttention):

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax.linen.dtypes import canonicalize_dtype
 
 from .attention import attend
-from .contract import Implementation
+from .core.contract import Implementation
+from .core.options import Options
 
 
 def _refuse(name: str, value: Any, why: str) -> None:
@@ -120,11 +121,8 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
         mask = mask.astype(jnp.bool_)  # Flax also takes 0/1 float masks
     b = math.prod(batch_shape)
     q, k, v = (x.reshape((b,) + x.shape[-3:]) for x in (query, key, value))
-    dropout: dict[str, Any] = {}
+    options = Options(is_causal=is_causal, implementation=implementation)
     if dropout_rate > 0.0 and not deterministic:
-        dropout = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                       dropout_broadcast=bool(broadcast_dropout))
-    out = attend(q, k, v, bias, mask, scale=None, is_causal=is_causal, local_window_size=None,
-                 query_seq_lengths=None, key_value_seq_lengths=None,
-                 causal_alignment="top_left", implementation=implementation, **dropout)
+        options = options._replace(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+    out = attend(q, k, v, bias, mask, options, dropout_broadcast=bool(broadcast_dropout))
     return out.reshape(query.shape[:-1] + value.shape[-1:])

@@ -18,24 +18,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import contract, dropout, features, nonfinite, paging, validation
-from . import visibility as visibility_rules
+from . import paging
+from .core import contract, dropout, features, nonfinite, validation
+from .core import visibility as visibility_rules
+from .core.options import Options
 
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32
-
-
-def visibility(batch, q_len, kv_len, q_lengths, kv_lengths, *, is_causal, window_left,
-               window_right, bottom_right):
-    """Boolean mask [batch, q_len, kv_len]: may query row i see key j under the band rules
-    (lengths, causal, window; docs/design.md#visibility)? Also returns the per-batch valid-row
-    mask [batch, q_len] (i < q_len_b)."""
-    band = visibility_rules.Band(batch, q_len, kv_len, q_lengths, kv_lengths,
-                                 is_causal=is_causal, window_left=window_left,
-                                 window_right=window_right, bottom_right=bottom_right)
-    rows = jnp.arange(q_len, dtype=jnp.int32)
-    mask = band.mask(rows, jnp.arange(kv_len, dtype=jnp.int32))
-    return mask, rows[None, :] < band.q_lengths[:, None]
 
 
 def _split_heads(x, num_kv_heads):
@@ -150,13 +139,7 @@ def reference_attention(query, key, value, bias=None, mask=None, *, scale=None, 
     key, or the sink with sinks).
     Raises: TypeError / ValueError naming the bad argument.
     """
-    q, k, v, operands, params = validation.check_inputs(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-        local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
-        key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
-        query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids,
-        logits_soft_cap=logits_soft_cap, sinks=sinks, alibi_slopes=alibi_slopes,
-        page_table=page_table, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-    return_lse = validation.check_bool(return_lse, "return_lse")
+    q, k, v, operands, params = validation.check_inputs(query, key, value, bias, mask,
+                                                        Options.of(locals()))
     o, lse = forward(q, k, v, operands, **params._asdict())
     return validation.restore_rank(query, o, lse, return_lse)

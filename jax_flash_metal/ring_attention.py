@@ -44,8 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import validation, visibility
-from .contract import UNBOUNDED, Operands, StaticParams
+from .core import dropout, validation, visibility
+from .core.contract import UNBOUNDED, Operands, StaticParams
+from .core.options import Options
+from .lowering.primitives import bwd_p, fwd_p
 
 F32 = jnp.float32
 
@@ -73,7 +75,6 @@ class _Ring(NamedTuple):
     q_chunk: int  # positions per device
     kv_chunk: int
     params: StaticParams  # of the whole call (validation.check_inputs)
-    primitives: tuple | None  # (fwd_p, bwd_p) (attention.py passes them: no import up)
     striped: bool = False  # sequence_layout="striped"
 
     @property
@@ -160,7 +161,7 @@ def block_schedule(num_devices, q_len, kv_len=None, *, is_causal=False, local_wi
     left, right = validation.check_window(local_window_size)
     params = StaticParams(1.0, is_causal, left, right, causal_alignment == "bottom_right",
                           False, False, None)
-    ring = _Ring(None, num_devices, q_len // num_devices, kv_len // num_devices, params, None,
+    ring = _Ring(None, num_devices, q_len // num_devices, kv_len // num_devices, params,
                  _check_layout(sequence_layout))
     m_q, m_kv = ring.q_chunk // ring.q_piece, ring.kv_chunk // ring.kv_piece
     with jax.ensure_compile_time_eval():
@@ -355,7 +356,7 @@ def _ring_loop(ring, q, q_lengths, kv_lengths, accumulators, traveling, block_st
 def _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths):
     """The _State of this device's query slice over the whole key sequence: one forward
     primitive call per visible pair of pieces, merged."""
-    fwd_p, q_piece, kv_piece = ring.primitives[0], ring.q_piece, ring.kv_piece
+    q_piece, kv_piece = ring.q_piece, ring.kv_piece
 
     def block_step(pair, state, kv):
         def branch(kind, state, kv):
@@ -400,7 +401,7 @@ def _ring_bwd(ring, residuals, cotangents):
     dQ parts add up here, the dK/dV parts travel with their K/V slice and are home after n
     steps."""
     q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, state = residuals
-    bwd_p, q_piece, kv_piece = ring.primitives[1], ring.q_piece, ring.kv_piece
+    q_piece, kv_piece = ring.q_piece, ring.kv_piece
     do, g_lse = cotangents[0].astype(q.dtype), cotangents[1].astype(F32)
     rows = (q, state.o, do)  # [B, T, H, D]: pieces along axis 1
     stats = (state.lse, state.row_max, state.log_sum, g_lse)  # [B, H, T]: along axis 2
@@ -469,36 +470,41 @@ def unstripe(x, num_devices, axis=1):
     return jnp.moveaxis(x.reshape(t, *x.shape[2:]), 0, axis)
 
 
-def ring_flash_attention(query, key, value, bias, mask, *, axis_name, query_seq_lengths,
-                         key_value_seq_lengths, return_lse, primitives,
-                         sequence_layout="contiguous", **kwargs):
-    """``flash_attention`` with ``sequence_axis_name=axis_name`` (attention.py documents the
-    arguments; ``kwargs`` are its other keywords). Lengths count global positions.
-    ``primitives`` are (fwd_p, bwd_p) (primitives.py), which run each pair of slices."""
-    striped = _check_layout(sequence_layout)
+def ring_flash_attention(query, key, value, bias, mask, options: Options):
+    """``flash_attention`` with ``options.sequence_axis_name`` set (docs/api.md documents the
+    arguments). Lengths count global positions."""
+    striped = _check_layout(options.sequence_layout)
     for name, x in (("bias", bias), ("mask", mask)):
         if x is not None:
             raise ValueError(
                 f"{name} is not supported with sequence_axis_name (it spans the whole score "
                 "matrix); express it with lengths, local_window_size or segment ids")
-    ids = [kwargs.get(n) for n in ("query_segment_ids", "key_value_segment_ids")]
+    for name in ("alibi_slopes", "page_table"):
+        if getattr(options, name) is not None:
+            raise ValueError(f"{name} is not supported with sequence_axis_name")
+    if dropout.check_rate(options.dropout_rate) > 0:
+        raise ValueError("dropout_rate > 0 is not supported with sequence_axis_name (ring "
+                         "attention)")
+    ids = [options.query_segment_ids, options.key_value_segment_ids]
     dtypes = [getattr(x, "dtype", None) or jnp.asarray(x).dtype for x in ids if x is not None]
     if len(dtypes) == 2 and not validation.segment_ids_cast_exactly(*dtypes):
         # Ranking ids per device would number the slices that travel around the ring apart.
         raise TypeError("segment ids with sequence_axis_name need one integer dtype of at most "
                         f"32 bits for both, got {dtypes}")
+    axis_name = options.sequence_axis_name
     size = _axis_size(axis_name)
-    q, k, v, operands, params = validation.check_inputs(query, key, value, **kwargs,
-                                                        query_seq_lengths=None,
-                                                        key_value_seq_lengths=None)
+    q, k, v, operands, params = validation.check_inputs(
+        query, key, value, None, None,
+        options._replace(query_seq_lengths=None, key_value_seq_lengths=None,
+                         sequence_axis_name=None, sequence_layout="contiguous"))
     batch = q.shape[0]
-    q_lengths = validation.check_lengths(query_seq_lengths, "query_seq_lengths", batch,
+    q_lengths = validation.check_lengths(options.query_seq_lengths, "query_seq_lengths", batch,
                                          size * q.shape[1])
-    kv_lengths = validation.check_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch,
-                                          size * k.shape[1])
-    ring = _Ring(axis_name, size, q.shape[1], k.shape[1], params, primitives, striped)
+    kv_lengths = validation.check_lengths(options.key_value_seq_lengths,
+                                          "key_value_seq_lengths", batch, size * k.shape[1])
+    ring = _Ring(axis_name, size, q.shape[1], k.shape[1], params, striped)
     out, lse = _ring_attention(ring, q, k, v, operands.q_segment_ids, operands.kv_segment_ids,
                                q_lengths, kv_lengths)
     if operands.sinks is not None:
         out, lse = _with_sinks(out, lse, operands.sinks)
-    return validation.restore_rank(query, out, lse, return_lse)
+    return validation.restore_rank(query, out, lse, options.return_lse)

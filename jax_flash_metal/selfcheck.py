@@ -1,10 +1,9 @@
 """First-run self-check: does the fused implementation work on this machine, and how fast is it?
 
-    python -m jax_flash_metal.selfcheck [--implementation metal|emulator] [--json PATH]
+    python -m jax_flash_metal.selfcheck [--implementation metal|emulator] [--json PATH] [--quick]
+                                        [--families DTYPE/DK/DV ...]
 
-Five steps, one readable report (and with ``--json`` one JSON object: ``implementation``,
-``device``, ``passed`` and ``steps``, a dict of the steps below by name, each with ``passed``
-(True, False, or None when skipped), ``seconds`` and ``detail``):
+Steps, one readable report, and with ``--json`` one JSON object (its schema: docs/selfcheck.md):
 
 - ``lane_layout``: runs the probe kernel ``shaders/simdgroup_layout_probe.metal`` (one
   simdgroup): each lane's ``thread_elements()`` of an 8x8 ``simdgroup_matrix`` loaded from 0..63
@@ -13,6 +12,10 @@ Five steps, one readable report (and with ``--json`` one JSON object: ``implemen
 - ``compile``: every shader library the Metal device compiles (``shader_libraries.libraries()``:
   one per source and (dtype, head dim) family); on the emulator, whose kernels are compiled at
   build time, that every kernel of them exists.
+- ``families``: every kernel family (``--families``; three with ``--quick``) on the tiled
+  forward with its backward (joint or split), the vector decode and the grouped decode, against
+  the float64 oracle (``selfcheck_oracle``) with the tolerances of docs/testing.md#tolerances.
+- ``dropout_paging``: dropout (forward and backward) and a paged K/V cache on the same paths.
 - ``correctness``: forward (O, LSE) and backward (dQ, dK, dV) against the xla implementation,
   float32, over ``--head-dims`` x ``--features`` (``FEATURES``), max |fused - xla| within
   ``TOLERANCE`` times max |xla| + ``TOLERANCE``.
@@ -20,14 +23,17 @@ Five steps, one readable report (and with ``--json`` one JSON object: ``implemen
   (``jax_flash_metal.profile``; the emulator's counting variant, skipped without it).
 - ``timings``: forward + backward wall time, median of ``--repeats``, of the fused
   implementation and of ``jax.nn.dot_product_attention`` on the CPU, at ``--seq-len``.
+- ``speed``: achieved TFLOP/s (training-size forward) and GB/s (decode) against the chip's
+  published peak (``chip_peaks``); meaningless on the emulator, and marked so.
 
-Exit status 0 when no step failed. Defaults run in about a minute on the emulator.
+Exit status 0 when no step failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
 import time
 from typing import Callable
@@ -36,9 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import flash_attention, implementations, shader_libraries
-from .contract import Implementation
+from . import __version__, dropout_mask, flash_attention, implementations, paging
+from .core.contract import Implementation
+from .fused import shader_libraries
 import jax_flash_metal._ext as _ext
+from .tools import chip_peaks, profile_model, profile_tables, selfcheck_oracle
 
 PROBE = "jfm_simdgroup_layout_probe"
 TOLERANCE = 2e-4  # float32 kernels against float32 xla: rounding differences only
@@ -135,6 +143,179 @@ def correctness(implementation: str, head_dims, features) -> tuple[bool, str, li
     return not bad, detail, cases
 
 
+DTYPES = {"f32": jnp.float32, "f16": jnp.float16, "bf16": jnp.bfloat16}
+# (batch, q_len, kv_len, num_heads, num_kv_heads) of each kernel path: the tiled forward (and the
+# backward, joint or split by head dim) with partial tiles, the one-query decode (decode_vector)
+# and a few-query grouped decode (decode_partial), each decode followed by decode_combine.
+PATHS = {"forward_backward": (1, 19, 23, 2, 1), "decode_vector": (1, 1, 40, 4, 2),
+         "decode_partial": (1, 8, 40, 4, 2)}
+QUICK_FAMILIES = [("f32", 16, 16), ("f16", 64, 64), ("bf16", 192, 128)]
+STAGES = ("fwd", "decode_vector", "decode_partial", "decode_combine", "bwd_dq", "bwd_dkdv",
+          "bwd_dk", "bwd_dv")
+DROPOUT_RATE, PAGE_SIZE = 0.25, 16
+
+
+def _stage_of(kernel: str) -> str:
+    """'flash_attention_bwd_dq_f16_d64' -> 'bwd_dq'."""
+    return next(s for s in sorted(STAGES, key=len, reverse=True)
+                if kernel.startswith(f"flash_attention_{s}_"))
+
+
+def _kernels(implementation, suffix, dk, dv, shape, backward, dropout) -> list[str]:
+    b, tq, tkv, h, hkv = shape
+    directions = ("fwd", "bwd") if backward else ("fwd",)
+    return [d["kernel"] for direction in directions
+            for submission in _ext.dispatch_plan(direction, suffix, b, tq, tkv, h, hkv, dk,
+                                                 implementation, dv, dropout)
+            for d in submission]
+
+
+def check_case(implementation: str, suffix: str, dk: int, dv: int, path: str,
+               rng: np.random.Generator, feature: str = "causal") -> dict:
+    """One call of ``path`` (PATHS) for one kernel family against the float64 oracle.
+
+    feature: "causal", "dropout" (rate DROPOUT_RATE, backward too) or "paged" (the K/V cache
+    in pages of PAGE_SIZE keys, forward only). Returns the case's report entry."""
+    b, tq, tkv, h, hkv = PATHS[path]
+    backward = path == "forward_backward" and feature != "paged"
+    dtype = DTYPES[suffix]
+    normal = lambda *shape: np.asarray(jnp.asarray(rng.standard_normal(shape), dtype), np.float64)
+    q, k, v, do = (normal(b, tq, h, dk), normal(b, tkv, hkv, dk), normal(b, tkv, hkv, dv),
+                   normal(b, tq, h, dv))
+    fused_kwargs, oracle_kwargs = {"is_causal": True}, {"is_causal": True}
+    k_in, v_in = k, v
+    if feature == "dropout":
+        key = jax.random.key(int(rng.integers(1 << 30)))
+        fused_kwargs.update(dropout_rate=DROPOUT_RATE, dropout_rng=key)
+        oracle_kwargs.update(keep=np.asarray(dropout_mask(key, (b, h, tq, tkv), DROPOUT_RATE)),
+                             rate=DROPOUT_RATE)
+    if feature == "paged":  # pages in reverse order, the last one partly used
+        pages = -(-tkv // PAGE_SIZE)
+        order = np.arange(pages)[::-1].copy()
+        pad = pages * PAGE_SIZE - tkv
+        split = lambda x: np.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))[0].reshape(
+            pages, PAGE_SIZE, hkv, -1)[np.argsort(order)]
+        k_in, v_in = split(k), split(v)
+        lengths = np.full(b, tkv, np.int32)
+        fused_kwargs = {"is_causal": True, "page_table": jnp.asarray(order[None], jnp.int32),
+                        "key_value_seq_lengths": jnp.asarray(lengths)}
+        gathered = [np.asarray(paging.gather(jnp.asarray(x), jnp.asarray(order[None]),
+                                             jnp.asarray(lengths)), np.float64)
+                    for x in (k_in, v_in)]
+        assert all(np.array_equal(g[:, :tkv], x) for g, x in zip(gathered, (k, v)))
+    arrays = [jnp.asarray(x, dtype) for x in (q, k_in, v_in, do)]
+
+    def attention(q, k, v):
+        return flash_attention(q, k, v, implementation=implementation, return_lse=True,
+                               **fused_kwargs)
+
+    if backward:
+        (o, lse), pullback = jax.vjp(jax.jit(attention), *arrays[:3])
+        got = dict(o=o, lse=lse, **dict(zip(("dq", "dk", "dv"),
+                                            pullback((arrays[3], jnp.zeros_like(lse))))))
+    else:
+        o, lse = jax.jit(attention)(*arrays[:3])
+        got = dict(o=o, lse=lse)
+    inputs = [q, k, v] + ([do] if backward else [])
+    want = selfcheck_oracle.oracle(inputs, **oracle_kwargs)
+    baseline = None
+    if suffix != "f32":
+        baseline = selfcheck_oracle.dense(*(jnp.asarray(x, dtype) for x in inputs),
+                                          **oracle_kwargs)
+    errors, passed = {}, True
+    for name, value in got.items():
+        ok, error, limit = selfcheck_oracle.within_tolerance(
+            name, value, want[name], None if baseline is None else baseline[name])
+        passed &= ok
+        errors[name] = [error, limit]
+    return dict(dtype=suffix, head_dims=[dk, dv], path=path, feature=feature, passed=passed,
+                kernels=_kernels(implementation, suffix, dk, dv, (b, tq, tkv, h, hkv), backward,
+                                 feature == "dropout"),
+                max_abs_error=errors)
+
+
+def _summary(cases: list[dict], what: str) -> tuple[bool, str, list[dict]]:
+    bad = [f"{c['dtype']} {c['head_dims']} {c['path']} {c['feature']}" for c in cases
+           if not c["passed"]]
+    stages = {_stage_of(k) for c in cases for k in c["kernels"]}
+    missing = [s for s in STAGES if s not in stages]
+    detail = (f"{len(cases)} {what} against the float64 oracle; kernels run: "
+              f"{', '.join(s for s in STAGES if s in stages)}"
+              + (f" (not reached: {', '.join(missing)})" if missing else "")
+              + (f"; FAILED: {', '.join(bad)}" if bad else "; all within tolerance"))
+    return not bad, detail, cases
+
+
+def families(implementation: str, chosen) -> tuple[bool, str, list[dict]]:
+    """The kernel families ``chosen`` ((dtype suffix, key head dim, value head dim), e.g. every
+    one of ``_ext.kernel_families()``) on every path of PATHS."""
+    rng = np.random.default_rng(2)
+    cases = [check_case(implementation, suffix, dk, dv, path, rng)
+             for suffix, dk, dv in chosen for path in PATHS]
+    return _summary(cases, f"cases ({len(chosen)} families x {len(PATHS)} paths)")
+
+
+def dropout_and_paging(implementation: str, chosen) -> tuple[bool, str, list[dict]]:
+    """Dropout (forward and backward) and a paged K/V cache (tiled forward and both decodes) for
+    the kernel families ``chosen``."""
+    rng = np.random.default_rng(3)
+    cases = [check_case(implementation, suffix, dk, dv, "forward_backward", rng, "dropout")
+             for suffix, dk, dv in chosen]
+    cases += [check_case(implementation, suffix, dk, dv, path, rng, "paged")
+              for suffix, dk, dv in chosen for path in PATHS]
+    return _summary(cases, "dropout and paged-cache cases")
+
+
+def _median_call_seconds(implementation: str, fn: Callable, args, repeats: int) -> float:
+    """Median seconds of one call: GPU time on Metal (the command buffers' GPUStart to GPUEnd,
+    gpu_seconds_total), wall time elsewhere."""
+    jax.block_until_ready(fn(*args))  # compile, first-use pipeline builds
+    times = []
+    for _ in range(repeats):
+        gpu_before = _ext.gpu_seconds_total(implementation)
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        wall = time.perf_counter() - start
+        gpu = _ext.gpu_seconds_total(implementation)
+        times.append(wall if gpu is None else gpu - gpu_before)
+    return float(np.median(times))
+
+
+def speed(implementation: str, quick: bool, repeats: int) -> tuple[bool, str, list[dict]]:
+    """Achieved TFLOP/s of a training-size forward and GB/s of a decode, float16, against the
+    chip's published peak (chip_peaks); on the emulator the figures mean nothing."""
+    metal = implementation == "metal"
+    name = _ext.device_name(implementation)
+    peak = chip_peaks.peak(name, _ext.gpu_cores(implementation), _ext.gpu_cores_by_name(name))
+    seq = 2048 if metal and not quick else 64
+    kv = 8192 if metal and not quick else 256
+    shapes = {"forward": (1, seq, seq, 16, 16, 128), "decode": (1, 1, kv, 32, 8, 128)}
+    rng = np.random.default_rng(4)
+    rows = []
+    for kind, (b, tq, tkv, h, hkv, d) in shapes.items():
+        q = jnp.asarray(rng.standard_normal((b, tq, h, d)), jnp.float16)
+        k = jnp.asarray(rng.standard_normal((b, tkv, hkv, d)), jnp.float16)
+        fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation=implementation))
+        seconds = _median_call_seconds(implementation, fn, (q, k, k), repeats)
+        flops = 4.0 * b * h * tq * tkv * d  # QK^T and PV, 2 FLOP per multiply-add
+        moved = 2.0 * (q.size * 2 + k.size * 2)  # f16 bytes: Q and O, K and V once each
+        row = dict(kind=kind, shape=[b, tq, tkv, h, hkv, d], dtype="float16", seconds=seconds,
+                   tflops=flops / seconds / 1e12, gb_per_s=moved / seconds / 1e9)
+        row["tflops_of_peak"] = (row["tflops"] / peak["tflops"] if peak["tflops"] else None)
+        row["gb_per_s_of_peak"] = (row["gb_per_s"] / peak["gb_per_s"] if peak["gb_per_s"]
+                                   else None)
+        rows.append(row)
+    text = "; ".join(f"{r['kind']} {r['shape']}: {r['tflops']:.3g} TFLOP/s, "
+                     f"{r['gb_per_s']:.3g} GB/s" + (
+                         f" ({r['tflops_of_peak']:.0%} / {r['gb_per_s_of_peak']:.0%} of peak)"
+                         if r["tflops_of_peak"] is not None else "") for r in rows)
+    if not metal:
+        text += " (emulated device: these speeds mean nothing)"
+    elif peak["source"] is None:
+        text += f" (no published peak for {peak['chip']})"
+    return True, text, dict(peak=peak, meaningful=metal, rows=rows)
+
+
 def kernel_profile(head_dim: int) -> tuple[bool | None, str]:
     if not _ext.emulator.has_counting_variant():
         return None, "skipped: this build has no counting kernel variants"
@@ -143,9 +324,9 @@ def kernel_profile(head_dim: int) -> tuple[bool | None, str]:
     args = profile.make_parser().parse_args(
         ["--dtype", "float16", "--head-dim", str(head_dim), "--q-len", "64", "--heads", "2",
          "--kv-heads", "1", "--causal"])
-    records = profile.profile_records(profile.Problem(args, "float16", head_dim), args.passes,
-                                      args.gpu)
-    return True, profile.format_tables(records, args.gpu)
+    records = profile_model.profile_records(profile_model.Problem(args, "float16", head_dim),
+                                            args.passes, args.gpu)
+    return True, profile_tables.format_tables(records, args.gpu)
 
 
 def _median_seconds(fn: Callable, args, repeats: int) -> float:
@@ -178,8 +359,24 @@ def timings(implementation: Implementation, seq_len: int, head_dim: int,
                   f"{t_nn * 1e3:.1f} ms, ratio {t_fused / t_nn:.2f}")
 
 
-def run(implementation: str, head_dims, features, seq_len: int, repeats: int) -> dict:
-    """Runs every step; returns the report (the JSON object described in the module docstring)."""
+SCHEMA_VERSION = 1
+
+
+def environment() -> dict:
+    """What a bug report needs to know about this installation."""
+    import jaxlib
+
+    return {"jax_flash_metal": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "machine": platform.machine(), "devices": implementations.devices()}
+
+
+def run(implementation: str, head_dims, features, seq_len: int, repeats: int,
+        quick: bool = False, kernel_families=None) -> dict:
+    """Runs every step; returns the report (the JSON object of docs/selfcheck.md).
+    ``kernel_families``: those of the families and dropout_paging steps (default: every one, or
+    QUICK_FAMILIES with ``quick``; dropout and paging take at most three)."""
+    chosen = kernel_families or (QUICK_FAMILIES if quick else _ext.kernel_families())
     steps: dict[str, dict] = {}
 
     def step(name: str, fn: Callable, *args):
@@ -188,25 +385,47 @@ def run(implementation: str, head_dims, features, seq_len: int, repeats: int) ->
             passed, detail, *extra = fn(*args)
         except Exception as e:  # a step that raises failed; the report says why
             passed, detail, extra = False, f"{type(e).__name__}: {e}", []
-        steps[name] = dict(passed=passed, seconds=round(time.perf_counter() - start, 3),
-                           detail=detail, **({"cases": extra[0]} if extra else {}))
+        entry = dict(passed=passed, seconds=round(time.perf_counter() - start, 3), detail=detail)
+        if extra:
+            entry.update(extra[0] if isinstance(extra[0], dict) else {"cases": extra[0]})
+        steps[name] = entry
 
     step("lane_layout", lane_layout, implementation)
     step("compile", compile_libraries, implementation)
+    step("families", families, implementation, chosen)
+    step("dropout_paging", dropout_and_paging, implementation,
+         chosen if len(chosen) <= 3 else QUICK_FAMILIES)
     step("correctness", correctness, implementation, head_dims, features)
     step("profile", kernel_profile, head_dims[0])
     step("timings", timings, implementation, seq_len, head_dims[0], repeats)
-    return dict(implementation=implementation, device=_ext.device_name(implementation),
+    step("speed", speed, implementation, quick, repeats)
+    return dict(schema_version=SCHEMA_VERSION, implementation=implementation,
+                device=_ext.device_name(implementation), quick=quick,
+                environment=environment(),
                 passed=all(s["passed"] is not False for s in steps.values()), steps=steps)
 
 
 def format_report(report: dict) -> str:
     lines = [f"jax_flash_metal self-check: {report['implementation']} on {report['device']}"]
+    # Every implementation's device, so a Mac that fell back to the emulator says why.
+    devices = report.get("environment", {}).get("devices", {})
+    lines += [f"  {name}: {device}" for name, device in devices.items()]
     for name, s in report["steps"].items():
         verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[s["passed"]]
         lines.append(f"{verdict} {name} ({s['seconds']:.1f} s): {s['detail']}")
     lines.append("all steps passed" if report["passed"] else "SOME STEPS FAILED")
     return "\n".join(lines)
+
+
+def _family(text: str) -> tuple[str, int, int]:
+    """'f16/128/64' -> ('f16', 128, 64), checked against the built kernel families."""
+    parts = text.split("/")
+    family = (parts[0], *map(int, parts[1:])) if len(parts) == 3 and all(
+        p.isdigit() for p in parts[1:]) else None
+    if family not in _ext.kernel_families():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a kernel family DTYPE/DK/DV of this build, e.g. f16/64/64")
+    return family
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,11 +443,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=256,
                    help="sequence length of the timings (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs (default: %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="the families and dropout/paging steps on three families only "
+                        f"({', '.join(f'{t} {k}/{v}' for t, k, v in QUICK_FAMILIES)}), and the "
+                        "speed step at small sizes")
+    p.add_argument("--families", nargs="+", metavar="DTYPE/DK/DV", type=_family,
+                   help="kernel families of the families step, e.g. f16/64/64 (default: every "
+                        "one; with --quick those named there)")
     args = p.parse_args(argv)
     if args.implementation not in fused:
         p.error(f"--implementation {args.implementation} is not available here: "
                 f"{implementations.unavailable_reasons().get(args.implementation, '')}")
-    report = run(args.implementation, args.head_dims, args.features, args.seq_len, args.repeats)
+    report = run(args.implementation, args.head_dims, args.features, args.seq_len, args.repeats,
+                 args.quick, args.families)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

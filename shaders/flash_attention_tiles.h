@@ -90,7 +90,7 @@ inline bool jfm_is_finite(ushort bf16_bits) { return (bf16_bits & 0x7f80u) != 0x
 // simdgroup_matrix<float, 8, 8> everywhere (S, P, dP, dS and every accumulator are float; the
 // inputs are converted from the storage type when a fragment is loaded). Lane L of a simdgroup
 // holds row (q & 4) + (L / 2) % 4 and columns c, c + 1 of a fragment, c = (q & 2) * 2 +
-// (L % 2) * 2, q = L / 4 (the Apple GPU layout, ffi/emulator/README.md): a lane owns one row of
+// (L % 2) * 2, q = L / 4 (the Apple GPU layout, emulator/README.md): a lane owns one row of
 // every fragment in its row band, and the 4 lanes that share a row differ in lane bits 0 and 3.
 
 typedef simdgroup_matrix<float, 8, 8> JfmFrag;

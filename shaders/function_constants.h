@@ -7,7 +7,7 @@
 // A constant gates its feature's runtime flag in AttentionParams (`jfm_fc_x && p.has_x`), so the
 // flag still carries the value; the host derives both from the same AttentionParams, so a call
 // never has a feature whose constant is off. The emulator binds the constants per launch
-// (ffi/emulator/README.md, "Function constants").
+// (emulator/README.md, "Function constants").
 #ifndef JAX_FLASH_METAL_FUNCTION_CONSTANTS_H_
 #define JAX_FLASH_METAL_FUNCTION_CONSTANTS_H_
 
@@ -23,7 +23,7 @@
 #define JFM_FUNCTION_CONSTANTS 6
 
 #if defined(__METAL_VERSION__) && defined(JFM_SPECIALISED)
-// The offline compile of one constant set (python -m jax_flash_metal.shader_libraries
+// The offline compile of one constant set (python -m jax_flash_metal.fused.shader_libraries
 // --specialise): the set's values as literals, so the compiler keeps exactly the code a pipeline
 // specialised with them keeps.
 #define JFM_SPECIALISED_BIT(n) (((JFM_SPECIALISED) >> (n)) & 1) != 0

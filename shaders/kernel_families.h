@@ -5,7 +5,7 @@
 //   type's two head-dim lists) with a macro that instantiates one family's kernels;
 // - the host (ffi/shader_library.cc): the families a Metal library is compiled for, and the
 //   extension's `kernel_families()`, which the tests and the READMEs' head-dim lists are
-//   checked against (tests/test_shader_libraries.py).
+//   checked against (tests/fused/test_shader_libraries.py).
 // To add a head dim: one entry in the list its backward belongs to (jfm_bwd_split_dkdv of the
 // family's tile head dim in tile_shapes.h; the instantiation macros static_assert the choice),
 // and the READMEs' lists. Each family adds to the emulator's build time.

@@ -187,7 +187,7 @@ constexpr int jfm_tile_variants(int family, int element_bytes, int head_dim) {
 // fragment and 1 per float, plus JFM_REGISTER_SCALARS for the running statistics, indices and
 // pointers. Above JFM_REGISTER_BUDGET a kernel risks spilling to stack memory (Apple GPUs keep
 // full ALU use down to 24 simdgroups per core, i.e. about 128 registers of a ~208 KB register
-// file); no family may exceed it (tests/test_profile.py).
+// file); no family may exceed it (tests/tools/test_profile.py).
 #define JFM_REGISTER_SCALARS 16
 #define JFM_REGISTER_BUDGET 128
 constexpr int jfm_tile_registers(int family, int element_bytes, int head_dim, int variant) {

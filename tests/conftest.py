@@ -8,8 +8,12 @@ quick``, about a minute, checks that an install works (README).
 """
 
 import os
+import sys
 
 import pytest
+
+# The helpers every test folder shares (oracle, tolerances, inputs) are imported by name.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 
 # The suite compiles hundreds of small XLA programs and LLVM's optimisation passes dominate that
 # time; they do not change float semantics (XLA:CPU does not use fast-math), so turn them down.
@@ -22,7 +26,7 @@ import jax  # noqa: E402
 
 import jax_flash_metal  # noqa: E402
 from api_helpers import use_xla_schedule  # noqa: E402
-from jax_flash_metal import xla_schedule  # noqa: E402
+from jax_flash_metal.xla import schedule as xla_schedule  # noqa: E402
 
 # The package and its extension, argument checking, and both implementations (xla, emulator)
 # against the oracle on small shapes: forward, backward, decode.

@@ -30,8 +30,8 @@ from flax import nnx
 from tqdm import tqdm
 
 import jax_flash_metal
-from jax_flash_metal import implementations
-from jax_flash_metal._cli import HelpFormatter
+from jax_flash_metal.lowering import dispatch
+from jax_flash_metal.tools.cli import HelpFormatter
 from jax_flash_metal.examples.train_lm import add_common_args, load_text, split, windows
 from jax_flash_metal.flax import attention_fn as flash_attention_fn
 
@@ -145,7 +145,7 @@ def main(argv=None) -> dict:
     # What implementation=None picks for this model's calls (float32, causal mask from Flax).
     call = ("fwd", jnp.dtype(jnp.float32), cfg.d_model // cfg.heads, ("mask",))
     try:
-        resolved = implementations.resolve(args.implementation, jax.default_backend(), call=call)
+        resolved = dispatch.resolve(args.implementation, jax.default_backend(), call=call)
     except (ValueError, NotImplementedError) as e:
         raise SystemExit(f"error: {e}") from None
     data, source = load_text(args.text, args.max_bytes)

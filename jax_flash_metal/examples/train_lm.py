@@ -43,7 +43,8 @@ from tqdm import tqdm
 
 import jax_flash_metal
 from jax_flash_metal import flash_attention, implementations, reference_attention
-from jax_flash_metal._cli import HelpFormatter
+from jax_flash_metal.lowering import dispatch
+from jax_flash_metal.tools.cli import HelpFormatter
 from jax_flash_metal.ring_attention import shard_map
 
 
@@ -557,7 +558,7 @@ def main(argv=None) -> dict:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     try:
-        resolved = implementations.resolve(args.implementation, jax.default_backend())
+        resolved = dispatch.resolve(args.implementation, jax.default_backend())
     except (ValueError, NotImplementedError) as e:
         raise SystemExit(f"error: {e}") from None
     tiny = args.tiny or resolved == "emulator"

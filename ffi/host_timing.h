@@ -1,0 +1,58 @@
+// Host-path timing of the FFI handlers, for benchmarks/host_path.py: while on, every handler call
+// adds the wall time of each phase of its host work (before the kernels run) to process-wide
+// totals. Off by default; then a call pays one relaxed atomic load.
+#ifndef JAX_FLASH_METAL_HOST_TIMING_H_
+#define JAX_FLASH_METAL_HOST_TIMING_H_
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+
+namespace jfm {
+
+// The phases of a handler call, in order.
+enum HostPhase : int {
+  kHostValidate,  // decoding and checking the operands, results and attributes
+  kHostLookup,    // the kernels' pipelines (Device::has_kernel)
+  kHostPlan,      // the dispatch plan, the AttentionParams and the bindings of each dispatch
+  kHostLaunch,    // Device::run_async until it returns (Metal: encode and commit)
+  kHostPhases
+};
+
+struct HostTimes {
+  uint64_t calls = 0;
+  std::array<uint64_t, kHostPhases> nanoseconds{};
+};
+
+void set_host_timing(bool on);
+bool host_timing();
+// The totals since the last take (or since timing was turned on), then zeroes them.
+HostTimes take_host_times();
+void add_host_times(const std::array<uint64_t, kHostPhases>& nanoseconds);
+
+// One call's phases: lap(p) ends phase p; finish() adds the call to the totals.
+class HostTimer {
+ public:
+  HostTimer() : on_(host_timing()) {
+    if (on_) last_ = std::chrono::steady_clock::now();
+  }
+  void lap(HostPhase phase) {
+    if (!on_) return;
+    const auto now = std::chrono::steady_clock::now();
+    laps_[phase] += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_).count());
+    last_ = now;
+  }
+  void finish() {
+    if (on_) add_host_times(laps_);
+  }
+
+ private:
+  bool on_;
+  std::chrono::steady_clock::time_point last_;
+  std::array<uint64_t, kHostPhases> laps_{};
+};
+
+}  // namespace jfm
+
+#endif  // JAX_FLASH_METAL_HOST_TIMING_H_

@@ -1,0 +1,144 @@
+"""Attention dropout's keep mask, one construction for every implementation
+(docs/design.md#dropout).
+
+``M[b, n, i, j]`` (True = keep) is a pure function of the key's two 32-bit words, the batch
+index b, the query head n, the query position i, the key position j and the rate: word
+``j % 4`` of Philox-4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
+SC 2011) with the counter ``(j // 4, i, n, b)`` and the key's two words as its key, kept iff that
+word is >= ``threshold(rate)``. So a sub-shape's mask is the slice of a larger one, and no
+padding, block schedule or kernel changes it.
+
+The primitives carry the key as the ``dropout`` operand, uint32 [B, H, 4]: per (batch row, query
+head) the key's words and the (b, n) its counter uses (``operand``), so rows
+that vmap folds into the batch axis, or shards of batch and heads, keep their own key and
+indices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import arguments
+
+_U32 = jnp.uint32
+# Philox-4x32's multipliers and key increments (Weyl constants), as in Random123.
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85
+ROUNDS = 10
+
+
+def _mulhilo(a: int, b):
+    """(hi, lo) words of the 64-bit product of the constant ``a`` and uint32 ``b``, from 16-bit
+    halves (JAX has no 64-bit integers without x64): every partial product fits in 32 bits."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    lo_lo, lo_hi = b_lo * _U32(a_lo), b_hi * _U32(a_lo)
+    hi_lo, hi_hi = b_lo * _U32(a_hi), b_hi * _U32(a_hi)
+    carry = ((lo_lo >> 16) + (lo_hi & 0xFFFF) + (hi_lo & 0xFFFF)) >> 16
+    return hi_hi + (lo_hi >> 16) + (hi_lo >> 16) + carry, b * _U32(a)
+
+
+def philox4x32(counter, key):
+    """Philox-4x32-10: four uint32 arrays (the counter words, broadcastable) and two (the key
+    words) -> the four uint32 output words, broadcast together."""
+    c0, c1, c2, c3 = (jnp.asarray(c, _U32) for c in counter)
+    k0, k1 = (jnp.asarray(k, _U32) for k in key)
+    for r in range(ROUNDS):
+        if r:
+            k0, k1 = k0 + _U32(_W0), k1 + _U32(_W1)
+        hi0, lo0 = _mulhilo(_M0, c0)
+        hi1, lo1 = _mulhilo(_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return jnp.broadcast_arrays(c0, c1, c2, c3)
+
+
+def threshold(rate: float) -> int:
+    """floor(rate * 2**32), exact (a float64 times a power of two): a word below it drops its
+    entry, so the keep probability is 1 - threshold / 2**32, within 2**-32 of 1 - rate."""
+    return math.floor(rate * 2.0 ** 32)
+
+
+def keep_scale(rate: float) -> float:
+    """The weight of a kept entry, 1 / (1 - rate), rounded once to float32."""
+    return float(np.float32(1.0 / (1.0 - rate)))
+
+
+def keep(seeds, rows, key_start, num_keys: int, rate: float, aligned: bool = False):
+    """bool [..., R, num_keys]: the keep mask of query positions ``rows`` (int [R]) and key
+    positions ``key_start + arange(num_keys)`` for the ``dropout`` operand's entries ``seeds``
+    uint32 [..., 4] (key words, b, n). ``key_start``: an int, or a traced int32 (``aligned``:
+    known to be a multiple of 4, else one more group of 4 keys is generated and sliced)."""
+    static = isinstance(key_start, int)
+    offset = key_start % 4 if static else 0
+    exact = static or aligned
+    groups = -(-(offset + num_keys) // 4) + (0 if exact else 1)
+    first = jnp.asarray(key_start, jnp.int32) // 4
+    counter0 = (first + jnp.arange(groups, dtype=jnp.int32)).astype(_U32)
+    k0, k1, b, n = (seeds[..., w, None, None] for w in range(4))
+    words = philox4x32((counter0, jnp.asarray(rows).astype(_U32)[:, None], n, b), (k0, k1))
+    words = jnp.stack(words, axis=-1).reshape(words[0].shape[:-1] + (groups * 4,))
+    if exact:
+        words = words[..., offset:offset + num_keys]
+    else:
+        words = jax.lax.dynamic_slice_in_dim(words, jnp.asarray(key_start, jnp.int32) % 4,
+                                             num_keys, axis=-1)
+    return words >= _U32(threshold(rate))
+
+
+def weights(seeds, rows, key_start, num_keys, rate, aligned=False):
+    """float32 M / (1 - rate) of ``keep``'s block: the factor dropout puts on P."""
+    return jnp.where(keep(seeds, rows, key_start, num_keys, rate, aligned),
+                     jnp.float32(keep_scale(rate)), jnp.float32(0.0))
+
+
+def check_rate(dropout_rate):
+    """``dropout_rate`` as a float in [0, 1); TypeError / ValueError naming it otherwise."""
+    rate = arguments.static_real(dropout_rate, "dropout_rate")
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {rate}")
+    return rate
+
+
+def _key_words(dropout_rng):
+    """The key's data, uint32 [2]: a typed ``jax.random.key`` (threefry) or a legacy uint32 [2]
+    key, possibly traced; TypeError / ValueError naming ``dropout_rng`` otherwise."""
+    rng = arguments.as_array(dropout_rng, "dropout_rng")
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        if rng.shape != ():
+            raise ValueError(f"dropout_rng must be one key (shape ()), got a key array of shape "
+                             f"{rng.shape}; vmap over keys instead")
+        rng = jax.random.key_data(rng)
+    if rng.dtype != jnp.uint32 or rng.shape != (2,):
+        raise TypeError(f"dropout_rng must be a jax.random.key with two uint32 words of key "
+                        f"data (the default threefry implementation) or a legacy uint32 [2] "
+                        f"key, got {rng.dtype}{list(rng.shape)}")
+    return rng
+
+
+def operand(dropout_rate, dropout_rng, batch, num_heads, broadcast=False):
+    """(rate float in [0, 1), the primitives' ``dropout`` operand uint32 [batch, num_heads, 4] or
+    None).
+
+    The operand holds, per (batch row, query head), the key's two words and the b and n of the
+    mask's counter; ``broadcast`` gives every row b = n = 0 (one mask for all, Flax's
+    ``broadcast_dropout``). None when the rate is 0 (a key is then checked and unused)."""
+    rate = check_rate(dropout_rate)
+    if dropout_rng is None:
+        if rate > 0.0:
+            raise ValueError(f"dropout_rate={rate} needs dropout_rng, a JAX PRNG key")
+        return rate, None
+    rng = _key_words(dropout_rng)
+    if rate == 0.0:
+        return rate, None
+
+    def index(axis):
+        if broadcast:
+            return jnp.zeros((batch, num_heads), jnp.uint32)
+        return jax.lax.broadcasted_iota(jnp.uint32, (batch, num_heads), axis)
+
+    words = [jnp.broadcast_to(rng[w], (batch, num_heads)) for w in range(2)]
+    return rate, jnp.stack(words + [index(0), index(1)], axis=-1)

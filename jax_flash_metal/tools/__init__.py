@@ -1,0 +1,1 @@
+"""Helpers of the command-line programs: help formatting, progress, the roofline model."""

@@ -1,0 +1,171 @@
+"""The benchmark's tables: ratios to a baseline, memory growth, the aligned text table and the
+optional plot."""
+
+from __future__ import annotations
+
+from .benchmark_model import Row
+
+
+def ratios(rows: list[Row], method: str = "flash:xla", baseline: str = "jax.nn") -> list[dict]:
+    """Per (seq_len, head_dim, causal) measured for both: ``method`` / ``baseline`` ratios of
+    forward+backward time, compile time and forward+backward temporary memory (None where
+    either side was not measured)."""
+    def ratio(a, b):
+        return None if a is None or b is None or b == 0 else a / b
+
+    rows = [r for r in rows if r.q_len is None]  # the decode rows are compared nowhere
+    base = {(r.seq_len, r.head_dim, r.causal): r for r in rows if r.method == baseline}
+    out = []
+    for r in rows:
+        b = base.get((r.seq_len, r.head_dim, r.causal))
+        if r.method != method or b is None:
+            continue
+        out.append(dict(seq_len=r.seq_len, head_dim=r.head_dim, causal=r.causal,
+                        fwdbwd_time=ratio(r.fwdbwd_ms, b.fwdbwd_ms),
+                        compile_time=ratio(r.compile_s, b.compile_s),
+                        fwdbwd_temp=ratio(r.fwdbwd_temp, b.fwdbwd_temp)))
+    return out
+
+
+def memory_growth(rows: list[Row]) -> list[dict]:
+    """Forward+backward temporary memory at each length divided by that at the previous
+    length, per (method, head_dim, causal)."""
+    out = []
+    series: dict[tuple, list[Row]] = {}
+    for r in (r for r in rows if r.q_len is None):  # the decode rows are not a length sweep
+        series.setdefault((r.method, r.head_dim, r.causal), []).append(r)
+    for (method, head_dim, causal), pts in series.items():
+        pts = sorted(pts, key=lambda r: r.seq_len)
+        for a, b in zip(pts, pts[1:]):
+            if a.fwdbwd_temp and b.fwdbwd_temp is not None:
+                out.append(dict(method=method, head_dim=head_dim, causal=causal,
+                                from_len=a.seq_len, to_len=b.seq_len,
+                                growth=b.fwdbwd_temp / a.fwdbwd_temp))
+    return out
+
+
+def aligned(header: list[str], body: list[list[str]], left: int = 1) -> str:
+    """A plain-text table: the first ``left`` columns left-aligned, the others right-aligned,
+    every column as wide as its widest cell ("-" cells included), a dashed rule under the
+    header."""
+    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(c) for c in body])
+
+
+def format_ratios(entries: list[dict], method: str, baseline: str) -> str:
+    """``ratios`` output as a table."""
+    body = [[str(e["seq_len"]), str(e["head_dim"]), "yes" if e["causal"] else "no",
+             _fmt(e["fwdbwd_time"], ".2f"), _fmt(e["compile_time"], ".2f"),
+             _fmt(e["fwdbwd_temp"], ".3f")] for e in entries]
+    return (f"{method} / {baseline} (forward+backward; < 1 means {method} is faster/smaller):\n"
+            + aligned(["seq", "hdim", "causal", "time", "compile", "temp"], body, left=0))
+
+
+def format_growth(entries: list[dict]) -> str:
+    """``memory_growth`` output: one row per (method, head dim, causal), one column per step
+    between consecutive lengths."""
+    steps = sorted({(e["from_len"], e["to_len"]) for e in entries})
+    series: dict[tuple, dict] = {}
+    for e in entries:
+        key = (e["method"], e["head_dim"], e["causal"])
+        series.setdefault(key, {})[e["from_len"], e["to_len"]] = e["growth"]
+    body = [[m, str(d), "yes" if c else "no"] + [_fmt(g.get(st), ".2f") for st in steps]
+            for (m, d, c), g in series.items()]
+    return ("forward+backward temporary memory growth (x) from one length to the next:\n"
+            + aligned(["method", "hdim", "causal"] + [f"{a}->{b}" for a, b in steps], body))
+
+
+COLUMNS = ("method", "seq", "hdim", "causal", "fwd ms", "fwd+bwd ms", "fwd temp MiB",
+           "fwd+bwd temp MiB", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "compile s", "fwd GPU ms",
+           "fwd+bwd GPU ms", "fwd GPU TFLOP/s", "fwd+bwd GPU TFLOP/s")
+
+
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def _tflops(flops: int, ms: float | None) -> float | None:
+    return None if not ms else flops / (ms * 1e-3) / 1e12
+
+
+def table_cells(row: Row, peak_tflops: float | None = None) -> list[str]:
+    """The text cells of one row, in COLUMNS order (plus "% peak" cells when a peak is given:
+    of the GPU-time TFLOP/s where measured, else of the wall-time TFLOP/s)."""
+    fwd_tf, fb_tf = _tflops(row.fwd_flops, row.fwd_ms), _tflops(row.fwdbwd_flops, row.fwdbwd_ms)
+    fwd_gpu_tf = _tflops(row.fwd_flops, row.fwd_gpu_ms)
+    fb_gpu_tf = _tflops(row.fwdbwd_flops, row.fwdbwd_gpu_ms)
+    mib = 1 << 20
+    seq = str(row.seq_len) if row.q_len is None else f"{row.q_len}x{row.seq_len}"
+    cells = [row.method, seq, str(row.head_dim), "yes" if row.causal else "no",
+             _fmt(row.fwd_ms, ".2f"), _fmt(row.fwdbwd_ms, ".2f"),
+             _fmt(None if row.fwd_temp is None else row.fwd_temp / mib, ".1f"),
+             _fmt(None if row.fwdbwd_temp is None else row.fwdbwd_temp / mib, ".1f"),
+             _fmt(fwd_tf, ".3g"), _fmt(fb_tf, ".3g"), _fmt(row.compile_s, ".2f"),
+             _fmt(row.fwd_gpu_ms, ".3f"), _fmt(row.fwdbwd_gpu_ms, ".3f"),
+             _fmt(fwd_gpu_tf, ".3g"), _fmt(fb_gpu_tf, ".3g")]
+    if peak_tflops:
+        for gpu_tf, wall_tf in ((fwd_gpu_tf, fwd_tf), (fb_gpu_tf, fb_tf)):
+            tf = gpu_tf if gpu_tf is not None else wall_tf
+            cells.append(_fmt(None if tf is None else 100 * tf / peak_tflops, ".1f"))
+    return cells
+
+
+def format_table(rows: list[Row], peak_tflops: float | None = None) -> str:
+    """Aligned plain-text table of ``rows`` (``aligned``). Columns without a value in any row
+    are left out (e.g. the GPU-time columns off a Mac: they are measured for flash:metal
+    only); ``--json`` keeps every field."""
+    header = list(COLUMNS) + (["fwd % peak", "fwd+bwd % peak"] if peak_tflops else [])
+    body = [table_cells(r, peak_tflops) for r in rows]
+    keep = [i for i in range(len(header)) if any(line[i] != "-" for line in body)] \
+        if body else list(range(len(header)))
+    return aligned([header[i] for i in keep], [[line[i] for i in keep] for line in body])
+
+
+def _pyplot():
+    """matplotlib.pyplot (file-only backend); SystemExit with an install hint if it is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'jax_flash_metal[plot]' "
+                         "(or pip install matplotlib)") from None
+    return plt
+
+
+def plot(rows: list[Row], path: str) -> None:
+    """Save forward+backward time and temporary memory against sequence length to ``path``
+    (square rows only; decode rows are left out).
+
+    Raises SystemExit with an install hint if matplotlib is missing.
+    """
+    plt = _pyplot()
+    rows = [r for r in rows if r.q_len is None]  # the decode rows are not a length sweep
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+    series = sorted({(r.method, r.head_dim, r.causal) for r in rows})
+    for color, (method, head_dim, causal) in enumerate(series):
+        pts = [r for r in rows if (r.method, r.head_dim, r.causal) == (method, head_dim, causal)]
+        label = f"{method} d={head_dim}{' causal' if causal else ''}"
+        timed = [r for r in pts if r.fwdbwd_ms is not None]
+        if timed:
+            ax_t.plot([r.seq_len for r in timed], [r.fwdbwd_ms for r in timed], "o-",
+                      color=f"C{color % 10}", label=label)
+        mem = [(r.seq_len, r.fwdbwd_temp) for r in pts if r.fwdbwd_temp is not None]
+        if mem:
+            ax_m.plot([t for t, _ in mem], [max(m, 1) / (1 << 20) for _, m in mem],
+                      "o-", color=f"C{color % 10}", label=label)
+    for ax, title in ((ax_t, "forward+backward time (ms)"),
+                      (ax_m, "forward+backward compiled temp memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_m.legend(fontsize=7)  # every series has memory points; some have no timed ones
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

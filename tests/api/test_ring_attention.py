@@ -1,0 +1,145 @@
+"""Context parallelism (ring_attention.py): flash_attention(..., sequence_axis_name=...) inside
+shard_map on 8 host devices, in a subprocess (tests/api/ring_checks.py), against the float64 oracle:
+forward and gradients, causal and not, windows, lengths, bottom-right alignment, segment ids,
+sinks with a soft cap, grouped-query and multi-query attention, a value head dim other than the
+key's, and slices cut into several pieces. Here: the block schedule (hidden pairs are skipped),
+the backward's structure (no forward recomputed), the per-device memory at the issue's shape
+(benchmarks/ring_memory.py) and the argument's errors."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from host_devices import environment, run_script
+from jax_flash_metal import flash_attention
+from jax_flash_metal.ring_attention import (FULL, HIDDEN, PARTIAL, block_schedule, piece_length,
+                                            shard_map, stripe, unstripe)
+
+CASES = ("full", "window", "causal_window_sinks_cap", "lengths_segments", "bottom_right", "mqa",
+         "value_dim", "striped_window_segments", "pieces_lengths_segments", "pieces_striped")
+# The ring's logic is the same for every implementation: the emulator (slow) runs the cases
+# that reach each kind of primitive call (masked, with residual features, in pieces, striped).
+EMULATOR_CASES = ("causal_window_sinks_cap", "mqa", "striped_window_segments",
+                  "pieces_lengths_segments")
+
+
+def test_ring_matches_oracle(implementation):
+    cases = CASES if implementation == "xla" else EMULATOR_CASES
+    out = run_script("api/ring_checks.py", implementation, *cases, timeout=900)
+    assert out.count(" ok") == len(cases), out
+
+
+def test_causal_schedule_skips_the_hidden_half():
+    # 8 slices of 2048 positions, each in 4 pieces of 512 (ring_attention.piece_length): query
+    # piece a (over the whole sequence) sees key pieces b < a whole, its own in part, none after.
+    causal = block_schedule(8, 16384, is_causal=True)
+    full = block_schedule(8, 16384)
+    a, b = np.indices((32, 32))
+    np.testing.assert_array_equal(causal, np.select([b < a, b == a], [FULL, PARTIAL], HIDDEN))
+    assert np.all(full == FULL)
+    assert np.count_nonzero(causal) <= 0.6 * np.count_nonzero(full)
+
+
+def test_striped_schedule_balances_causal_work():
+    # Piece r of every striped query slice against piece p of every key slice: whole for
+    # p < r, about half visible for p == r (whichever two devices), hidden for p > r: every
+    # device does the same work, none idles.
+    causal = block_schedule(8, 16384, is_causal=True, sequence_layout="striped")
+    i, r, j, p = np.indices((8, 4, 8, 4))
+    want = np.select([p < r, p == r], [FULL, PARTIAL], HIDDEN).reshape(32, 32)
+    np.testing.assert_array_equal(causal, want)
+
+
+def test_piece_length():
+    assert [piece_length(n) for n in (16, 512, 2048, 3000, 1031)] == [16, 512, 512, 375, 1031]
+
+
+def test_backward_runs_no_forward():
+    """The ring's backward is one backward primitive call per visible pair with the whole
+    call's residuals: the forward primitive appears only in the forward."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("sp",))
+    q = jnp.zeros((1, 16, 2, 8))
+
+    def attention(q, k, v):
+        return flash_attention(q, k, v, is_causal=True, sequence_axis_name="sp",
+                               implementation="xla")
+
+    ring = shard_map(attention, mesh, (P(None, "sp"),) * 3, P(None, "sp"))
+
+    def grads(q, k, v):
+        out, vjp = jax.vjp(ring, q, k, v)
+        return vjp(out)
+
+    forward, both = (str(jax.make_jaxpr(f)(q, q, q)) for f in (ring, grads))
+    assert forward.count("flash_attention_bwd") == 0 < both.count("flash_attention_bwd")
+    assert both.count("flash_attention_fwd") == forward.count("flash_attention_fwd") > 0
+
+
+@pytest.mark.slow
+def test_ring_memory_is_a_sixth_of_one_device():
+    """8 host devices, T = 16384, batch 1, 4 heads, head dim 64, xla: each device's compiled
+    temporary memory for forward and backward is at most 1/6 of the one-device call's, causal
+    and not (compiles only: nothing runs)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks",
+                          "ring_memory.py")
+    proc = subprocess.run([sys.executable, script], env=environment(None), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if line.split()[:1] in (["False"], ["True"])]
+    assert len(rows) == 2, proc.stdout
+    for row in rows:  # causal, temp: 1 device, ring/dev, ratio, ...
+        assert float(row[2]) <= float(row[1]) / 6, proc.stdout
+
+
+def test_stripe_round_trip():
+    x = jnp.arange(2 * 12 * 3).reshape(2, 12, 3)
+    striped = stripe(x, 4)
+    # Device 1 of 4 (positions 3..5 after the reorder) holds positions 1, 5, 9.
+    np.testing.assert_array_equal(striped[:, 3:6], x[:, 1::4])
+    np.testing.assert_array_equal(unstripe(striped, 4), x)
+
+
+def test_window_schedule():
+    # 8 slices of 8 positions, keys within 3 before and 0 after each query: slice i sees
+    # part of slice i - 1 and its own diagonal.
+    schedule = block_schedule(8, 64, local_window_size=(3, 0))
+    i, j = np.indices((8, 8))
+    np.testing.assert_array_equal(schedule, np.where((j == i) | (j == i - 1), PARTIAL, HIDDEN))
+
+
+@pytest.mark.parametrize("lengths", [(1000, None), (1002, 1000)])
+def test_schedule_of_uneven_slices_is_refused(lengths):
+    with pytest.raises(ValueError, match="multiple of num_devices=3"):
+        block_schedule(3, *lengths, is_causal=True)
+
+
+def test_errors():
+    q = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(ValueError, match="sequence_axis_name='sp' is not a bound axis"):
+        flash_attention(q, q, q, sequence_axis_name="sp")
+    with pytest.raises(TypeError, match="sequence_axis_name must be one mesh axis name"):
+        flash_attention(q, q, q, sequence_axis_name=["sp"])
+    with pytest.raises(ValueError, match="sequence_layout='striped' needs sequence_axis_name"):
+        flash_attention(q, q, q, sequence_layout="striped")
+    with pytest.raises(ValueError, match="sequence_layout must be one of"):
+        block_schedule(4, 16, sequence_layout="zigzag")
+    for name in ("bias", "mask"):
+        x = jnp.zeros((8, 8), jnp.bool_ if name == "mask" else jnp.float32)
+        with pytest.raises(ValueError, match=f"{name} is not supported with sequence_axis_name"):
+            flash_attention(q, q, q, **{name: x}, sequence_axis_name="sp")
+
+
+def test_segment_ids_of_two_dtypes_are_refused():
+    """Ids the ring would have to rank per device (their slices travel apart) are refused."""
+    q = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(TypeError, match="segment ids with sequence_axis_name need one integer"):
+        flash_attention(q, q, q, sequence_axis_name="sp",
+                        query_segment_ids=jnp.zeros((1, 8), jnp.int32),
+                        key_value_segment_ids=jnp.zeros((1, 8), jnp.uint32))
