@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from jax_flash_metal.tools.cli import HelpFormatter
 from jax_flash_metal._ext import emulator
 
 def best(fn, repeat):
@@ -73,9 +74,11 @@ def attention_rows(repeat):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--workers", type=int, default=0, help="OS threads (0 = all cores)")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timed runs of each kernel; the fastest is shown")
     args = ap.parse_args()
     rows = [gemm_row(np.float32, "emu_gemm_tiled_f32", args.workers, args.repeat),
             gemm_row(np.float16, "emu_gemm_tiled_f16", args.workers, args.repeat),

@@ -27,6 +27,7 @@ import numpy as np
 
 import jax_flash_metal._ext as _ext
 from jax_flash_metal import flash_attention
+from jax_flash_metal.tools.cli import HelpFormatter
 
 SHARED = ("validate", "lookup", "plan")
 TARGET_US = 10.0
@@ -59,12 +60,16 @@ def measure(rounds: int, calls: int, kv_len: int, head_dim: int, dtype) -> list[
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--calls", type=int, default=20)
-    p.add_argument("--kv-len", type=int, default=128)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="float16", choices=("float32", "float16", "bfloat16"))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--rounds", type=int, default=20,
+                   help="rounds; the table gives the median and minimum over them")
+    p.add_argument("--calls", type=int, default=20,
+                   help="decode calls per round (each round reports its mean per call)")
+    p.add_argument("--kv-len", type=int, default=128, help="keys in the cache")
+    p.add_argument("--head-dim", type=int, default=64, help="head dim of query, key and value")
+    p.add_argument("--dtype", default="float16", choices=("float32", "float16", "bfloat16"),
+                   help="dtype of query, key and value")
     args = p.parse_args()
     rounds = measure(args.rounds, args.calls, args.kv_len, args.head_dim, jnp.dtype(args.dtype))
     print(f"host path of one decode call ({args.dtype}, kv_len {args.kv_len}, head dim "

@@ -1,26 +1,31 @@
-"""The xla implementation on an accelerator against jax.nn.dot_product_attention (prints a table;
-a benchmark, not a test).
+"""flash_attention on an NVIDIA GPU against jax.nn.dot_product_attention (prints tables; a
+benchmark, not a test).
 
-Usage: python benchmarks/xla_gpu.py [--lengths 1024,4096,16384,32768] [--dtypes bfloat16,float32]
-           [--schedules default,cpu,1024x2048,...] [--repeats 10] [--json PATH]
+Usage: python benchmarks/xla_gpu.py [--modes train,decode] [--lengths 1024,4096,16384,32768]
+           [--dtypes bfloat16,float16] [--schedules default,cpu,1024x2048,...]
+           [--decode-kv 8192,32768,131072] [--decode-q 1,4] [--decode-spans 8192x256,...]
+           [--methods "flash,jax.nn cudnn"] [--repeats 10] [--json PATH]
 
-Run from the repository root with PYTHONPATH=. (only the xla implementation is needed) and
-XLA_PYTHON_CLIENT_PREALLOCATE=false, so the compiled temporaries are what a program pays. For each
-length, dtype, causal setting and schedule it times forward+backward (``jax.vjp`` of the attention
-with a random output cotangent, returning dq, dk, dv; median of ``--repeats`` calls after one
-warm-up, methods interleaved) of flash_attention(implementation="xla"), of
-jax.nn.dot_product_attention with implementation="xla" and "cudnn" (where cuDNN takes the dtype),
-and reports forward+backward TFLOP/s (14 B H P D model FLOPs, P the visible pairs, as
-``python -m jax_flash_metal.benchmark``) and the compiled temporary memory
-(``memory_analysis().temp_size_in_bytes``). A jax.nn xla program whose temporaries exceed
-``--max-temp-gib`` is compiled but not run.
+Run from the repository root with PYTHONPATH=. and XLA_PYTHON_CLIENT_PREALLOCATE=false, so the
+compiled temporaries are what a program pays. Methods, interleaved, median of ``--repeats``
+calls after one warm-up: "flash" (flash_attention with the default chain: cuDNN where its
+predicate accepts the call, else the xla implementation), "flash xla" (implementation="xla"),
+"jax.nn xla" and "jax.nn cudnn" (jax.nn.dot_product_attention with that implementation).
 
-``--schedules`` names the xla implementation's schedules to compare (``xla_schedule``): "default"
-(the table entry of this device's platform), "cpu" (the cpu entry, run on this device; only at
-lengths up to ``--cpu-max-len``, it is slow here), "BQxBK" (that entry with block_q BQ and
-block_k BK) or "BQxBKxINNER" (and inner_block INNER, 0 for none). For float32 inputs jax.nn's
-xla path is also timed at ``jax.default_matmul_precision("highest")`` (its default on GPUs is
-TF32), the precision the xla implementation keeps.
+``train`` rows: for each length, dtype and causal setting, forward+backward (``jax.vjp`` with a
+random output cotangent, returning dq, dk, dv), forward+backward TFLOP/s (14 B H P D model
+FLOPs, P the visible pairs, as ``python -m jax_flash_metal.benchmark``) and the compiled
+temporary memory (``memory_analysis().temp_size_in_bytes``). A jax.nn xla program whose
+temporaries exceed ``--max-temp-gib`` is compiled but not run. ``--schedules`` adds "flash xla"
+rows with other schedules of the xla implementation (``xla_schedule``): "cpu" (only up to
+``--cpu-max-len``), "BQxBK" or "BQxBKxINNER" (INNER 0 for none).
+
+``decode`` rows: the forward of q_len ``--decode-q`` queries against a KV cache of
+``--decode-kv`` keys (batch 8, 32 query / 8 KV heads, D 128, bfloat16 by default), with per-batch
+lengths from the full cache down to 9/16 of it; GB/s counts the K/V bytes of the valid keys, %
+compares it with the measured copy bandwidth of this device (a jitted elementwise pass over a
+2 GiB array, bytes read + written). ``--decode-spans`` adds "flash xla" rows with other
+(SPAN x CHUNK) sizes of ``xla/decode.py``.
 """
 
 import argparse
@@ -31,10 +36,13 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_flash_metal import flash_attention
-from jax_flash_metal.xla import schedule as xla_schedule
 from jax_flash_metal.tools.benchmark_model import attention_flops, inputs
+from jax_flash_metal.xla import decode as xla_decode
+from jax_flash_metal.xla import schedule as xla_schedule
+from jax_flash_metal.tools.cli import HelpFormatter
 
 
 def _fwd_bwd(attention, causal):
@@ -84,52 +92,66 @@ def _median_ms(compiled: dict, args, repeats):
 
 
 def _nn(implementation):
-    return lambda q, k, v, causal: jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, implementation=implementation)
+    return lambda q, k, v, causal, **kw: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation=implementation, **kw)
 
 
-def _flash(q, k, v, causal):
-    return flash_attention(q, k, v, is_causal=causal, implementation="xla")
+def _flash(implementation):
+    return lambda q, k, v, causal, **kw: flash_attention(
+        q, k, v, is_causal=causal, implementation=implementation, **kw)
 
 
-def measure(length, dtype, causal, schedules, args):
-    q, k, v, ct = inputs(batch=args.batch, seq_len=length, heads=args.heads, kv_heads=args.heads,
-                         head_dim=args.head_dim, dtype=jnp.dtype(dtype))
-    operands = (q, k, v, ct)
-    compiled, temp, notes = {}, {}, {}
-    platform = jax.devices()[0].platform
+@contextlib.contextmanager
+def _patched(module, **values):
+    """Module attributes set to ``values`` for one compile."""
+    saved = {n: getattr(module, n) for n in values}
+    for n, x in values.items():
+        setattr(module, n, x)
+    try:
+        yield
+    finally:
+        for n, x in saved.items():
+            setattr(module, n, x)
+
+
+def _schedule_table(name, platform):
     entry = platform if platform in xla_schedule.SCHEDULES else "default"
-    table = dict(xla_schedule.SCHEDULES)
-    for name in schedules:
-        if name == "cpu" and length > args.cpu_max_len:
-            continue
-        # The table entry this device lowers with, set for this compile only.
-        xla_schedule.SCHEDULES[entry] = _schedule(name, platform)
-        try:
-            fn, temp[f"flash:{name}"], notes[f"flash:{name}"] = _compile(
-                _fwd_bwd(_flash, causal), operands)
-        finally:
-            xla_schedule.SCHEDULES.clear()
-            xla_schedule.SCHEDULES.update(table)
-        compiled[f"flash:{name}"] = fn
-    nn = [("jax.nn xla", "xla", None), ("jax.nn cudnn", "cudnn", None)]
-    if jnp.dtype(dtype) == jnp.float32:
-        nn.insert(1, ("jax.nn xla highest", "xla", "highest"))
-    for name, impl, precision in nn:
-        with (contextlib.nullcontext() if precision is None
-              else jax.default_matmul_precision(precision)):
-            fn, temp[name], notes[name] = _compile(_fwd_bwd(_nn(impl), causal), operands)
-        if fn is not None and temp[name] > args.max_temp_gib * 2 ** 30:
-            notes[name], fn = "temporaries over --max-temp-gib: not run", None
-        compiled[name] = fn
-    ms = _median_ms({n: f for n, f in compiled.items() if f is not None}, operands, args.repeats)
-    flops = attention_flops(args.batch, args.heads, length, length, args.head_dim, causal)[1]
+    return _patched_item(xla_schedule.SCHEDULES, entry, _schedule(name, platform))
+
+
+@contextlib.contextmanager
+def _patched_item(table, key, value):
+    saved = table[key]
+    table[key] = value
+    try:
+        yield
+    finally:
+        table[key] = saved
+
+
+def _chosen(methods, args):
+    """The methods ``--methods`` names (all by default)."""
+    return {n: m for n, m in methods.items() if not args.methods or n in args.methods}
+
+
+def _compile_all(methods, operands, args):
+    """{name: compiled or None}, {name: temp bytes}, {name: compile seconds or error text}
+    for methods {name: (function, context manager factory or None)}."""
+    compiled, temp, notes = {}, {}, {}
+    for name, (fn, context) in methods.items():
+        with (context() if context else contextlib.nullcontext()):
+            compiled[name], temp[name], notes[name] = _compile(fn, operands)
+        if (name.startswith("jax.nn xla") and compiled[name] is not None
+                and temp[name] > args.max_temp_gib * 2 ** 30):
+            notes[name], compiled[name] = "temporaries over --max-temp-gib: not run", None
+    return compiled, temp, notes
+
+
+def _rows(compiled, temp, notes, ms, **fields):
     rows = []
     for name in compiled:
         t = ms.get(name)
-        rows.append(dict(length=length, dtype=dtype, causal=causal, method=name,
-                         ms=t if isinstance(t, float) else None,
-                         tflops=flops / (t * 1e-3) / 1e12 if isinstance(t, float) else None,
+        rows.append(dict(fields, method=name, ms=t if isinstance(t, float) else None,
                          temp_mib=None if temp.get(name) is None else temp[name] / 2 ** 20,
                          note=t if isinstance(t, str) else (
                              notes[name] if isinstance(notes[name], str) else None),
@@ -137,8 +159,86 @@ def measure(length, dtype, causal, schedules, args):
     return rows
 
 
+def measure(length, dtype, causal, schedules, args):
+    q, k, v, ct = inputs(batch=args.batch, seq_len=length, heads=args.heads, kv_heads=args.heads,
+                         head_dim=args.head_dim, dtype=jnp.dtype(dtype))
+    operands = (q, k, v, ct)
+    platform = jax.devices()[0].platform
+    methods = {"flash": (_fwd_bwd(_flash(None), causal), None)}
+    for name in schedules:
+        if name == "cpu" and length > args.cpu_max_len:
+            continue
+        label = "flash xla" if name == "default" else f"flash xla:{name}"
+        methods[label] = (_fwd_bwd(_flash("xla"), causal),
+                          lambda name=name: _schedule_table(name, platform))
+    methods["jax.nn xla"] = (_fwd_bwd(_nn("xla"), causal), None)
+    methods["jax.nn cudnn"] = (_fwd_bwd(_nn("cudnn"), causal), None)
+    if jnp.dtype(dtype) == jnp.float32:
+        methods["jax.nn xla highest"] = (_fwd_bwd(_nn("xla"), causal),
+                                         lambda: jax.default_matmul_precision("highest"))
+    compiled, temp, notes = _compile_all(_chosen(methods, args), operands, args)
+    ms = _median_ms({n: f for n, f in compiled.items() if f is not None}, operands, args.repeats)
+    flops = attention_flops(args.batch, args.heads, length, length, args.head_dim, causal)[1]
+    rows = _rows(compiled, temp, notes, ms, length=length, dtype=dtype, causal=causal)
+    for r in rows:
+        r["tflops"] = None if r["ms"] is None else flops / (r["ms"] * 1e-3) / 1e12
+    return rows
+
+
+def copy_bandwidth(repeats, gib=2):
+    """GB/s (1e9 bytes) of a jitted elementwise pass over a ``gib`` GiB bfloat16 array, bytes
+    read plus written: the device's practical memory bandwidth."""
+    x = jnp.ones((gib * 2 ** 29,), jnp.bfloat16)
+    f = jax.jit(lambda x: x * jnp.bfloat16(1.5)).lower(x).compile()
+    ms = _median_ms({"copy": f}, (x,), repeats)["copy"]
+    return 2 * x.nbytes / (ms * 1e-3) / 1e9
+
+
+def _decode_lengths(batch, kv_len):
+    """int32 [batch]: kv_len down to 9/16 of it in equal steps."""
+    return jnp.asarray([kv_len - (b * kv_len) // (2 * batch) for b in range(batch)], jnp.int32)
+
+
+def measure_decode(kv_len, q_len, spans, copy_gbs, args):
+    dtype = jnp.dtype(args.decode_dtype)
+    q, k, v, _ = inputs(batch=args.decode_batch, seq_len=kv_len, heads=args.decode_heads,
+                        kv_heads=args.decode_kv_heads, head_dim=args.head_dim, dtype=dtype,
+                        q_len=q_len)
+    lengths = _decode_lengths(args.decode_batch, kv_len)
+    operands = (q, k, v, lengths)
+
+    def forward(attention):
+        return lambda q, k, v, n: attention(q, k, v, False, key_value_seq_lengths=n)
+
+    methods = {"flash": (forward(_flash(None)), None),
+               "flash xla": (forward(_flash("xla")), None)}
+    for name in spans:
+        span, chunk = (int(x) for x in name.split("x"))
+        methods[f"flash xla:{name}"] = (forward(_flash("xla")),
+                                        lambda s=span, c=chunk: _patched(xla_decode, SPAN=s,
+                                                                         CHUNK=c))
+    methods["jax.nn xla"] = (forward(_nn("xla")), None)
+    methods["jax.nn cudnn"] = (forward(_nn("cudnn")), None)
+    compiled, temp, notes = _compile_all(_chosen(methods, args), operands, args)
+    ms = _median_ms({n: f for n, f in compiled.items() if f is not None}, operands, args.repeats)
+    valid = int(np.sum(np.asarray(lengths))) * args.decode_kv_heads * args.head_dim * 2
+    valid_bytes = valid * dtype.itemsize
+    rows = _rows(compiled, temp, notes, ms, length=kv_len, dtype=dtype.name, q_len=q_len,
+                 kv_gib=2 * k.nbytes / 2 ** 30)
+    for r in rows:
+        r["gbs"] = None if r["ms"] is None else valid_bytes / (r["ms"] * 1e-3) / 1e9
+        r["pct_copy"] = None if r["gbs"] is None else 100 * r["gbs"] / copy_gbs
+    return rows
+
+
 def _cell(x, spec):
     return "-" if x is None else format(x, spec)
+
+
+def _table(head, body):
+    widths = [max(len(c) for c in col) for col in zip(head, *body)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths))
+                     for line in [head, *body])
 
 
 def format_rows(rows):
@@ -147,44 +247,89 @@ def format_rows(rows):
     body = [(str(r["length"]), r["dtype"], "yes" if r["causal"] else "no", r["method"],
              _cell(r["ms"], ".2f"), _cell(r["tflops"], ".1f"), _cell(r["temp_mib"], ".0f"),
              _cell(r["compile_s"], ".1f"), r["note"] or "") for r in rows]
-    widths = [max(len(c) for c in col) for col in zip(head, *body)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths))
-                     for line in [head, *body])
+    return _table(head, body)
+
+
+def format_decode_rows(rows):
+    head = ("kv_len", "q_len", "method", "fwd ms", "GB/s", "% copy", "temp MiB", "K/V GiB",
+            "note")
+    body = [(str(r["length"]), str(r["q_len"]), r["method"], _cell(r["ms"], ".3f"),
+             _cell(r["gbs"], ".0f"), _cell(r["pct_copy"], ".0f"), _cell(r["temp_mib"], ".0f"),
+             f"{r['kv_gib']:.2f}", r["note"] or "") for r in rows]
+    return _table(head, body)
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     names = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--lengths", type=ints, default=[1024, 4096, 16384, 32768])
-    p.add_argument("--dtypes", type=names, default=["bfloat16", "float32"])
-    p.add_argument("--causal", choices=["both", "on", "off"], default="both")
-    p.add_argument("--schedules", type=names, default=["default"])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--cpu-max-len", type=int, default=4096)
-    p.add_argument("--max-temp-gib", type=float, default=100.0)
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--modes", type=names, default=["train", "decode"],
+                   help='comma-separated: "train" (forward+backward rows), "decode" rows')
+    p.add_argument("--lengths", type=ints, default=[1024, 4096, 16384, 32768],
+                   help="comma-separated sequence lengths of the train rows")
+    p.add_argument("--dtypes", type=names, default=["bfloat16", "float16"],
+                   help="comma-separated input dtypes of the train rows")
+    p.add_argument("--causal", choices=["both", "on", "off"], default="both",
+                   help="causal, non-causal or both")
+    p.add_argument("--schedules", type=names, default=["default"],
+                   help='comma-separated xla schedules: "default", "cpu", "BQxBK" or '
+                        '"BQxBKxINNER" (see above)')
+    p.add_argument("--batch", type=int, default=4, help="batch size of the train rows")
+    p.add_argument("--heads", type=int, default=16, help="query and kv heads of the train rows")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim")
+    p.add_argument("--decode-kv", type=ints, default=[8192, 32768, 131072],
+                   help="comma-separated KV cache lengths of the decode rows")
+    p.add_argument("--decode-q", type=ints, default=[1, 4],
+                   help="comma-separated query lengths of the decode rows")
+    p.add_argument("--decode-batch", type=int, default=8, help="batch size of the decode rows")
+    p.add_argument("--decode-heads", type=int, default=32, help="query heads of the decode rows")
+    p.add_argument("--decode-kv-heads", type=int, default=8, help="kv heads of the decode rows")
+    p.add_argument("--decode-dtype", default="bfloat16", help="dtype of the decode rows")
+    p.add_argument("--decode-spans", type=names, default=[],
+                   help="comma-separated span counts of the xla decode to compare (default: "
+                        "its own choice)")
+    p.add_argument("--methods", type=names, default=[],
+                   help='only these methods, e.g. "flash,jax.nn cudnn" (default: all)')
+    p.add_argument("--repeats", type=int, default=10,
+                   help="timed calls per method; the median is shown")
+    p.add_argument("--cpu-max-len", type=int, default=4096,
+                   help='longest length the "cpu" schedule runs at')
+    p.add_argument("--max-temp-gib", type=float, default=100.0,
+                   help="a jax.nn xla program with more temporaries (GiB) is compiled, not run")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     args = p.parse_args()
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, batch {args.batch}, heads "
-          f"{args.heads}, head dim {args.head_dim}, jax_default_matmul_precision "
-          f"{jax.config.jax_default_matmul_precision}; forward+backward, median of "
-          f"{args.repeats}", flush=True)
-    causal_modes = {"both": [False, True], "on": [True], "off": [False]}[args.causal]
-    rows = []
-    for dtype in args.dtypes:
-        for causal in causal_modes:
-            for length in args.lengths:
-                point = measure(length, dtype, causal, args.schedules, args)
-                print(format_rows(point).split("\n", 1)[1], flush=True)
-                rows += point
-    print()
-    print(format_rows(rows))
+    device = jax.devices()[0]
+    print(f"jax {jax.__version__}, {device.device_kind}, jax_default_matmul_precision "
+          f"{jax.config.jax_default_matmul_precision}; median of {args.repeats}", flush=True)
+    rows = {"train": [], "decode": []}
+    if "train" in args.modes:
+        print(f"train: batch {args.batch}, heads {args.heads}, head dim {args.head_dim}, "
+              "forward+backward", flush=True)
+        causal_modes = {"both": [False, True], "on": [True], "off": [False]}[args.causal]
+        for dtype in args.dtypes:
+            for causal in causal_modes:
+                for length in args.lengths:
+                    point = measure(length, dtype, causal, args.schedules, args)
+                    print(format_rows(point).split("\n", 1)[1], flush=True)
+                    rows["train"] += point
+        print()
+        print(format_rows(rows["train"]), flush=True)
+    if "decode" in args.modes:
+        copy_gbs = copy_bandwidth(args.repeats)
+        print(f"\ndecode: copy bandwidth {copy_gbs:.0f} GB/s; batch {args.decode_batch}, heads "
+              f"{args.decode_heads}/{args.decode_kv_heads}, head dim {args.head_dim}, "
+              f"{args.decode_dtype}, per-batch lengths kv_len .. 9/16 kv_len, forward",
+              flush=True)
+        for q_len in args.decode_q:
+            for kv_len in args.decode_kv:
+                point = measure_decode(kv_len, q_len, args.decode_spans, copy_gbs, args)
+                print(format_decode_rows(point).split("\n", 1)[1], flush=True)
+                rows["decode"] += point
+        print()
+        print(format_decode_rows(rows["decode"]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(rows, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -42,18 +42,20 @@ import dataclasses
 import json
 import platform
 import sys
+import textwrap
 
 import jax
 import numpy as np
 
 import jax_flash_metal
 from jax_flash_metal import implementations
-from jax_flash_metal.tools.benchmark_model import (Row, apple_gpu_peak_tflops, methods,
-                                                   run_benchmark, system_gpu_cores)
-from jax_flash_metal.tools.benchmark_tables import (_pyplot, format_growth, format_ratios,
-                                                    format_table, memory_growth, plot, ratios)
-from jax_flash_metal.tools.cli import (HelpFormatter, add_problem_flags, check_problem_flags,
-                                       progress_bar)
+from jax_flash_metal.tools.benchmark_model import (NOISY_NOTE, Row, apple_gpu_peak_tflops,
+                                                   methods, run_benchmark, system_gpu_cores)
+from jax_flash_metal.tools.benchmark_tables import (MEMORY_NOTE, _pyplot, format_growth,
+                                                    format_ratios, format_table, memory_growth,
+                                                    plot, ratios)
+from jax_flash_metal.tools.cli import (WIDTH, HelpFormatter, add_problem_flags,
+                                       check_problem_flags, count, progress_bar)
 
 EMULATOR_NOTE = ("flash:emulator runs the Metal kernels in the MSL-on-CPU emulator: slow by design "
                  "(it exists to test the kernels without a Mac), so it is timed only at small "
@@ -122,20 +124,25 @@ def main(argv=None) -> list[Row]:
                    f"{platform.machine()} {platform.system()}, {jax.device_count()} "
                    f"{jax.default_backend()} device(s), numpy {np.__version__}")
     print(environment)
-    print("implementations: " + "; ".join(f"{k}: {v}" for k, v in where.items()))
-    print(f"batch {args.batch}, heads {args.heads}/{args.kv_heads} (q/kv), "
-          f"{args.dtype}, median of {args.repeats} after 1 warm-up; compile time median of "
-          f"{args.compile_rounds} rounds; lengths > {args.run_up_to} compile-only (memory only)")
+    print(textwrap.fill("implementations: " + "; ".join(f"{k}: {v}" for k, v in where.items()),
+                        WIDTH))
+    print(textwrap.fill(
+        f"batch {args.batch}, heads {args.heads}/{args.kv_heads} (q/kv), "
+        f"{args.dtype}, median of {args.repeats} (up to {3 * args.repeats} while noisy) after 1 "
+        f"warm-up; compile time median of {count(args.compile_rounds, 'round')}; lengths > "
+        f"{args.run_up_to} compile-only (memory only)", WIDTH))
     if gpu:
         print(f"GPU: {gpu}")
     if "flash:metal" in names:
-        print("GPU ms: flash:metal's Metal command buffers (GPUEndTime - GPUStartTime), median per "
-              "call; % peak from GPU time where measured, else wall time")
+        print(textwrap.fill("GPU ms: flash:metal's Metal command buffers (GPUEndTime - "
+                            "GPUStartTime), median per call; % peak from GPU time where "
+                            "measured, else wall time", WIDTH))
     if "flash:emulator" in names:
-        print(f"{EMULATOR_NOTE} (up to {args.emulator_max_len} x {args.emulator_max_len} "
-              "query-key pairs; larger: memory only)")
-    print("FLOPs: forward 4*B*H*P*D, forward+backward 14*B*H*P*D, P = visible (query, key) pairs "
-          "(T*T, or T*(T+1)/2 causal)")
+        print(textwrap.fill(f"{EMULATOR_NOTE} (up to {args.emulator_max_len} x "
+                            f"{args.emulator_max_len} query-key pairs; larger: memory only)",
+                            WIDTH))
+    print(textwrap.fill("FLOPs: forward 4*B*H*P*D, forward+backward 14*B*H*P*D, P = visible "
+                        "(query, key) pairs (T*T, or T*(T+1)/2 causal)", WIDTH))
     print(flush=True)
     bar = progress_bar(0, "benchmark", enabled=not args.no_progress)
     try:
@@ -148,11 +155,18 @@ def main(argv=None) -> list[Row]:
     finally:
         bar.close()
     print(format_table(rows, peak))
+    print(textwrap.fill(MEMORY_NOTE, WIDTH))
+    if any(r.noisy for r in rows):
+        print(textwrap.fill(NOISY_NOTE, WIDTH))
     entries = ratios(rows, args.ratio_method)
+    dropout = ratios(rows, "flash:xla+dropout", "flash:xla")
     growth = memory_growth(rows)
     if entries:
         print()
         print(format_ratios(entries, args.ratio_method, "jax.nn"))
+    if dropout:
+        print()
+        print(format_ratios(dropout, "flash:xla+dropout", "flash:xla"))
     if growth:
         print()
         print(format_growth(growth))
@@ -162,6 +176,7 @@ def main(argv=None) -> list[Row]:
                            heads=args.heads, kv_heads=args.kv_heads or args.heads,
                            dtype=args.dtype, repeats=args.repeats,
                            rows=[dataclasses.asdict(r) for r in rows], ratios=entries,
+                           dropout_ratios=dropout,
                            memory_growth=growth), f, indent=1)
         print(f"JSON written to {args.json}")
     if args.plot:

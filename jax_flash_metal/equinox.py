@@ -14,12 +14,15 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ._extras import needs
 from .attention import flash_attention
 from .core.contract import Implementation
+
+with needs("equinox", "jax_flash_metal.equinox", ("equinox",)):
+    import equinox as eqx
 
 
 class MultiheadAttention(eqx.nn.MultiheadAttention):

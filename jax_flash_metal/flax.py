@@ -13,11 +13,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax.linen.dtypes import canonicalize_dtype
 
+from ._extras import needs
 from .attention import attend
 from .core.contract import Implementation
 from .core.options import Options
+
+with needs("flax", "jax_flash_metal.flax", ("flax",)):
+    from flax.linen.dtypes import canonicalize_dtype
 
 
 def _refuse(name: str, value: Any, why: str) -> None:

@@ -1,7 +1,8 @@
 """The implementations that can run here: "xla" (FlashAttention-2 in ``jax.numpy``, any
 platform), "metal" (the Metal kernels through an XLA FFI call on the ``cpu`` platform) and
-"emulator" (the same FFI handler on the MSL-on-CPU emulator, for testing). Which one runs a
-call: docs/design.md#implementation-choice.
+"emulator" (the same FFI handler on the MSL-on-CPU emulator, for testing); "cudnn" (jax.nn's
+cuDNN attention, NVIDIA GPUs) is decided per call when it is traced (docs/gpu.md). Which one
+runs a call: docs/design.md#implementation-choice.
 """
 
 from __future__ import annotations

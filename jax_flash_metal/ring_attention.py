@@ -1,12 +1,14 @@
 """Context parallelism: ``flash_attention(..., sequence_axis_name=name)`` inside ``shard_map``.
 
 Device i of the named axis (n devices) holds the contiguous slice of positions
-[i * T / n, (i + 1) * T / n) of the query and of the key/value sequences. Ring attention (Liu
-et al., "Ring Attention with Blockwise Transformers", 2023): the K/V slices travel around the axis
-with ``lax.ppermute`` while each device folds each one into its rows' online-softmax state: block
-j gives (O_j, LSE_j, m_j, log l_j) from one forward primitive call on the local slices, and the
-states merge exactly: m = max_j m_j, l = sum_j l_j exp(m_j - m), O = sum_j (l_j exp(m_j - m) /
-l) O_j, LSE = m + log l.
+[i * T / n, (i + 1) * T / n) of the query and of the key/value sequences (other layouts below).
+Each device folds every key slice j into its rows' online-softmax state: block j gives (O_j,
+LSE_j, m_j, log l_j) from one forward primitive call on the local slices, and the states merge
+exactly: m = max_j m_j, l = sum_j l_j exp(m_j - m), O = sum_j (l_j exp(m_j - m) / l) O_j, LSE =
+m + log l. Two strategies bring the key slices (``sequence_strategy``): "ring" (Liu et al.,
+"Ring Attention with Blockwise Transformers", 2023): the K/V slices travel around the axis with
+``lax.ppermute``, one step per device; "all_gather" (the default, docs/parallelism.md says why):
+K/V (and key segment ids) are gathered over the axis once and every slice is read in place.
 
 Visibility uses global positions (``visibility.Band`` over the whole sequences): per (query
 slice, key slice) pair the schedule is "hidden" (skipped: no kernel runs; causal attention skips
@@ -16,22 +18,30 @@ lengths or bottom-right alignment gets the band as a mask). Segment ids travel w
 join once, after the ring, as one more logit per row.
 
 The backward (a ``jax.custom_vjp`` around the ring) rotates K/V the same way, and dK/dV with
-them, so each slice's gradient is back on its own device after n steps. Each visible pair runs
+them, so each slice's gradient is back on its own device after n steps (all_gather: dK/dV of
+the whole sequence, reduce-scattered back with ``lax.psum_scatter``). Each visible pair runs
 one backward primitive call with the whole call's residuals (the merged O, LSE, m and log l):
 its P = exp((S - m) - log l) is the whole softmax restricted to the pair's keys and its D =
 rowsum(dO * O) - g_lse the whole call's, so the FlashAttention-2 backward of the pair gives
 exactly the pair's share of dQ, dK and dV, and no block's forward is computed again. Memory
-per device: the local slices, the traveling K/V slice and dK/dV (two of each in flight while
-they move) and the O/LSE state; nothing of size T x T or of the whole sequence.
+per device (ring): the local slices, the traveling K/V slice and dK/dV (two of each in flight
+while they move) and the O/LSE state; nothing of size T x T or of the whole sequence
+(all_gather: K/V and dK/dV of the whole sequence).
 
 ``sequence_layout="striped"`` (Brandon et al., "Striped Attention", 2023): device i holds
 positions i, i + n, i + 2n, ... instead (``stripe`` / ``unstripe`` reorder whole arrays), so no
 pair is hidden under causal attention but each is about half visible and every device does the
 same work: a pair j <= i is a top-left causal call, j > i a bottom-right one whose last key is
-padding.
+padding. ``sequence_layout="zigzag"`` (MaxText's "dual chunk swap"): 2n chunks, device i
+holds chunks i and 2n - 1 - i (``zigzag`` / ``unzigzag``), so causal work is even and each
+device's positions are two contiguous ranges (its pairs are whole, hidden or a diagonal).
+``causal_work`` / ``causal_balance`` measure the balance of a layout.
 
-Not supported with a sequence axis (ValueError): bias and mask (arrays over the whole score
-matrix; express them with lengths, windows or segment ids).
+ALiBi uses global distances: each pair gets -slope * |i + off - j| over its global positions as
+a bias (the primitives' own ALiBi would use the pieces' local positions), and dslopes sums the
+pairs' -distance-weighted bias gradients. Not supported with a sequence axis (ValueError): bias
+and mask (arrays over the whole score matrix; express them with lengths, windows or segment
+ids); dropout and page_table.
 """
 
 from __future__ import annotations
@@ -45,8 +55,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .core import dropout, validation, visibility
+from .core._jax_private import vary_like, vary_together
 from .core.contract import UNBOUNDED, Operands, StaticParams
 from .core.options import Options
+from .lowering import sharding
 from .lowering.primitives import bwd_p, fwd_p
 
 F32 = jnp.float32
@@ -75,15 +87,20 @@ class _Ring(NamedTuple):
     q_chunk: int  # positions per device
     kv_chunk: int
     params: StaticParams  # of the whole call (validation.check_inputs)
-    striped: bool = False  # sequence_layout="striped"
+    layout: str = "contiguous"  # sequence_layout
+    strategy: str = "ring"  # sequence_strategy
+
+    @property
+    def striped(self):
+        return self.layout == "striped"
 
     @property
     def q_piece(self):
-        return piece_length(self.q_chunk)
+        return piece_length(self.q_chunk // (2 if self.layout == "zigzag" else 1))
 
     @property
     def kv_piece(self):
-        return piece_length(self.kv_chunk)
+        return piece_length(self.kv_chunk // (2 if self.layout == "zigzag" else 1))
 
     @property
     def positional(self):
@@ -94,9 +111,14 @@ class _Ring(NamedTuple):
     def positions(self, index, chunk, piece, length):
         """(first, stride): piece ``piece`` (``length`` positions) of slice ``index`` (``chunk``
         positions) holds the positions first + stride * arange(length)."""
-        if self.striped:
-            return index + self.size * piece * length, self.size
-        return index * chunk + piece * length, 1
+        start = piece * length
+        if self.layout == "striped":
+            return index + self.size * start, self.size
+        if self.layout == "zigzag":  # chunks index and 2n - 1 - index of 2n, chunk/2 each
+            half = chunk // 2
+            return jnp.where(start < half, index * half + start,
+                             (2 * self.size - 1 - index) * half + start - half), 1
+        return index * chunk + start, 1
 
     def rows(self, i, r):
         first, stride = self.positions(i, self.q_chunk, r, self.q_piece)
@@ -115,8 +137,9 @@ class _Ring(NamedTuple):
 
     def only_causal(self, has_lengths):
         """Whether causal attention is the only rule (no window, no lengths, equal slices):
-        every "partial" pair is then the contiguous layout's diagonal one (a top-left causal
-        call), or in the striped layout one of two causal shapes (``_Pair.run``)."""
+        every "partial" pair is then a diagonal one in the contiguous and zigzag layouts (the
+        same positions on both sides: a top-left causal call), or in the striped layout one of
+        two causal shapes (``_Pair.run``)."""
         p = self.params
         return (p.is_causal and p.window_left < 0 and p.window_right < 0
                 and not has_lengths and self.q_chunk == self.kv_chunk)
@@ -154,15 +177,17 @@ def block_schedule(num_devices, q_len, kv_len=None, *, is_causal=False, local_wi
         holds an equal slice).
     """
     kv_len = q_len if kv_len is None else kv_len
+    layout = _check_layout(sequence_layout)
+    parts = num_devices * (2 if layout == "zigzag" else 1)
     for name, length in (("q_len", q_len), ("kv_len", kv_len)):
-        if length % num_devices:
-            raise ValueError(f"{name}={length} is not a multiple of num_devices={num_devices}: "
-                             "each device holds an equal slice of the sequence")
+        if length % parts:
+            raise ValueError(f"{name}={length} is not a multiple of {parts} (num_devices="
+                             f"{num_devices}, {layout}): each device holds an equal slice of the "
+                             "sequence")
     left, right = validation.check_window(local_window_size)
     params = StaticParams(1.0, is_causal, left, right, causal_alignment == "bottom_right",
                           False, False, None)
-    ring = _Ring(None, num_devices, q_len // num_devices, kv_len // num_devices, params,
-                 _check_layout(sequence_layout))
+    ring = _Ring(None, num_devices, q_len // num_devices, kv_len // num_devices, params, layout)
     m_q, m_kv = ring.q_chunk // ring.q_piece, ring.kv_chunk // ring.kv_piece
     with jax.ensure_compile_time_eval():
         band = ring.band(1, None, None)
@@ -186,12 +211,11 @@ def _axis_size(axis_name):
 
 
 def shard_map(f, mesh, in_specs, out_specs):
-    """``jax.shard_map`` (JAX 0.7 and newer) or ``jax.experimental.shard_map.shard_map``
-    (older), fully manual over ``mesh``, with the replication check off (JAX's check does not
-    see through the ring's ``custom_vjp``)."""
+    """``jax.shard_map`` (JAX 0.7 and newer, with its default check of varying manual axes)
+    or ``jax.experimental.shard_map.shard_map`` (older, whose replication check does not see
+    through a ``custom_vjp``: off), fully manual over ``mesh``."""
     if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     from jax.experimental.shard_map import shard_map as legacy
     return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
@@ -210,7 +234,8 @@ def _with_piece(x, part, index, length, axis=1):
 
 class _Pair(NamedTuple):
     """One block step on one device: query piece r of its slice i against key piece p of the
-    key slice j it holds."""
+    key slice j it holds, at piece ``slot`` of the key arrays it holds (the ring's one
+    traveling slice: p; all_gather's whole sequence, in slices: j * pieces per slice + p)."""
 
     ring: _Ring
     band: visibility.Band
@@ -219,22 +244,33 @@ class _Pair(NamedTuple):
     r: jax.Array
     j: jax.Array
     p: jax.Array
+    slot: jax.Array
 
     def kind(self):
         return block_kind(self.ring, self.band, self.i, self.r, self.j, self.p)
 
-    def run(self, kind, block, q_seg, kv_seg):
+    def alibi_distance(self):
+        """float32 [B, q piece, key piece]: |i + off_b - j| over the pair's global positions
+        (ALiBi's distance, off_b the causal-alignment offset)."""
+        rows, keys = self.ring.rows(self.i, self.r), self.ring.keys(self.j, self.p)
+        diag = rows[None, :, None] + self.band.offset[:, None, None]
+        return jnp.abs(diag - keys[None, None, :]).astype(F32)
+
+    def run(self, kind, block, q_seg, kv_seg, slopes):
         """``block(params, operands)`` for a FULL or PARTIAL pair, with the static params and
         optional operands (``contract``) of the primitive call on the two pieces that gives
         this pair's part of the whole call: the call's scale, soft cap, segment ids (of the
-        pieces) and implementation; no positional rule (FULL), the causal diagonal (PARTIAL
-        under causal attention only) or the band as a mask (any other PARTIAL pair)."""
+        pieces) and implementation, ALiBi slopes [B, H] (or None) as the bias of the pair's
+        global distances; no positional rule (FULL), the causal diagonal (PARTIAL under causal
+        attention only) or the band as a mask (any other PARTIAL pair)."""
         ring = self.ring
         params = ring.params._replace(
             is_causal=False, window_left=UNBOUNDED, window_right=UNBOUNDED, bottom_right=False,
-            has_q_lengths=False, has_kv_lengths=False, has_bias=False, has_mask=False,
-            has_sinks=False)
-        operands = Operands(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+            has_q_lengths=False, has_kv_lengths=False, has_bias=slopes is not None,
+            has_mask=False, has_sinks=False, has_alibi=False)
+        bias = None if slopes is None else -slopes[:, :, None, None] * self.alibi_distance()[
+            :, None]
+        operands = Operands(q_segment_ids=q_seg, kv_segment_ids=kv_seg, bias=bias)
         if kind == FULL:
             return block(params, operands)
         if not ring.only_causal(self.lengths):
@@ -272,9 +308,10 @@ class _State(NamedTuple):
 def _initial_state(q, v):
     batch, q_chunk, heads, _ = q.shape
     row = (batch, heads, q_chunk)
-    return _State(jnp.zeros((batch, q_chunk, heads, v.shape[3]), F32),
-                  jnp.full(row, -jnp.inf, F32),
-                  jnp.full(row, jnp.finfo(F32).min, F32), jnp.zeros(row, F32))
+    state = _State(jnp.zeros((batch, q_chunk, heads, v.shape[3]), F32),
+                   jnp.full(row, -jnp.inf, F32),
+                   jnp.full(row, jnp.finfo(F32).min, F32), jnp.zeros(row, F32))
+    return _State(*(vary_like(x, q) for x in state))
 
 
 def _merge(a: _State, b: _State):
@@ -327,33 +364,52 @@ def _switch(pair, branch, *operands):
 
 
 def _ring_loop(ring, q, q_lengths, kv_lengths, accumulators, traveling, block_step):
-    """(accumulators, traveling) after every block step of this device: for each ring step s
-    (key slice j = (i - s) mod n held), each key piece p of it and each query piece r,
-    ``block_step(pair, accumulators, traveling)`` gives the new pair of them; each key piece is
-    passed on once every query piece has used it (``_pass_piece``), so after n steps every
-    traveling slice is back on its own device."""
+    """(accumulators, traveling) after every block step of this device: for each step s (key
+    slice j = (i - s) mod n), each key piece p of it and each query piece r,
+    ``block_step(pair, accumulators, traveling)`` gives the new pair of them. The ring's
+    ``traveling`` hold slice j: each key piece is passed on once every query piece has used it
+    (``_pass_piece``), so after n steps every traveling slice is back on its own device;
+    all_gather's hold every slice (``_gathered``) and stay."""
     band = ring.band(q.shape[0], q_lengths, kv_lengths)
     lengths = q_lengths is not None or kv_lengths is not None
     i = jax.lax.axis_index(ring.axis_name)
+    pieces = ring.kv_chunk // ring.kv_piece
+    gathered = ring.strategy == "all_gather"
 
     def key_piece(s, p, carry):
-        def query_piece(r, carry):
-            return block_step(_Pair(ring, band, lengths, i, r, (i - s) % ring.size, p), *carry)
+        j = (i - s) % ring.size
+        slot = j * pieces + p if gathered else p
 
+        def query_piece(r, carry):
+            return block_step(_Pair(ring, band, lengths, i, r, j, p, slot), *carry)
+
+        accumulators, traveling = jax.lax.fori_loop(0, ring.q_chunk // ring.q_piece,
+                                                    query_piece, carry)
+        if gathered:
+            return accumulators, traveling
         # The barrier keeps the pass after the query pieces: XLA would otherwise see the
         # traveling slices leave the loop unchanged and pass the piece before it, keeping a
         # second copy of each traveling slice for the loop.
-        accumulators, traveling = jax.lax.optimization_barrier(jax.lax.fori_loop(
-            0, ring.q_chunk // ring.q_piece, query_piece, carry))
+        accumulators, traveling = jax.lax.optimization_barrier((accumulators, traveling))
         return accumulators, _pass_piece(ring, traveling, p)
 
     def step(s, carry):
-        return jax.lax.fori_loop(0, ring.kv_chunk // ring.kv_piece, partial(key_piece, s), carry)
+        return jax.lax.fori_loop(0, pieces, partial(key_piece, s), carry)
 
     return jax.lax.fori_loop(0, ring.size, step, (accumulators, traveling))
 
 
-def _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths):
+def _gathered(ring, xs):
+    """all_gather's key-side arrays: each of ``xs`` (sequence axis 1; None stays None) with
+    every device's slice, in device order (slice j at [j * chunk, (j + 1) * chunk)); the
+    ring's as they are."""
+    if ring.strategy != "all_gather":
+        return xs
+    return tuple(None if x is None else jax.lax.all_gather(x, ring.axis_name, axis=1, tiled=True)
+                 for x in xs)
+
+
+def _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes):
     """The _State of this device's query slice over the whole key sequence: one forward
     primitive call per visible pair of pieces, merged."""
     q_piece, kv_piece = ring.q_piece, ring.kv_piece
@@ -362,31 +418,46 @@ def _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths):
         def branch(kind, state, kv):
             if kind == HIDDEN:
                 return state
-            k, v, kv_seg = (_piece(x, pair.p, kv_piece) for x in kv)
+            k, v, kv_seg = (_piece(x, pair.slot, kv_piece) for x in kv)
             q_r = _piece(q, pair.r, q_piece)
             part = pair.run(kind, lambda params, operands: _State(*fwd_p.bind(
                 q_r, k, v, *operands.present(), **params._asdict())),
-                _piece(q_seg, pair.r, q_piece), kv_seg)
+                _piece(q_seg, pair.r, q_piece), kv_seg, slopes)
             return state.with_piece(_merge(state.piece(pair.r, q_piece), part), pair.r, q_piece)
 
         return _switch(pair, branch, state, kv), kv
 
-    return _ring_loop(ring, q, q_lengths, kv_lengths, _initial_state(q, v), (k, v, kv_seg),
-                      block_step)[0]
+    return _ring_loop(ring, q, q_lengths, kv_lengths, _initial_state(q, v),
+                      _gathered(ring, (k, v, kv_seg)), block_step)[0]
+
+
+# The roles (sharding._Layout) of _ring_attention's arguments, of a _State and of (dO, g_lse).
+_ARG_ROLES = ("q", "kv", "kv_v", "q_segment_ids", "kv_segment_ids", "q_lengths", "kv_lengths",
+              "alibi_slopes")
+_STATE_ROLES = ("q_v", "row", "row", "row")
+
+
+def _forward_state(ring, *args):
+    """The whole call's _State (O in the query's dtype), computed per shard of the batch or
+    head axes that a shard_map over the sequence axis alone leaves Explicit (the ring's own
+    arrays carry no sharding)."""
+    def per_shard(*args):
+        state = _forward(ring, *args)
+        return tuple(state._replace(o=state.o.astype(args[0].dtype)))
+
+    return _State(*sharding.on_explicit_shards(per_shard, args, _ARG_ROLES, _STATE_ROLES))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attention(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths):
-    state = _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths)
-    return state.o.astype(q.dtype), state.lse
+def _ring_attention(ring, *args):
+    state = _forward_state(ring, *args)
+    return state.o, state.lse
 
 
-def _ring_fwd(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths):
-    state = _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths)
-    o = state.o.astype(q.dtype)
+def _ring_fwd(ring, *args):
+    state = _forward_state(ring, *args)
     # The residuals are the whole call's: O, LSE, m and log l over every key slice.
-    return (o, state.lse), (q, k, v, q_seg, kv_seg, q_lengths, kv_lengths,
-                            state._replace(o=o))
+    return (state.o, state.lse), (args, state)
 
 
 def _add_piece(acc, part, index, length):
@@ -395,39 +466,64 @@ def _add_piece(acc, part, index, length):
 
 
 def _ring_bwd(ring, residuals, cotangents):
-    """dQ, dK, dV: each visible pair's backward primitive call with the whole call's residuals
+    """The cotangents of _ring_attention's arguments (``_backward``, per shard of any Explicit
+    batch or head axes, as ``_forward_state``)."""
+    args, state = residuals
+    do, g_lse = cotangents[0].astype(args[0].dtype), cotangents[1].astype(F32)
+    slopes = args[-1]
+    out_roles = ("q", "kv", "kv_v") + (() if slopes is None else ("alibi_slopes",))
+    grads = sharding.on_explicit_shards(partial(_backward, ring), (*args, *state, do, g_lse),
+                                        _ARG_ROLES + _STATE_ROLES + ("q_v", "row"), out_roles)
+    return (*grads[:3], None, None, None, None, None if slopes is None else grads[3])
+
+
+def _backward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes, o, lse, row_max,
+              log_sum, do, g_lse):
+    """dQ, dK, dV (and dslopes with ALiBi): each visible pair's backward primitive call with the whole call's residuals
     (its P = exp((S - m) - log l) is the whole call's softmax restricted to the pair's keys, and
     D = rowsum(dO * O) - g_lse the whole call's), so no block's forward is computed again; the
     dQ parts add up here, the dK/dV parts travel with their K/V slice and are home after n
-    steps."""
-    q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, state = residuals
+    steps; all_gather's dK/dV parts add up in whole-sequence buffers, reduce-scattered back
+    (each device gets the sum for its own slice). With ALiBi, each pair's bias gradient gives
+    its share of dslopes (the bias is -slope * distance)."""
     q_piece, kv_piece = ring.q_piece, ring.kv_piece
-    do, g_lse = cotangents[0].astype(q.dtype), cotangents[1].astype(F32)
-    rows = (q, state.o, do)  # [B, T, H, D]: pieces along axis 1
-    stats = (state.lse, state.row_max, state.log_sum, g_lse)  # [B, H, T]: along axis 2
+    rows = (q, o, do)  # [B, T, H, D]: pieces along axis 1
+    stats = (lse, row_max, log_sum, g_lse)  # [B, H, T]: along axis 2
 
-    def block_step(pair, dq, traveling):
-        def branch(kind, dq, traveling):  # the gradients so far, with this pair's added
+    def block_step(pair, accumulators, traveling):
+        def branch(kind, accumulators, traveling):  # the gradients so far, with this pair's
             if kind == HIDDEN:
-                return dq, traveling
+                return accumulators, traveling
+            dq, dslopes = accumulators
             k, v, kv_seg, dk, dv = traveling
             q_r, o_r, do_r = (_piece(x, pair.r, q_piece) for x in rows)
             lse_r, max_r, log_sum_r, g_r = (_piece(x, pair.r, q_piece, 2) for x in stats)
-            k_p, v_p = _piece(k, pair.p, kv_piece), _piece(v, pair.p, kv_piece)
-            dq_r, dk_p, dv_p = pair.run(kind, lambda params, operands: bwd_p.bind(
+            k_p, v_p = _piece(k, pair.slot, kv_piece), _piece(v, pair.slot, kv_piece)
+            grads = pair.run(kind, lambda params, operands: bwd_p.bind(
                 q_r, k_p, v_p, o_r, lse_r, max_r, log_sum_r, do_r, g_r, *operands.present(),
-                bias_grad=False, **params._asdict()),
-                _piece(q_seg, pair.r, q_piece), _piece(kv_seg, pair.p, kv_piece))
-            return _add_piece(dq, dq_r, pair.r, q_piece), (
-                k, v, kv_seg, _add_piece(dk, dk_p, pair.p, kv_piece),
-                _add_piece(dv, dv_p, pair.p, kv_piece))
+                bias_grad=params.has_bias, **params._asdict()),
+                _piece(q_seg, pair.r, q_piece), _piece(kv_seg, pair.slot, kv_piece), slopes)
+            dq_r, dk_p, dv_p = grads[:3]
+            if slopes is not None:  # d(-slope * distance) / d slope = -distance
+                dslopes = dslopes - jnp.einsum("bhqk,bqk->bh", grads[3],
+                                               pair.alibi_distance(),
+                                               precision=jax.lax.Precision.HIGHEST)
+            return (_add_piece(dq, dq_r, pair.r, q_piece), dslopes), (
+                k, v, kv_seg, _add_piece(dk, dk_p, pair.slot, kv_piece),
+                _add_piece(dv, dv_p, pair.slot, kv_piece))
 
-        return _switch(pair, branch, dq, traveling)
+        return _switch(pair, branch, accumulators, traveling)
 
-    zeros = lambda x: jnp.zeros(x.shape, F32)  # noqa: E731
-    dq, (*_, dk, dv) = _ring_loop(ring, q, q_lengths, kv_lengths, zeros(q),
-                                  (k, v, kv_seg, zeros(k), zeros(v)), block_step)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None)
+    zeros = lambda x: vary_like(jnp.zeros(x.shape, F32), q)  # noqa: E731
+    k_all, v_all, kv_seg_all = _gathered(ring, (k, v, kv_seg))
+    (dq, dslopes), (*_, dk, dv) = _ring_loop(
+        ring, q, q_lengths, kv_lengths, (zeros(q), None if slopes is None else zeros(slopes)),
+        (k_all, v_all, kv_seg_all, zeros(k_all), zeros(v_all)), block_step)
+    if ring.strategy == "all_gather":
+        dk, dv = (jax.lax.psum_scatter(x, ring.axis_name, scatter_dimension=1, tiled=True)
+                  for x in (dk, dv))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)) + (
+        () if slopes is None else (dslopes,))
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
@@ -440,13 +536,19 @@ def _with_sinks(o, lse, sinks):
     return (jnp.swapaxes(w, 1, 2)[..., None] * o.astype(F32)).astype(o.dtype), new
 
 
-LAYOUTS = ("contiguous", "striped")
+LAYOUTS = ("contiguous", "striped", "zigzag")
+STRATEGIES = ("all_gather", "ring")
+DEFAULT_STRATEGY = "all_gather"  # docs/parallelism.md says why
+
+
+def _check_choice(value, name, choices):
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
 
 
 def _check_layout(sequence_layout):
-    if not isinstance(sequence_layout, str) or sequence_layout not in LAYOUTS:
-        raise ValueError(f"sequence_layout must be one of {LAYOUTS}, got {sequence_layout!r}")
-    return sequence_layout == "striped"
+    return _check_choice(sequence_layout, "sequence_layout", LAYOUTS)
 
 
 def stripe(x, num_devices, axis=1):
@@ -470,21 +572,75 @@ def unstripe(x, num_devices, axis=1):
     return jnp.moveaxis(x.reshape(t, *x.shape[2:]), 0, axis)
 
 
+def _zigzag_order(num_devices):
+    """The chunks (of 2n) in zigzag order: 0, 2n - 1, 1, 2n - 2, ..., n - 1, n."""
+    return np.stack([np.arange(num_devices), 2 * num_devices - 1 - np.arange(num_devices)],
+                    axis=1).reshape(-1)
+
+
+def _chunks_in_order(x, order, axis):
+    x = jnp.moveaxis(jnp.asarray(x), axis, 0)
+    t = x.shape[0]
+    x = x.reshape(len(order), t // len(order), *x.shape[1:])[order]
+    return jnp.moveaxis(x.reshape(t, *x.shape[2:]), 0, axis)
+
+
+def zigzag(x, num_devices, axis=1):
+    """``x`` with its sequence ``axis`` (length T, a multiple of 2 * ``num_devices`` n)
+    reordered for ``sequence_layout="zigzag"``: cut into 2n chunks of T / 2n, device i of the
+    n contiguous slices afterwards holds chunks i and 2n - 1 - i (the "dual chunk swap" of
+    MaxText's context parallelism: every device then does the same causal work, in two
+    contiguous ranges). Apply it to query, key, value and segment ids (axis 1) before splitting
+    them over the axis; ``unzigzag`` restores the order of the output (axis 1) and LSE
+    (axis 2)."""
+    return _chunks_in_order(x, _zigzag_order(num_devices), axis)
+
+
+def unzigzag(x, num_devices, axis=1):
+    """The inverse of ``zigzag``."""
+    return _chunks_in_order(x, np.argsort(_zigzag_order(num_devices)), axis)
+
+
+def positions(num_devices, seq_len, sequence_layout="contiguous"):
+    """int [num_devices, seq_len / num_devices]: the global positions each device's slice
+    holds in ``sequence_layout``."""
+    layout = _check_layout(sequence_layout)
+    order = np.arange(seq_len)
+    x = {"contiguous": order, "striped": np.asarray(stripe(order, num_devices, axis=0)),
+         "zigzag": np.asarray(zigzag(order, num_devices, axis=0))}[layout]
+    return x.reshape(num_devices, -1)
+
+
+def causal_work(num_devices, seq_len, sequence_layout="contiguous"):
+    """int [num_devices]: the (query, key) pairs each device's queries see under top-left
+    causal attention over ``seq_len`` positions (query p sees keys 0..p: p + 1 pairs), split
+    over ``num_devices`` in ``sequence_layout``; the non-causal work per device is
+    seq_len ** 2 / num_devices. ``causal_balance`` is its max / min."""
+    return (positions(num_devices, seq_len, sequence_layout).astype(np.int64) + 1).sum(axis=1)
+
+
+def causal_balance(num_devices, seq_len, sequence_layout="contiguous"):
+    """max / min over devices of ``causal_work``: 1.0 is perfectly even causal work (the
+    slowest device sets the step time)."""
+    work = causal_work(num_devices, seq_len, sequence_layout)
+    return float(work.max() / work.min())
+
+
 def ring_flash_attention(query, key, value, bias, mask, options: Options):
     """``flash_attention`` with ``options.sequence_axis_name`` set (docs/api.md documents the
     arguments). Lengths count global positions."""
-    striped = _check_layout(options.sequence_layout)
+    layout = _check_layout(options.sequence_layout)
+    strategy = _check_choice(DEFAULT_STRATEGY if options.sequence_strategy is None else
+                             options.sequence_strategy, "sequence_strategy", STRATEGIES)
     for name, x in (("bias", bias), ("mask", mask)):
         if x is not None:
             raise ValueError(
                 f"{name} is not supported with sequence_axis_name (it spans the whole score "
                 "matrix); express it with lengths, local_window_size or segment ids")
-    for name in ("alibi_slopes", "page_table"):
-        if getattr(options, name) is not None:
-            raise ValueError(f"{name} is not supported with sequence_axis_name")
+    if options.page_table is not None:
+        raise ValueError("page_table is not supported with sequence_axis_name")
     if dropout.check_rate(options.dropout_rate) > 0:
-        raise ValueError("dropout_rate > 0 is not supported with sequence_axis_name (ring "
-                         "attention)")
+        raise ValueError("dropout_rate > 0 is not supported with sequence_axis_name")
     ids = [options.query_segment_ids, options.key_value_segment_ids]
     dtypes = [getattr(x, "dtype", None) or jnp.asarray(x).dtype for x in ids if x is not None]
     if len(dtypes) == 2 and not validation.segment_ids_cast_exactly(*dtypes):
@@ -496,15 +652,22 @@ def ring_flash_attention(query, key, value, bias, mask, options: Options):
     q, k, v, operands, params = validation.check_inputs(
         query, key, value, None, None,
         options._replace(query_seq_lengths=None, key_value_seq_lengths=None,
-                         sequence_axis_name=None, sequence_layout="contiguous"))
+                         sequence_axis_name=None, sequence_layout="contiguous",
+                         sequence_strategy=None))
     batch = q.shape[0]
     q_lengths = validation.check_lengths(options.query_seq_lengths, "query_seq_lengths", batch,
                                          size * q.shape[1])
     kv_lengths = validation.check_lengths(options.key_value_seq_lengths,
                                           "key_value_seq_lengths", batch, size * k.shape[1])
-    ring = _Ring(axis_name, size, q.shape[1], k.shape[1], params, striped)
-    out, lse = _ring_attention(ring, q, k, v, operands.q_segment_ids, operands.kv_segment_ids,
-                               q_lengths, kv_lengths)
+    if layout == "zigzag" and (q.shape[1] % 2 or k.shape[1] % 2):
+        raise ValueError(f"sequence_layout='zigzag' needs even slices (two chunks per device), "
+                         f"got query {q.shape[1]} and key {k.shape[1]} positions per device")
+    ring = _Ring(axis_name, size, q.shape[1], k.shape[1], params._replace(has_alibi=False),
+                 layout, strategy)
+
+    out, lse = _ring_attention(ring, *vary_together((q, k, v, operands.q_segment_ids,
+                                                     operands.kv_segment_ids, q_lengths,
+                                                     kv_lengths, operands.alibi_slopes)))
     if operands.sinks is not None:
         out, lse = _with_sinks(out, lse, operands.sinks)
     return validation.restore_rank(query, out, lse, options.return_lse)

@@ -36,7 +36,7 @@ import json
 import platform
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable, cast
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,7 @@ from .core.contract import Implementation
 from .fused import shader_libraries
 import jax_flash_metal._ext as _ext
 from .tools import chip_peaks, profile_model, profile_tables, selfcheck_oracle
+from .tools.cli import count
 
 PROBE = "jfm_simdgroup_layout_probe"
 TOLERANCE = 2e-4  # float32 kernels against float32 xla: rounding differences only
@@ -98,7 +99,8 @@ def compile_libraries(implementation: str) -> tuple[bool, str]:
         return False, (f"{len(failed)} of {len(libraries)} libraries failed: {', '.join(failed)}"
                        f"\n{_ext.library_error(implementation)}")
     how = "compiled" if implementation == "metal" else "present (built with the extension)"
-    return True, f"{len(libraries)} libraries, {kernels} kernels {how}"
+    return True, (f"{count(len(libraries), 'library', 'libraries')}, "
+                  f"{count(kernels, 'kernel')} {how}")
 
 
 def _inputs(rng: np.random.Generator, head_dim: int):
@@ -182,7 +184,8 @@ def check_case(implementation: str, suffix: str, dk: int, dv: int, path: str,
     normal = lambda *shape: np.asarray(jnp.asarray(rng.standard_normal(shape), dtype), np.float64)
     q, k, v, do = (normal(b, tq, h, dk), normal(b, tkv, hkv, dk), normal(b, tkv, hkv, dv),
                    normal(b, tq, h, dv))
-    fused_kwargs, oracle_kwargs = {"is_causal": True}, {"is_causal": True}
+    fused_kwargs: dict[str, Any] = {"is_causal": True}
+    oracle_kwargs: dict[str, Any] = {"is_causal": True}
     k_in, v_in = k, v
     if feature == "dropout":
         key = jax.random.key(int(rng.integers(1 << 30)))
@@ -281,7 +284,7 @@ def _median_call_seconds(implementation: str, fn: Callable, args, repeats: int) 
     return float(np.median(times))
 
 
-def speed(implementation: str, quick: bool, repeats: int) -> tuple[bool, str, list[dict]]:
+def speed(implementation: str, quick: bool, repeats: int) -> tuple[bool, str, dict]:
     """Achieved TFLOP/s of a training-size forward and GB/s of a decode, float16, against the
     chip's published peak (chip_peaks); on the emulator the figures mean nothing."""
     metal = implementation == "metal"
@@ -295,7 +298,8 @@ def speed(implementation: str, quick: bool, repeats: int) -> tuple[bool, str, li
     for kind, (b, tq, tkv, h, hkv, d) in shapes.items():
         q = jnp.asarray(rng.standard_normal((b, tq, h, d)), jnp.float16)
         k = jnp.asarray(rng.standard_normal((b, tkv, hkv, d)), jnp.float16)
-        fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation=implementation))
+        fn = jax.jit(lambda q, k, v: flash_attention(
+            q, k, v, implementation=cast(Implementation, implementation)))
         seconds = _median_call_seconds(implementation, fn, (q, k, k), repeats)
         flops = 4.0 * b * h * tq * tkv * d  # QK^T and PV, 2 FLOP per multiply-add
         moved = 2.0 * (q.size * 2 + k.size * 2)  # f16 bytes: Q and O, K and V once each
@@ -420,12 +424,12 @@ def format_report(report: dict) -> str:
 def _family(text: str) -> tuple[str, int, int]:
     """'f16/128/64' -> ('f16', 128, 64), checked against the built kernel families."""
     parts = text.split("/")
-    family = (parts[0], *map(int, parts[1:])) if len(parts) == 3 and all(
+    family = (parts[0], int(parts[1]), int(parts[2])) if len(parts) == 3 and all(
         p.isdigit() for p in parts[1:]) else None
-    if family not in _ext.kernel_families():
+    if family is None or family not in _ext.kernel_families():
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a kernel family DTYPE/DK/DV of this build, e.g. f16/64/64")
-    return family
+    return cast(tuple[str, int, int], family)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,10 +7,13 @@ docs/design.md#the-contract.
 from __future__ import annotations
 
 import typing
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple, Sequence, Union
 
-Implementation = Literal["xla", "emulator", "metal"]
+Implementation = Literal["xla", "emulator", "metal", "cudnn"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
+# What ``implementation`` takes: one name, or names to try in order (the first that can run the
+# call runs it).
+ImplementationChoice = Union[Implementation, Sequence[Implementation]]
 UNBOUNDED = -1  # window bound sentinel, same value as JFM_UNBOUNDED in shaders/attention_params.h
 
 # The main operands of each direction's primitive, before the optional ones (Operands).
@@ -18,9 +21,9 @@ MAIN_OPERANDS = {"fwd": ("q", "k", "v"),
                  "bwd": ("q", "k", "v", "o", "lse", "row_max", "log_sum", "do", "g_lse")}
 
 
-# The static params that are no FFI attribute: the implementation picks the FFI target, and the
-# fused kernels implement every feature. Moving one into JFM_FFI_ATTRIBUTES (ffi/attention_ffi.h)
-# takes it out of this list.
+# The static params that are no FFI attribute: the implementation chain picks the FFI target,
+# and the fused kernels implement every feature. Moving one into JFM_FFI_ATTRIBUTES
+# (ffi/attention_ffi.h) takes it out of this list.
 HOST_ONLY_PARAMS = ("implementation",)
 
 
@@ -37,7 +40,7 @@ class StaticParams(NamedTuple):
     bottom_right: bool
     has_q_lengths: bool
     has_kv_lengths: bool
-    implementation: str | None
+    implementation: tuple[str, ...] | None  # names to try in order (lowering/dispatch.py)
     has_segment_ids: bool = False
     has_bias: bool = False
     has_mask: bool = False

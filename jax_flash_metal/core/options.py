@@ -15,7 +15,7 @@ from typing import Any, Hashable, Mapping, NamedTuple, Optional, Tuple, Union
 
 from jax.typing import ArrayLike
 
-from .contract import Implementation
+from .contract import ImplementationChoice
 
 # local_window_size: None, w, or (left, right) with None for an unbounded side.
 Window = Optional[Union[int, Tuple[Optional[int], Optional[int]]]]
@@ -29,7 +29,7 @@ class Options(NamedTuple):
     query_seq_lengths: ArrayLike | None = None
     key_value_seq_lengths: ArrayLike | None = None
     local_window_size: Window = None
-    implementation: Implementation | None = None
+    implementation: ImplementationChoice | None = None
     query_segment_ids: ArrayLike | None = None
     key_value_segment_ids: ArrayLike | None = None
     logits_soft_cap: float | None = None
@@ -39,9 +39,11 @@ class Options(NamedTuple):
     page_table: ArrayLike | None = None
     sequence_axis_name: Hashable | None = None
     sequence_layout: str = "contiguous"
+    sequence_strategy: str | None = None
     dropout_rate: float = 0.0
     dropout_rng: ArrayLike | None = None
     return_lse: bool = False
+    return_residual: bool = False
 
     @classmethod
     def of(cls, arguments: Mapping[str, Any]) -> "Options":
@@ -50,5 +52,6 @@ class Options(NamedTuple):
 
 
 # Keywords of flash_attention that reference_attention does not take: it is the one dense
-# computation, on one device.
-NOT_IN_REFERENCE = frozenset({"implementation", "sequence_axis_name", "sequence_layout"})
+# computation, on one device, and returns the log-sum-exp in one layout (return_lse).
+NOT_IN_REFERENCE = frozenset({"implementation", "sequence_axis_name", "sequence_layout",
+                              "sequence_strategy", "return_residual"})

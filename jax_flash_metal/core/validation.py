@@ -83,13 +83,27 @@ def check_soft_cap(logits_soft_cap):
 
 
 def check_implementation(implementation, name="implementation"):
+    """None, or the names to try in order as a tuple: one name (a str) or a non-empty sequence
+    of names, each in ``IMPLEMENTATIONS``; a str may list several separated by commas (as
+    $JAX_FLASH_METAL_IMPLEMENTATION does). TypeError for anything but None, a str or a sequence
+    of str; ValueError for an unknown name or an empty sequence."""
     if implementation is None:
         return None
-    if not isinstance(implementation, str):
-        raise TypeError(f"{name} must be None or a str, got {implementation!r}")
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{name} must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
-    return implementation
+    if isinstance(implementation, str):
+        names = tuple(n.strip() for n in implementation.split(","))
+    elif isinstance(implementation, (tuple, list)) and all(isinstance(n, str)
+                                                           for n in implementation):
+        names = tuple(implementation)
+    else:
+        raise TypeError(f"{name} must be None, a str or a sequence of str, got "
+                        f"{implementation!r}")
+    if not names:
+        raise ValueError(f"{name} must name at least one implementation, got {implementation!r}")
+    for n in names:
+        if n not in IMPLEMENTATIONS:
+            raise ValueError(f"{name} must be one of {IMPLEMENTATIONS}, a sequence of them or "
+                             f"None, got {implementation!r}")
+    return names
 
 
 def check_lengths(lengths, name, batch, max_len):
@@ -276,6 +290,9 @@ def check_inputs(query, key, value, bias, mask, options: Options, dropout_broadc
     if options.sequence_layout != "contiguous":
         raise ValueError(f"sequence_layout={options.sequence_layout!r} needs sequence_axis_name "
                          "(the layout of a sequence split over devices)")
+    if options.sequence_strategy is not None:
+        raise ValueError(f"sequence_strategy={options.sequence_strategy!r} needs "
+                         "sequence_axis_name (it describes a sequence split over devices)")
     page_table = options.page_table
     q = arguments.as_array(query, "query")
     k = arguments.as_array(key, "key")

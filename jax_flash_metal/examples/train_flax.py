@@ -25,13 +25,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
-from tqdm import tqdm
 
 import jax_flash_metal
+from jax_flash_metal._extras import needs
 from jax_flash_metal.lowering import dispatch
-from jax_flash_metal.tools.cli import HelpFormatter
+
+with needs("examples", "jax_flash_metal.examples.train_flax", ("optax", "flax", "tqdm")):
+    import optax
+    from flax import nnx
+    from tqdm import tqdm
+
+from jax_flash_metal.tools.cli import HelpFormatter, count
 from jax_flash_metal.examples.train_lm import add_common_args, load_text, split, windows
 from jax_flash_metal.flax import attention_fn as flash_attention_fn
 
@@ -153,8 +157,9 @@ def main(argv=None) -> dict:
     print(f"jax_flash_metal {jax_flash_metal.__version__}, jax {jax.__version__}; attention "
           f"implementation: {resolved} ({jax_flash_metal.devices().get(resolved, '?')}); corpus: "
           f"{len(data):,} bytes from {source}")
-    print(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, causal; "
-          f"{cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes, AdamW lr {cfg.lr:g}")
+    print(f"model: {count(cfg.layers, 'layer')}, d_model {cfg.d_model}, "
+          f"{count(cfg.heads, 'head')}, causal; {count(cfg.steps, 'step')} of {cfg.batch_size} x "
+          f"{cfg.seq_len} bytes, AdamW lr {cfg.lr:g}")
 
     runs: dict[str, Callable[..., Any]] = {
         "flax": nnx.dot_product_attention,

@@ -19,7 +19,7 @@ difference between this implementation's attention gradients and those of
 ``jax_flash_metal.reference_attention`` on one batch.
 
 ``--mesh data=N,sp=M`` trains data- and sequence-parallel over every device of every process
-(batch split over "data", ring attention with ``sequence_axis_name="sp"``; with
+(batch split over "data", context parallelism with ``sequence_axis_name="sp"``; with
 ``--coordinator``, ``--num-processes`` and ``--process-id``, ``jax.distributed`` on gloo CPU
 collectives) and prints each step's loss, the same as on one device.
 """
@@ -37,15 +37,18 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from tqdm import tqdm
 
 import jax_flash_metal
 from jax_flash_metal import flash_attention, implementations, reference_attention
+from jax_flash_metal._extras import needs
 from jax_flash_metal.lowering import dispatch
-from jax_flash_metal.tools.cli import HelpFormatter
+from jax_flash_metal.tools.cli import HelpFormatter, count
 from jax_flash_metal.ring_attention import shard_map
+
+with needs("examples", "jax_flash_metal.examples.train_lm", ("optax", "tqdm")):
+    import optax
+    from tqdm import tqdm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +194,7 @@ def make_attention(implementation: str | None, dtype: str = "float32", *, refere
     """Causal attention (q, k, v) -> out [B, T, heads, head_dim] float32, computed in ``dtype``
     by flash_attention with ``implementation``, or by reference_attention if ``reference``.
     With a ``mesh`` (axes "data" and "sp"): batch split over "data" and each sequence over "sp",
-    ring attention in ``shard_map`` (``sequence_axis_name="sp"``)."""
+    context parallelism in ``shard_map`` (``sequence_axis_name="sp"``)."""
 
     def attend(q, k, v):
         q, k, v = (a.astype(dtype) for a in (q, k, v))
@@ -535,8 +538,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--coordinator", default=None,
                    help="host:port of process 0: jax.distributed.initialize with "
                         "--num-processes and --process-id (CPU collectives: gloo)")
-    p.add_argument("--num-processes", type=int, default=1)
-    p.add_argument("--process-id", type=int, default=0)
+    p.add_argument("--num-processes", type=int, default=1,
+                   help="processes taking part, with --coordinator")
+    p.add_argument("--process-id", type=int, default=0,
+                   help="this process's index in [0, --num-processes), with --coordinator")
     return p.parse_args(argv)
 
 
@@ -576,10 +581,11 @@ def main(argv=None) -> dict:
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(
         jax.eval_shape(lambda key: init_params(cfg, key), jax.random.PRNGKey(0))))
     print(f"corpus: {len(data):,} bytes from {source}")
-    print(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} query / {cfg.kv_heads} "
-          f"kv heads of dim {cfg.head_dim}, {n_params / 1e6:.2f} M parameters; attention in "
-          f"{cfg.attn_dtype}")
-    print(f"training: {cfg.steps} steps of {cfg.batch_size} x {cfg.seq_len} bytes, AdamW lr "
+    print(f"model: {count(cfg.layers, 'layer')}, d_model {cfg.d_model}, {cfg.heads} query / "
+          f"{count(cfg.kv_heads, 'kv head')} of dim {cfg.head_dim}, {n_params / 1e6:.2f} M "
+          f"parameters; attention in {cfg.attn_dtype}")
+    print(f"training: {count(cfg.steps, 'step')} of {cfg.batch_size} x {cfg.seq_len} bytes, "
+          f"AdamW lr "
           f"{cfg.lr:g} (warmup {cfg.warmup}, cosine)")
 
     if args.mesh is not None:
@@ -592,7 +598,8 @@ def main(argv=None) -> dict:
     final_eval = evaluate(params, held_out)
     end = float(np.mean(losses[-10:]))
     print(f"loss (nats/byte): start {losses[0]:.3f} -> end {end:.3f} (mean of the last "
-          f"{min(10, len(losses))} steps); held-out {initial_eval:.3f} -> {final_eval:.3f} "
+          f"{count(min(10, len(losses)), 'step')}); held-out {initial_eval:.3f} -> "
+          f"{final_eval:.3f} "
           f"({final_eval / math.log(2):.2f} bits/byte); {seconds:.1f} s")
 
     length = args.sample_bytes if args.sample_bytes is not None else (60 if tiny else 300)
@@ -618,8 +625,10 @@ def train_parallel(cfg: Config, data: np.ndarray, implementation: str, args) -> 
     """``main``'s --mesh run: train over the mesh and print every step's loss."""
     sizes = parse_mesh(args.mesh)
     mesh = make_mesh(sizes)
-    print(f"mesh: data={sizes['data']}, sp={sizes['sp']} over {jax.device_count()} devices in "
-          f"{jax.process_count()} processes (this is process {jax.process_index()})")
+    print(f"mesh: data={sizes['data']}, sp={sizes['sp']} over "
+          f"{count(jax.device_count(), 'device')} in "
+          f"{count(jax.process_count(), 'process', 'processes')} "
+          f"(this is process {jax.process_index()})")
     t0 = time.perf_counter()
     _, losses = train(cfg, data, implementation, seed=args.seed, progress=False, mesh=mesh)
     print(f"losses: {' '.join(repr(x) for x in losses)}")

@@ -131,18 +131,19 @@ def compile_all(out: str, metal: list[str], metallib: list[str],
     library of a family in ``specialise`` ("all": every family) once per constant set
     (``<library>.fc<set>.metallib``), ``jobs`` compiles at a time; returns one message per
     failed compile (empty when all compiled)."""
-    work = []  # (name, source, flags)
+    work: list[tuple[str, str, list[str], int]] = []  # (name, source, flags, kernels)
     for library, source in write_sources(out):
-        work.append((library.name, source, library.compile_flags()))
+        n = len(library.kernels)
+        work.append((library.name, source, library.compile_flags(), n))
         if "all" in specialise or library.family in specialise:
             work += [(f"{library.name}.fc{c}", source,
-                      [*library.compile_flags(), f"-DJFM_SPECIALISED={c}"])
+                      [*library.compile_flags(), f"-DJFM_SPECIALISED={c}"], n)
                      for c in library.constant_sets]
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-        results = list(pool.map(lambda w: _compile(*w, metal, metallib), work))
-    for (name, _, _), failure in zip(work, results):
-        if not failure:
-            print(f"ok: {name}")
+        results = list(pool.map(lambda w: _compile(w[0], w[1], w[2], metal, metallib), work))
+    for (name, _, _, n), failure in zip(work, results):
+        if not failure:  # tools.cli.count is a layer above fused/
+            print(f"ok: {name} ({n} kernel{'' if n == 1 else 's'})")
     return [failure for failure in results if failure]
 
 

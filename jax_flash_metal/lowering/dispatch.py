@@ -1,12 +1,17 @@
-"""Which implementation lowers a primitive: ``resolve`` decides when it is lowered (the argument,
-then $JAX_FLASH_METAL_IMPLEMENTATION, then the best that runs here and covers the call);
-``fused_lowering`` is the lowering rule of a fused call (the FFI side, imported lazily). The
-rules: docs/design.md#implementation-choice.
+"""Which implementation runs a call. ``implementation`` is one name or names to try in order;
+the first that can run the call runs it. ``trace_choice`` decides "cudnn" when flash_attention
+is traced (jax.nn's cuDNN call then replaces the primitives); ``resolve`` decides among the
+others when a primitive is lowered (the argument, then $JAX_FLASH_METAL_IMPLEMENTATION, then the
+platform's best that covers the call), for the platform it lowers for. Both choices are logged
+at DEBUG level on the "jax_flash_metal" logger. ``fused_lowering`` is the lowering rule of a
+fused call (the FFI side, imported lazily). The rules: docs/design.md#implementation-choice and
+docs/gpu.md.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 from .. import implementations
@@ -14,13 +19,16 @@ from ..core import validation
 from ..fused import loader
 
 ENV_IMPLEMENTATION = "JAX_FLASH_METAL_IMPLEMENTATION"
+CUDNN = "cudnn"
+_LOG = logging.getLogger("jax_flash_metal")
 # Fused implementations ``implementation=None`` considers, best first. The emulator is a testing
 # tool, never picked by default (tests put it here to exercise the fallback on Linux).
 _PREFERENCE = ("metal",)
 
 
 def env_implementation():
-    """The implementation named by $JAX_FLASH_METAL_IMPLEMENTATION, or None when unset/empty."""
+    """The implementation names of $JAX_FLASH_METAL_IMPLEMENTATION (``check_implementation``:
+    one name or several separated by commas), or None when unset/empty."""
     value = os.environ.get(ENV_IMPLEMENTATION, "").strip()
     return validation.check_implementation(value, f"${ENV_IMPLEMENTATION}") if value else None
 
@@ -55,47 +63,113 @@ def missing_features(params, page_size: int | None = None) -> str | None:
     return None
 
 
-def resolve(implementation: str | None, platform: str, call=None, missing=None) -> str:
-    """The implementation to lower with for ``platform`` (a JAX platform name such as "cpu").
+def _shown(names) -> str:
+    """A chain as the caller wrote it: 'metal' for one name, ('cudnn', 'xla') for several."""
+    return repr(names[0]) if len(names) == 1 else repr(tuple(names))
 
-    ``call``: ``(direction, dtype, head_dim, value_head_dim)`` of the primitive being lowered
-    (direction "fwd" or "bwd"); with ``implementation=None`` and no environment override, a
-    call the fused kernels do not cover goes to "xla". Without it only availability is considered.
-    ``missing``: the call's features the fused kernels lack (``missing_features``): such a call
-    goes to "xla" under ``implementation=None``.
+
+def trace_choice(implementation, cudnn_reason):
+    """Whether cuDNN runs a call, decided when flash_attention is traced: (True, None), or
+    (False, the names left for ``resolve`` at lowering; None for the platform's default or
+    the environment's names).
+
+    ``implementation``: the validated names or None (then $JAX_FLASH_METAL_IMPLEMENTATION, and
+    without it the platform's chain: on an NVIDIA GPU ("cudnn", "xla"), elsewhere left to
+    ``resolve``). ``cudnn_reason()``: why cuDNN cannot run this call here, or None
+    (``cudnn.unsupported_reason`` with the device's facts); called at most once.
 
     Raises:
-      ValueError: unknown name (argument or environment variable).
-      NotImplementedError: a fused implementation was asked for explicitly where it cannot run,
-        or for a call with ``missing`` features.
+      ValueError: every name is "cudnn" and cuDNN cannot run the call (the reason is named).
     """
-    implementation = validation.check_implementation(implementation)
+    names, source = implementation, "implementation"
+    if names is None:
+        names, source = env_implementation(), f"${ENV_IMPLEMENTATION}"
+    if names is None:
+        reason = cudnn_reason()
+        _LOG.debug("flash_attention: default chain: %s", "cudnn" if reason is None
+                   else f"not cudnn ({reason}); the lowering platform's chain")
+        return (True, None) if reason is None else (False, None)
+    for i, name in enumerate(names):
+        if name != CUDNN:
+            _LOG.debug("flash_attention: %s=%s: lowering chooses among %s", source,
+                       _shown(names), names[i:])
+            # The lowering reads the environment again, naming it in its errors.
+            return False, names[i:] if implementation is not None else None
+        reason = cudnn_reason()
+        if reason is None:
+            _LOG.debug("flash_attention: %s=%s: cudnn", source, _shown(names))
+            return True, None
+        _LOG.debug("flash_attention: %s=%s: not cudnn (%s)", source, _shown(names), reason)
+    raise ValueError(f"flash_attention {source}={_shown(names)}: 'cudnn' cannot run this call: "
+                     f"{reason}")
+
+
+def resolve(implementation, platform: str, call=None, missing=None) -> str:
+    """The implementation to lower with for ``platform`` (a JAX platform name such as "cpu").
+
+    ``implementation``: None, a name or a sequence of names (the first that can run the call
+    is taken; "cudnn" was decided at trace time and is skipped here). ``call``:
+    ``(direction, dtype, head_dim, value_head_dim)`` of the primitive being lowered
+    (direction "fwd" or "bwd"); with ``implementation=None`` and no environment override, a
+    call the fused kernels do not cover goes to "xla", and so does a fused name followed by
+    others. Without it only availability is considered. ``missing``: the call's features the
+    fused kernels lack (``missing_features``): such a call goes to "xla" under
+    ``implementation=None``.
+
+    Raises:
+      ValueError: unknown name (argument or environment variable), or a chain of "cudnn" only
+        reaching the lowering (a call that binds the primitives directly: ring attention).
+      NotImplementedError: the last fused implementation of the chain cannot run there, or
+        lacks ``missing`` features.
+    """
+    names = validation.check_implementation(implementation)
     source = "implementation"
-    if implementation is None:
-        implementation = env_implementation()
+    if names is None:
+        names = env_implementation()
         source = f"${ENV_IMPLEMENTATION}"
-        if implementation is None:
-            return "xla" if missing else _best_available(platform, call)
-    if implementation == "xla":
-        return "xla"
+        if names is None:
+            chosen = "xla" if missing else _best_available(platform, call)
+            _LOG.debug("flash_attention: %s lowers with %r", platform, chosen)
+            return chosen
+    left = [n for n in names if n != CUDNN]
+    if not left:
+        raise ValueError(f"flash_attention {source}={_shown(names)}: 'cudnn' runs only through "
+                         "flash_attention itself (jax.nn's cuDNN call), not in this call's "
+                         "primitives (sequence_axis_name: ring attention); add 'xla'")
+    for i, name in enumerate(left):
+        last = i == len(left) - 1
+        reason = None if name == "xla" else _fused_reason(name, platform, call, missing,
+                                                          source, names, last)
+        if reason is None or last:
+            if reason is not None:
+                raise NotImplementedError(reason)
+            _LOG.debug("flash_attention: %s=%s: %s lowers with %r", source, _shown(names),
+                       platform, name)
+            return name
+    raise AssertionError("unreachable: the loop returns or raises at its last name")
+
+
+def _fused_reason(name, platform, call, missing, source, names, last):
+    """Why the fused implementation ``name`` cannot lower ``call`` for ``platform`` (the
+    NotImplementedError text), or None. A head dim or dtype without kernels is a reason only
+    when another name follows (``last`` False); for the last name ``lower_fwd`` raises
+    ValueError for it."""
+    shown = f"flash_attention {source}={_shown(names)}"
     if platform != "cpu":
-        raise NotImplementedError(
-            f"flash_attention {source}={implementation!r} runs only when lowering for the 'cpu' "
-            f"platform (an XLA FFI call on the host), but this computation lowers for "
-            f"{platform!r}; {_fallback_advice(source)} there"
-        )
-    if implementation not in loader.available()[0]:
-        why = loader.unavailable_reasons().get(implementation,
-                                               "the native extension does not provide it")
-        raise NotImplementedError(
-            f"flash_attention {source}={implementation!r} is not available here: {why}. "
-            f"Available: {implementations.available(platform)}"
-        )
+        return (f"{shown} runs only when lowering for the 'cpu' platform (an XLA FFI call on "
+                f"the host), but this computation lowers for {platform!r}; "
+                f"{_fallback_advice(source)} there")
+    if name not in loader.available()[0]:
+        why = loader.unavailable_reasons().get(name, "the native extension does not provide it")
+        return (f"{shown} is not available here: {why}. "
+                f"Available: {implementations.available(platform)}")
     if missing:
-        raise NotImplementedError(
-            f"flash_attention {source}={implementation!r} does not implement {missing} yet; "
-            f"{_fallback_advice(source)} (such a call then runs on 'xla')")
-    return implementation
+        return (f"{shown} does not implement {missing} yet; {_fallback_advice(source)} (such "
+                "a call then runs on 'xla')")
+    if (call is not None and not last
+            and loader.ffi_lowering()[0].unsupported_reason(name, *call) is not None):
+        return f"{shown}: {name!r} has no kernels for this call"
+    return None
 
 
 def _fallback_advice(source: str) -> str:

@@ -12,7 +12,9 @@ eager impl, batching, the forward-mode error, the default lowering (the xla impl
 the accelerators' block schedule, ``xla_schedule``) and the ``cpu`` lowering (the fused
 implementations through ``implementations``, else the xla implementation with the cpu
 schedule), both through ``sharding``'s custom partitioning, so a call partitions under jit with
-sharded operands: docs/design.md#the-primitive-layer.
+sharded operands: docs/design.md#the-primitive-layer. Results carry JAX's types: the operands'
+varying manual axes inside ``shard_map`` and, on Explicit mesh axes, the batch/head shardings
+(docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from jax.interpreters import ad, batching, mlir
 
 from .. import paging
 from ..core import contract
-from ..core._jax_private import ShapedArray, prim_requires_devices_during_lowering
+from ..core._jax_private import (ShapedArray, prim_requires_devices_during_lowering,
+                                 varying_axes)
 from ..core.contract import Operands, coerce_params
 from ..xla import attention as xla_attention
 from ..xla import schedule as xla_schedule
@@ -101,13 +104,31 @@ def _check_shapes(prim, q, k, v, x, o_shape=None):
                          f"v {v.shape}" + ("" if o_shape is None else f", o/do {o_shape}"))
 
 
+def _typed(prim, params, avals, outs):
+    """The results ``outs`` (ShapedArrays of shape and dtype) with the types JAX gives arrays
+    inside ``shard_map`` and on meshes with Explicit axes: the varying manual axes of the
+    operands (all of them: a result depends on every operand) and the shardings of
+    ``sharding.result_shardings``."""
+    varying = [varying_axes(a) for a in avals]
+    union = frozenset().union(*varying)
+    template = next((a for a, v in zip(avals, varying) if v == union), None)
+    if template is None:
+        raise ValueError(f"{prim.name}: operands vary over different manual axes {varying}; "
+                         "pass them all varying over the same axes (jax.lax.pcast)")
+    shardings = sharding.result_shardings(_DIRECTION[prim], params, avals,
+                                          [o.shape for o in outs])
+    return tuple(template.update(shape=o.shape, dtype=o.dtype, weak_type=False, sharding=s)
+                 for o, s in zip(outs, shardings))
+
+
 def _fwd_abstract(*args, **params):
     (q, k, v), x = _split(fwd_p, args, params)
     batch, q_len, num_heads, _ = q.shape
     _check_shapes(fwd_p, q, k, v, x)
     _check_operand_avals(fwd_p, x, batch, num_heads, q_len, kv_len(k, x))
     row = ShapedArray((batch, num_heads, q_len), jnp.float32)
-    return ShapedArray(q.shape[:3] + v.shape[3:], q.dtype), row, row, row
+    return _typed(fwd_p, params, args, (ShapedArray(q.shape[:3] + v.shape[3:], q.dtype),
+                                        row, row, row))
 
 
 def _bwd_abstract(*args, bias_grad=False, alibi_grad=False, **params):
@@ -134,7 +155,7 @@ def _bwd_abstract(*args, bias_grad=False, alibi_grad=False, **params):
         outs.append(ShapedArray(x.bias.shape, jnp.float32))
     if alibi_grad:
         outs.append(ShapedArray(x.alibi_slopes.shape, jnp.float32))
-    return tuple(outs)
+    return _typed(bwd_p, dict(params, bias_grad=bias_grad, alibi_grad=alibi_grad), args, outs)
 
 
 fwd_p.def_abstract_eval(_fwd_abstract)

@@ -26,12 +26,19 @@ Both partitioners: ``sharding_rule`` (Shardy, where JAX has it) states the same 
 ``infer_sharding_from_operands`` and ``partition`` (GSPMD, and Shardy's final partitioning)
 pick the shardings above. Inside a fully manual ``shard_map`` or on one device the call is
 lowered as is.
+
+Sharding in types (Explicit mesh axes, ``jax.set_mesh``): ``result_shardings`` gives the
+primitives' abstract evaluation the same batch/head shardings, so results are typed as the
+partitioner lays them out; ``like_primal`` gives each gradient its primal's type back. The
+per-device bodies are traced with no mesh set (``_without_mesh``) and on plain avals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from functools import partial
 
 import jax
 from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
@@ -40,6 +47,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ..core._jax_private import ShapedArray
 from ..core.contract import MAIN_OPERANDS, operand_roles
 
 # The layout of each main operand (contract.MAIN_OPERANDS): "q" [B, Tq, H, Dk],
@@ -82,8 +90,17 @@ def _shard_primitive(prim, body, fused):
     shard.def_abstract_eval(lambda *args, **params: prim.abstract_eval(*args, **params)[0])
     if fused:
         mlir.register_lowering(shard, body, platform="cpu")
-    else:
-        mlir.register_lowering(shard, mlir.lower_fun(body, multiple_results=True))
+        return shard
+
+    def lower_body(ctx, *args, **params):
+        # The body computes one device's part: traced on plain arrays, without the varying
+        # manual axes (shard_map) or Explicit shardings of the avals.
+        plain = lambda avals: [ShapedArray(a.shape, a.dtype) for a in avals]  # noqa: E731
+        ctx = ctx.replace(avals_in=plain(ctx.avals_in), avals_out=plain(ctx.avals_out))
+        with _without_mesh():
+            return mlir.lower_fun(partial(body, **params), multiple_results=True)(ctx, *args)
+
+    mlir.register_lowering(shard, lower_body)
     return shard
 
 
@@ -150,9 +167,108 @@ def _result_roles(direction, params):
             + (["alibi_slopes"] if params.get("alibi_grad") else []))
 
 
+def _explicit_axes(mesh):
+    """The Explicit axis names of an abstract value's mesh (none on JAX without them)."""
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    if axis_type is None or getattr(mesh, "empty", True):
+        return frozenset()
+    return frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                     if t == axis_type.Explicit)
+
+
+def _explicit_layout(sharding, q_shape, kv_heads):
+    """The _Layout of a query typed with ``sharding``, over its Explicit mesh axes only (the
+    others are Auto, which the partitioner lays out, or Manual), or None without any."""
+    if not isinstance(sharding, NamedSharding):
+        return None
+    explicit = _explicit_axes(sharding.mesh)
+    if not explicit:
+        return None
+    spec = [tuple(a for a in _axes(e) if a in explicit) for e in tuple(sharding.spec)]
+    return _Layout(sharding.mesh, NamedSharding(sharding.mesh, P(*map(_entry, spec))), q_shape,
+                   kv_heads)
+
+
+def result_shardings(direction, params, in_avals, out_shapes):
+    """Sharding in types: the NamedShardings (on the abstract mesh) of the results of shapes
+    ``out_shapes`` of a primitive whose query and key avals are ``in_avals[:2]`` (the batch and
+    head splits above, of the query's Explicit mesh axes: those a call keeps unsharded are
+    replicated, so sequence and head_dim axes are gathered), or None per result where the query
+    has no sharding in its type (JAX without it; Auto axes; inside a fully manual shard_map:
+    replicated)."""
+    q, k = in_avals[0], in_avals[1]
+    sharding = getattr(q, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return [None] * len(out_shapes)
+    layout = _explicit_layout(sharding, q.shape, k.shape[2]) or _Layout(
+        sharding.mesh, NamedSharding(sharding.mesh, P()), q.shape, k.shape[2])
+    return [layout.sharding(r, shape)
+            for r, shape in zip(_result_roles(direction, params), out_shapes)]
+
+
+def on_explicit_shards(f, args, roles, out_roles):
+    """``f(*args)`` (results of ``out_roles``), run per shard of the Explicit mesh axes of the
+    query's type (``args[0]``): inside ``jax.shard_map`` over those axes, each operand
+    resharded to its role's batch/head spec (``_Layout``; None operands pass as None). Code that
+    is written per device (context parallelism, whose own arrays carry no sharding) then runs
+    inside a ``shard_map`` that leaves other axes Explicit; f(*args) itself where there are
+    none."""
+    q = args[0]
+    sharding = getattr(jax.typeof(q), "sharding", None) if hasattr(jax, "typeof") else None
+    layout = _explicit_layout(sharding, q.shape, args[1].shape[2])
+    if layout is None:
+        return f(*args)
+    present = [i for i, x in enumerate(args) if x is not None]
+    specs = [layout.spec(roles[i], args[i].shape) for i in present]
+
+    def per_shard(*xs):
+        full = [None] * len(args)
+        for i, x in zip(present, xs):
+            full[i] = x
+        return f(*full)
+
+    xs = [like_spec(args[i], s) for i, s in zip(present, specs)]
+    return jax.shard_map(per_shard, in_specs=tuple(specs),
+                         out_specs=tuple(layout.spec(r, None) for r in out_roles),
+                         axis_names=set(_explicit_axes(sharding.mesh)))(*xs)
+
+
+def like_spec(x, spec):
+    """``x`` resharded to ``spec`` where its type's spec differs."""
+    have = getattr(jax.typeof(x), "sharding", None)
+    if isinstance(have, NamedSharding) and _padded(have.spec, x.ndim) == _padded(spec, x.ndim):
+        return x
+    return jax.sharding.reshard(x, spec)
+
+
+def _padded(spec, ndim):
+    return tuple(_entry(_axes(e)) for e in tuple(spec)) + (None,) * (ndim - len(spec))
+
+
+def like_primal(grad, primal):
+    """``grad`` resharded to the Explicit sharding in ``primal``'s type where the two differ:
+    a gradient's type must be its primal's, and ``result_shardings`` replicates the sequence and
+    head_dim axes (and uneven splits) a caller may have sharded."""
+    if grad is None or not hasattr(jax, "typeof"):
+        return grad
+    want = getattr(jax.typeof(primal), "sharding", None)
+    if not isinstance(want, NamedSharding) or not _explicit_axes(want.mesh):
+        return grad
+    return like_spec(grad, P(*_padded(want.spec, grad.ndim)))
+
+
 def _layout(mesh, arg_shapes):
     q, k = arg_shapes[0], arg_shapes[1]
     return _Layout(mesh, q.sharding, q.shape, k.shape[2])
+
+
+def _without_mesh():
+    """A context with no abstract mesh, for tracing the per-device body of ``partition``: the
+    Explicit axes of a caller's ``jax.set_mesh`` would otherwise type its arrays and add
+    sharding constraints that reach the partitioned per-device program as custom calls no
+    backend implements."""
+    use = getattr(jax.sharding, "use_abstract_mesh", None)
+    return contextlib.nullcontext() if use is None else use(jax.sharding.AbstractMesh((), ()))
 
 
 def _make_partitioned(prim, direction, params, in_avals, body, fused):
@@ -177,8 +293,10 @@ def _make_partitioned(prim, direction, params, in_avals, body, fused):
                   [layout.reduced_axes(r, s.shape) for r, s in zip(out_roles, result_shape)])
 
         def lower(*args):
-            outs = bind(*args, **params)
-            return tuple(jax.lax.psum(x, axes) if axes else x for x, axes in zip(outs, summed))
+            with _without_mesh():
+                outs = bind(*args, **params)
+                return tuple(jax.lax.psum(x, axes) if axes else x
+                             for x, axes in zip(outs, summed))
 
         return mesh, lower, out_shardings(layout, result_shape), arg_shardings
 

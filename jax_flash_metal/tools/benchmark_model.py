@@ -124,6 +124,7 @@ class Row:
     q_len: int | None = None  # decode rows: q_len queries against seq_len keys (else q = seq_len)
     fwd_gpu_ms: float | None = None  # flash:metal only: median GPU time of the timed calls
     fwdbwd_gpu_ms: float | None = None
+    noisy: bool = False  # NOISY_NOTE
 
 
 def _temp_bytes(compiled) -> int | None:
@@ -182,10 +183,26 @@ def metal_gpu_seconds() -> float:
     return _ext.gpu_seconds_total("metal")
 
 
+# Timings whose interquartile range stays above this share of the median are marked noisy.
+NOISE = 0.1
+NOISY_NOTE = (f"noisy: after 3 x --repeats rounds the times' interquartile range was still over "
+              f"{NOISE:.0%} of the median, or forward took longer than forward+backward (machine "
+              f"load); rerun on a quieter machine before trusting that row")
+
+
+def _spread(times: list[float]) -> float:
+    """Interquartile range over median."""
+    q1, median, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times * 3)
+    return (q3 - q1) / median if median else 0.0
+
+
 def time_interleaved(compiled: dict, args: dict, repeats: int,
-                     gpu_timers: dict | None = None, on_round=None) -> tuple[dict, dict]:
-    """(wall ms, GPU ms): median milliseconds per name of ``compiled[name](*args[name])``: one
-    warm-up call each, then ``repeats`` rounds that call every function once in turn.
+                     gpu_timers: dict | None = None, on_round=None) -> tuple[dict, dict, set]:
+    """(wall ms, GPU ms, noisy names): median milliseconds per name of
+    ``compiled[name](*args[name])``: one warm-up call each, then ``repeats`` rounds that call
+    every function once in turn, and more rounds (up to 3 x ``repeats`` in all) while some
+    name's times spread over more than NOISE of their median; the names still spread so are
+    returned as noisy.
 
     ``gpu_timers`` maps some names to a function returning cumulative GPU seconds (e.g.
     ``metal_gpu_seconds``); for those, the GPU ms are the median of its increase over each timed
@@ -199,7 +216,12 @@ def time_interleaved(compiled: dict, args: dict, repeats: int,
     on_round()
     times: dict[str, list[float]] = {name: [] for name in compiled}
     gpu: dict[str, list[float]] = {name: [] for name in compiled if name in gpu_timers}
-    for _ in range(repeats):
+    def noisy():
+        return {name for name, t in times.items() if _spread(t) > NOISE}
+
+    for done in range(3 * repeats):
+        if done >= repeats and not noisy():
+            break
         for name, fn in compiled.items():
             timer = gpu_timers.get(name)
             before = timer() if timer else 0.0
@@ -210,7 +232,7 @@ def time_interleaved(compiled: dict, args: dict, repeats: int,
 
     def median_ms(series):
         return {name: 1e3 * statistics.median(t) for name, t in series.items()}
-    return median_ms(times), median_ms(gpu)
+    return median_ms(times), median_ms(gpu), noisy()
 
 
 def is_timed(method: str, seq_len: int, q_len: int | None, run_up_to: int,
@@ -290,9 +312,9 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
                     timed[name + part] = call
                     if name in gpu_timers:
                         timers[name + part] = gpu_timers[name]
-        ms, gpu_ms = {}, {}
+        ms, gpu_ms, noisy = {}, {}, set()
         if timed:
-            ms, gpu_ms = time_interleaved(
+            ms, gpu_ms, noisy = time_interleaved(
                 timed, {n: (q, k, v) if n.endswith(" fwd") else (q, k, v, ct) for n in timed},
                 repeats, timers, on_round=step)
         flops = attention_flops(batch, heads, q_len or seq_len, seq_len, head_dim, causal)
@@ -301,7 +323,9 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
                 name, seq_len, head_dim, causal, ms.get(name + " fwd"),
                 ms.get(name + " fwd+bwd"), _temp_bytes(fwd), _temp_bytes(fwdbwd), *flops,
                 compile_s, q_len=q_len, fwd_gpu_ms=gpu_ms.get(name + " fwd"),
-                fwdbwd_gpu_ms=gpu_ms.get(name + " fwd+bwd"))
+                fwdbwd_gpu_ms=gpu_ms.get(name + " fwd+bwd"),
+                noisy=bool({name + " fwd", name + " fwd+bwd"} & noisy)
+                or ms.get(name + " fwd", 0) > ms.get(name + " fwd+bwd", float("inf")))
 
     for point in points:
         measure_point(*point)

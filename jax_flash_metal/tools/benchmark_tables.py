@@ -3,7 +3,9 @@ optional plot."""
 
 from __future__ import annotations
 
+from .._extras import install_hint
 from .benchmark_model import Row
+from .cli import WIDTH, aligned, split_columns
 
 
 def ratios(rows: list[Row], method: str = "flash:xla", baseline: str = "jax.nn") -> list[dict]:
@@ -44,19 +46,6 @@ def memory_growth(rows: list[Row]) -> list[dict]:
     return out
 
 
-def aligned(header: list[str], body: list[list[str]], left: int = 1) -> str:
-    """A plain-text table: the first ``left`` columns left-aligned, the others right-aligned,
-    every column as wide as its widest cell ("-" cells included), a dashed rule under the
-    header."""
-    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
-
-    def line(cells):
-        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(c) for c in body])
-
-
 def format_ratios(entries: list[dict], method: str, baseline: str) -> str:
     """``ratios`` output as a table."""
     body = [[str(e["seq_len"]), str(e["head_dim"]), "yes" if e["causal"] else "no",
@@ -80,9 +69,16 @@ def format_growth(entries: list[dict]) -> str:
             + aligned(["method", "hdim", "causal"] + [f"{a}->{b}" for a, b in steps], body))
 
 
+# Printed tables repeat these columns in each part that fits WIDTH (split_columns).
+KEY_COLUMNS = 4
+MEMORY_NOTE = ("temp MiB: XLA's compiled temporaries (memory_analysis().temp_size_in_bytes), "
+               "beyond inputs and outputs. For flash:metal and flash:emulator that is the "
+               "buffers their custom calls declare (e.g. the decode's workspace); what the FFI "
+               "handler itself uses (threadgroup memory, Metal staging copies) is outside XLA "
+               "and not counted here.")
 COLUMNS = ("method", "seq", "hdim", "causal", "fwd ms", "fwd+bwd ms", "fwd temp MiB",
            "fwd+bwd temp MiB", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "compile s", "fwd GPU ms",
-           "fwd+bwd GPU ms", "fwd GPU TFLOP/s", "fwd+bwd GPU TFLOP/s")
+           "fwd+bwd GPU ms", "fwd GPU TFLOP/s", "fwd+bwd GPU TFLOP/s", "timing")
 
 
 def _fmt(value, spec):
@@ -112,18 +108,22 @@ def table_cells(row: Row, peak_tflops: float | None = None) -> list[str]:
         for gpu_tf, wall_tf in ((fwd_gpu_tf, fwd_tf), (fb_gpu_tf, fb_tf)):
             tf = gpu_tf if gpu_tf is not None else wall_tf
             cells.append(_fmt(None if tf is None else 100 * tf / peak_tflops, ".1f"))
-    return cells
+    return cells + ["noisy" if row.noisy else "-"]
 
 
-def format_table(rows: list[Row], peak_tflops: float | None = None) -> str:
-    """Aligned plain-text table of ``rows`` (``aligned``). Columns without a value in any row
-    are left out (e.g. the GPU-time columns off a Mac: they are measured for flash:metal
-    only); ``--json`` keeps every field."""
-    header = list(COLUMNS) + (["fwd % peak", "fwd+bwd % peak"] if peak_tflops else [])
+def format_table(rows: list[Row], peak_tflops: float | None = None, width: int = WIDTH) -> str:
+    """Aligned plain-text table of ``rows`` (``aligned``), split into tables of at most
+    ``width`` columns that each repeat the KEY_COLUMNS (``split_columns``). Columns without a
+    value in any row are left out (e.g. the GPU-time columns off a Mac: they are measured for
+    flash:metal only); ``--json`` keeps every field."""
+    header = (list(COLUMNS[:-1]) + (["fwd % peak", "fwd+bwd % peak"] if peak_tflops else [])
+              + [COLUMNS[-1]])
     body = [table_cells(r, peak_tflops) for r in rows]
     keep = [i for i in range(len(header)) if any(line[i] != "-" for line in body)] \
         if body else list(range(len(header)))
-    return aligned([header[i] for i in keep], [[line[i] for i in keep] for line in body])
+    parts = split_columns([header[i] for i in keep], [[line[i] for i in keep] for line in body],
+                          KEY_COLUMNS, width)
+    return "\n\n".join(aligned(h, b) for h, b in parts)
 
 
 def _pyplot():
@@ -133,39 +133,57 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install 'jax_flash_metal[plot]' "
-                         "(or pip install matplotlib)") from None
+        raise SystemExit(f"--plot needs matplotlib, which is not installed; install the [plot] "
+                         f"extra, {install_hint('plot')}") from None
     return plt
 
 
 def plot(rows: list[Row], path: str) -> None:
-    """Save forward+backward time and temporary memory against sequence length to ``path``
-    (square rows only; decode rows are left out).
+    """Save to ``path``: forward+backward time and temporary memory against sequence length
+    (square rows), and forward time against the KV-cache length (decode rows, if any); one
+    legend below the panels, outside the data.
 
     Raises SystemExit with an install hint if matplotlib is missing.
     """
     plt = _pyplot()
-    rows = [r for r in rows if r.q_len is None]  # the decode rows are not a length sweep
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-    series = sorted({(r.method, r.head_dim, r.causal) for r in rows})
+    decode = [r for r in rows if r.q_len is not None and r.fwd_ms is not None]
+    rows = [r for r in rows if r.q_len is None]
+    panels = 3 if decode else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
+    ax_t, ax_m = axes[:2]
+    series = sorted({(r.method, r.head_dim, r.causal) for r in rows + decode})
     for color, (method, head_dim, causal) in enumerate(series):
+        style = dict(color=f"C{color % 10}", label=f"{method} d={head_dim}"
+                     f"{' causal' if causal else ''}")
         pts = [r for r in rows if (r.method, r.head_dim, r.causal) == (method, head_dim, causal)]
-        label = f"{method} d={head_dim}{' causal' if causal else ''}"
         timed = [r for r in pts if r.fwdbwd_ms is not None]
         if timed:
-            ax_t.plot([r.seq_len for r in timed], [r.fwdbwd_ms for r in timed], "o-",
-                      color=f"C{color % 10}", label=label)
+            ax_t.plot([r.seq_len for r in timed], [r.fwdbwd_ms for r in timed], "o-", **style)
         mem = [(r.seq_len, r.fwdbwd_temp) for r in pts if r.fwdbwd_temp is not None]
         if mem:
-            ax_m.plot([t for t, _ in mem], [max(m, 1) / (1 << 20) for _, m in mem],
-                      "o-", color=f"C{color % 10}", label=label)
-    for ax, title in ((ax_t, "forward+backward time (ms)"),
-                      (ax_m, "forward+backward compiled temp memory (MiB)")):
+            ax_m.plot([t for t, _ in mem], [max(m, 1) / (1 << 20) for _, m in mem], "o-",
+                      **style)
+        dec = [r for r in decode if (r.method, r.head_dim, r.causal) == (method, head_dim,
+                                                                          causal)]
+        if dec:
+            axes[2].plot([r.seq_len for r in dec], [r.fwd_ms for r in dec], "s--", **style)
+    titles = [(ax_t, "forward+backward time (ms)", "sequence length"),
+              (ax_m, "forward+backward compiled temp memory (MiB)", "sequence length")]
+    if decode:
+        titles.append((axes[2], f"decode forward time (ms), {decode[0].q_len} query",
+                       "KV-cache length"))
+    for ax, title, xlabel in titles:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("sequence length")
+        ax.set_xlabel(xlabel)
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-    ax_m.legend(fontsize=7)  # every series has memory points; some have no timed ones
-    fig.tight_layout()
+    # One legend for every panel, below them: it never covers a point.
+    handles: dict = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", fontsize=7,
+               ncol=min(4, len(handles)), frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(handles) - 1) // 4), 1, 1))
     fig.savefig(path, dpi=120)

@@ -1,5 +1,5 @@
 """What the command-line tools share: --help with every default shown, the problem flags of the
-benchmark and the profile, and a progress bar."""
+benchmark and the profile, a progress bar, and plain-text tables that fit 100 columns."""
 
 from __future__ import annotations
 
@@ -77,3 +77,44 @@ def progress_bar(total: int, desc: str, enabled: bool = True):
     except ImportError:
         return _Lines(total, desc, enabled)
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, disable=not enabled)
+
+
+# Printed tables are split to fit this many characters a line (split_columns).
+WIDTH = 100
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun`` with the number agreeing: "1 layer", "2 layers", "0 layers"."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def aligned(header: list[str], body: list[list[str]], left: int = 1) -> str:
+    """A plain-text table: the first ``left`` columns left-aligned, the others right-aligned,
+    every column as wide as its widest cell ("-" cells included), a dashed rule under the
+    header."""
+    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(c) for c in body])
+
+
+def split_columns(header: list[str], body: list[list[str]], keys: int,
+                  width: int) -> list[tuple[list[str], list[list[str]]]]:
+    """(header, body) parts of a table whose ``aligned`` lines fit ``width`` characters: each
+    part has the first ``keys`` columns, then as many of the others, in order, as fit (at least
+    one)."""
+    widths = [max(len(line[i]) for line in [header] + body) for i in range(len(header))]
+    parts: list[tuple[list[str], list[list[str]]]] = []
+    start = keys
+    while start < len(header) or not parts:
+        used, end = sum(widths[:keys]) + 2 * (keys - 1), start
+        while end < len(header) and (end == start or used + 2 + widths[end] <= width):
+            used += 2 + widths[end]
+            end += 1
+        columns = list(range(keys)) + list(range(start, end))
+        parts.append(([header[i] for i in columns], [[line[i] for i in columns] for line in body]))
+        start = end
+    return parts

@@ -3,8 +3,12 @@ against contiguous device bytes."""
 
 from __future__ import annotations
 
+import textwrap
+
+from .cli import WIDTH, aligned, split_columns
 from .profile_model import _stage
 from .roofline import REGISTER_BUDGET
+
 
 def _ratio(a, b, fmt):
     return fmt.format(a / b) if b else "-"
@@ -13,40 +17,52 @@ def _ratio(a, b, fmt):
 BOUND_ABBREVIATIONS = {"compute": "comp", "device": "dev", "threadgroup": "tg"}
 
 
+def _titled_parts(title: str, header: list[str], body: list[list[str]], keys: int) -> list[str]:
+    """Lines of a table split into parts of at most WIDTH characters (``split_columns``, the
+    first ``keys`` columns in each), each under ``title`` wrapped to WIDTH."""
+    parts = split_columns(header, body, keys, WIDTH)
+    out = []
+    for n, (head, cells) in enumerate(parts, 1):
+        part = f" (part {n} of {len(parts)})" if len(parts) > 1 else ""
+        out += ["", *textwrap.wrap(title[:-1] + part + ":", WIDTH), aligned(head, cells, keys)]
+    return out
+
+
 def format_tables(records: list[dict], gpus) -> str:
-    """The measured table (one row per launch) and the roofline-model table."""
-    head = (f"{'kernel':<40} {'pass':<8} {'threadgroups (grid)':>20} {'thr/tg':>6} {'tg KB':>6} "
-            f"{'dev MB rd':>10} {'dev MB wr':>9} {'tg MB':>9} {'useful GF':>9} {'MMA GF':>7} "
-            f"{'dev FLOP/B':>10} {'MMA share':>9} {'ALU/MA':>6} {'regs':>5}")
-    lines = ["measured (exact, emulator counting variant):", head, "-" * len(head)]
+    """The measured table (one row per launch) and the roofline-model table, each split to
+    fit WIDTH columns."""
+    header = ["kernel", "pass", "threadgroups (grid)", "thr/tg", "tg KB", "dev MB rd",
+              "dev MB wr", "tg MB", "useful GF", "MMA GF", "dev FLOP/B", "MMA share", "ALU/MA",
+              "regs"]
+    body = []
     for r in records:
         tg_mb = (r["threadgroup_bytes_read"] + r["threadgroup_bytes_written"]) / 1e6
         device = r["device_bytes_read"] + r["device_bytes_written"]
-        grid = f"{r['threadgroups']} ({'x'.join(str(g) for g in r['groups'])})"
-        lines.append(
-            f"{r['kernel']:<40} {r['pass']:<8} {grid:>20} {r['threads_per_threadgroup']:>6} "
-            f"{r['threadgroup_memory_bytes'] / 1024:>6.1f} {r['device_bytes_read'] / 1e6:>10.1f} "
-            f"{r['device_bytes_written'] / 1e6:>9.2f} {tg_mb:>9.1f} "
-            f"{r['useful_flops'] / 1e9:>9.3f} "
-            f"{r['mma_flops'] / 1e9:>7.3f} {_ratio(r['useful_flops'], device, '{:.2f}'):>10} "
-            f"{_ratio(r['mma_flops'], r['executed_flops'], '{:.0%}'):>9} "
-            f"{_ratio(2 * r['alu_ops'], r['useful_flops'], '{:.2f}'):>6} "
-            f"{_registers_cell(r['registers']):>5}")
+        body.append([
+            r["kernel"], r["pass"], f"{r['threadgroups']} ({'x'.join(map(str, r['groups']))})",
+            str(r["threads_per_threadgroup"]), f"{r['threadgroup_memory_bytes'] / 1024:.1f}",
+            f"{r['device_bytes_read'] / 1e6:.1f}", f"{r['device_bytes_written'] / 1e6:.2f}",
+            f"{tg_mb:.1f}", f"{r['useful_flops'] / 1e9:.3f}", f"{r['mma_flops'] / 1e9:.3f}",
+            _ratio(r["useful_flops"], device, "{:.2f}"),
+            _ratio(r["mma_flops"], r["executed_flops"], "{:.0%}"),
+            _ratio(2 * r["alu_ops"], r["useful_flops"], "{:.2f}"),
+            _registers_cell(r["registers"])])
+    lines = _titled_parts("measured (exact, emulator counting variant):", header, body, 2)
     lines += _per_gpu_table(
-        records, gpus, 23,  # "comp 12345.678ms 100.0%"
+        records, gpus,
         "roofline MODEL (not measured; per GPU: bound (comp = compute, dev = device memory, "
         "tg = threadgroup memory), modelled time, modelled % of peak FLOP/s; see "
         "jax_flash_metal/tools/roofline.py):",
-        lambda m: (f"{BOUND_ABBREVIATIONS[m['bound']]:>4} {m['seconds'] * 1e3:>9.3f}ms "
-                   f"{m['percent_of_peak']:>5.1f}%"), "model")
+        lambda m: (f"{BOUND_ABBREVIATIONS[m['bound']]} {m['seconds'] * 1e3:.3f}ms "
+                   f"{m['percent_of_peak']:.1f}%"), "model")
     lines += _per_gpu_table(
-        records, gpus, 14,  # "24/24 reg"
+        records, gpus,
         "occupancy MODEL (per core: threadgroups/simdgroups that fit, and the binding limit: "
         "mem = threadgroup memory, thr = threads, reg = registers; "
         "jax_flash_metal/tools/roofline.py):",
         lambda o: f"{o['threadgroups']}/{o['simdgroups']} {OCCUPANCY_LIMITS[o['limit']]}",
         "occupancy")
-    return "\n".join(lines)
+    return "\n".join(lines[1:])
 
 
 def format_paged_table(records: list[dict]) -> str:
@@ -68,12 +84,11 @@ def format_paged_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _per_gpu_table(records, gpus, cell, title, cell_text, key) -> list[str]:
+def _per_gpu_table(records, gpus, title, cell_text, key) -> list[str]:
     """A titled table of one column per GPU, each cell ``cell_text(record[key][gpu])``."""
-    head = f"{'kernel':<40} " + " ".join(f"{g:>{cell}}" for g in gpus)
-    return ["", title, head, "-" * len(head)] + [
-        f"{r['kernel']:<40} " + " ".join(f"{cell_text(r[key][g]):>{cell}}" for g in gpus)
-        for r in records]
+    return _titled_parts(title, ["kernel", *gpus],
+                         [[r["kernel"], *(cell_text(r[key][g]) for g in gpus)] for r in records],
+                         1)
 
 
 OCCUPANCY_LIMITS = {"memory": "mem", "threads": "thr", "registers": "reg"}

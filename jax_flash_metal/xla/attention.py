@@ -15,7 +15,8 @@ cast to the input dtype. Method: Dao,
 "FlashAttention-2" (2023). Problems with both lengths at most the schedule's ``dense_max_len``
 run as one dense tile; larger ones as loops over ``block_q`` x ``block_k`` tiles (block sizes per
 lowering platform: ``xla_schedule``; tile math in ``xla_tiles``), with memory linear in length;
-NaN placement is exact (``nonfinite``). The size rule, the loops and the
+NaN placement is exact (``nonfinite``). A short-query forward (decoding) on the accelerators runs
+``decode`` instead, which reads the KV cache span by span. The size rule, the loops and the
 NaN placement: docs/design.md#the-xla-implementation-and-the-reference.
 """
 
@@ -31,7 +32,7 @@ import numpy as np
 from .. import paging
 from ..core import dropout, features, nonfinite, visibility
 from ..core.contract import Operands
-from . import schedule as xla_schedule
+from . import decode, schedule as xla_schedule
 from . import tiles
 
 F32 = tiles.F32
@@ -523,6 +524,12 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
     docstring. ``operands``: contract.Operands (lengths, segment ids, bias, mask, sinks,
     dropout or None); ``schedule``: ``xla_schedule.Schedule`` (default: the cpu one)."""
     del unused_static  # has_* flags and implementation: implied by the operands / irrelevant here
+    kv_len = k.shape[1] if operands.page_table is None else paging.logical_len(
+        k, operands.page_table)
+    if decode.covers(q, k, operands, schedule, dropout_rate, kv_len):  # split-KV decode
+        return decode.forward(q, k, v, operands, scale=scale, is_causal=is_causal,
+                                  window_left=window_left, window_right=window_right,
+                                  bottom_right=bottom_right, logits_soft_cap=logits_soft_cap)
     if operands.page_table is not None:  # a paged cache: read as the contiguous one
         k, v = (paging.gather(x, operands.page_table, operands.kv_lengths) for x in (k, v))
         operands = operands._replace(page_table=None)

@@ -22,6 +22,10 @@ where ``half_operands`` says how half-precision inputs enter the matmuls.
 - ``pinned_transposes``: the backward keeps the small transposes of dK and dV's operands as
   ops of their own (``xla_tiles``), where the compiler would otherwise fold them into a slower
   transposed-operand matmul.
+- ``split_kv_decode``: a forward with few query rows over more keys than the dense tile runs
+  ``decode`` (the cache read span by span, not laid out in blocks) instead of the block loops.
+  On XLA:CPU its multiply-and-sum is not fused: the products of every span are stored, more
+  memory than the block loops' layout copy, so the cpu schedule keeps the block loops.
 - ``half_operands``: float16/bfloat16 inputs enter every matmul in their own dtype with float32
   accumulation (the scores ``scale * (q . k)`` with the scale applied in float32 after the
   product, whose half-precision products are exact in float32; P and dS rounded to the input
@@ -44,6 +48,7 @@ class Schedule(NamedTuple):
     inner_block: int | None = None
     pinned_transposes: bool = False
     one_pass_statistics: bool = False
+    split_kv_decode: bool = False
 
 
 SCHEDULES = {
@@ -52,9 +57,10 @@ SCHEDULES = {
     "cpu": Schedule(dense_max_len=256, block_q=128, block_k=128, half_operands=False,
                     pinned_transposes=True),
     # A launch per kernel of each loop iteration: few, large tiles; half-precision matrix units
-    # (docs/benchmarks.md#why-the-xla-schedules).
+    # (docs/benchmarks.md#why-the-xla-schedules). Decoding (a few query rows) reads the cache
+    # span by span (split_kv_decode; an H100's figures: docs/gpu.md).
     "default": Schedule(dense_max_len=1024, block_q=1024, block_k=1024, half_operands=True,
-                        inner_block=4096, one_pass_statistics=True),
+                        inner_block=4096, one_pass_statistics=True, split_kv_decode=True),
 }
 
 

@@ -1,9 +1,16 @@
 """Worker of tests/api/test_ring_attention.py, run with 8 host devices
-(tests/helpers/host_devices.py): flash_attention(..., sequence_axis_name="sp") inside shard_map over
-a ("data" 2, "sp" 4) mesh (batch over "data", each sequence in 4 contiguous slices over "sp")
-against the float64 oracle on the whole arrays: O, LSE, dQ, dK, dV (and dsinks), for each case.
+(tests/helpers/host_devices.py): flash_attention(..., sequence_axis_name="sp") inside shard_map
+(its default checks of varying manual axes on) over a ("data" 2, "sp" 4) mesh (batch over
+"data", each sequence in 4 slices over "sp") against the float64 oracle on the whole arrays: O,
+LSE, dQ, dK, dV (and dsinks, dalibi_slopes), for each case.
 
-    python ring_checks.py IMPLEMENTATION CASE...
+    python ring_checks.py IMPLEMENTATION [explicit:]CASE[/LAYOUT][@STRATEGY]...
+
+LAYOUT (sequence_layout, default the case's or contiguous) and STRATEGY (sequence_strategy,
+default flash_attention's) override the case's. ``explicit:``: the newest JAX's pattern instead,
+``jax.make_mesh`` (Explicit axes) under ``jax.set_mesh`` with ``jax.shard_map`` manual over "sp"
+only, so the batch stays Explicit over "data" (contiguous layout: the arrays are typed, and
+reordering them is the caller's business).
 """
 
 import sys
@@ -14,10 +21,10 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import tolerance
-from api_helpers import make_inputs
+from api_helpers import alibi_bias, make_inputs
 from jax_flash_metal import flash_attention
 from jax_flash_metal import ring_attention
-from jax_flash_metal.ring_attention import shard_map, stripe, unstripe
+from jax_flash_metal.ring_attention import shard_map, stripe, unstripe, unzigzag, zigzag
 
 B, T, H, D = 2, 64, 4, 16
 RNG = np.random.default_rng(3)
@@ -46,48 +53,85 @@ CASES = {
                                     query_seq_lengths=LENGTHS[::-1], key_value_seq_lengths=LENGTHS,
                                     query_segment_ids=SEGMENTS, key_value_segment_ids=SEGMENTS),
     "pieces_striped": dict(is_causal=True, sequence_layout="striped"),
+    # Per-example slopes with bottom-right alignment and lengths (global distances).
+    "alibi": dict(is_causal=True, causal_alignment="bottom_right",
+                  query_seq_lengths=LENGTHS[::-1], key_value_seq_lengths=LENGTHS,
+                  alibi_slopes=jnp.asarray(RNG.random((B, H)), jnp.float32)),
 }
+REORDER = {"striped": (stripe, unstripe), "zigzag": (zigzag, unzigzag)}
 SEQUENCE = ("query_segment_ids", "key_value_segment_ids")  # split like the sequence
 PIECE_LEN = ring_attention.PIECE_LEN
 
 
-def check(implementation, name):
+def check(implementation, spec):
+    if spec.startswith("explicit:"):
+        mesh = jax.make_mesh((2, 4), ("data", "sp"),
+                             axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+        with jax.set_mesh(mesh):
+            return run(implementation, spec, mesh)
+    return run(implementation, spec, None)
+
+
+def run(implementation, spec, explicit_mesh):
+    name, _, strategy = spec.removeprefix("explicit:").partition("@")
+    name, _, layout = name.partition("/")
     ring_attention.PIECE_LEN = 4 if name.startswith("pieces") else PIECE_LEN
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "sp"))
     kw = dict(CASES[name])
+    layout = layout or kw.pop("sequence_layout", "contiguous")
+    chosen = {"sequence_strategy": strategy} if strategy else {}
     q, k, v, do, g = make_inputs(0, B, T, T, H, 1 if name == "mqa" else 2, D, jnp.float32)
     if name == "value_dim":  # Dv = 2 Dk
         v, do = (jnp.concatenate([x, x[..., ::-1]], axis=-1) for x in (v, do))
     arrays = {n: kw.pop(n) for n in list(kw) if isinstance(kw[n], jax.Array)}
-    sinks = arrays.pop("sinks", None)
+    diff = {n: arrays.pop(n) for n in ("sinks", "alibi_slopes") if n in arrays}
     seq, row = P("data", "sp"), P("data", None, "sp")
 
-    def local(q, k, v, sinks, arrays):
-        return flash_attention(q, k, v, sinks=sinks, sequence_axis_name="sp", return_lse=True,
-                               implementation=implementation, **arrays, **kw)
+    def local(q, k, v, diff, arrays):
+        return flash_attention(q, k, v, sequence_axis_name="sp", return_lse=True,
+                               sequence_layout=layout, implementation=implementation, **diff,
+                               **arrays, **chosen, **kw)
 
     specs = {n: seq if n in SEQUENCE else P("data") for n in arrays}
-    ring = shard_map(local, mesh, (seq, seq, seq, P(), specs), (seq, row))
+    diff_specs = {n: P() if n == "sinks" else P("data") for n in diff}
+    if explicit_mesh is None:
+        ring = shard_map(local, mesh, (seq, seq, seq, diff_specs, specs), (seq, row))
+    else:  # manual over "sp" only: the specs name "sp", "data" stays in the arrays' types
+        def manual(spec):
+            return P(*(a if a == "sp" else None for a in spec))
 
-    def attention(q, k, v, sinks, arrays):
-        if kw.get("sequence_layout") != "striped":
-            return ring(q, k, v, sinks, arrays)
-        arrays = {n: stripe(x, 4) if n in SEQUENCE else x for n, x in arrays.items()}
-        o, lse = ring(stripe(q, 4), stripe(k, 4), stripe(v, 4), sinks, arrays)
-        return unstripe(o, 4), unstripe(lse, 4, axis=2)
+        put = lambda x, s: jax.device_put(x, jax.NamedSharding(explicit_mesh, s))  # noqa: E731
+        q, k, v, do = (put(x, seq) for x in (q, k, v, do))
+        g = put(g, row)
+        diff = {n: put(x, diff_specs[n]) for n, x in diff.items()}
+        arrays = {n: put(x, specs[n]) for n, x in arrays.items()}
+        ring = jax.shard_map(
+            local, in_specs=(manual(seq),) * 3 + (
+                {n: manual(s) for n, s in diff_specs.items()},
+                {n: manual(s) for n, s in specs.items()}),
+            out_specs=(manual(seq), manual(row)), axis_names={"sp"})
+    to, back = REORDER.get(layout, (lambda x, n, axis=1: x,) * 2)
 
-    def forward_and_vjp(q, k, v, sinks, arrays, do, g):
-        (o, lse), vjp = jax.vjp(lambda *a: attention(*a, arrays), q, k, v, sinks)
+    def attention(q, k, v, diff, arrays):
+        arrays = {n: to(x, 4) if n in SEQUENCE else x for n, x in arrays.items()}
+        o, lse = ring(to(q, 4), to(k, 4), to(v, 4), diff, arrays)
+        return back(o, 4), back(lse, 4, axis=2)
+
+    def forward_and_vjp(q, k, v, diff, arrays, do, g):
+        (o, lse), vjp = jax.vjp(lambda *a: attention(*a, arrays), q, k, v, diff)
         return (o, lse) + vjp((do, g))
 
-    o, lse, dq, dk, dv, dsinks = jax.jit(forward_and_vjp)(q, k, v, sinks, arrays, do, g)
-    got = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
-    if sinks is not None:
-        got["dsinks"], arrays["sinks"] = dsinks, sinks
-    kw.pop("sequence_layout", None)
-    tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got),
-                                      **{n: np.asarray(x) for n, x in arrays.items()}, **kw)
-    print(name, implementation, "ok")
+    o, lse, dq, dk, dv, ddiff = jax.jit(forward_and_vjp)(q, k, v, diff, arrays, do, g)
+    got = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv, **{"d" + n: x for n, x in ddiff.items()})
+    host = {n: np.asarray(x) for n, x in {**arrays, **diff}.items()}
+    if "alibi_slopes" in host:  # the oracle takes the ALiBi term as a bias; dslopes from dbias
+        term, dist = alibi_bias(host.pop("alibi_slopes"), B, T, T, **host, **kw)
+        want = tolerance.assert_all_match_oracle(got, q, k, v, do, g, bias=term, **host, **kw)
+        tolerance.assert_matches_oracle("dalibi_slopes", got["dalibi_slopes"],
+                                        (want["dbias"] * dist).sum(axis=(2, 3)), kind="dbias")
+    else:
+        tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got), **host, **kw)
+    print(spec, implementation, "ok")
 
 
 if __name__ == "__main__":

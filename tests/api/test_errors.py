@@ -95,12 +95,13 @@ def test_bad_input(fn, overrides, error, text):
     assert text in str(info.value)
 
 
-@pytest.mark.parametrize("name,value", [("alibi_slopes", jnp.ones(4)),
-                                        ("page_table", jnp.zeros((2, 1), jnp.int32))])
-def test_ring_attention_refuses(name, value):
-    """ALiBi and paged caches are not supported with a sequence axis (ring attention)."""
+@pytest.mark.parametrize("name,kwargs", [
+    ("page_table", dict(page_table=jnp.zeros((2, 1), jnp.int32))),
+    ("dropout_rate > 0", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)))])
+def test_ring_attention_refuses(name, kwargs):
+    """Paged caches and dropout are not supported with a sequence axis."""
     with pytest.raises(ValueError, match=f"{name} is not supported with sequence_axis_name"):
-        flash_attention(Q, K, K, sequence_axis_name="sp", **{name: value})
+        flash_attention(Q, K, K, sequence_axis_name="sp", **kwargs)
 
 
 @pytest.mark.parametrize("overrides,error,text", BAD_INPUTS[:6], ids=[b[2][:30] for b in
@@ -123,7 +124,7 @@ def test_traced_static_number_is_an_error(name):
 def test_unknown_implementation():
     with pytest.raises(ValueError, match="implementation must be one of"):
         flash_attention(Q, K, K, implementation="cuda")
-    with pytest.raises(TypeError, match="implementation must be None or a str"):
+    with pytest.raises(TypeError, match="implementation must be None, a str or a sequence"):
         flash_attention(Q, K, K, implementation=1)
 
 

@@ -2,6 +2,7 @@
 framework integration (Flax, Equinox)."""
 
 import ast
+import importlib
 import importlib.resources
 import os
 import re
@@ -79,13 +80,15 @@ def test_the_keywords_are_declared_once():
     assert [f[0] for f in fields] == list(options.Options._fields)
 
     signatures = _functions(attention, "flash_attention")
-    assert len(signatures) == 4  # three typing overloads on return_lse, and the function
+    # four typing overloads on return_lse and return_residual, and the function
+    assert len(signatures) == 5
     for signature in signatures:
         got = _keywords(signature)
         assert [g[0] for g in got] == [f[0] for f in fields]
-        # return_lse's default and annotation are what each overload is about.
-        assert got[:-1] == fields[:-1]
-    assert _keywords(signatures[-1])[-1] == fields[-1]
+        # return_lse's and return_residual's defaults and annotations are what each overload
+        # is about.
+        assert got[:-2] == fields[:-2]
+    assert _keywords(signatures[-1])[-2:] == fields[-2:]
 
     reference_keywords = _keywords(_functions(reference, "reference_attention")[0])
     assert ([(name, default) for name, default, _ in reference_keywords]
@@ -96,3 +99,20 @@ def test_the_keywords_are_declared_once():
         table = f.read().split("## Keywords", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, flags=re.M)
     assert rows == [(name, default) for name, default, _ in fields]
+
+
+@pytest.mark.parametrize("module,missing,extra", [
+    ("jax_flash_metal.flax", "flax", "flax"),
+    ("jax_flash_metal.equinox", "equinox", "equinox"),
+    ("jax_flash_metal.examples.train_lm", "optax", "examples"),
+    ("jax_flash_metal.examples.train_flax", "tqdm", "examples"),
+])
+def test_missing_optional_dependency_names_the_extra(monkeypatch, module, missing, extra):
+    for name in [m for m in sys.modules if m.startswith(missing + ".")]:
+        monkeypatch.delitem(sys.modules, name)  # an imported submodule would still load
+    monkeypatch.setitem(sys.modules, missing, None)  # import of `missing` now fails
+    for name in ("jax_flash_metal.flax", "jax_flash_metal.equinox",
+                 "jax_flash_metal.examples.train_lm", "jax_flash_metal.examples.train_flax"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(ImportError, match=rf'needs {missing}, .* pip install "\.\[{extra}\]"'):
+        importlib.import_module(module)

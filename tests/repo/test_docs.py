@@ -16,8 +16,6 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Built or installed material that is not part of the repository (as .gitignore lists it).
-_UNTRACKED_DIRS = {".git", "build", "dist", ".venv", "__pycache__", ".pytest_cache"}
 
 # Written so that this file does not match them itself.
 OUTSIDE = {
@@ -32,19 +30,24 @@ DOCS_REFERENCE = re.compile(r"(?<![\w./-])docs/([\w-]+\.md)(?:#([\w-]+))?")
 
 
 def tracked_files():
-    """Repository-relative paths of the tracked files (every file outside build output when
-    this is not a git checkout)."""
+    """Repository-relative paths of the tracked files (every file that .gitignore does not
+    ignore when this is not a git checkout, e.g. an exported source tree after a test run)."""
     if os.path.isdir(os.path.join(ROOT, ".git")) or os.path.isfile(os.path.join(ROOT, ".git")):
         out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
                              check=True)
         # Files deleted in the work tree but not yet in the index are left out.
         return [p for p in out.stdout.decode().split("\0")
                 if p and os.path.isfile(os.path.join(ROOT, p))]
+    import pathspec  # git's own matching rules (negation, anchoring, "dir/" patterns)
+
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        ignored = pathspec.GitIgnoreSpec.from_lines(f)
     paths = []
     for folder, dirs, files in os.walk(ROOT):
-        dirs[:] = [d for d in dirs if d not in _UNTRACKED_DIRS and not d.endswith(".egg-info")]
-        paths += [os.path.relpath(os.path.join(folder, f), ROOT) for f in files
-                  if not f.endswith((".so", ".pyc"))]
+        where = os.path.relpath(folder, ROOT).replace(os.sep, "/")
+        inside = (lambda name: name) if where == "." else (lambda name: f"{where}/{name}")
+        dirs[:] = [d for d in dirs if not ignored.match_file(inside(d) + "/")]
+        paths += [inside(f) for f in files if not ignored.match_file(inside(f))]
     return paths
 
 

@@ -4,13 +4,14 @@ import dataclasses
 import importlib.util
 import json
 import re
+import time
 
 import numpy as np
 import pytest
 
 from api_helpers import needs_emulator
 from jax_flash_metal import benchmark
-from jax_flash_metal.tools import benchmark_model, benchmark_tables
+from jax_flash_metal.tools import benchmark_model, benchmark_tables, cli
 
 HAVE_EXAMPLE_DEPS = all(importlib.util.find_spec(m) for m in ("optax", "tqdm"))
 needs_examples = pytest.mark.skipif(not HAVE_EXAMPLE_DEPS,
@@ -109,6 +110,24 @@ def assert_aligned(table, left=1):
             assert line[where[0]:where[1]] == cell, (line, cell, (start, end))
 
 
+def joined_parts(text, keys=benchmark_tables.KEY_COLUMNS, width=cli.WIDTH):
+    """The cells of each line of a table that ``format_table`` split into parts (each aligned,
+    within ``width``, repeating the first ``keys`` columns), joined back into one table."""
+    parts = text.split("\n\n")
+    lines = None
+    for part in parts:
+        assert_aligned(part)
+        assert max(len(line) for line in part.splitlines()) <= width
+        cells = [line.split() if n != 1 else ["rule"] for n, line in enumerate(part.splitlines())]
+        cells[0] = split_cells(part.splitlines()[0])
+        if lines is None:
+            lines = cells
+        else:
+            assert [c[:keys] for c in cells] == [c[:keys] for c in lines]
+            lines = [a + b[keys:] for a, b in zip(lines, cells)]
+    return lines
+
+
 def test_attention_flops():
     # B=2, H=3, D=5; T=4: 16 pairs, causal 4*5/2 = 10 pairs.
     assert benchmark_model.attention_flops(2, 3, 4, 4, 5, False) == (4 * 30 * 16, 14 * 30 * 16)
@@ -141,14 +160,14 @@ def test_benchmark_table():
         assert (r.fwd_ms is not None) == timed and (r.fwdbwd_ms is not None) == timed
         assert r.fwd_ms is None or r.fwd_ms > 0
     text = benchmark_tables.format_table(rows)
-    lines = text.splitlines()
-    assert_aligned(text)
-    # Columns with no value in any row are left out: off a Mac, the GPU-time ones.
-    shown = [c for c in benchmark_tables.COLUMNS if "flash:metal" in names or "GPU" not in c]
-    assert split_cells(lines[0]) == shown
+    lines = joined_parts(text)
+    # Columns with no value in any row are left out: off a Mac, the GPU-time ones (and the
+    # timing note where no row is noisy).
+    shown = [c for c in benchmark_tables.COLUMNS if ("flash:metal" in names or "GPU" not in c)
+             and (c != "timing" or any(r.noisy for r in rows))]
+    assert lines[0] == shown
     assert len(lines) == 2 + len(rows)
-    for line, r in zip(lines[2:], rows):
-        cells = line.split()
+    for cells, r in zip(lines[2:], rows):
         assert cells[:4] == [r.method, str(r.seq_len), "16", "yes"]
         assert len(cells) == len(shown)
         if r.seq_len > 16:
@@ -187,12 +206,24 @@ def test_benchmark_gpu_time_is_the_timer_increase_within_each_call():
         return x
 
     x = np.zeros(3)
-    ms, gpu_ms = benchmark_model.time_interleaved({"a": call, "b": lambda x: x},
-                                                  {"a": (x,), "b": (x,)}, 3,
-                                                  {"a": lambda: gpu_seconds[0]})
+    ms, gpu_ms, _ = benchmark_model.time_interleaved({"a": call, "b": lambda x: x},
+                                                     {"a": (x,), "b": (x,)}, 3,
+                                                     {"a": lambda: gpu_seconds[0]})
     assert set(ms) == {"a", "b"} and list(gpu_ms) == ["a"]
     assert gpu_ms["a"] == pytest.approx(2.0)  # the warm-up call is not counted
-    assert gpu_seconds[0] == pytest.approx(4 * 2e-3)
+    # The warm-up, 3 rounds, and up to 6 more while the times spread (noise).
+    assert round(gpu_seconds[0] / 2e-3) in range(4, 11)
+
+
+def test_benchmark_noisy_timings_take_more_rounds_and_are_marked():
+    delays = iter([0.0] + [0.001, 0.02] * 20)  # warm-up, then alternating 1 and 20 ms
+
+    def call(x):
+        time.sleep(next(delays))
+        return x
+
+    _, _, noisy = benchmark_model.time_interleaved({"a": call}, {"a": (np.zeros(1),)}, 2)
+    assert noisy == {"a"} and len(list(delays)) == 40 - 6  # stopped after 3 x 2 rounds
 
 
 def test_benchmark_gpu_columns_and_percent_of_peak():
@@ -202,10 +233,11 @@ def test_benchmark_gpu_columns_and_percent_of_peak():
     cells = benchmark_tables.table_cells(row, peak_tflops=4.0)
     # wall 1 and 0.875 TFLOP/s; GPU 2 and 2 TFLOP/s = 50% of the 4 TFLOP/s peak
     assert cells[8:10] == ["1", "0.875"]
-    assert cells[11:] == ["1.000", "3.500", "2", "2", "50.0", "50.0"]
-    wall_only = dataclasses.replace(row, method="flash:xla", fwd_gpu_ms=None, fwdbwd_gpu_ms=None)
-    cells = benchmark_tables.table_cells(wall_only, peak_tflops=4.0)
-    assert cells[11:] == ["-"] * 4 + ["25.0", "21.9"]
+    assert cells[11:] == ["1.000", "3.500", "2", "2", "50.0", "50.0", "-"]
+    wall_only = dataclasses.replace(row, method="flash:xla", fwd_gpu_ms=None, fwdbwd_gpu_ms=None,
+                                    noisy=True)
+    assert benchmark_tables.table_cells(wall_only, peak_tflops=4.0)[11:] == \
+        ["-"] * 4 + ["25.0", "21.9", "noisy"]
 
 
 def test_apple_gpu_peak_from_the_roofline_table():
@@ -231,26 +263,37 @@ def test_benchmark_ratios_and_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
     rows = benchmark.main(["--seq-lens", "16,32", "--head-dims", "8", "--causal", "off",
                            "--heads", "2", "--repeats", "1", "--compile-rounds", "1",
-                           "--impls", "flash:xla,jax.nn", "--json", str(path)])
+                           "--impls", "flash:xla,flash:xla+dropout,jax.nn", "--json",
+                           str(path)])
     out = capsys.readouterr().out
     assert "flash:xla / jax.nn" in out and "memory growth" in out
-    tables = out.split("\n\n")[1:]  # after the header lines: the table, ratios, growth
-    assert len(tables) == 3
-    for table, left in zip(tables, (1, 0, 1)):  # the ratios: every column a number
-        assert_aligned(table.split(":\n", 1)[-1].split("\nJSON")[0], left)
-    growth = tables[2].split("\nJSON")[0].splitlines()
+    # After the header lines: the table's parts and its notes, the ratios to jax.nn, those of
+    # dropout, the memory growth.
+    blocks = out.split("\n\n")[1:]
+    first_ratio = next(n for n, b in enumerate(blocks) if b.startswith("flash:xla / jax.nn"))
+    table = "\n\n".join(blocks[:first_ratio])
+    assert "temp MiB: XLA's compiled temporaries" in table  # what the memory columns count
+    joined_parts(table[:table.index("\ntemp MiB:")])
+    assert blocks[first_ratio + 1].startswith("flash:xla+dropout / flash:xla")
+    assert len(blocks) == first_ratio + 3
+    for block, left in zip(blocks[first_ratio:], (0, 0, 1)):  # ratios: every column a number
+        assert_aligned(block.split(":\n", 1)[-1].split("\nJSON")[0], left)
+    growth = blocks[-1].split("\nJSON")[0].splitlines()
     assert split_cells(growth[1]) == ["method", "hdim", "causal", "16->32"]
-    assert len(growth) == 3 + 2  # title, header, rule, one row per method
+    assert len(growth) == 3 + 3  # title, header, rule, one row per method
     data = json.loads(path.read_text())
     assert [r["method"] for r in data["rows"]] == [r.method for r in rows]
     assert [(e["seq_len"], e["causal"]) for e in data["ratios"]] == [(16, False), (32, False)]
     by = {(r.method, r.seq_len): r for r in rows}
+    for e in data["dropout_ratios"]:
+        mine, base = by["flash:xla+dropout", e["seq_len"]], by["flash:xla", e["seq_len"]]
+        assert e["fwdbwd_time"] == mine.fwdbwd_ms / base.fwdbwd_ms
     for e in data["ratios"]:
         mine, base = by["flash:xla", e["seq_len"]], by["jax.nn", e["seq_len"]]
         assert e["fwdbwd_time"] == mine.fwdbwd_ms / base.fwdbwd_ms
         assert e["compile_time"] == mine.compile_s / base.compile_s > 0
     growth = {(g["method"], g["from_len"], g["to_len"]) for g in data["memory_growth"]}
-    assert growth == {("flash:xla", 16, 32), ("jax.nn", 16, 32)}
+    assert growth == {("flash:xla", 16, 32), ("flash:xla+dropout", 16, 32), ("jax.nn", 16, 32)}
 
 
 def test_compile_floor_fixtures_are_attention():
