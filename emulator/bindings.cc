@@ -97,12 +97,14 @@ std::vector<emu::Arg> bind_buffers(nb::dict buffers, const std::vector<int>& out
 
 nb::object run(const std::string& kernel, nb::dict buffers, Dim3 groups, Dim3 group_size,
                const std::string& schedule, uint64_t seed, int num_workers, bool profile,
-               const std::string& sanitize, std::vector<int> outputs) {
+               const std::string& sanitize, std::vector<int> outputs,
+               uint32_t function_constants) {
   if (sanitize != "off" && sanitize != "first" && sanitize != "all")
     throw nb::value_error(("sanitize must be 'off', 'first' or 'all', not '" + sanitize + "'").c_str());
   if (sanitize == "off" && !outputs.empty())
     throw nb::value_error("outputs needs sanitize='first' or 'all'");
   emu::Launch launch;
+  launch.function_constants = function_constants;
   launch.groups = {std::get<0>(groups), std::get<1>(groups), std::get<2>(groups)};
   launch.group_size = {std::get<0>(group_size), std::get<1>(group_size), std::get<2>(group_size)};
   launch.schedule = parse_schedule(schedule);
@@ -180,6 +182,7 @@ void bind_emulator(nb::module_& m) {
         nb::arg("group_size"), nb::arg("schedule") = "forward", nb::arg("seed") = 0,
         nb::arg("num_workers") = 0, nb::arg("profile") = false, nb::arg("sanitize") = "off",
         nb::arg("outputs") = std::vector<int>(),
+        nb::arg("function_constants") = 0xffffffffu,
         "Run `kernel` on the emulator.\n\n"
         "buffers: dict {buffer index: numpy array} (C-contiguous, writeable; written in place;\n"
         "`constant` structs as byte arrays). groups: threadgroups per grid (x, y, z);\n"
@@ -196,6 +199,8 @@ void bind_emulator(nb::module_& m) {
         "finding and raises with all of them; 'off' (default). outputs: buffer indices that are\n"
         "outputs: poisoned (0xFF bytes) before the run, every byte must be written, and reading\n"
         "one before it is written is a finding.\n"
+        "function_constants: bit n is the value of the kernel's bool [[function_constant(n)]]\n"
+        "for this launch (default: all true, the unspecialised kernel).\n"
         "Raises RuntimeError with the emulator's message (unknown kernel, bad launch size,\n"
         "missing buffer, barrier divergence, ...), ValueError/TypeError for bad arguments.");
 }

@@ -55,6 +55,9 @@ struct Launch {
   // When set, runs the counting variant under the sanitizer (sanitizer.h) on one worker,
   // checking every access against the call's shadow state; not together with `profile`.
   SanitizerCall* sanitizer = nullptr;
+  // Bit n: the value of the kernel's bool [[function_constant(n)]] (bound per launch, as Metal
+  // binds them per pipeline). All set: every feature branch is live, the unspecialised kernel.
+  uint32_t function_constants = ~0u;
 };
 
 // Names of every instantiated kernel (host_name or plain kernel name), sorted.

@@ -283,6 +283,7 @@ bool same_site(const Fiber* a, const Fiber* b) {
 struct Job {
   const KernelDef* def;
   void* const* buffers;
+  uint32_t function_constants;
   std::array<uint32_t, 3> groups;
   std::array<uint32_t, 3> group_size;
   emu::Schedule schedule;
@@ -319,6 +320,7 @@ std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
     if (!f->started) start_fiber(w, f);
     ThreadCtx& c = f->ctx;
     c.buffers = job.buffers;
+    c.function_constants = job.function_constants;
     const uint32_t local[3] = {i % sx, (i / sx) % sy, i / (sx * sy)};
     for (int d = 0; d < 3; ++d) {
       c.thread_position_in_threadgroup[d] = local[d];
@@ -642,6 +644,10 @@ void count_math() {
 
 uint32_t current_lane() { return current_fiber()->ctx.thread_index_in_simdgroup; }
 
+bool function_constant(int index) {
+  return index >= 0 && index < 32 && ((current_fiber()->ctx.function_constants >> index) & 1u);
+}
+
 void fail(const char* message) {
   Fiber* f = current_fiber();
   f->worker->error = message;
@@ -724,6 +730,7 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
   rt::Job job;
   job.def = def;
   job.buffers = buffers;
+  job.function_constants = launch.function_constants;
   job.groups = launch.groups;
   job.group_size = launch.group_size;
   job.schedule = launch.schedule;

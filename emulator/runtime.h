@@ -13,6 +13,7 @@ namespace rt {
 // Ids of one GPU thread; 3-component ids are (x, y, z).
 struct ThreadCtx {
   void* const* buffers;                // [[buffer(n)]] -> buffers[n]
+  uint32_t function_constants;         // bit n: bool [[function_constant(n)]] (emu::Launch)
   uint32_t thread_position_in_grid[3];
   uint32_t thread_position_in_threadgroup[3];
   uint32_t threadgroup_position_in_grid[3];
@@ -66,6 +67,9 @@ void count_fma();
 void count_math();
 // Lane id of the calling GPU thread (simdgroup_matrix diagonal constructor).
 uint32_t current_lane();
+// Value of the bool [[function_constant(index)]] in the calling GPU thread's launch (the
+// translator replaces each use of a function constant by this call).
+bool function_constant(int index);
 // Ends the calling GPU thread's group with an error (e.g. a non-uniform simdgroup_load).
 [[noreturn]] void fail(const char* message);
 

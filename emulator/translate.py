@@ -177,6 +177,7 @@ class Translator:
         self.attrs = {}  # token index of '[[' -> (index after ']]', [(name, arg text, tok)])
         self.kernels = {}
         self.instances = []  # (host name, kernel name, template args text, tok)
+        self.function_constants = {}  # name -> (index, declaration's first and last token)
         self.match = self._match_brackets()
         self.fragment_types = self._fragment_types()
 
@@ -252,6 +253,7 @@ class Translator:
         self.collect_attributes()
         self.rewrite_literals_and_vectors()
         self.scan(0, len(self.toks))
+        self.rewrite_function_constant_uses()
         out, pos = [], 0
         for start, end, repl in sorted(self.edits):
             if start < pos:
@@ -377,6 +379,9 @@ class Translator:
     def declaration(self, lo, hi, body):
         toks = self.toks
         idx, attrs = self.head_tokens(lo, hi)
+        if any(name == "function_constant" for name, _, _ in attrs):
+            self.function_constant(lo, hi, idx, attrs)
+            return
         is_kernel = any(name == "kernel" for name, _, _ in attrs)
         for k in idx:
             if toks[k].text == "kernel":
@@ -437,6 +442,41 @@ class Translator:
         params = self.parse_params(open_paren + 1, last, name)
         self.kernels[name] = KernelDef(name, tparams, tnames, params,
                                        max_threads[0] if max_threads else None, toks[name_tok])
+
+    def function_constant(self, lo, hi, idx, attrs):
+        """`constant bool name [[function_constant(n)]];` at program scope: the declaration is
+        removed and every later use of `name` reads the launch's value
+        (JFM_FUNCTION_CONSTANT(bool, n), bound per launch by emu::Launch::function_constants)."""
+        toks = self.toks
+        words = [toks[k].text for k in idx]
+        if self.in_namespace or function_constant_name(words) is None:
+            self.src.error(toks[lo], "supported function constants: `constant bool name "
+                           "[[function_constant(n)]];` at program scope")
+        if len(attrs) != 1:
+            self.src.error(attrs[0][2], "a function constant takes no other attribute")
+        try:
+            index = int(attrs[0][1], 0)
+        except (TypeError, ValueError):
+            self.src.error(attrs[0][2], "[[function_constant(n)]] needs an integer literal")
+        if not 0 <= index < 32:
+            self.src.error(attrs[0][2], f"function constant index {index} out of range 0..31")
+        name = words[-1]
+        if name in self.function_constants:
+            self.src.error(toks[idx[-1]], f"function constant '{name}' declared twice")
+        if index in {i for i, _ in self.function_constants.values()}:
+            self.src.error(attrs[0][2], f"function constant index {index} used twice")
+        self.function_constants[name] = (index, idx[-1])
+        for k in idx + [hi]:  # (the attribute is blanked already)
+            self.blank(k, k + 1)
+
+    def rewrite_function_constant_uses(self):
+        for k, t in enumerate(self.toks):
+            entry = self.function_constants.get(t.text) if t.kind == "id" else None
+            if entry is None or k == entry[1]:
+                continue
+            if k < entry[1]:
+                self.src.error(t, f"function constant '{t.text}' used before its declaration")
+            self.edits.append((t.start, t.end, f"JFM_FUNCTION_CONSTANT(bool, {entry[0]})"))
 
     def find_angle_close(self, i, hi):
         depth, k = 0, i
@@ -755,6 +795,11 @@ class Translator:
         out.append("#endif  // JFM_COUNTING")
         out.append("#endif  // JFM_STRICT")
         return "\n".join(out) + "\n", [name for name, _, _ in entries]
+
+
+def function_constant_name(words):
+    """The name of `constant bool name` (a function constant's declaration), else None."""
+    return words[2] if words[:2] == ["constant", "bool"] and len(words) == 3 else None
 
 
 def preprocess(cxx, path):

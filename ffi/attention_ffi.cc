@@ -17,6 +17,7 @@
 #include "attention_params.h"
 #include "device.h"
 #include "dispatch_plan.h"
+#include "function_constants.h"
 #include "host_timing.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -112,6 +113,7 @@ struct Problem {
   ffi::DataType dtype = ffi::DataType::F32;
   const char* suffix = nullptr;  // f32 / f16 / bf16
   bool dropout = false;          // dropout_rate > 0: the forward runs the tiled kernel
+  int variant = 0;               // the kernels' tile variant (kernel_variant)
 
   Shape q_shape() const { return {batch, q_len, heads, head_dim}; }
   Shape o_shape() const { return {batch, q_len, heads, value_head_dim}; }
@@ -197,6 +199,10 @@ ffi::Error check_attributes(const Attributes& o) {
   }
   if (!(o.dropout_rate >= 0.0 && o.dropout_rate < 1.0)) {
     return invalid("dropout_rate must be in [0, 1); got " + std::to_string(o.dropout_rate));
+  }
+  if (o.kernel_variant < 0 || o.kernel_variant >= JFM_TILE_VARIANTS) {
+    return invalid("kernel_variant must be in [0, " + std::to_string(JFM_TILE_VARIANTS) +
+                   "); got " + std::to_string(o.kernel_variant));
   }
   return ffi::Error::Success();
 }
@@ -521,7 +527,7 @@ std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& 
 
 std::vector<StageShape> stages_of(bool backward, const Problem& p, int gpu_cores) {
   return attention_stages(backward, p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads,
-                          p.head_dim, p.value_head_dim, gpu_cores, p.dropout);
+                          p.head_dim, p.value_head_dim, gpu_cores, p.dropout, p.variant);
 }
 
 int64_t splits_of(const Problem& p, int gpu_cores) {
@@ -572,6 +578,7 @@ void plan_stages(Device& device, const Problem& p, const Attributes& o,
       d.constants.resize(sizeof(AttentionParams));
       std::memcpy(d.constants.data(), &params, sizeof(AttentionParams));
       d.constants_index = JFM_BUFFER_PARAMS;
+      d.function_constants = jfm_function_constants(params) & stage.function_constant_mask;
       d.multiply_adds = chunk.multiply_adds;
       submission.push_back(std::move(d));
     }
@@ -649,6 +656,7 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
   if (ffi::Error e = read_problem(q, k, v, opt.has_page_table, &p); e.failure()) return e;
   if (ffi::Error e = check_attributes(opt); e.failure()) return e;
   p.dropout = opt.dropout_rate > 0.0;
+  p.variant = opt.kernel_variant;
   if (opt.has_page_table) {
     if (ffi::Error e = read_page_table(rest, opt, &p); e.failure()) return e;
   }
@@ -714,6 +722,7 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   if (ffi::Error e = read_problem(q, k, v, false, &p); e.failure()) return e;
   if (ffi::Error e = check_attributes(opt); e.failure()) return e;
   p.dropout = opt.dropout_rate > 0.0;
+  p.variant = opt.kernel_variant;
   const ffi::DataType f32 = ffi::DataType::F32;
   for (auto [what, buffer, dtype, shape] :
        {std::make_tuple("o", o, p.dtype, p.o_shape()),

@@ -24,6 +24,8 @@
 //   logits_soft_cap  f32   c of c * tanh(score / c); 0 = no cap
 //   dropout_rate     f64   in [0, 1); > 0: a dropout operand follows the sinks. f64 so that
 //                          floor(rate 2^32), the keep threshold, is the Python side's exactly
+//   kernel_variant   i32   the kernels' tile variant, 0 .. JFM_TILE_VARIANTS - 1
+//                          (shaders/tile_shapes.h; decode_vector and decode_combine have one)
 //   bias_grad        i1    backward only (false on the forward): the dbias result is wanted;
 //                          needs has_bias
 //   alibi_grad       i1    backward only (false on the forward): the dalibi result is wanted;
@@ -44,6 +46,7 @@
   X(bool, has_alibi)          \
   X(bool, has_page_table)     \
   X(double, dropout_rate)     \
+  X(int32_t, kernel_variant)  \
   X(bool, bias_grad)          \
   X(bool, alibi_grad)
 

@@ -24,6 +24,11 @@ struct Binding {
   bool copy = false;
 };
 
+// The bool function constants of every attention kernel (JFM_FUNCTION_CONSTANTS of
+// shaders/function_constants.h, which dispatch_plan.cc checks this against): a pipeline is
+// specialised by bits 0 .. kFunctionConstants - 1 of Dispatch::function_constants.
+constexpr int kFunctionConstants = 6;
+
 // One kernel launch: grid of `groups` threadgroups of `group_size` threads.
 struct Dispatch {
   std::string kernel;
@@ -32,6 +37,9 @@ struct Dispatch {
   std::vector<Binding> buffers;
   std::vector<uint8_t> constants;  // bytes bound as `constant T&` at constants_index (if any)
   int constants_index = 0;
+  // Bit n: the bool [[function_constant(n)]] the kernel's pipeline is specialised with
+  // (shaders/function_constants.h); one pipeline per (kernel, function_constants).
+  uint32_t function_constants = 0;
   double multiply_adds = 0;  // the plan's estimate of its work (Metal calibrates from it)
   // Whether this dispatch must wait for every earlier dispatch of its submission and see their
   // writes (mark_barriers, dispatch_plan.h). Dispatches between two barriers may run in any

@@ -10,9 +10,14 @@
 #include <vector>
 
 #include "device.h"
+#include "function_constants.h"
 #include "tile_shapes.h"
 
 namespace jfm {
+
+static_assert(kFunctionConstants == JFM_FUNCTION_CONSTANTS,
+              "device.h's count of function constants is shaders/function_constants.h's");
+
 namespace {
 
 std::atomic<double> g_budget_seconds{0.1};
@@ -118,6 +123,23 @@ double set_submission_budget_seconds(double seconds) {
 
 double submission_budget_seconds() { return g_budget_seconds.load(); }
 
+uint32_t stage_function_constants(const std::string& stage) {
+  constexpr uint32_t causal = 1u << JFM_FC_CAUSAL, lengths = 1u << JFM_FC_LENGTHS,
+                     score = 1u << JFM_FC_SCORE_FEATURES, sinks = 1u << JFM_FC_SINKS,
+                     dropout = 1u << JFM_FC_DROPOUT, paged = 1u << JFM_FC_PAGED;
+  if (stage == "fwd") return causal | lengths | score | sinks | dropout | paged;
+  // Decode never has dropout (decode_splits); its pass 2 only folds the sinks in.
+  if (stage == "decode_partial" || stage == "decode_vector") {
+    return causal | lengths | score | paged;
+  }
+  if (stage == "decode_combine") return sinks;
+  // The backward reads the forward's residuals, which hold the sinks, and no paged cache.
+  if (stage == "bwd_dq" || stage == "bwd_dkdv" || stage == "bwd_dk" || stage == "bwd_dv") {
+    return causal | lengths | score | dropout;
+  }
+  return 0;
+}
+
 std::vector<std::string> bwd_stages(int head_dim) {
   if (jfm_bwd_split_dkdv(head_dim)) return {"bwd_dq", "bwd_dk", "bwd_dv"};
   return {"bwd_dq", "bwd_dkdv"};
@@ -133,7 +155,7 @@ int64_t decode_splits(const char* dtype_suffix, int64_t batch, int64_t q_len, in
                       bool dropout) {
   if (dropout) return 0;  // the tiled forward has dropout; the decode kernels do not
   const int rows = jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, element_bytes(dtype_suffix),
-                                 static_cast<int>(head_dim));
+                                 static_cast<int>(head_dim), 0);  // the same in every variant
   if (q_len < 1 || q_len > JFM_DECODE_MAX_Q_LEN || kv_heads < 1 || kv_len < 1 || batch < 1 ||
       heads / kv_heads * q_len > rows) {
     return 0;
@@ -166,21 +188,25 @@ int tile_head_dim(int64_t head_dim, int64_t value_head_dim) {
 std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix, int64_t batch,
                                          int64_t q_len, int64_t kv_len, int64_t heads,
                                          int64_t kv_heads, int64_t head_dim,
-                                         int64_t value_head_dim, int gpu_cores, bool dropout) {
+                                         int64_t value_head_dim, int gpu_cores, bool dropout,
+                                         int variant) {
   const int bytes = element_bytes(dtype_suffix);
   const int tile_dim = tile_head_dim(head_dim, value_head_dim);
   auto stage = [&](const char* name, int64_t rows, int64_t stage_heads,
                    double multiply_adds_per_row) {
+    // The call's variant for the stages with several (decode_vector and _combine have one).
+    const int v = tile_variants(name) > 1 ? variant : 0;
     StageShape s;
-    s.kernel = kernel_name(name, dtype_suffix, head_dim, value_head_dim);
+    s.kernel = kernel_name(variant_stage(name, v), dtype_suffix, head_dim, value_head_dim);
     s.rows = rows;
     s.heads = stage_heads;
     s.batch = batch;
     TileShape shape{};
-    tile_shape(name, bytes, tile_dim, &shape);
+    tile_shape(name, bytes, tile_dim, v, &shape);
     s.rows_per_group = static_cast<uint32_t>(shape.rows);
     s.threads = static_cast<uint32_t>(shape.threads);
     s.multiply_adds_per_group = multiply_adds_per_row * s.rows_per_group;
+    s.function_constant_mask = stage_function_constants(name);
     return s;
   };
   // Products over the key head dim (S, dQ, dK) and the value head dim (P V, dP, dV) alike: the
@@ -198,9 +224,9 @@ std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix
     const bool vector = decode_is_vector(q_len, heads, kv_heads, tile_dim);
     const int family = vector ? JFM_KERNEL_DECODE_VECTOR : JFM_KERNEL_DECODE_PARTIAL;
     const double tile_rows =
-        vector ? group * q_len : jfm_tile_rows(family, bytes, tile_dim);
-    const double chunk =
-        std::ceil(tkv / static_cast<double>(splits)) + jfm_tile_cols(family, bytes, tile_dim);
+        vector ? group * q_len : jfm_tile_rows(family, bytes, tile_dim, variant);
+    const double chunk = std::ceil(tkv / static_cast<double>(splits)) +
+                         jfm_tile_cols(family, bytes, tile_dim, variant);
     StageShape partial = stage(vector ? "decode_vector" : "decode_partial", splits, kv_heads, 0);
     partial.rows_per_group = 1;  // grid x: one split per threadgroup
     partial.multiply_adds_per_group = 2 * chunk * d * tile_rows;
@@ -219,6 +245,8 @@ std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix
   return stages;
 }
 
+namespace {
+
 // The kernel families of tile_shapes.h by stage name.
 constexpr std::pair<const char*, int> kStageKernels[] = {
     {"fwd", JFM_KERNEL_FWD},
@@ -230,24 +258,50 @@ constexpr std::pair<const char*, int> kStageKernels[] = {
     {"decode_combine", JFM_KERNEL_DECODE_COMBINE},
     {"decode_vector", JFM_KERNEL_DECODE_VECTOR}};
 
+int stage_family(const std::string& stage) {
+  for (const auto& [name, family] : kStageKernels) {
+    if (stage == name) return family;
+  }
+  return -1;
+}
+
+}  // namespace
+
 int element_bytes(const std::string& dtype_suffix) {
   return dtype_suffix == "f32" ? 4 : dtype_suffix == "f16" || dtype_suffix == "bf16" ? 2 : 0;
 }
 
-bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape) {
-  for (const auto& [name, family] : kStageKernels) {
-    if (stage != name) continue;
-    *shape = TileShape{jfm_tile_rows(family, element_bytes, head_dim),
-                       jfm_tile_cols(family, element_bytes, head_dim),
-                       jfm_tile_simdgroups(family, element_bytes, head_dim),
-                       jfm_tile_threads(family, element_bytes, head_dim),
-                       family == JFM_KERNEL_FWD &&
-                           jfm_fwd_q_in_registers(element_bytes, head_dim),
-                       family == JFM_KERNEL_FWD && jfm_fwd_kv_one_buffer(element_bytes, head_dim),
-                       jfm_tile_registers(family, element_bytes, head_dim)};
-    return true;
+bool tile_shape(const std::string& stage, int element_bytes, int head_dim, int variant,
+                TileShape* shape) {
+  const int family = stage_family(stage);
+  if (family < 0 || variant < 0 || variant >= tile_variants(stage)) {
+    return false;
   }
-  return false;
+  const bool fwd = jfm_is_fwd_tile(family);
+  *shape = TileShape{jfm_tile_rows(family, element_bytes, head_dim, variant),
+                     jfm_tile_cols(family, element_bytes, head_dim, variant),
+                     jfm_tile_simdgroups(family, element_bytes, head_dim, variant),
+                     jfm_tile_threads(family, element_bytes, head_dim, variant),
+                     fwd && jfm_fwd_q_in_registers(element_bytes, head_dim, variant),
+                     fwd && jfm_fwd_kv_one_buffer(element_bytes, head_dim, variant),
+                     jfm_tile_registers(family, element_bytes, head_dim, variant)};
+  return true;
+}
+
+int tile_variants(const std::string& stage) {
+  const int family = stage_family(stage);
+  if (family < 0) return 0;
+  // Every variant the kernels instantiate, where a stage has more than one.
+  return jfm_is_one_simdgroup(family) ? 1 : JFM_TILE_VARIANTS;
+}
+
+bool tile_variant_differs(const std::string& stage, int element_bytes, int head_dim, int variant) {
+  const int family = stage_family(stage);
+  return family >= 0 && jfm_variant_differs(family, element_bytes, head_dim, variant);
+}
+
+std::string variant_stage(const std::string& stage, int variant) {
+  return variant == 0 ? stage : stage + "_var" + std::to_string(variant);
 }
 
 }  // namespace jfm

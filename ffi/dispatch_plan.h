@@ -25,6 +25,9 @@ struct StageShape {
   uint32_t rows_per_group = 1;
   uint32_t threads = 1;
   double multiply_adds_per_group = 0;  // estimated work of one threadgroup (an upper bound)
+  // The function constants its kernel reads (stage_function_constants): a call's constant set
+  // is masked by it, so no two pipelines of a kernel differ in a constant it ignores.
+  uint32_t function_constant_mask = 0;
 
   int64_t blocks() const { return (rows + rows_per_group - 1) / rows_per_group; }
 };
@@ -80,7 +83,7 @@ std::vector<StageShape> attention_stages(bool backward, const char* dtype_suffix
                                          int64_t q_len, int64_t kv_len, int64_t heads,
                                          int64_t kv_heads, int64_t head_dim,
                                          int64_t value_head_dim, int gpu_cores,
-                                         bool dropout = false);
+                                         bool dropout = false, int variant = 0);
 
 // The kernel name of a stage ("fwd", "bwd_dq", ...) for a dtype suffix and head dims:
 // "flash_attention_STAGE_SUFFIX_dNAME" with NAME = family_name(head_dim, value_head_dim), the
@@ -126,9 +129,28 @@ struct TileShape {
 };
 
 // The shape for stage "fwd", "bwd_dq", "bwd_dkdv", "bwd_dk", "bwd_dv", "decode_partial",
-// "decode_combine" or "decode_vector" (the stage part of a kernel name), element size in bytes
-// (4 or 2) and head dim; false for an unknown stage.
-bool tile_shape(const std::string& stage, int element_bytes, int head_dim, TileShape* shape);
+// "decode_combine" or "decode_vector" (the stage part of a kernel name, without a variant
+// suffix), element size in bytes (4 or 2), head dim and tile variant (tile_shapes.h); false for
+// an unknown stage or a variant outside 0 .. tile_variants - 1.
+bool tile_shape(const std::string& stage, int element_bytes, int head_dim, int variant,
+                TileShape* shape);
+
+// The tile variants the kernels of a stage are instantiated in (JFM_TILE_VARIANTS, 1 for
+// decode_vector and decode_combine), 0 for an unknown stage. A variant may have variant 0's
+// shape where the family has no second strategy (jfm_variant_differs).
+int tile_variants(const std::string& stage);
+
+// Whether variant `variant` of a stage's family differs from its variant 0 (jfm_variant_differs).
+bool tile_variant_differs(const std::string& stage, int element_bytes, int head_dim, int variant);
+
+// The stage part of a variant's kernel names: `stage` for variant 0, "STAGE_var<v>" otherwise
+// (the host names of the .metal files' instantiation grids).
+std::string variant_stage(const std::string& stage, int variant);
+
+// The function constants (bits JFM_FC_* of shaders/function_constants.h) the kernels of a stage
+// ("fwd", "bwd_dq", ..., the stage part of a kernel name) read; 0 for an unknown stage. The
+// constant sets the host may pick for the stage are the subsets of it.
+uint32_t stage_function_constants(const std::string& stage);
 
 // Bytes per element of a dtype suffix: 4 for "f32", 2 for "f16" / "bf16", 0 for anything else.
 int element_bytes(const std::string& dtype_suffix);

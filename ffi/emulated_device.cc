@@ -184,7 +184,8 @@ class EmulatedDevice final : public Device {
     }
     launch->groups = d.groups;
     launch->group_size = d.group_size;
-    ProfileRecord record{d.kernel, d.groups, d.group_size, {}};
+    launch->function_constants = d.function_constants;
+    ProfileRecord record{d.kernel, d.groups, d.group_size, d.function_constants, {}};
     const bool profiling = g_profiling.load();
     launch->profile = profiling ? &record.counts : nullptr;
     std::string error = emu::run(d.kernel, args, *launch);

@@ -16,6 +16,7 @@ struct ProfileRecord {
   std::string kernel;
   std::array<uint32_t, 3> groups;      // threadgroups per grid of the Dispatch
   std::array<uint32_t, 3> group_size;  // threads per threadgroup
+  uint32_t function_constants;         // the Dispatch's (its pipeline's) function constants
   emu::Profile counts;
 };
 

@@ -29,11 +29,15 @@
 // Memory management: ARC (this file is compiled with -fobjc-arc; there is no manual
 // retain/release of Objective-C objects; the IOKit and CoreFoundation objects of
 // registry_gpu_cores, which ARC does not manage, are released there). Every method that touches Metal objects runs inside @autoreleasepool.
-// Thread safety: libraries and pipelines are built under one mutex; the staging pool has its
-// own; the throughput estimate and the GPU-time total are atomic; MTLCommandQueue is itself
-// thread-safe, so handlers may run concurrently. A call never waits for the GPU: run_async
-// commits its command buffers and returns; their completion handlers finish it (Call), and its
-// `done` runs on a global dispatch queue.
+// Thread safety: the kernel index (kernel name -> its library slot and pipeline slots) is built
+// at construction and only read afterwards, so a call finds its pipeline without a lock and
+// without searching shader text; each library and each (kernel, function constants) pipeline is
+// built once by std::call_once on its own slot, so a compile blocks only calls that need that
+// same library or pipeline. Compile messages have a mutex held only to append or read them; the
+// staging pool has its own; the throughput estimate and the GPU-time total are atomic;
+// MTLCommandQueue is itself thread-safe, so handlers may run concurrently. A call never waits
+// for the GPU: run_async commits its command buffers and returns; their completion handlers
+// finish it (Call), and its `done` runs on a global dispatch queue.
 #import <Foundation/Foundation.h>
 #import <IOKit/IOKitLib.h>
 #import <Metal/Metal.h>
@@ -42,6 +46,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -246,15 +251,55 @@ class StagingPool {
   size_t cached_bytes_ = 0;
 };
 
-// The kernels the embedded sources instantiate, known without compiling them: the same
-// shaders/*.metal files were translated for the emulator at build time, so its list holds them
-// (with the emulator's own test kernels, which no embedded source names).
-std::vector<std::string> catalogue(const std::vector<ShaderSource>& sources) {
-  std::vector<std::string> names;
+// One library (a family of one source, or a whole source), compiled on first use.
+struct LibrarySlot {
+  ShaderLibrary spec;
+  std::once_flag once;
+  id<MTLLibrary> library = nil;  // nil: not compiled yet, or failed
+};
+
+// One pipeline of a kernel, for one function-constant set.
+struct PipelineSlot {
+  std::once_flag once;
+  id<MTLComputePipelineState> state = nil;
+  std::string error;  // why state is nil after the once-call
+};
+
+// A kernel: its library and one pipeline slot per function-constant set.
+struct KernelSlots {
+  LibrarySlot* library;
+  std::array<PipelineSlot, size_t{1} << kFunctionConstants> pipelines;
+};
+
+// The kernels the embedded sources instantiate, known without compiling them (the same
+// shaders/*.metal files were translated for the emulator at build time, so its list holds them,
+// with the emulator's own test kernels, which no embedded source names), each with the slot of
+// its library: the one source search, at construction.
+struct KernelIndex {
+  std::vector<std::string> names;  // sorted, as emu::kernel_names()
+  std::vector<std::unique_ptr<LibrarySlot>> libraries;
+  std::unordered_map<std::string, std::unique_ptr<KernelSlots>> kernels;
+};
+
+KernelIndex kernel_index(const std::vector<ShaderSource>& sources) {
+  KernelIndex index;
+  std::unordered_map<std::string, LibrarySlot*> by_key;  // "file:family"
   for (const std::string& name : emu::kernel_names()) {
-    if (shader_library(sources, name).source != nullptr) names.push_back(name);
+    ShaderLibrary spec = shader_library(sources, name);
+    if (spec.source == nullptr) continue;
+    index.names.push_back(name);
+    const std::string key = std::string(spec.source->file) + ":" + spec.family;
+    LibrarySlot*& library = by_key[key];
+    if (library == nullptr) {
+      index.libraries.push_back(std::make_unique<LibrarySlot>());
+      library = index.libraries.back().get();
+      library->spec = std::move(spec);
+    }
+    auto slots = std::make_unique<KernelSlots>();
+    slots->library = library;
+    index.kernels.emplace(name, std::move(slots));
   }
-  return names;
+  return index;
 }
 
 class MetalDevice final : public Device {
@@ -266,7 +311,7 @@ class MetalDevice final : public Device {
         name_(utf8(device.name)),
         page_size_(static_cast<uintptr_t>(sysconf(_SC_PAGESIZE))),
         staging_(device),
-        catalogue_(catalogue(sources_)),
+        index_(kernel_index(sources_)),
         gpu_cores_(gpu_core_count(registry_gpu_cores(), name_)) {}
 
   const char* kind() const override { return "metal"; }
@@ -275,20 +320,19 @@ class MetalDevice final : public Device {
 
   // Compiles the kernel's family on first use.
   bool has_kernel(const std::string& kernel) override {
-    std::lock_guard<std::mutex> lock(mutex_);
     std::string error;
     return library_for(kernel, &error) != nil;
   }
 
-  std::vector<std::string> kernel_names() override { return catalogue_; }
+  std::vector<std::string> kernel_names() override { return index_.names; }
 
   std::string library_error() override {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(messages_mutex_);
     return library_error_;
   }
 
   std::string library_warnings() override {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(messages_mutex_);
     return library_warnings_;
   }
 
@@ -298,12 +342,12 @@ class MetalDevice final : public Device {
   double gpu_seconds_total() const { return gpu_seconds_.load(); }
 
   // Whether a pipeline failed the gate (not 32-wide simdgroups); lock-free, as every handler
-  // call asks it while another may hold mutex_ compiling.
+  // call asks it.
   bool gate_failed() const { return gate_failed_.load(); }
 
   // Why Metal is unusable after gate_failed(), else "".
   std::string gate_failure() {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(messages_mutex_);
     return gate_failure_;
   }
 
@@ -450,22 +494,27 @@ class MetalDevice final : public Device {
     }
   }
 
+  // The slots of `kernel`, nullptr with `error` set when no embedded source defines it.
+  KernelSlots* slots_of(const std::string& kernel, std::string* error) {
+    auto it = index_.kernels.find(kernel);
+    if (it != index_.kernels.end()) return it->second.get();
+    *error = "no kernel '" + kernel + "' in the shader sources";
+    return nullptr;
+  }
+
+  // The library of `slots`, compiled on first use; nil with `error` set when it failed.
+  id<MTLLibrary> library_of(LibrarySlot& slot, std::string* error) {
+    std::call_once(slot.once, [&] { slot.library = compile(slot.spec); });
+    if (slot.library == nil) *error = "the shader library failed to compile: " + library_error();
+    return slot.library;
+  }
+
   // The library holding `kernel` (shader_library: its source, and its dtype and head-dim
   // family or the whole source), compiled on first use; nil with `error` set when the kernel
-  // does not exist or its library failed to compile. Caller holds mutex_.
+  // does not exist or its library failed to compile.
   id<MTLLibrary> library_for(const std::string& kernel, std::string* error) {
-    const ShaderLibrary library = shader_library(sources_, kernel);
-    if (library.source == nullptr) {
-      *error = "no kernel '" + kernel + "' in the shader sources";
-      return nil;
-    }
-    const std::string key = std::string(library.source->file) + ":" + library.family;
-    auto cached = libraries_.find(key);
-    if (cached == libraries_.end()) {
-      cached = libraries_.emplace(key, compile(library)).first;
-    }
-    if (cached->second == nil) *error = "the shader library failed to compile: " + library_error_;
-    return cached->second;
+    KernelSlots* slots = slots_of(kernel, error);
+    return slots == nullptr ? nil : library_of(*slots->library, error);
   }
 
   // Compiles one library (one family of one source, or all of it); records errors and warnings.
@@ -501,6 +550,7 @@ class MetalDevice final : public Device {
       id<MTLLibrary> compiled = [device_ newLibraryWithSource:text options:options error:&error];
       const std::string what = std::string(source.file) +
                                (library.family.empty() ? "" : " (" + library.family + ")");
+      std::lock_guard<std::mutex> lock(messages_mutex_);
       if (compiled == nil) {
         if (!library_error_.empty()) library_error_ += "\n";
         library_error_ += what + ": " + describe(error);
@@ -514,35 +564,60 @@ class MetalDevice final : public Device {
     }
   }
 
-  // The cached pipeline for `kernel`, built on first use; nil with `error` set on failure.
-  id<MTLComputePipelineState> pipeline(const std::string& kernel, std::string* error) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto cached = pipelines_.find(kernel);
-    if (cached != pipelines_.end()) return cached->second;
-    id<MTLLibrary> library = library_for(kernel, error);
-    if (library == nil) return nil;
-    id<MTLFunction> function = [library newFunctionWithName:ns(kernel)];
-    if (function == nil) {
-      *error = "could not load kernel '" + kernel + "'";
+  // The pipeline of `kernel` specialised with the bool function constants `constants` (bit n:
+  // [[function_constant(n)]], shaders/function_constants.h), built once on first use; nil with
+  // `error` set on failure. The hot path is one hash lookup in the read-only index.
+  id<MTLComputePipelineState> pipeline(const std::string& kernel, uint32_t constants,
+                                       std::string* error) {
+    KernelSlots* slots = slots_of(kernel, error);
+    if (slots == nullptr) return nil;
+    if (constants >= slots->pipelines.size()) {
+      *error = "kernel '" + kernel + "': unknown function constants " + std::to_string(constants);
       return nil;
     }
-    NSError* ns_error = nil;
-    id<MTLComputePipelineState> state = [device_ newComputePipelineStateWithFunction:function
-                                                                               error:&ns_error];
-    if (state == nil) {
-      *error = "could not build the pipeline of '" + kernel + "': " + describe(ns_error);
-      return nil;
+    PipelineSlot& slot = slots->pipelines[constants];
+    std::call_once(slot.once, [&] { slot.state = build(kernel, *slots, constants, &slot.error); });
+    if (slot.state == nil) *error = slot.error;
+    return slot.state;
+  }
+
+  // Builds a pipeline (pipeline's once-call).
+  id<MTLComputePipelineState> build(const std::string& kernel, KernelSlots& slots,
+                                    uint32_t constants, std::string* error) {
+    @autoreleasepool {
+      id<MTLLibrary> library = library_of(*slots.library, error);
+      if (library == nil) return nil;
+      MTLFunctionConstantValues* values = [[MTLFunctionConstantValues alloc] init];
+      for (NSUInteger n = 0; n < NSUInteger{kFunctionConstants}; ++n) {
+        const bool value = ((constants >> n) & 1u) != 0;
+        [values setConstantValue:&value type:MTLDataTypeBool atIndex:n];
+      }
+      NSError* ns_error = nil;
+      id<MTLFunction> function = [library newFunctionWithName:ns(kernel)
+                                               constantValues:values
+                                                        error:&ns_error];
+      if (function == nil) {
+        *error = "could not load kernel '" + kernel + "' with function constants " +
+                 std::to_string(constants) + ": " + describe(ns_error);
+        return nil;
+      }
+      id<MTLComputePipelineState> state = [device_ newComputePipelineStateWithFunction:function
+                                                                                 error:&ns_error];
+      if (state == nil) {
+        *error = "could not build the pipeline of '" + kernel + "': " + describe(ns_error);
+        return nil;
+      }
+      const std::string gate = apple_gpu_gate(name_, true, true,
+                                              static_cast<uint32_t>(state.threadExecutionWidth));
+      if (!gate.empty()) {
+        std::lock_guard<std::mutex> lock(messages_mutex_);
+        gate_failure_ = gate + " (pipeline of '" + kernel + "')";
+        gate_failed_.store(true);
+        *error = gate_failure_;
+        return nil;
+      }
+      return state;
     }
-    const std::string gate = apple_gpu_gate(name_, true, true,
-                                            static_cast<uint32_t>(state.threadExecutionWidth));
-    if (!gate.empty()) {
-      gate_failure_ = gate + " (pipeline of '" + kernel + "')";
-      gate_failed_.store(true);
-      *error = gate_failure_;
-      return nil;
-    }
-    pipelines_.emplace(kernel, state);
-    return state;
   }
 
   // Binds a host range: wrapped in place when Metal accepts the page-aligned region around it
@@ -607,7 +682,7 @@ class MetalDevice final : public Device {
   std::string encode(id<MTLComputeCommandEncoder> encoder, const Dispatch& d, bool debug,
                      Committed* committed, Call* call) {
     std::string error;
-    id<MTLComputePipelineState> state = pipeline(d.kernel, &error);
+    id<MTLComputePipelineState> state = pipeline(d.kernel, d.function_constants, &error);
     if (state == nil) return error;
     const NSUInteger threads = NSUInteger{d.group_size[0]} * d.group_size[1] * d.group_size[2];
     if (threads > state.maxTotalThreadsPerThreadgroup) {
@@ -673,18 +748,16 @@ class MetalDevice final : public Device {
   const uintptr_t page_size_;
   const std::vector<ShaderSource> sources_ = shader_sources();
   StagingPool staging_;
-  const std::vector<std::string> catalogue_;  // sorted, as emu::kernel_names()
+  const KernelIndex index_;  // read-only after construction
   const int gpu_cores_;
   std::atomic<double> throughput_{kInitialMultiplyAddsPerSecond};
   std::atomic<bool> gate_failed_{false};
   std::atomic<double> gpu_seconds_{0.0};
 
-  std::mutex mutex_;  // guards everything below
+  std::mutex messages_mutex_;  // guards the three messages below (never held while compiling)
   std::string library_error_;
   std::string library_warnings_;
   std::string gate_failure_;
-  std::unordered_map<std::string, id<MTLLibrary>> libraries_;  // "file:family" -> nil if failed
-  std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines_;
 };
 
 struct MetalState {

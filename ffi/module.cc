@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <set>
 #include <string>
@@ -20,6 +21,7 @@
 #include "device.h"
 #include "dispatch_plan.h"
 #include "emulator_profile.h"
+#include "function_constants.h"
 #include "shader_sources.h"
 
 namespace nb = nanobind;
@@ -60,7 +62,8 @@ nb::tuple dim3(const std::array<uint32_t, 3>& v) { return nb::make_tuple(v[0], v
   X(rows_per_group, s.rows_per_group) X(block_offset, c.offset[0])                       \
   X(head_offset, c.offset[1]) X(batch_offset, c.offset[2]) X(multiply_adds, c.multiply_adds)
 #define JFM_PROFILE_RECORD_FIELDS(X) \
-  X(kernel, r.kernel) X(groups, dim3(r.groups)) X(group_size, dim3(r.group_size))
+  X(kernel, r.kernel) X(groups, dim3(r.groups)) X(group_size, dim3(r.group_size)) \
+  X(function_constants, r.function_constants)
 #define JFM_SET_FIELD(key, value) d[#key] = value;
 #define JFM_FIELD_KEY(key, value) ", " #key
 
@@ -380,13 +383,19 @@ void bind_emulator_controls(nb::module_& m) {
       profile_doc.c_str());
 }
 
+nb::dict tile_shape_dict(const TileShape& t) {
+  nb::dict d;
+  JFM_TILE_SHAPE_FIELDS(JFM_SET_FIELD)
+  return d;
+}
+
 // The dispatch plan the handlers use (dispatch_plan.h), read by the lowering and the tests.
 void bind_planning(nb::module_& m) {
   static const std::string dispatch_plan_doc =
       "list[list[dict]]: the submissions (command buffers) the handler of `direction` ('fwd' or "
       "'bwd') would run for this problem on that device (value_head_dim: that of value, default "
       "head_dim; dropout: a call with dropout_rate > 0, whose forward never takes the decode "
-      "kernels), each a list of dispatches {" +
+      "kernels; variant: the kernel_variant attribute), each a list of dispatches {" +
       std::string(field_keys(JFM_DISPATCH_FIELDS(JFM_FIELD_KEY))) +
       "}: groups (x, y, z), multiply_adds an estimate. Dispatch x covers row blocks "
       "block_offset.., y heads head_offset.., z batch elements batch_offset... ValueError for "
@@ -396,7 +405,7 @@ void bind_planning(nb::module_& m) {
       [](const std::string& direction, const std::string& dtype, int64_t batch, int64_t q_len,
          int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
          const std::string& implementation, std::optional<int64_t> value_head_dim,
-         bool dropout) {
+         bool dropout, int variant) {
         if (direction != "fwd" && direction != "bwd") {
           throw nb::value_error(("direction must be 'fwd' or 'bwd', not " + direction).c_str());
         }
@@ -407,7 +416,7 @@ void bind_planning(nb::module_& m) {
         const std::vector<StageShape> stages =
             attention_stages(direction == "bwd", dtype.c_str(), batch, q_len, kv_len, num_heads,
                              num_kv_heads, head_dim, value_head_dim.value_or(head_dim),
-                             device.gpu_cores(), dropout);
+                             device.gpu_cores(), dropout, variant);
         nb::list submissions;
         for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
           nb::list dispatches;
@@ -424,7 +433,7 @@ void bind_planning(nb::module_& m) {
       nb::arg("direction"), nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"),
       nb::arg("kv_len"), nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
       nb::arg("implementation") = "emulator", nb::arg("value_head_dim") = nb::none(),
-      nb::arg("dropout") = false,
+      nb::arg("dropout") = false, nb::arg("variant") = 0,
       dispatch_plan_doc.c_str());
   m.def(
       "decode_splits",
@@ -464,6 +473,21 @@ void bind_tiles(nb::module_& m) {
   m.def("gpu_cores_by_name", &gpu_cores_by_name, nb::arg("name"),
         "int: the core-count table of the Metal device (largest configuration per chip; 10 for "
         "an unknown name).");
+  m.def("stage_function_constants", &stage_function_constants, nb::arg("stage"),
+        "int: the bool Metal function constants (bit n: [[function_constant(n)]] of "
+        "shaders/function_constants.h) the kernels of a stage ('fwd', 'bwd_dq', ...) read; the "
+        "constant sets the host may pick for the stage are its subsets. 0 for an unknown stage.");
+  m.def(
+      "function_constant_names",
+      [] {
+        // In the order of the JFM_FC_* indices.
+        static const char* const names[] = {"causal", "lengths", "score_features",
+                                            "sinks",  "dropout", "paged"};
+        static_assert(sizeof(names) / sizeof(names[0]) == JFM_FUNCTION_CONSTANTS,
+                      "one name per function constant");
+        return std::vector<std::string>(std::begin(names), std::end(names));
+      },
+      "list[str]: the function constants by index (JFM_FC_* of shaders/function_constants.h).");
   m.def("bwd_stages", &bwd_stages, nb::arg("head_dim"),
         "list[str]: the backward kernel stages the host dispatches, in order: 'bwd_dq' (which "
         "also writes D), then 'bwd_dkdv', or 'bwd_dk' and 'bwd_dv' for the widest heads.");
@@ -471,27 +495,52 @@ void bind_tiles(nb::module_& m) {
       "dict(" + std::string(field_keys(JFM_TILE_SHAPE_FIELDS(JFM_FIELD_KEY))) +
       "): the tile shape of shaders/tile_shapes.h for a kernel stage ('fwd', 'bwd_dq', "
       "'bwd_dkdv', 'bwd_dk', 'bwd_dv', 'decode_partial', 'decode_combine', 'decode_vector'), "
-      "dtype ('f32', 'f16', 'bf16') and head dim: rows per threadgroup, block size of the "
-      "traversed dimension, simdgroups and threads per threadgroup; forward only: Q kept in "
-      "registers, K and V sharing one threadgroup buffer; the estimated live 32-bit registers "
-      "per thread (jfm_tile_registers). ValueError for an unknown stage or dtype.";
+      "dtype ('f32', 'f16', 'bf16'), head dim and tile variant: rows per threadgroup, block size "
+      "of the traversed dimension, simdgroups and threads per threadgroup; forward tiles only: "
+      "Q kept in registers, K and V sharing one threadgroup buffer; the estimated live 32-bit "
+      "registers per thread (jfm_tile_registers). ValueError for an unknown stage, dtype or "
+      "variant.";
   m.def(
       "tile_shape",
+      [](const std::string& stage, const std::string& dtype, int head_dim, int variant) {
+        const int bytes = element_bytes(dtype);
+        TileShape shape;
+        if (bytes == 0 || !tile_shape(stage, bytes, head_dim, variant, &shape)) {
+          throw nb::value_error(("no tile shape for stage '" + stage + "', dtype '" + dtype +
+                                 "' and variant " + std::to_string(variant) +
+                                 " (stages fwd, bwd_dq, bwd_dkdv, bwd_dk, bwd_dv, "
+                                 "decode_partial, decode_combine, decode_vector; dtypes f32, "
+                                 "f16, bf16; variants 0 .. tile_variants(stage) - 1)")
+                                    .c_str());
+        }
+        return tile_shape_dict(shape);
+      },
+      nb::arg("stage"), nb::arg("dtype"), nb::arg("head_dim"), nb::arg("variant") = 0,
+      tile_shape_doc.c_str());
+  m.def("tile_variants", &tile_variants, nb::arg("stage"),
+        "int: the tile variants a stage's kernels are instantiated in (the kernel_variant "
+        "attribute's range; 1 for decode_vector and decode_combine, 0 for an unknown stage).");
+  m.def(
+      "kernel_variants",
       [](const std::string& stage, const std::string& dtype, int head_dim) {
         const int bytes = element_bytes(dtype);
-        TileShape t;
-        if (bytes == 0 || !tile_shape(stage, bytes, head_dim, &t)) {
-          throw nb::value_error(("no tile shape for stage '" + stage + "' and dtype '" + dtype +
-                                 "' (stages fwd, bwd_dq, bwd_dkdv, bwd_dk, bwd_dv, "
-                                 "decode_partial, decode_combine, decode_vector; dtypes f32, "
-                                 "f16, bf16)").c_str());
+        nb::list variants;
+        TileShape shape;
+        for (int v = 0; v < tile_variants(stage); ++v) {
+          if (bytes == 0 || !tile_shape(stage, bytes, head_dim, v, &shape)) break;
+          if (v > 0 && !tile_variant_differs(stage, bytes, head_dim, v)) continue;
+          nb::dict d = tile_shape_dict(shape);
+          d["variant"] = v;
+          d["stage"] = variant_stage(stage, v);
+          variants.append(d);
         }
-        nb::dict d;
-        JFM_TILE_SHAPE_FIELDS(JFM_SET_FIELD)
-        return d;
+        return variants;
       },
       nb::arg("stage"), nb::arg("dtype"), nb::arg("head_dim"),
-      tile_shape_doc.c_str());
+      "list[dict]: the distinct tile variants of a stage's family (dtype, tile head dim), the "
+      "choices an autotuner or JFM_KERNEL_VARIANT has: each tile_shape's dict with 'variant' "
+      "(the kernel_variant attribute) and 'stage' (the stage part of its kernel names). "
+      "Variant 0 first; [] for an unknown stage or dtype.");
 }
 
 }  // namespace

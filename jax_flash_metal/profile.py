@@ -37,17 +37,22 @@ forward reads next to the contiguous cache's (both with key/value lengths, which
 needs): paged kernels read K and V in place through the table, so the two should agree up to
 the table's own bytes.
 
+``--variant V [V ...]`` (default 0) profiles the kernels' tile variants V
+(docs/kernels.md#kernel-variants; ``all``: every distinct variant of each problem's family), one
+row per launch and variant: the variant is part of the kernel name (``..._fwd_var1_...``) and its
+register estimate is that variant's.
+
 ``--json PATH`` writes a JSON list with one record per launch, in launch order, with exactly the
-keys of ``JSON_KEYS``: the problem (kernel, dtype, head_dim, value_head_dim, batch, q_len,
-kv_len, heads, kv_heads, causal, alibi, dropout: the rate), the exact counts (threadgroups,
-threads_per_threadgroup, threadgroup_memory_bytes, device_bytes_read, device_bytes_written,
-threadgroup_bytes_read, threadgroup_bytes_written: bytes; mma_ops, simd_ops, barriers, fma_ops,
-math_ops: counts as defined in emulator/README.md), useful_flops (analytic), registers
-(estimated live 32-bit registers per thread), ``model``: the roofline MODEL, not a
-measurement, {GPU name: {"bound": "compute" | "device" | "threadgroup", "seconds": modelled
-time, "percent_of_peak": modelled useful FLOP/s over peak FLOP/s, in percent}}, and
-``occupancy``: {GPU name: {"threadgroups", "simdgroups": per core, "limit": "memory" |
-"threads" | "registers"}} (a model).
+keys of ``JSON_KEYS``: the problem (kernel, variant: the tile variant, dtype, head_dim,
+value_head_dim, batch, q_len, kv_len, heads, kv_heads, causal, alibi, dropout: the rate), the
+exact counts (threadgroups, threads_per_threadgroup, threadgroup_memory_bytes,
+device_bytes_read, device_bytes_written, threadgroup_bytes_read, threadgroup_bytes_written:
+bytes; mma_ops, simd_ops, barriers, fma_ops, math_ops: counts as defined in emulator/README.md),
+useful_flops (analytic), registers (estimated live 32-bit registers per thread), ``model``: the
+roofline MODEL, not a measurement, {GPU name: {"bound": "compute" | "device" | "threadgroup",
+"seconds": modelled time, "percent_of_peak": modelled useful FLOP/s over peak FLOP/s, in
+percent}}, and ``occupancy``: {GPU name: {"threadgroups", "simdgroups": per core, "limit":
+"memory" | "threads" | "registers"}} (a model).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ from .tools import profile_model
 from .tools.cli import (HelpFormatter, add_problem_flags, check_problem_flags, positive_int,
                         progress_bar)
 from .tools.profile_model import (DTYPES, JSON_KEYS, NO_COUNTING_MESSAGE, PASSES, Problem,
-                                  profile_records)
+                                  problem_variants, profile_records, variant_records)
 from .tools.profile_tables import format_paged_table, format_tables
 from .tools.roofline import GPUS
 
@@ -135,6 +140,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", nargs="+", type=positive_int, default=None, metavar="N",
                    help="also run the forward on the K/V cache as pages of N keys and compare "
                         "its device bytes read with the contiguous cache's (forward only)")
+    p.add_argument("--variant", nargs="+", default=["0"], metavar="V",
+                   help="tile variants to profile (docs/kernels.md#kernel-variants): indices "
+                        "(default: 0), or 'all': every distinct variant of each problem's family")
     p.add_argument("--gpu", nargs="+", choices=list(GPUS), default=list(GPUS),
                    metavar="GPU", help=f"GPUs of the roofline model: {', '.join(GPUS)}")
     p.add_argument("--json", metavar="PATH", default=None,
@@ -167,15 +175,26 @@ def main(argv=None) -> int:
                          f"--value-head-dim {problem.value_head_dim}: {e}")
     if not profile_model._ext().emulator.has_counting_variant():
         parser.error(NO_COUNTING_MESSAGE)
+    chosen = {}
+    for problem in problems:
+        listed = problem_variants(problem)
+        asked = listed if args.variant == ["all"] else args.variant
+        if not all(str(v).isdigit() and int(v) in listed for v in asked):
+            parser.error(f"--variant {' '.join(args.variant)}: the variants of --dtype "
+                         f"{problem.dtype} --head-dim {problem.head_dim} are {listed} (or 'all')")
+        chosen[id(problem)] = [int(v) for v in asked]
     records = []
-    bar = progress_bar(len(problems) * len(args.passes), "profile", enabled=not args.no_progress)
+    bar = progress_bar(sum(map(len, chosen.values())) * len(args.passes), "profile",
+                       enabled=not args.no_progress)
     try:
         for problem in problems:
             start, new = time.perf_counter(), []
-            for pass_name in (p for p in PASSES if p in args.passes):
-                bar.set_postfix_str(f"{problem.dtype} D={problem.dims()} {pass_name}")
-                new += profile_records(problem, (pass_name,), args.gpu)
-                bar.update(1)
+            for variant in chosen[id(problem)]:
+                for pass_name in (p for p in PASSES if p in args.passes):
+                    bar.set_postfix_str(f"{problem.dtype} D={problem.dims()} variant {variant} "
+                                        f"{pass_name}")
+                    new += variant_records(problem, (pass_name,), args.gpu, variant)
+                    bar.update(1)
             for n in page_sizes:
                 runs = profile_records(problem.paged(n), ("forward",), args.gpu)
                 new += [dict(r, **{"pass": f"paged{n}"}) for r in runs]

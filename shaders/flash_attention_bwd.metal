@@ -44,8 +44,8 @@
   (JFM_BWD_INPUTS(T), device const float* delta [[buffer(JFM_BUFFER_DELTA)]], \
    device T* dk [[buffer(JFM_BUFFER_DK)]], device T* dv [[buffer(JFM_BUFFER_DV)]])
 
-#define JFM_BWD_THREADS(FAMILY, T, DK, DV) \
-  jfm_tile_threads(FAMILY, int(sizeof(T)), jfm_tile_head_dim(DK, DV))
+#define JFM_BWD_THREADS(FAMILY, T, DK, DV, VARIANT) \
+  jfm_tile_threads(FAMILY, int(sizeof(T)), jfm_tile_head_dim(DK, DV), VARIANT)
 
 // Transposed fragment straight from device rows `stride` elements apart: (r, c) = rows[c *
 // stride + r], 0 for rows c >= valid (never read).
@@ -126,10 +126,10 @@ inline void jfm_zero_dbias_block(device float* dbias_row, int j0, int kv_len, Jf
 //   dQ_i *= scale;  dalibi_i = -dslope_i       (row i's share of dL/dslope[b, h], with alibi_grad)
 // With segment ids, a key block whose id range cannot meet the query block's is skipped.
 // Q, K and dQ have DK columns, V, O and dO DV.
-template <typename T, int DK, int DV>
-[[max_total_threads_per_threadgroup(JFM_BWD_THREADS(JFM_KERNEL_BWD_DQ, T, DK, DV))]] kernel void
-flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
-  typedef JfmBwdTraits<T, DK, DV, JFM_KERNEL_BWD_DQ> Traits;
+template <typename T, int DK, int DV, int VARIANT>
+[[max_total_threads_per_threadgroup(JFM_BWD_THREADS(JFM_KERNEL_BWD_DQ, T, DK, DV, VARIANT))]]
+kernel void flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
+  typedef JfmBwdTraits<T, DK, DV, JFM_KERNEL_BWD_DQ, VARIANT> Traits;
   constexpr int THREADS = Traits::THREADS;
   constexpr int BQ = Traits::OWNED;
   constexpr int BK = Traits::STREAMED;
@@ -195,7 +195,7 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   jfm_load_tile<T, BQ, DV, THREADS, false>(do_tile, d_o + o_block, o_stride, 0, valid_rows,
                                            thread_index);
   const bool features = jfm_has_score_features(params);
-  const bool segments = params.has_segment_ids != 0;
+  const bool segments = features && params.has_segment_ids != 0;
   const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
   const JfmFeatureRow feature_row =
       jfm_feature_row(params, b, h, i, jfm_alignment_offset(params, q_valid, kv_valid),
@@ -241,11 +241,11 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
   threadgroup T* v_tile = kv_tile + (ONE_KV_BUFFER ? 0 : BK * LDK);
   // With bias_grad the loop runs over every key block, so that the blocks it skips get their
   // dbias zeros (XLA does not zero results); this lane's row exists below q_len.
-  const bool dbias_row = params.bias_grad != 0 && i < int(params.q_len);
+  const bool dbias_row = jfm_bias_grad(params) && i < int(params.q_len);
   device float* dbias_out =
       dbias + jfm_stat_offset(b, h, i, params.num_heads, params.q_len) * ulong(params.kv_len);
-  const int loop_begin = params.bias_grad != 0 ? 0 : union_lo / BK * BK;
-  const int loop_end = params.bias_grad != 0 ? int(params.kv_len) - 1 : union_hi;
+  const int loop_begin = jfm_bias_grad(params) ? 0 : union_lo / BK * BK;
+  const int loop_end = jfm_bias_grad(params) ? int(params.kv_len) - 1 : union_hi;
   float dslope = 0.0f;  // this lane's share of sum_j dS_ij |i + off - j| (alibi_grad)
   for (int j0 = loop_begin; j0 <= loop_end; j0 += BK) {
     int kind = j0 > union_hi || j0 + BK <= union_lo
@@ -314,7 +314,7 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
         if (dbias_row && j0 + c < int(params.kv_len)) {
           dbias_out[j0 + c] = s[n].thread_elements()[e];
         }
-        if (params.alibi_grad != 0) {
+        if (jfm_alibi_grad(params)) {
           dslope = fma(s[n].thread_elements()[e], jfm_alibi_distance(element), dslope);
         }
         if (params.soft_cap > 0.0f && visible) {  // a hidden pair's q.k may be NaN
@@ -331,7 +331,7 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
     }
   }
 
-  if (params.alibi_grad != 0) {  // uniform: every lane takes part in the row sum
+  if (jfm_alibi_grad(params)) {  // uniform: every lane takes part in the row sum
     const float row_dslope = jfm_row_sum(dslope);
     if (at.col == 0 && i < int(params.q_len)) {  // one lane per row
       dalibi[stat + band + at.row] = -row_dslope;
@@ -360,10 +360,10 @@ flash_attention_bwd_dq JFM_BWD_DQ_SIGNATURE(T) {
 // With segment ids, a query block whose id range cannot meet the key block's is skipped.
 // FAMILY: JFM_KERNEL_BWD_DKDV (both outputs), JFM_KERNEL_BWD_DK or JFM_KERNEL_BWD_DV. Q, K and
 // dK have DK columns, V, dO and dV DV.
-template <typename T, int DK, int DV, int FAMILY>
-[[max_total_threads_per_threadgroup(JFM_BWD_THREADS(FAMILY, T, DK, DV))]] kernel void
+template <typename T, int DK, int DV, int FAMILY, int VARIANT>
+[[max_total_threads_per_threadgroup(JFM_BWD_THREADS(FAMILY, T, DK, DV, VARIANT))]] kernel void
 flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
-  typedef JfmBwdTraits<T, DK, DV, FAMILY> Traits;
+  typedef JfmBwdTraits<T, DK, DV, FAMILY, VARIANT> Traits;
   constexpr bool WANT_DK = FAMILY != JFM_KERNEL_BWD_DV;
   constexpr bool WANT_DV = FAMILY != JFM_KERNEL_BWD_DK;
   constexpr int THREADS = Traits::THREADS;
@@ -428,7 +428,7 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
   const ulong k_block = jfm_row_offset(b, j0, hk, params.kv_len, params.num_kv_heads, DK);
   const ulong v_block = jfm_row_offset(b, j0, hk, params.kv_len, params.num_kv_heads, DV);
   const bool features = jfm_has_score_features(params);
-  const bool segments = params.has_segment_ids != 0;
+  const bool segments = features && params.has_segment_ids != 0;
   const bool dropout_on = jfm_has_dropout(params);
   const JfmFeatureBuffers in = JFM_FEATURE_BUFFERS;
   const long off = jfm_alignment_offset(params, q_valid, kv_valid);
@@ -595,29 +595,41 @@ flash_attention_bwd_dkdv JFM_BWD_DKDV_SIGNATURE(T) {
 // ---- the instantiation grid: every family of kernel_families.h under its host names, dQ and
 // one dK/dV kernel, or dQ, dK and dV where jfm_bwd_split_dkdv (the list says which) ----
 
-#define JFM_INSTANTIATE_DQ(T, SUFFIX, DK, DV, NAME)                                       \
-  template [[host_name(JFM_HOST_NAME(flash_attention_bwd_dq, SUFFIX, NAME))]] kernel void \
-      flash_attention_bwd_dq<T, DK, DV> JFM_BWD_DQ_SIGNATURE(T);
-#define JFM_INSTANTIATE_DKDV(HOST_NAME, T, DK, DV, FAMILY)                                 \
-  template [[host_name(HOST_NAME)]] kernel void flash_attention_bwd_dkdv<T, DK, DV, FAMILY> \
-      JFM_BWD_DKDV_SIGNATURE(T);
+// Each kernel in each tile variant (variant v > 0: stage <stage>_var<v>).
+static_assert(JFM_TILE_VARIANTS == 2, "one instantiation per tile variant");
+#define JFM_INSTANTIATE_DQ(HOST_NAME, T, DK, DV, VARIANT)                                  \
+  template [[host_name(HOST_NAME)]] kernel void flash_attention_bwd_dq<T, DK, DV, VARIANT> \
+      JFM_BWD_DQ_SIGNATURE(T);
+#define JFM_INSTANTIATE_DKDV(HOST_NAME, T, DK, DV, FAMILY, VARIANT)                \
+  template [[host_name(HOST_NAME)]] kernel void                                   \
+      flash_attention_bwd_dkdv<T, DK, DV, FAMILY, VARIANT> JFM_BWD_DKDV_SIGNATURE(T);
 
-#define JFM_INSTANTIATE_BWD(T, SUFFIX, DK, DV, NAME)                                       \
-  JFM_IF_FAMILY(T, NAME,                                                                 \
-                static_assert(!jfm_bwd_split_dkdv(jfm_tile_head_dim(DK, DV)),            \
-                              "a joint dK/dV family");                                   \
-                JFM_INSTANTIATE_DQ(T, SUFFIX, DK, DV, NAME)                              \
-                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dkdv, SUFFIX, NAME), \
-                                     T, DK, DV, JFM_KERNEL_BWD_DKDV))
-#define JFM_INSTANTIATE_BWD_SPLIT(T, SUFFIX, DK, DV, NAME)                                 \
-  JFM_IF_FAMILY(T, NAME,                                                                 \
-                static_assert(jfm_bwd_split_dkdv(jfm_tile_head_dim(DK, DV)),             \
-                              "a split dK/dV family");                                   \
-                JFM_INSTANTIATE_DQ(T, SUFFIX, DK, DV, NAME)                              \
-                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dk, SUFFIX, NAME),   \
-                                     T, DK, DV, JFM_KERNEL_BWD_DK)                       \
-                JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dv, SUFFIX, NAME),   \
-                                     T, DK, DV, JFM_KERNEL_BWD_DV))
+#define JFM_INSTANTIATE_BWD(T, SUFFIX, DK, DV, NAME)                                          \
+  JFM_IF_FAMILY(                                                                            \
+      T, NAME,                                                                              \
+      static_assert(!jfm_bwd_split_dkdv(jfm_tile_head_dim(DK, DV)), "a joint dK/dV family"); \
+      JFM_INSTANTIATE_DQ(JFM_HOST_NAME(flash_attention_bwd_dq, SUFFIX, NAME), T, DK, DV, 0)  \
+      JFM_INSTANTIATE_DQ(JFM_HOST_NAME(flash_attention_bwd_dq_var1, SUFFIX, NAME), T, DK, DV, \
+                         1)                                                                 \
+      JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dkdv, SUFFIX, NAME), T, DK, DV,  \
+                           JFM_KERNEL_BWD_DKDV, 0)                                          \
+      JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dkdv_var1, SUFFIX, NAME), T, DK, \
+                           DV, JFM_KERNEL_BWD_DKDV, 1))
+#define JFM_INSTANTIATE_BWD_SPLIT(T, SUFFIX, DK, DV, NAME)                                   \
+  JFM_IF_FAMILY(                                                                           \
+      T, NAME,                                                                             \
+      static_assert(jfm_bwd_split_dkdv(jfm_tile_head_dim(DK, DV)), "a split dK/dV family"); \
+      JFM_INSTANTIATE_DQ(JFM_HOST_NAME(flash_attention_bwd_dq, SUFFIX, NAME), T, DK, DV, 0) \
+      JFM_INSTANTIATE_DQ(JFM_HOST_NAME(flash_attention_bwd_dq_var1, SUFFIX, NAME), T, DK,    \
+                         DV, 1)                                                            \
+      JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dk, SUFFIX, NAME), T, DK, DV,   \
+                           JFM_KERNEL_BWD_DK, 0)                                           \
+      JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dk_var1, SUFFIX, NAME), T, DK,  \
+                           DV, JFM_KERNEL_BWD_DK, 1)                                       \
+      JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dv, SUFFIX, NAME), T, DK, DV,   \
+                           JFM_KERNEL_BWD_DV, 0)                                           \
+      JFM_INSTANTIATE_DKDV(JFM_HOST_NAME(flash_attention_bwd_dv_var1, SUFFIX, NAME), T, DK,  \
+                           DV, JFM_KERNEL_BWD_DV, 1))
 
 #define JFM_INSTANTIATE_BWD_OF_TYPE(T, SUFFIX, UNUSED)     \
   JFM_JOINT_BWD_HEAD_DIMS(T, SUFFIX, JFM_INSTANTIATE_BWD) \

@@ -8,6 +8,7 @@
 #include <metal_stdlib>
 
 #include "attention_params.h"
+#include "function_constants.h"
 #include "kernel_families.h"
 
 using namespace metal;
@@ -116,7 +117,7 @@ inline long jfm_max(long a, long b) { return a > b ? a : b; }
 
 // Valid length of batch b: the lengths buffer entry clamped to [0, allocated], read only if bound.
 inline long jfm_valid_len(uint has_lengths, device const int* lengths, uint b, uint allocated) {
-  if (has_lengths == 0) {
+  if (!jfm_fc_lengths || has_lengths == 0) {
     return long(allocated);
   }
   return jfm_min(jfm_max(long(lengths[b]), 0), long(allocated));
@@ -145,7 +146,7 @@ inline JfmRange jfm_keys_of_query(constant AttentionParams& p, long i, long q_va
     return r;
   }
   long c = i + jfm_alignment_offset(p, q_valid, kv_valid);
-  if (p.causal != 0) {
+  if (jfm_fc_causal && p.causal != 0) {
     r.hi = jfm_min(r.hi, c);
   }
   if (p.window_right >= 0) {
@@ -169,7 +170,7 @@ inline JfmRange jfm_queries_of_key(constant AttentionParams& p, long j, long q_v
     return r;
   }
   long c = j - jfm_alignment_offset(p, q_valid, kv_valid);
-  if (p.causal != 0) {
+  if (jfm_fc_causal && p.causal != 0) {
     r.lo = jfm_max(r.lo, c);
   }
   if (p.window_right >= 0) {

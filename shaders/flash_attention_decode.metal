@@ -50,26 +50,27 @@ inline JfmRange32 jfm_decode_chunk(int union_lo, int union_hi, bool any_row, uin
    uint simd_index [[simdgroup_index_in_threadgroup]],                    \
    uint lane [[thread_index_in_simdgroup]])
 
-#define JFM_DECODE_THREADS(T, DK, DV) \
-  jfm_tile_threads(JFM_KERNEL_DECODE_PARTIAL, int(sizeof(T)), jfm_tile_head_dim(DK, DV))
+#define JFM_DECODE_THREADS(T, DK, DV, VARIANT) \
+  jfm_tile_threads(JFM_KERNEL_DECODE_PARTIAL, int(sizeof(T)), jfm_tile_head_dim(DK, DV), VARIANT)
 
 // One threadgroup per (split, kv head, batch), over its chunk of keys (jfm_decode_chunk, blocks
 // of BK keys); a split past the union writes empty rows (m the sentinel, l = 0, O = 0), so every
 // workspace row pass 2 reads is written. Score features run
 // the loop's FEATURES variant (as the forward), the rows' segment ids staged by position.
-template <typename T, int DK, int DV>
-[[max_total_threads_per_threadgroup(JFM_DECODE_THREADS(T, DK, DV))]] kernel void
+template <typename T, int DK, int DV, int VARIANT>
+[[max_total_threads_per_threadgroup(JFM_DECODE_THREADS(T, DK, DV, VARIANT))]] kernel void
 flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
-  typedef JfmFwdTraits<T, DK, DV> Traits;  // pass 1 runs the forward's tiles
+  typedef JfmFwdTraits<T, DK, DV, VARIANT> Traits;  // pass 1 runs the forward's tiles
   constexpr int BQ = Traits::BQ;
   constexpr int BK = Traits::BK;
   constexpr int THREADS = Traits::THREADS;
   constexpr bool Q_IN_REGISTERS = Traits::Q_IN_REGISTERS;
   constexpr int LDK = Traits::LDK;
   constexpr int DVF = Traits::DVF;
-  static_assert(BQ == jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, Traits::D) &&
-                    THREADS == JFM_DECODE_THREADS(T, DK, DV) &&
-                    BK == jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, Traits::D),
+  static_assert(BQ == jfm_tile_rows(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, Traits::D, VARIANT) &&
+                    THREADS == JFM_DECODE_THREADS(T, DK, DV, VARIANT) &&
+                    BK == jfm_tile_cols(JFM_KERNEL_DECODE_PARTIAL, Traits::EB, Traits::D,
+                                        VARIANT),
                 "tile shape");
 
   // The forward's tiles (Q staged through the K/V tiles where it lives in registers).
@@ -157,9 +158,9 @@ flash_attention_decode_partial JFM_DECODE_PARTIAL_SIGNATURE(T) {
                                     lane};
     if (features) {  // rows [0, q_valid) hold every valid position once
       jfm_lane_segments<T, DK>(params, q_tile, r, int(q_valid), f);
-      jfm_attend_key_blocks<T, DK, DV, true>(blocks, params, f, m, l, acc);
+      jfm_attend_key_blocks<T, DK, DV, VARIANT, true>(blocks, params, f, m, l, acc);
     } else {
-      jfm_attend_key_blocks<T, DK, DV, false>(blocks, params, f, m, l, acc);
+      jfm_attend_key_blocks<T, DK, DV, VARIANT, false>(blocks, params, f, m, l, acc);
     }
   }
 
@@ -235,7 +236,7 @@ flash_attention_decode_vector JFM_DECODE_VECTOR_SIGNATURE(T) {
   device const T* k_head = k + jfm_kv_head_offset(params, b, hk, DK);
   device const T* v_head = v + jfm_kv_head_offset(params, b, hk, DV);
   const JfmKvRows kv_rows = jfm_kv_rows(params, page_table, b);
-  const bool paged = params.page_size != 0;  // uniform
+  const bool paged = jfm_fc_paged && params.page_size != 0;  // uniform
 
   // Row r is query position r % q_len of head hk * G + r / q_len; rows past `rows` and
   // positions past q_valid see no key (empty intervals) and are never computed.
@@ -453,7 +454,7 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
       }
     }
   }
-  if (params.has_sinks != 0) {
+  if (jfm_has_sinks(params)) {
     const float alpha = jfm_fold_sink(sinks[h], big_m, weights);
     JFM_PRAGMA_UNROLL
     for (int n = 0; n < DL; ++n) {
@@ -476,11 +477,17 @@ flash_attention_decode_combine JFM_DECODE_COMBINE_SIGNATURE(T) {
   }
 }
 
-// The instantiation grid: every family of kernel_families.h, under its host names.
+// The instantiation grid: every family of kernel_families.h, under its host names (pass 1 in
+// each tile variant of the forward's tiles; variant v > 0: stage decode_partial_var<v>).
+static_assert(JFM_TILE_VARIANTS == 2, "one instantiation per tile variant");
 #define JFM_INSTANTIATE_DECODE(T, SUFFIX, DK, DV, NAME)                                      \
   JFM_IF_FAMILY(T, NAME,                                                                     \
       template [[host_name(JFM_HOST_NAME(flash_attention_decode_partial, SUFFIX, NAME))]]    \
-      kernel void flash_attention_decode_partial<T, DK, DV> JFM_DECODE_PARTIAL_SIGNATURE(T); \
+      kernel void flash_attention_decode_partial<T, DK, DV, 0>                               \
+          JFM_DECODE_PARTIAL_SIGNATURE(T);                                                   \
+      template [[host_name(JFM_HOST_NAME(flash_attention_decode_partial_var1, SUFFIX, NAME))]] \
+      kernel void flash_attention_decode_partial<T, DK, DV, 1>                               \
+          JFM_DECODE_PARTIAL_SIGNATURE(T);                                                   \
       template [[host_name(JFM_HOST_NAME(flash_attention_decode_combine, SUFFIX, NAME))]]    \
       kernel void flash_attention_decode_combine<T, DK, DV> JFM_DECODE_COMBINE_SIGNATURE(T); \
       template [[host_name(JFM_HOST_NAME(flash_attention_decode_vector, SUFFIX, NAME))]]     \

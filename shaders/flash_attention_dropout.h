@@ -46,7 +46,9 @@ struct JfmDropout {
 };
 
 // Whether the call has dropout (uniform): the host sets dropout_scale >= 1 exactly then.
-inline bool jfm_has_dropout(constant AttentionParams& p) { return p.dropout_scale != 0.0f; }
+inline bool jfm_has_dropout(constant AttentionParams& p) {
+  return jfm_fc_dropout && p.dropout_scale != 0.0f;
+}
 
 // The entry of batch b, query head h; read only with dropout (else a placeholder is bound).
 inline JfmDropout jfm_dropout_of(constant AttentionParams& p, device const uint* dropout, uint b,

@@ -57,14 +57,26 @@ inline JfmFeatureBuffers jfm_feature_buffers(device const int* q_segment_ids,
 // Features that change the score or hide single elements; a kernel takes its feature loop iff
 // one is set (sinks only enter the row statistic, after the loop).
 inline bool jfm_has_score_features(constant AttentionParams& p) {
-  return p.has_mask != 0 || p.has_bias != 0 || p.has_segment_ids != 0 || p.soft_cap > 0.0f ||
-         p.has_alibi != 0;
+  return jfm_fc_score_features && (p.has_mask != 0 || p.has_bias != 0 ||
+                                    p.has_segment_ids != 0 || p.soft_cap > 0.0f ||
+                                    p.has_alibi != 0);
 }
 
 // Features that hide elements inside the band: a tile with any of them is never FULL (ALiBi
 // only changes scores, so it keeps FULL tiles FULL).
 inline bool jfm_has_element_features(constant AttentionParams& p) {
-  return p.has_mask != 0 || p.has_bias != 0 || p.has_segment_ids != 0;
+  return jfm_fc_score_features && (p.has_mask != 0 || p.has_bias != 0 || p.has_segment_ids != 0);
+}
+
+// Whether the call has sinks (uniform).
+inline bool jfm_has_sinks(constant AttentionParams& p) { return jfm_fc_sinks && p.has_sinks != 0; }
+
+// Whether the dQ kernel writes dbias, or the ALiBi slopes' gradient (uniform).
+inline bool jfm_bias_grad(constant AttentionParams& p) {
+  return jfm_fc_score_features && p.bias_grad != 0;
+}
+inline bool jfm_alibi_grad(constant AttentionParams& p) {
+  return jfm_fc_score_features && p.alibi_grad != 0;
 }
 
 // ---- addressing ----
@@ -88,7 +100,8 @@ inline ulong jfm_feature_offset(constant jfm_long* strides, uint b, uint h, long
 // The ALiBi slope of head h in batch b (b < batch, h < num_heads), 0 without ALiBi: read once
 // per row (or per head of a key block), never per element.
 inline float jfm_alibi_slope(constant AttentionParams& p, JfmFeatureBuffers in, uint b, uint h) {
-  return p.has_alibi != 0 ? in.alibi_slopes[ulong(b) * p.num_heads + h] : 0.0f;
+  return jfm_fc_score_features && p.has_alibi != 0 ? in.alibi_slopes[ulong(b) * p.num_heads + h]
+                                                   : 0.0f;
 }
 
 // off: the row's causal alignment offset (jfm_alignment_offset); slope: jfm_alibi_slope.

@@ -22,8 +22,8 @@
    uint simd_index [[simdgroup_index_in_threadgroup]],                    \
    uint lane [[thread_index_in_simdgroup]])
 
-#define JFM_FWD_THREADS(T, DK, DV) \
-  jfm_tile_threads(JFM_KERNEL_FWD, int(sizeof(T)), jfm_tile_head_dim(DK, DV))
+#define JFM_FWD_THREADS(T, DK, DV, VARIANT) \
+  jfm_tile_threads(JFM_KERNEL_FWD, int(sizeof(T)), jfm_tile_head_dim(DK, DV), VARIANT)
 
 // One threadgroup per block of BQ query rows of head h in batch b, 8 rows per simdgroup; lane
 // coordinates give each thread one query row. Per visible key block [j0, j0 + BK): stage K and V
@@ -31,10 +31,10 @@
 // O = alpha O + P V by MMA. With score features (flash_attention_features.h) the key-block loop
 // is its FEATURES variant and the rows' segment ids sit in the Q tile's row padding; sinks join
 // each row's statistic after the loop. Every early return is threadgroup-uniform.
-template <typename T, int DK, int DV>
-[[max_total_threads_per_threadgroup(JFM_FWD_THREADS(T, DK, DV))]] kernel void flash_attention_fwd
-    JFM_FWD_SIGNATURE(T) {
-  typedef JfmFwdTraits<T, DK, DV> Traits;
+template <typename T, int DK, int DV, int VARIANT>
+[[max_total_threads_per_threadgroup(JFM_FWD_THREADS(T, DK, DV, VARIANT))]] kernel void
+flash_attention_fwd JFM_FWD_SIGNATURE(T) {
+  typedef JfmFwdTraits<T, DK, DV, VARIANT> Traits;
   constexpr int BQ = Traits::BQ;
   constexpr int BK = Traits::BK;
   constexpr int THREADS = Traits::THREADS;
@@ -125,15 +125,15 @@ template <typename T, int DK, int DV>
                                     lane};
     if (features) {
       jfm_lane_segments<T, DK>(params, q_tile, band + int(at.row), valid_rows, f);
-      jfm_attend_key_blocks<T, DK, DV, true>(blocks, params, f, m, l, acc);
+      jfm_attend_key_blocks<T, DK, DV, VARIANT, true>(blocks, params, f, m, l, acc);
     } else {
-      jfm_attend_key_blocks<T, DK, DV, false>(blocks, params, f, m, l, acc);
+      jfm_attend_key_blocks<T, DK, DV, VARIANT, false>(blocks, params, f, m, l, acc);
     }
   }
 
   // Epilogue: normalise and store this lane's row (rows past the allocated q_len do not exist).
   float row_l = jfm_row_sum(l);
-  if (params.has_sinks != 0) {  // uniform
+  if (jfm_has_sinks(params)) {  // uniform
     const float alpha = jfm_fold_sink(f.in.sinks[h], m, row_l);
     JFM_PRAGMA_UNROLL
     for (int d = 0; d < DVF; ++d) {
@@ -155,10 +155,14 @@ template <typename T, int DK, int DV>
   }
 }
 
-// The instantiation grid: every family of kernel_families.h, under its host name.
+// The instantiation grid: every family of kernel_families.h, each tile variant under its host
+// name (variant v > 0: stage fwd_var<v>).
+static_assert(JFM_TILE_VARIANTS == 2, "one instantiation per tile variant");
 #define JFM_INSTANTIATE_FWD(T, SUFFIX, DK, DV, NAME)                                           \
   JFM_IF_FAMILY(T, NAME,                                                                      \
                 template [[host_name(JFM_HOST_NAME(flash_attention_fwd, SUFFIX, NAME))]]      \
-                kernel void flash_attention_fwd<T, DK, DV> JFM_FWD_SIGNATURE(T);)
+                kernel void flash_attention_fwd<T, DK, DV, 0> JFM_FWD_SIGNATURE(T);           \
+                template [[host_name(JFM_HOST_NAME(flash_attention_fwd_var1, SUFFIX, NAME))]] \
+                kernel void flash_attention_fwd<T, DK, DV, 1> JFM_FWD_SIGNATURE(T);)
 
 JFM_FAMILIES(JFM_INSTANTIATE_FWD)

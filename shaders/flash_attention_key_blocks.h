@@ -81,8 +81,9 @@ inline JfmFeatureLane jfm_feature_lane(constant AttentionParams& p, JfmFeatureBu
   JfmFeatureLane f;
   f.in = in;
   f.row = jfm_feature_row(p, b, h, i, off, jfm_alibi_slope(p, in, b, h));
-  f.kv_segments = p.has_segment_ids != 0 ? in.kv_segment_ids + ulong(b) * p.kv_len
-                                         : in.kv_segment_ids;
+  f.kv_segments = jfm_has_score_features(p) && p.has_segment_ids != 0
+                      ? in.kv_segment_ids + ulong(b) * p.kv_len
+                      : in.kv_segment_ids;
   f.segment = 0;
   f.row_segments.lo = 0;
   f.row_segments.hi = 0;
@@ -153,16 +154,16 @@ struct JfmKvRows {
 
 inline JfmKvRows jfm_kv_rows(constant AttentionParams& p, device const int* page_table, uint b) {
   JfmKvRows rows;
-  rows.page_size = p.page_size;
+  rows.page_size = jfm_fc_paged ? p.page_size : 0u;
   rows.num_pages = p.num_pages;
-  rows.page_row = p.page_size != 0 ? page_table + ulong(b) * (p.kv_len / p.page_size)
+  rows.page_row = rows.page_size != 0 ? page_table + ulong(b) * (p.kv_len / p.page_size)
                                    : page_table;
   return rows;
 }
 
 // Element offset of row 0 of kv head hk (batch b when contiguous) in K or V.
 inline ulong jfm_kv_head_offset(constant AttentionParams& p, uint b, uint hk, uint head_dim) {
-  return p.page_size != 0 ? ulong(hk) * head_dim
+  return jfm_fc_paged && p.page_size != 0 ? ulong(hk) * head_dim
                           : jfm_row_offset(b, 0, hk, p.kv_len, p.num_kv_heads, head_dim);
 }
 
@@ -281,12 +282,12 @@ inline bool jfm_v_block_nonfinite(thread const JfmKeyBlocks<T>& c, int j0) {
 // fragments); Q and K have DK columns, V and O DV. FEATURES: the score
 // features of `f` apply (flash_attention_features.h): a key block whose segment ids cannot meet
 // the rows' is skipped before K and V are staged; without them the loop is the plain one.
-template <typename T, int DK, int DV, bool FEATURES>
+template <typename T, int DK, int DV, int VARIANT, bool FEATURES>
 inline void jfm_attend_key_blocks(thread const JfmKeyBlocks<T>& c,
                                   constant AttentionParams& params,
                                   thread const JfmFeatureLane& f, thread float& m,
                                   thread float& l, thread JfmFrag* acc) {
-  typedef JfmFwdTraits<T, DK, DV> Traits;
+  typedef JfmFwdTraits<T, DK, DV, VARIANT> Traits;
   constexpr int BK = Traits::BK;
   constexpr int THREADS = Traits::THREADS;
   constexpr bool Q_IN_REGISTERS = Traits::Q_IN_REGISTERS;

@@ -29,6 +29,13 @@ namespace jfm {
 
 #define JFM_SIMD_WIDTH 32
 
+// Kernel variants (docs/kernels.md#kernel-variants): every choice below takes a `variant`, an
+// index into the tile/register strategies of its family; 0 is the default. The forward's tiles
+// (fwd and decode pass 1) and the backward's have JFM_TILE_VARIANTS each (jfm_tile_variants says
+// how many differ for a family); decode_vector and decode_combine have one. Each .metal file
+// instantiates every variant under its own host name (JFM_VARIANT_STAGE).
+#define JFM_TILE_VARIANTS 2
+
 // The head dim a family's tiles are chosen by: the wider of the key head dim (Q, K, dQ, dK) and
 // the value head dim (V, O, dO, dV), so that the narrower side's tiles fit the same budgets.
 // Every choice below takes it as `head_dim`.
@@ -39,36 +46,55 @@ constexpr int jfm_tile_head_dim(int key_head_dim, int value_head_dim) {
 // Forward, docs/kernels.md#forward-tiles: 8 query rows per simdgroup; 32-key blocks up to D 64,
 // 16 up to D 128 (as MLX's forward), so that with Q in registers the K and V tiles, which Q is
 // staged through first, take at most 16 KiB in f16/bf16 (9 KiB at D 64, 8.5 KiB at D 128).
-constexpr int jfm_fwd_block_q(int element_bytes, int head_dim) {
-  return element_bytes == 4 && head_dim > 128 ? 16 : 32;
+// Variant 1 above D 128 halves the f16/bf16 key block (fewer S/P registers, more blocks).
+// (BQ is the same in every variant: the decode's eligibility depends on it.)
+constexpr int jfm_fwd_block_q(int element_bytes, int head_dim, int variant) {
+  return element_bytes == 4 && head_dim > 128 && variant >= 0 ? 16 : 32;
 }
-constexpr int jfm_fwd_block_k(int element_bytes, int head_dim) {
-  return head_dim <= 64 ? 32 : head_dim <= 128 ? 16 : (element_bytes == 2 ? 16 : 8);
+constexpr int jfm_fwd_block_k(int element_bytes, int head_dim, int variant) {
+  return head_dim <= 64    ? 32
+         : head_dim <= 128 ? 16
+                           : (element_bytes == 2 ? (variant == 1 ? 8 : 16) : 8);
 }
 // Page sizes of a paged K/V cache (flash_attention_key_blocks.h): powers of two >= 16, so that an
 // aligned key block of 8, 16 or 32 keys lies in one page, or (pages of 16, blocks of 32) in two.
 constexpr bool jfm_page_size_supported(long size) {
   return size >= 16 && (size & (size - 1)) == 0;
 }
-// Q fragments live in registers for the whole loop (D <= 128: D / 4 registers; Q is staged
-// through the K/V tiles before the first key block), else they are reloaded from their own
-// threadgroup tile per key block (D / 4 more would pass the 128-register budget at D 256).
-constexpr bool jfm_fwd_q_in_registers(int element_bytes, int head_dim) {
-  return head_dim <= 128 && element_bytes > 0;
+// Variant 0: Q fragments live in registers for the whole loop (D <= 128: D / 4 registers; Q is
+// staged through the K/V tiles before the first key block), else they are reloaded from their
+// own threadgroup tile per key block (D / 4 more would pass the 128-register budget at D 256).
+// Variant 1 reloads Q at every D (MFA's choice at large D: Q and O never both resident).
+constexpr bool jfm_fwd_q_in_registers(int element_bytes, int head_dim, int variant) {
+  return head_dim <= 128 && element_bytes > 0 && variant == 0;
 }
-// K and V share one threadgroup buffer (K, then V after a barrier) where two would not fit.
-constexpr bool jfm_fwd_kv_one_buffer(int element_bytes, int head_dim) {
-  return head_dim > 128 && element_bytes > 0;
+// K and V share one threadgroup buffer (K, then V after a barrier) where two would not fit next
+// to a Q tile: wherever Q has its own tile.
+constexpr bool jfm_fwd_kv_one_buffer(int element_bytes, int head_dim, int variant) {
+  return !jfm_fwd_q_in_registers(element_bytes, head_dim, variant);
 }
 // Backward, docs/kernels.md#backward-tiles. Every backward kernel holds two owner tiles (Q and dO
 // for dQ; K and V for dK/dV) of 8 * simdgroups rows and two streamed tiles (K and V; Q and dO) of
 // `block` rows, each row head_dim * element_bytes + 16 bytes, so threadgroup memory depends on
 // the bytes per row only: the families are chosen by row bytes (<= 26112 B, shaders/README.md).
-constexpr int jfm_bwd_simdgroups(int element_bytes, int head_dim) {
+// Variant 1 halves the simdgroups (owned rows) where there are several, else the streamed block
+// where it is above 8 (f32 above D 128 has one backward variant).
+constexpr int jfm_bwd_simdgroups_default(int element_bytes, int head_dim) {
   return element_bytes * head_dim <= 256 ? 4 : (element_bytes * head_dim <= 512 ? 2 : 1);
 }
-constexpr int jfm_bwd_block(int element_bytes, int head_dim) {
+constexpr int jfm_bwd_block_default(int element_bytes, int head_dim) {
   return element_bytes * head_dim <= 128 ? 32 : (element_bytes * head_dim <= 256 ? 16 : 8);
+}
+constexpr int jfm_bwd_simdgroups(int element_bytes, int head_dim, int variant) {
+  return jfm_bwd_simdgroups_default(element_bytes, head_dim) /
+         (variant == 1 && jfm_bwd_simdgroups_default(element_bytes, head_dim) > 1 ? 2 : 1);
+}
+constexpr int jfm_bwd_block(int element_bytes, int head_dim, int variant) {
+  return jfm_bwd_block_default(element_bytes, head_dim) /
+         (variant == 1 && jfm_bwd_simdgroups_default(element_bytes, head_dim) == 1 &&
+                  jfm_bwd_block_default(element_bytes, head_dim) > 8
+              ? 2
+              : 1);
 }
 // One streamed tile holds the two streamed operands in turn (V then K for dQ; the operand the
 // split dK or dV kernel needs first, then the other) where two would not fit.
@@ -118,28 +144,42 @@ constexpr bool jfm_is_fwd_tile(int family) {
 constexpr bool jfm_is_one_simdgroup(int family) {
   return family == JFM_KERNEL_DECODE_COMBINE || family == JFM_KERNEL_DECODE_VECTOR;
 }
-constexpr int jfm_tile_simdgroups(int family, int element_bytes, int head_dim) {
-  return jfm_is_fwd_tile(family)        ? jfm_fwd_block_q(element_bytes, head_dim) / 8
+constexpr int jfm_tile_simdgroups(int family, int element_bytes, int head_dim, int variant) {
+  return jfm_is_fwd_tile(family)        ? jfm_fwd_block_q(element_bytes, head_dim, variant) / 8
          : jfm_is_one_simdgroup(family) ? 1
-                                        : jfm_bwd_simdgroups(element_bytes, head_dim);
+                                        : jfm_bwd_simdgroups(element_bytes, head_dim, variant);
 }
 // Rows per threadgroup (pass 2: one query row; the vector pass 1: at most its rows).
-constexpr int jfm_tile_rows(int family, int element_bytes, int head_dim) {
+constexpr int jfm_tile_rows(int family, int element_bytes, int head_dim, int variant) {
   return family == JFM_KERNEL_DECODE_COMBINE  ? 1
          : family == JFM_KERNEL_DECODE_VECTOR ? jfm_decode_vector_rows(head_dim)
                                               : 8 * jfm_tile_simdgroups(family, element_bytes,
-                                                                        head_dim);
+                                                                        head_dim, variant);
 }
 // Block size of the traversed dimension (pass 2: the splits, one at a time; the vector pass 1:
 // one key per lane).
-constexpr int jfm_tile_cols(int family, int element_bytes, int head_dim) {
-  return jfm_is_fwd_tile(family)               ? jfm_fwd_block_k(element_bytes, head_dim)
+constexpr int jfm_tile_cols(int family, int element_bytes, int head_dim, int variant) {
+  return jfm_is_fwd_tile(family)               ? jfm_fwd_block_k(element_bytes, head_dim, variant)
          : family == JFM_KERNEL_DECODE_COMBINE ? 1
          : family == JFM_KERNEL_DECODE_VECTOR  ? JFM_SIMD_WIDTH
-                                               : jfm_bwd_block(element_bytes, head_dim);
+                                               : jfm_bwd_block(element_bytes, head_dim, variant);
 }
-constexpr int jfm_tile_threads(int family, int element_bytes, int head_dim) {
-  return jfm_tile_simdgroups(family, element_bytes, head_dim) * JFM_SIMD_WIDTH;
+constexpr int jfm_tile_threads(int family, int element_bytes, int head_dim, int variant) {
+  return jfm_tile_simdgroups(family, element_bytes, head_dim, variant) * JFM_SIMD_WIDTH;
+}
+// Whether a family's variant differs from its variant 0 (the variants the host lists).
+constexpr bool jfm_variant_differs(int family, int element_bytes, int head_dim, int variant) {
+  return variant > 0 && !jfm_is_one_simdgroup(family) &&
+         (jfm_tile_rows(family, element_bytes, head_dim, variant) !=
+              jfm_tile_rows(family, element_bytes, head_dim, 0) ||
+          jfm_tile_cols(family, element_bytes, head_dim, variant) !=
+              jfm_tile_cols(family, element_bytes, head_dim, 0) ||
+          (jfm_is_fwd_tile(family) && jfm_fwd_q_in_registers(element_bytes, head_dim, variant) !=
+                                          jfm_fwd_q_in_registers(element_bytes, head_dim, 0)));
+}
+// The variants of a family the host may pick: 0 .. jfm_tile_variants - 1.
+constexpr int jfm_tile_variants(int family, int element_bytes, int head_dim) {
+  return jfm_variant_differs(family, element_bytes, head_dim, 1) ? 2 : 1;
 }
 
 // Estimated live 32-bit registers per thread (docs/kernels.md#registers): the fragment arrays
@@ -150,15 +190,16 @@ constexpr int jfm_tile_threads(int family, int element_bytes, int head_dim) {
 // file); no family may exceed it (tests/tools/test_profile.py).
 #define JFM_REGISTER_SCALARS 16
 #define JFM_REGISTER_BUDGET 128
-constexpr int jfm_tile_registers(int family, int element_bytes, int head_dim) {
+constexpr int jfm_tile_registers(int family, int element_bytes, int head_dim, int variant) {
   // fragments along the head dim, along the traversed block; floats of a row per lane
   const int df = head_dim / 8;
-  const int bf = jfm_tile_cols(family, element_bytes, head_dim) / 8;
+  const int bf = jfm_tile_cols(family, element_bytes, head_dim, variant) / 8;
   const int dl = (head_dim + JFM_SIMD_WIDTH - 1) / JFM_SIMD_WIDTH;
   return JFM_REGISTER_SCALARS +
          (jfm_is_fwd_tile(family)
               // O accumulator, S/P block, Q (held, or one reloaded fragment), one K/V operand
-              ? 2 * (df + bf + (jfm_fwd_q_in_registers(element_bytes, head_dim) ? df : 1) + 1)
+              ? 2 * (df + bf + (jfm_fwd_q_in_registers(element_bytes, head_dim, variant) ? df : 1) +
+                     1)
           : family == JFM_KERNEL_BWD_DQ
               // dQ accumulator, S and dP blocks, two operands
               ? 2 * (df + 2 * bf + 2)

@@ -461,6 +461,9 @@ inline To as_type(const From& f) {
 // scalar call of the float math functions below (exp, exp2, log, tanh, ..., max, min, fmax,
 // fmin, clamp as max and min; their fast:: and precise:: forms once), per thread. Operators
 // (+ - * /, comparisons) and conversions are not calls and are not counted.
+// A use of bool [[function_constant(N)]] (the translator's rewrite): the launch's value.
+#define JFM_FUNCTION_CONSTANT(T, N) (static_cast<T>(::jfm::rt::function_constant(N)))
+
 #ifdef JFM_COUNTING
 #define JFM_COUNT_FMA() ::jfm::rt::count_fma()
 #define JFM_COUNT_MATH() ::jfm::rt::count_math()

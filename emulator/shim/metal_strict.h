@@ -19,6 +19,8 @@
 #define METAL_FUNC inline
 
 #define JFM_TGV(name, dims, ...) static threadgroup __VA_ARGS__ name dims
+namespace jfm { namespace rt { bool function_constant(int index); } }
+#define JFM_FUNCTION_CONSTANT(T, N) (static_cast<T>(::jfm::rt::function_constant(N)))
 
 #include "metal_constants.h"
 

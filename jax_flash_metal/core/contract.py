@@ -49,6 +49,8 @@ class StaticParams(NamedTuple):
     has_alibi: bool = False
     has_page_table: bool = False
     dropout_rate: float = 0.0
+    # The fused kernels' tile variant (docs/kernels.md#kernel-variants; variants.from_env).
+    kernel_variant: int = 0
 
 
 class Operands(NamedTuple):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import paging
-from . import arguments, dropout
+from . import arguments, dropout, variants
 from .arguments import check_bool
 from .contract import IMPLEMENTATIONS, UNBOUNDED, Operands, StaticParams
 from .options import Options
@@ -382,6 +382,7 @@ def check_inputs(query, key, value, bias, mask, options: Options, dropout_broadc
         has_alibi=operands.alibi_slopes is not None,
         has_page_table=page_table is not None,
         dropout_rate=dropout_rate,
+        kernel_variant=variants.from_env(),
     )
     return q, k, v, operands, params
 

@@ -5,6 +5,7 @@ docstring and docs/profile.md."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention import flash_attention
-from ..core import validation, visibility
+from ..core import validation, variants, visibility
 from .roofline import GPUS, model_launch, occupancy
 
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -25,8 +26,8 @@ COUNT_KEYS = ("threadgroups", "threads_per_threadgroup", "threadgroup_memory_byt
               "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
               "threadgroup_bytes_written", "mma_ops", "simd_ops", "barriers", "fma_ops", "math_ops")
 # Keys of each --json record, in order.
-JSON_KEYS = ("kernel", *PROBLEM_KEYS, *COUNT_KEYS, "useful_flops", "registers", "model",
-             "occupancy")
+JSON_KEYS = ("kernel", "variant", *PROBLEM_KEYS, *COUNT_KEYS, "useful_flops", "registers",
+             "model", "occupancy")
 
 # Useful FLOPs per visible (query, key) pair credited to each kernel stage (kernel names are
 # flash_attention_<stage>_<dtype>_d<Dk>[_v<Dv>]), as (coefficient of the key head dim Dk,
@@ -40,7 +41,10 @@ USEFUL_FLOPS_PER_PAIR = {"fwd": (2, 2), "decode_partial": (2, 2), "decode_vector
                          "bwd_dk": (4, 2), "bwd_dv": (0, 2)}  # the split pair: as bwd_dkdv
 MMA_FLOPS = 2 * 8 * 8 * 8  # one simdgroup_multiply_accumulate: an 8x8x8 multiply-add
 KERNEL_NAME = re.compile(
-    r"^flash_attention_(?P<stage>\w+?)_(?P<dtype>f32|f16|bf16)_d(?P<d>\d+)(?:_v(?P<dv>\d+))?$")
+    r"^flash_attention_(?P<stage>\w+?)(?:_var(?P<variant>\d+))?_(?P<dtype>f32|f16|bf16)"
+    r"_d(?P<d>\d+)(?:_v(?P<dv>\d+))?$")
+# The stages whose kernels come in tile variants (docs/kernels.md#kernel-variants).
+TILED_STAGES = ("fwd", "decode_partial", "bwd_dq", "bwd_dkdv", "bwd_dk", "bwd_dv")
 
 # The counting variants are built only when asked (emulator/CMakeLists.txt).
 NO_COUNTING_MESSAGE = ("this build has no counting kernel variants (they are built only when "
@@ -246,7 +250,39 @@ def registers(kernel: str) -> int:
         raise ValueError(f"profile: not an attention kernel name: {kernel!r}")
     d = int(m.group("d"))
     tile_dim = _ext().tile_head_dim(d, int(m.group("dv") or d))
-    return _ext().tile_shape(m.group("stage"), m.group("dtype"), tile_dim)["registers"]
+    return _ext().tile_shape(m.group("stage"), m.group("dtype"), tile_dim,
+                             kernel_variant(kernel))["registers"]
+
+
+def kernel_variant(kernel: str) -> int:
+    """The tile variant of a kernel, from its name ("..._fwd_var1_..." is 1; 0 without)."""
+    m = KERNEL_NAME.match(kernel)
+    return int(m.group("variant") or 0) if m else 0
+
+
+def problem_variants(problem: Problem) -> list[int]:
+    """The distinct tile variants of the problem's family over the tiled stages
+    (``_ext.kernel_variants``)."""
+    suffix = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[problem.dtype]
+    tile_dim = _ext().tile_head_dim(problem.head_dim, problem.value_head_dim)
+    return sorted({v["variant"] for stage in TILED_STAGES
+                   for v in _ext().kernel_variants(stage, suffix, tile_dim)})
+
+
+def variant_records(problem: Problem, passes, gpus, variant: int) -> list[dict]:
+    """profile_records with the kernels' tile variant forced ($JFM_KERNEL_VARIANT, read when
+    the calls are traced: the caches are cleared first)."""
+    previous = os.environ.get(variants.ENV)
+    os.environ[variants.ENV] = str(variant)
+    jax.clear_caches()
+    try:
+        return profile_records(problem, passes, gpus)
+    finally:
+        if previous is None:
+            del os.environ[variants.ENV]
+        else:
+            os.environ[variants.ENV] = previous
+        jax.clear_caches()
 
 
 def profile_records(problem: Problem, passes, gpus) -> list[dict]:
@@ -260,7 +296,8 @@ def profile_records(problem: Problem, passes, gpus) -> list[dict]:
         mma_flops = r["mma_ops"] * MMA_FLOPS
         executed = _executed_flops(r)
         record = {
-            "kernel": r["kernel"], **{k: getattr(problem, k) for k in PROBLEM_KEYS},
+            "kernel": r["kernel"], "variant": kernel_variant(r["kernel"]),
+            **{k: getattr(problem, k) for k in PROBLEM_KEYS},
             **{k: r[k] for k in COUNT_KEYS},
             "useful_flops": useful,
             "registers": registers(r["kernel"]),

@@ -69,7 +69,7 @@ def format_paged_table(records: list[dict]) -> str:
     """Device bytes read by each forward launch of the paged runs (pass "pagedN") over the
     contiguous forward's launch of the same stage (pass "forward")."""
     contiguous = {(r["dtype"], r["head_dim"], _stage(r["kernel"])): r["device_bytes_read"]
-                  for r in records if r["pass"] == "forward"}
+                  for r in records if r["pass"] == "forward" and r["variant"] == 0}
     head = (f"{'kernel':<40} {'page size':>9} {'contiguous B rd':>16} {'paged B rd':>16} "
             f"{'paged/contiguous':>16}")
     lines = ["paged KV cache: device bytes read (exact counts, emulator), paged over contiguous:",

@@ -134,7 +134,8 @@ def _ffi_forward(q, k, v, mask):
         window_right=right, bottom_right=mask.get("causal_alignment") == "bottom_right",
         has_q_lengths="query_seq_lengths" in mask, has_kv_lengths="key_value_seq_lengths" in mask,
         has_segment_ids=False, has_bias=False, has_mask=False, has_sinks=False,
-        has_alibi=False, logits_soft_cap=None, has_page_table=False, dropout_rate=0.0)
+        has_alibi=False, logits_soft_cap=None, has_page_table=False, dropout_rate=0.0,
+        kernel_variant=0)
     return [np.asarray(x) for x in jax.ffi.ffi_call(FWD, out)(q, k, v, *lengths, **attrs)[:4]]
 
 

@@ -168,6 +168,7 @@ _LENGTH = jnp.ones((1,), jnp.int32)
 
 @pytest.mark.parametrize("args, kwargs, message", [
     ((_Q, _K, _K), dict(window_left=np.int32(-2)), "window_left/window_right must be >= 0"),
+    ((_Q, _K, _K), dict(kernel_variant=np.int32(2)), r"kernel_variant must be in \[0, 2\)"),
     ((_Q, _K, _K), dict(bias_grad=True), "bias_grad and alibi_grad are the backward's"),
     ((_Q, _K, _K), dict(alibi_grad=True), "bias_grad and alibi_grad are the backward's"),
     ((_Q, _K, _K), dict(has_q_lengths=True),

@@ -68,7 +68,8 @@ def test_one_family_list():
     assert ext.kernel_families() == [(s, dk, dv) for s in ("f32", "f16", "bf16")
                                      for dk, dv in FAMILIES]
     fwd = {n for n in ext.kernel_names("emulator") if n.startswith("flash_attention_fwd_")}
-    assert fwd == {ext.kernel_name("fwd", s, dk, dv) for s, dk, dv in ext.kernel_families()}
+    assert fwd == {ext.kernel_name(stage, s, dk, dv) for s, dk, dv in ext.kernel_families()
+                   for stage in ("fwd", "fwd_var1")}  # every tile variant
     assert ext.kernel_name("fwd", "f16", 128, 64) == "flash_attention_fwd_f16_d128_v64"
     listed = ", ".join(str(d) for d in HEAD_DIMS)
     for readme, line in (("docs/platforms.md", "head dims "), ("shaders/README.md", "- Head dims ")):
@@ -84,13 +85,35 @@ def test_offline_compile_command_builds_exactly_each_librarys_kernels(tmp_path):
     metallib.write_text(FAKE_METALLIB)
     out = tmp_path / "out"
     rc = shader_libraries.main([str(out), "--metal", f"{sys.executable} {metal}",
-                                "--metallib", f"{sys.executable} {metallib}"])
+                                "--metallib", f"{sys.executable} {metallib}",
+                                "--specialise", "half_16", "--jobs", "2"])
     assert rc == 0
     sources = ext.shader_sources()
     for library in shader_libraries.libraries():
         assert (out / f"{library.name}.metal").read_text() == sources[library.file]
         built = (out / f"{library.name}.metallib").read_text().split()
         assert tuple(built) == library.kernels, library.name
+        # One compile per function-constant set the host may pick, for the family asked for.
+        specialised = sorted(out.glob(f"{library.name}.fc*.metallib"))
+        want = library.constant_sets if library.family == "half_16" else ()
+        assert len(specialised) == len(want), library.name
+        for constants in want:
+            built = (out / f"{library.name}.fc{constants}.metallib").read_text().split()
+            assert tuple(built) == library.kernels, (library.name, constants)
+
+
+def test_constant_sets_are_the_subsets_of_the_stages_lists():
+    """Per library, the function-constant sets the host may pick (the offline compile's list):
+    all 64 for the forward, 16 for the backward, the decode's pass-1 and pass-2 lists."""
+    by_file = {}
+    for library in shader_libraries.libraries():
+        by_file.setdefault(library.file, set()).add(library.constant_sets)
+    assert by_file["flash_attention_fwd.metal"] == {tuple(range(64))}
+    (bwd,) = by_file["flash_attention_bwd.metal"]
+    assert len(bwd) == 16 and max(bwd) == ext.stage_function_constants("bwd_dq")
+    (decode,) = by_file["flash_attention_decode.metal"]
+    assert len(decode) == 17  # pass 1's 16 subsets and pass 2's sinks alone
+    assert by_file["simdgroup_layout_probe.metal"] == {()}
 
 
 def test_offline_compile_reports_a_failing_compiler(tmp_path, capsys):

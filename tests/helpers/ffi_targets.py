@@ -23,8 +23,8 @@ def attributes(**overrides):
                  window_right=np.int32(-1), bottom_right=False, has_q_lengths=False,
                  has_kv_lengths=False, has_segment_ids=False, has_bias=False, has_mask=False,
                  has_sinks=False, logits_soft_cap=np.float32(0.0), has_alibi=False,
-                 has_page_table=False, dropout_rate=np.float64(0.0), bias_grad=False,
-                 alibi_grad=False)
+                 has_page_table=False, dropout_rate=np.float64(0.0),
+                 kernel_variant=np.int32(0), bias_grad=False, alibi_grad=False)
     attrs.update(overrides)
     return attrs
 

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("jax_flash_metal._ext")
-from jax_flash_metal._ext import bwd_stages, emulator, kernel_families, tile_shape  # noqa: E402
+from jax_flash_metal._ext import (  # noqa: E402
+    bwd_stages, emulator, kernel_families, kernel_variants, tile_shape)
 from jax_flash_metal.profile import NO_COUNTING_MESSAGE
 
 # The kernel profile's counting variants are built only with JFM_EMULATOR_COUNTING=ON (.ci/run
@@ -81,8 +82,13 @@ def type_name(dtype):
     raise TypeError(f"unsupported dtype {dtype}")
 
 
-def kernel_name(kind, dtype, head_dim):
-    """Host name, e.g. kernel_name('fwd', np.float16, 64) == 'flash_attention_fwd_f16_d64'."""
+def kernel_name(kind, dtype, head_dim, variant=0):
+    """Host name, e.g. kernel_name('fwd', np.float16, 64) == 'flash_attention_fwd_f16_d64'; a
+    tile variant's (one the extension lists for the family, kernel_variants) has its stage."""
+    if variant:
+        [stage] = [v["stage"] for v in kernel_variants(kind, type_name(dtype), head_dim)
+                   if v["variant"] == variant]
+        kind = stage
     return f"flash_attention_{kind}_{type_name(dtype)}_d{head_dim}"
 
 
@@ -135,8 +141,8 @@ def _lengths(lengths):
     return np.ascontiguousarray(np.asarray(lengths, dtype=np.int32))
 
 
-def _dispatch(kind, dtype, head_dim, buffers, rows, heads, batch, schedule, seed):
-    shape = tile_shape(kind, type_name(dtype), head_dim)
+def _dispatch(kind, dtype, head_dim, buffers, rows, heads, batch, schedule, seed, variant=0):
+    shape = tile_shape(kind, type_name(dtype), head_dim, variant)
     groups = (math.ceil(rows / shape["rows"]), heads, batch)
     if 0 in groups:
         return  # the host never dispatches an empty grid
@@ -145,8 +151,8 @@ def _dispatch(kind, dtype, head_dim, buffers, rows, heads, batch, schedule, seed
                   ALIBI_SLOPES):
         bound.setdefault(index, _PLACEHOLDER)
     # Outputs are created C-contiguous, so `bound` holds them or uint16 views of them.
-    emulator.run(kernel_name(kind, dtype, head_dim), bound, groups, (shape["threads"], 1, 1),
-                 schedule=schedule, seed=seed)
+    emulator.run(kernel_name(kind, dtype, head_dim, variant), bound, groups,
+                 (shape["threads"], 1, 1), schedule=schedule, seed=seed)
 
 
 def blocks(stage, dtype, head_dim):
@@ -156,9 +162,10 @@ def blocks(stage, dtype, head_dim):
     return shape["rows"], shape["cols"]
 
 
-def forward(q, k, v, *, schedule="forward", seed=0, **mask):
-    """Runs flash_attention_fwd. Returns (o [B, Tq, H, D] in q's dtype, lse [B, H, Tq] float32,
-    residuals: the pair (row_max, log_sum) of float32 [B, H, Tq] the backward takes).
+def forward(q, k, v, *, schedule="forward", seed=0, variant=0, **mask):
+    """Runs flash_attention_fwd (in tile variant `variant`). Returns (o [B, Tq, H, D] in q's
+    dtype, lse [B, H, Tq] float32, residuals: the pair (row_max, log_sum) of float32 [B, H, Tq]
+    the backward takes).
 
     mask: scale, is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths,
     causal_alignment (the oracle's keywords).
@@ -172,13 +179,14 @@ def forward(q, k, v, *, schedule="forward", seed=0, **mask):
               {Q: q, K: k, V: v, Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
                KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths")), O: o, LSE: lse,
                ROW_MAX: row_max, LOG_SUM: log_sum, PARAMS: params},
-              q_len, heads, batch, schedule, seed)
+              q_len, heads, batch, schedule, seed, variant)
     return o, lse, (row_max, log_sum)
 
 
 def backward(q, k, v, o, residuals, do, g_lse=None, *, schedule="forward", seed=0,
-             bias_grad=False, **mask):
-    """Runs the backward stages as the host does (bwd_stages): bwd_dq, which also writes delta
+             bias_grad=False, variant=0, **mask):
+    """Runs the backward stages as the host does (bwd_stages, in tile variant `variant`): bwd_dq,
+    which also writes delta
     (and with bias_grad dbias), then bwd_dkdv (or bwd_dk and bwd_dv). Returns (dq, dk, dv,
     delta), and dbias float32 [B, H, Tq, Tkv] after them with bias_grad.
 
@@ -204,10 +212,10 @@ def backward(q, k, v, o, residuals, do, g_lse=None, *, schedule="forward", seed=
     _dispatch(dq_stage, q.dtype, head_dim,
               {**inputs, O: o, G_LSE: np.ascontiguousarray(g_lse, dtype=np.float32),
                DELTA: delta, DQ: dq, DBIAS: dbias, DALIBI: _output((4,), np.float32)},
-              q_len, heads, batch, schedule, seed)
+              q_len, heads, batch, schedule, seed, variant)
     for stage in dkdv_stages:
         _dispatch(stage, q.dtype, head_dim, {**inputs, DELTA: delta, DK: dk, DV: dv},
-                  kv_len, kv_heads, batch, schedule, seed)
+                  kv_len, kv_heads, batch, schedule, seed, variant)
     return (dq, dk, dv, delta) + ((dbias,) if bias_grad else ())
 
 
@@ -265,8 +273,10 @@ def yardstick_inputs(q, k, v, do, g_lse, mask):
             _yardstick_input(v, ks, kv_len), _yardstick_input(do, qs, q_len), g)
 
 
-def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0, **mask):
-    """Runs forward and backward kernels and asserts O, LSE, dQ, dK, dV against the oracle.
+def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0, variant=0,
+                         **mask):
+    """Runs forward and backward kernels (in tile variant `variant`) and asserts O, LSE, dQ, dK,
+    dV against the oracle.
 
     Tolerances are docs/testing.md#tolerances (tests/helpers/tolerance.py); for f16/bf16 the
     yardstick is plain same-dtype jnp attention on the same inputs with padding and non-finite
@@ -275,9 +285,9 @@ def check_against_oracle(q, k, v, do, g_lse=None, *, schedule="forward", seed=0,
     """
     import tolerance
 
-    o, lse, residuals = forward(q, k, v, schedule=schedule, seed=seed, **mask)
+    o, lse, residuals = forward(q, k, v, schedule=schedule, seed=seed, variant=variant, **mask)
     dq, dk, dv, delta = backward(q, k, v, o, residuals, do, g_lse, schedule=schedule, seed=seed,
-                                 **mask)
+                                 variant=variant, **mask)
     got = dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv)
     return _assert_against_oracle(got, q, k, v, do, g_lse, tolerance.OUTPUTS, mask,
                                   row_max=residuals[0], log_sum=residuals[1], delta=delta)

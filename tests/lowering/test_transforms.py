@@ -206,10 +206,11 @@ def test_coerce_params_exact_types():
                           bottom_right=False, has_q_lengths=False, has_kv_lengths=True,
                           implementation=None, has_segment_ids=False, has_bias=False,
                           has_mask=False, has_sinks=False, logits_soft_cap=None,
-                          has_alibi=False, has_page_table=False, dropout_rate=0.0)
+                          has_alibi=False, has_page_table=False, dropout_rate=0.0,
+                          kernel_variant=0)
     assert [type(x) for x in params.values()] == [float, bool, int, int, bool, bool, bool,
                                                   type(None), bool, bool, bool, bool, type(None),
-                                                  bool, bool, float]
+                                                  bool, bool, float, int]
     full = coerce_params(scale=1, is_causal=False, window_left=-1, window_right=-1,
                          bottom_right=False, has_q_lengths=False, has_kv_lengths=False,
                          implementation="xla", has_bias=np.bool_(True),

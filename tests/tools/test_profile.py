@@ -359,11 +359,12 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
     records = json.loads(path.read_text())
     assert [r["kernel"] for r in records] == [
         f"flash_attention_{s}_f32_d16" for s in ("fwd", "bwd_dq", "bwd_dkdv")]
-    keys = ["kernel", "dtype", "head_dim", "value_head_dim", "batch", "q_len", "kv_len", "heads",
-            "kv_heads", "causal", "alibi", "dropout", "threadgroups", "threads_per_threadgroup",
-            "threadgroup_memory_bytes", "device_bytes_read", "device_bytes_written",
-            "threadgroup_bytes_read", "threadgroup_bytes_written", "mma_ops", "simd_ops",
-            "barriers", "fma_ops", "math_ops", "useful_flops", "registers", "model", "occupancy"]
+    keys = ["kernel", "variant", "dtype", "head_dim", "value_head_dim", "batch", "q_len", "kv_len",
+            "heads", "kv_heads", "causal", "alibi", "dropout", "threadgroups",
+            "threads_per_threadgroup", "threadgroup_memory_bytes", "device_bytes_read",
+            "device_bytes_written", "threadgroup_bytes_read", "threadgroup_bytes_written",
+            "mma_ops", "simd_ops", "barriers", "fma_ops", "math_ops", "useful_flops", "registers",
+            "model", "occupancy"]
     for r in records:
         assert list(r) == keys
         assert (r["dtype"], r["head_dim"], r["q_len"], r["kv_len"], r["causal"]) == (
@@ -384,6 +385,36 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
     pairs = sum(i + 17 for i in range(20))
     assert records[0]["useful_flops"] == 4 * 16 * pairs * 2
     assert sum(r["useful_flops"] for r in records[1:]) == 10 * 16 * pairs * 2
+
+
+@needs_counting
+def test_an_unknown_variant_is_refused_with_the_familys_list(capsys):
+    with pytest.raises(SystemExit):
+        profile.main(["--variant", "7"])
+    assert "the variants of --dtype float16 --head-dim 64 are [0, 1]" in capsys.readouterr().err
+
+
+@needs_counting
+def test_every_variant_with_its_register_estimate(tmp_path):
+    """--variant all: one record per launch and tile variant, each variant's kernels with its own
+    register estimate (the forward's variant 1 reloads Q: fewer registers)."""
+    path = tmp_path / "profile.json"
+    assert profile.main([*TINY, "--dtype", "float32", "--variant", "all", "--no-progress",
+                         "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [(r["kernel"], r["variant"]) for r in records] == [
+        ("flash_attention_fwd_f32_d16", 0), ("flash_attention_bwd_dq_f32_d16", 0),
+        ("flash_attention_bwd_dkdv_f32_d16", 0), ("flash_attention_fwd_var1_f32_d16", 1),
+        ("flash_attention_bwd_dq_var1_f32_d16", 1), ("flash_attention_bwd_dkdv_var1_f32_d16", 1)]
+    for r in records:
+        stage = profile_model.KERNEL_NAME.match(r["kernel"]).group("stage")
+        assert r["registers"] == ext.tile_shape(stage, "f32", 16, r["variant"])["registers"]
+    assert records[3]["registers"] < records[0]["registers"]
+    # The same useful work in every variant; the forward's tiles keep their blocks, so its MMA
+    # operations are the same too.
+    for a, b in zip(records[:3], records[3:]):
+        assert a["useful_flops"] == b["useful_flops"]
+    assert records[0]["mma_ops"] == records[3]["mma_ops"]
 
 
 @pytest.mark.parametrize("argv,message", [

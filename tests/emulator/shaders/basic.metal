@@ -135,3 +135,15 @@ kernel void emu_too_much_threadgroup(device float* out [[buffer(0)]],
   big[tid] = 1.0f;
   out[tid] = big[tid];
 }
+
+// Function constants (bound per launch): out[i] = first + 2 * second, read in a helper and in
+// the kernel; a false constant's branch is never taken.
+constant bool emu_first [[function_constant(0)]];
+constant bool emu_second [[function_constant(5)]];
+
+inline uint emu_second_value() { return emu_second ? 2u : 0u; }
+
+kernel void emu_function_constants(device uint* out [[buffer(0)]],
+                                   uint i [[thread_position_in_grid]]) {
+  out[i] = (emu_first ? 1u : 0u) + emu_second_value();
+}
