@@ -54,7 +54,7 @@
 // present exactly when the attribute `flag` is set (dropout_rate: when > 0). A handler finds an
 // operand among its remaining args from this list (operand_slots in attention_ffi.cc), never by
 // counting; jax_flash_metal/contract.py's Operands is the same list on the Python side, with
-// the same flags (the extension lists this one: _ext.optional_operands(); tests/test_ffi.py
+// the same flags (the extension lists this one: _ext.optional_operands(); tests/fused/test_ffi.py
 // checks the two agree).
 #define JFM_OPTIONAL_OPERANDS(X)     \
   X(q_lengths, has_q_lengths)        \

@@ -58,8 +58,8 @@ class Operands(NamedTuple):
     ones): the one list of them, each field annotated with the static param that says it is
     present (``OPERAND_FLAGS``; dropout: ``dropout_rate`` > 0). Each is None when absent.
     ffi/attention_ffi.h's JFM_OPTIONAL_OPERANDS is this list for the FFI handlers
-    (tests/test_ffi.py checks that they agree); every operand position on either side is derived
-    from it (``operand_roles``), never counted.
+    (tests/fused/test_ffi.py checks that they agree); every operand position on either side is
+    derived from it (``operand_roles``), never counted.
 
     q_lengths, kv_lengths: int32 [B]. q_segment_ids: int32 [B, Tq]; kv_segment_ids: int32
     [B, Tkv] (both or neither: ``has_segment_ids``). bias: float [b, h, tq, tkv] and mask: bool
