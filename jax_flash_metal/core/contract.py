@@ -114,10 +114,17 @@ def operand_roles(direction: str, params) -> list[str]:
             *(n for n, f in zip(Operands._fields, operand_flags(params)) if f)]
 
 
+def _names(value) -> tuple[str, ...]:
+    """Names in order: a str is one name (``implementation="xla"``), not its characters."""
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 def _coercion(hint):
-    """(the type a ``StaticParams`` field is coerced to, whether it may be None)."""
+    """(the function a ``StaticParams`` field is coerced with, whether it may be None)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return (args[0], True) if args else (hint, False)
+    kind = args[0] if args else hint
+    kind = _names if typing.get_origin(kind) is tuple else kind
+    return kind, bool(args)
 
 
 _COERCIONS = {name: _coercion(hint) for name, hint in typing.get_type_hints(StaticParams).items()}
