@@ -207,7 +207,8 @@ def time_interleaved(compiled: dict, args: dict, repeats: int,
     ``gpu_timers`` maps some names to a function returning cumulative GPU seconds (e.g.
     ``metal_gpu_seconds``); for those, the GPU ms are the median of its increase over each timed
     call. Names without a timer are not in the GPU ms dict. ``on_round``, if given, is called
-    after the warm-up and after each round.
+    after the warm-up and after each of the first ``repeats`` rounds (the steps a progress
+    total counts; the extra rounds of a noisy point do not advance it).
     """
     gpu_timers = gpu_timers or {}
     on_round = on_round or (lambda: None)
@@ -228,7 +229,8 @@ def time_interleaved(compiled: dict, args: dict, repeats: int,
             times[name].append(_call_s(fn, args[name]))
             if timer:
                 gpu[name].append(timer() - before)
-        on_round()
+        if done < repeats:
+            on_round()
 
     def median_ms(series):
         return {name: 1e3 * statistics.median(t) for name, t in series.items()}
