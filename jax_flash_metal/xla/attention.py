@@ -86,14 +86,14 @@ def _split_rows(x, n, size):
 
 def _operand_form(x, valid, dtype, scale=1.0):
     """x in ``dtype`` with the positions past the lengths (``valid`` False) zeroed, times
-    ``scale``, other non-finite entries NaN (``_nan_entries``). Applied after the transpose to
+    ``scale``, other non-finite entries NaN (``tiles.nan_entries``). Applied after the transpose to
     the block layout, so XLA writes that layout in one pass."""
     x = x.astype(dtype)
     if valid is not None:
         x = jnp.where(valid, x, 0.0)
     if scale != 1.0:
         x = x * jnp.float32(scale)
-    return _nan_entries(x)
+    return tiles.nan_entries(x)
 
 
 def _query_blocks(x, kv_heads, t: _Tiling, valid, dtype, scale=1.0):
@@ -190,13 +190,6 @@ def _block_ranges(lo, hi, n, size, other):
 
 def _zero_nonfinite(x):
     return jnp.where(jnp.isfinite(x), x, 0.0)
-
-
-def _nan_entries(x):
-    """x with every non-finite entry NaN (x - x is 0 for a finite entry, else NaN). A matmul
-    then gives NaN wherever it reads one, where an Inf could have given a finite or infinite
-    value: a query or key with one scores NaN against every key or query."""
-    return x + (x - x)
 
 
 def _pad_axis(x, axis, size, value):
@@ -640,9 +633,9 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
     dob = _query_blocks(do, kv_heads, t, q_valid, prec.dtype)
     kb, vb = _key_blocks(k, t, kv_valid, prec.dtype), _key_blocks(v, t, kv_valid, prec.dtype)
     # A visible pair read a non-finite q or k entry exactly when some row's lse is NaN (the
-    # score is NaN: _nan_entries), and a non-finite dO entry of a row makes its delta non-finite
-    # (dO * O has no finite value for it): [B, H, Tq] arrays are checked instead of reading q,
-    # k and dO again.
+    # score is NaN: tiles.nan_entries), and a non-finite dO entry of a row makes its delta
+    # non-finite (dO * O has no finite value for it): [B, H, Tq] arrays are checked instead of
+    # reading q, k and dO again.
     # Other causes (a NaN O, bias or g_lse) only run the counting pass. Where no pair is
     # hidden, the matmuls place NaN themselves (``_weighted``).
     nonfinite_read = None

@@ -49,10 +49,9 @@ def covers(q, k, operands, schedule, dropout_rate, kv_len) -> bool:
                                         operands.dropout)))
 
 
-def _nan_entries(x):
+def _nan_f32(x):
     """float32 x with every non-finite entry NaN (as the block loops' operands)."""
-    x = x.astype(F32)
-    return x + (x - x)
+    return tiles.nan_entries(x.astype(F32))
 
 
 def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window_right=-1,
@@ -83,7 +82,7 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
                       -(-int(np.max(np.where(seen, hi, 0))) // span))
 
     # [B, 1, HKV, G, Tq, D]: query head hkv * G + g, the chunk axis before it.
-    qx = _nan_entries(q).reshape(batch, q_len, kv_heads, groups, -1).transpose(0, 2, 3, 1, 4)
+    qx = _nan_f32(q).reshape(batch, q_len, kv_heads, groups, -1).transpose(0, 2, 3, 1, 4)
     qx = qx[:, None]
     alibi = (None if operands.alibi_slopes is None
              else operands.alibi_slopes.reshape(batch, 1, 1, kv_heads, groups, 1))
@@ -97,7 +96,7 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
         # [B, n, CHUNK, 1, 1, Tq]: keys split into chunks, before the head axes.
         visible = visible.reshape(batch, q_len, -1, chunk).transpose(0, 2, 3, 1)[:, :, :, None,
                                                                                   None]
-        kx, vx = (_nan_entries(_read(x, start, span, table, band.kv_lengths)).reshape(
+        kx, vx = (_nan_f32(_read(x, start, span, table, band.kv_lengths)).reshape(
             batch, -1, chunk, kv_heads, 1, 1, x.shape[3]) for x in (k, v))
         s = jnp.sum(qx[:, :, None] * kx, axis=-1) * jnp.float32(scale)  # [B, n, C, HKV, G, Tq]
         s = features.soft_cap(s, logits_soft_cap)[0]

@@ -43,6 +43,13 @@ _HI = jax.lax.Precision.HIGHEST
 F32 = jnp.float32
 
 
+def nan_entries(x):
+    """x with every non-finite entry NaN (x - x is 0 for a finite entry, else NaN). A matmul
+    then gives NaN wherever it reads one, where an Inf could have given a finite or infinite
+    value: a query or key with one scores NaN against every key or query."""
+    return x + (x - x)
+
+
 def _dot(spec, a, b):
     """The float32 product of a and b. Where one is a half-precision operand, the other (a
     float32 P or dS) is rounded to its dtype, so the matmul runs on the half-precision matrix
