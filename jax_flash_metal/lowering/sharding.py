@@ -48,7 +48,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..core._jax_private import ShapedArray
-from ..core.contract import MAIN_OPERANDS, operand_roles
+from ..core.contract import operand_roles
 
 # The layout of each main operand (contract.MAIN_OPERANDS): "q" [B, Tq, H, Dk],
 # "kv" [B, Tkv, HKV, Dk], "row" [B, H, Tq]; "q_v" and "kv_v" the same with the value head dim

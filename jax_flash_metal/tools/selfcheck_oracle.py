@@ -10,7 +10,6 @@ float16/bfloat16 errors within 2 x the baseline's error + 1e-5.
 
 from __future__ import annotations
 
-import contextlib
 
 import jax
 import jax.numpy as jnp

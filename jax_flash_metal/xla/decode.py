@@ -26,7 +26,6 @@ sink). Bias, mask, segment ids and dropout keep the block loops. All math is flo
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -21,8 +21,7 @@ PACKAGE = os.path.join(ROOT, "jax_flash_metal")
 
 LINES_PER_MODULE = 400
 LONG_MODULES = {
-    "xla/attention.py": "the xla implementation's forward and backward block drivers; to be split "
-                        "into attention and block drivers",
+    "xla/blocks.py": "one job: the block grid (layouts, features per block, the two loops)",
     "ring_attention.py": "one job: the ring's block schedule, forward and backward",
     "examples/train_lm.py": "one runnable example, read top to bottom",
     "selfcheck.py": "one job: the self-check's steps in order, each a short function",

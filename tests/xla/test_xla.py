@@ -20,7 +20,7 @@ from jax.test_util import check_grads
 from api_helpers import (check_against_oracle, f64, make_inputs, normal, run_flash,
                          use_xla_schedule)
 from jax_flash_metal import flash_attention
-from jax_flash_metal.xla import attention as xla_attention
+from jax_flash_metal.xla import blocks as xla_blocks
 from jax_flash_metal.xla import schedule as xla_schedule
 from jax_flash_metal.xla import tiles
 
@@ -63,10 +63,10 @@ def test_size_rule(platform):
     schedule = xla_schedule.for_platform(platform)
     assert schedule == xla_schedule.SCHEDULES["cpu" if platform == "cpu" else "default"]
     limit = schedule.dense_max_len
-    assert xla_attention.tiling(limit, limit, schedule).dense
-    assert xla_attention.tiling(1, limit, schedule).dense
+    assert xla_blocks.tiling(limit, limit, schedule).dense
+    assert xla_blocks.tiling(1, limit, schedule).dense
     for q_len, kv_len in [(limit + 1, limit), (limit, limit + 1), (1, 4 * limit)]:
-        t = xla_attention.tiling(q_len, kv_len, schedule)
+        t = xla_blocks.tiling(q_len, kv_len, schedule)
         assert not t.dense
         assert t.nq * t.br >= q_len and t.nk * t.bc >= kv_len
         assert t.br <= schedule.block_q and t.bc <= schedule.block_k
@@ -78,14 +78,14 @@ def test_inner_block_where_the_band_skips_nothing():
     inner ones) take ``inner_block``; otherwise, and on cpu, every tile is block_q x block_k."""
     schedule = xla_schedule.SCHEDULES["default"]
     n = 4 * schedule.inner_block
-    forward = xla_attention.tiling(n, n, schedule, long_inner=True)
-    backward = xla_attention.tiling(n, n, schedule, long_inner=True, backward=True)
+    forward = xla_blocks.tiling(n, n, schedule, long_inner=True)
+    backward = xla_blocks.tiling(n, n, schedule, long_inner=True, backward=True)
     assert (forward.br, forward.bc) == (schedule.block_q, schedule.inner_block)
     assert (backward.br, backward.bc) == (schedule.inner_block, schedule.block_k)
     for name, long_inner, is_backward in [("default", False, False), ("default", False, True),
                                           ("cpu", True, True)]:
         s = xla_schedule.SCHEDULES[name]
-        t = xla_attention.tiling(n, n, s, long_inner=long_inner, backward=is_backward)
+        t = xla_blocks.tiling(n, n, s, long_inner=long_inner, backward=is_backward)
         assert (t.br, t.bc) == (s.block_q, s.block_k)
 
 
