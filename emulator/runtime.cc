@@ -103,8 +103,8 @@ struct Counts {
   uint64_t read[kMaxBuffers] = {};  // by [[buffer(n)]] index
   uint64_t written[kMaxBuffers] = {};
   uint64_t threadgroup_read = 0, threadgroup_written = 0;
-  uint64_t mma_ops = 0, simd_ops = 0, barriers = 0, threadgroup_memory = 0, fma_ops = 0,
-           math_ops = 0;
+  uint64_t threadgroup_memory = 0;
+  JFM_PROFILE_OPS(JFM_PROFILE_DECLARE_COUNT)
 
   void add(const Counts& o) {
     for (int b = 0; b < kMaxBuffers; ++b) {
@@ -113,11 +113,9 @@ struct Counts {
     }
     threadgroup_read += o.threadgroup_read;
     threadgroup_written += o.threadgroup_written;
-    mma_ops += o.mma_ops;
-    simd_ops += o.simd_ops;
-    barriers += o.barriers;
-    fma_ops += o.fma_ops;
-    math_ops += o.math_ops;
+#define JFM_ADD_COUNT(name) name += o.name;
+    JFM_PROFILE_OPS(JFM_ADD_COUNT)
+#undef JFM_ADD_COUNT
     threadgroup_memory = std::max(threadgroup_memory, o.threadgroup_memory);
   }
 };
@@ -767,11 +765,9 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
     }
     p->threadgroup_bytes_read = c.threadgroup_read;
     p->threadgroup_bytes_written = c.threadgroup_written;
-    p->mma_ops = c.mma_ops;
-    p->simd_ops = c.simd_ops;
-    p->barriers = c.barriers;
-    p->fma_ops = c.fma_ops;
-    p->math_ops = c.math_ops;
+#define JFM_COPY_COUNT(name) p->name = c.name;
+    JFM_PROFILE_OPS(JFM_COPY_COUNT)
+#undef JFM_COPY_COUNT
   }
   return job.error;
 }
