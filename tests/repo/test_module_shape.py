@@ -2,8 +2,8 @@
 path and command-line program of the package.
 
 - No module of ``jax_flash_metal/`` is over LINES_PER_MODULE lines except those of LONG_MODULES
-  (each with the reason); no function of ``ffi/`` is over LINES_PER_FUNCTION lines except those
-  of LONG_FUNCTIONS.
+  (each with the reason); no function of the native code (``ffi/`` and ``emulator/``) is over
+  LINES_PER_FUNCTION lines except those of LONG_FUNCTIONS.
 - No relay: no module imports a name of the package only to hand it on to the package again
   (every use of the name an argument of a call of a package function), outside
   ``__init__.py``, whose re-exports are the public API.
@@ -27,6 +27,7 @@ LONG_MODULES = {
     "selfcheck.py": "one job: the self-check's steps in order, each a short function",
 }
 LINES_PER_FUNCTION = 80
+NATIVE_FOLDERS = ("ffi", "emulator")
 LONG_FUNCTIONS: dict[tuple[str, str], str] = {}
 
 PUBLIC_MODULES = ["jax_flash_metal", "jax_flash_metal.attention", "jax_flash_metal.reference",
@@ -88,11 +89,12 @@ def ffi_functions(path):
 
 def test_ffi_function_sizes():
     long = {}
-    for name in sorted(os.listdir(os.path.join(ROOT, "ffi"))):
-        if name.endswith((".cc", ".mm", ".h")):
-            for function, size in ffi_functions(os.path.join(ROOT, "ffi", name)):
-                if size > LINES_PER_FUNCTION:
-                    long[(f"ffi/{name}", function)] = size
+    for folder in NATIVE_FOLDERS:
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
+            if name.endswith((".cc", ".mm", ".h")):
+                for function, size in ffi_functions(os.path.join(ROOT, folder, name)):
+                    if size > LINES_PER_FUNCTION:
+                        long[(f"{folder}/{name}", function)] = size
     assert sorted(long) == sorted(LONG_FUNCTIONS), long
 
 
