@@ -333,7 +333,7 @@ def train_section(r: Runner, counts):
         results = []
         for mesh in (None, Mesh(np.array(r.devices[:n]).reshape(2, n // 2), ("data", "sp"))):
             start = time.perf_counter()
-            _, losses = train_lm.train(cfg, data, a.implementation or "xla", progress=False,
+            _, losses = train_lm.train(cfg, data, a.implementation, progress=False,
                                        mesh=mesh)
             results.append((losses, time.perf_counter() - start))
         diff = float(np.max(np.abs(np.array(results[0][0]) - np.array(results[1][0]))))
