@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import __version__, dropout_mask, flash_attention, implementations, paging
+from .core import tolerance
 from .core.contract import Implementation
 from .fused import shader_libraries
 import jax_flash_metal._ext as _ext
@@ -227,7 +228,7 @@ def check_case(implementation: str, suffix: str, dk: int, dv: int, path: str,
                                           **oracle_kwargs)
     errors, passed = {}, True
     for name, value in got.items():
-        ok, error, limit = selfcheck_oracle.within_tolerance(
+        ok, error, limit = tolerance.within(
             name, value, want[name], None if baseline is None else baseline[name])
         passed &= ok
         errors[name] = [error, limit]
