@@ -50,3 +50,14 @@ def within(output: str, got, want, baseline=None) -> tuple[bool, float, float]:
     """(passed, max error, limit) of ``got`` against the reference ``want``."""
     error, allowed = max_error(got, want), limit(output, want, baseline)
     return error <= allowed, error, allowed
+
+
+def agree(output: str, got, reference, baseline=None) -> tuple[bool, float, float]:
+    """(passed, max error, limit) of ``got`` against ``reference``, a float32 result that is
+    itself within the oracle tolerance (the autotuner's check of a kernel variant against the
+    xla implementation). float32: each within ``limit`` of the exact result, so at most twice
+    it apart; float16/bfloat16 (``baseline`` given): the half-precision limit, against which
+    the float32 reference's own error is negligible."""
+    error, allowed = max_error(got, reference), limit(output, reference, baseline)
+    allowed *= 1.0 if baseline is not None else 2.0
+    return error <= allowed, error, allowed
