@@ -38,6 +38,11 @@ def configure(*, variant: int | None = None, autotune: bool | None = None) -> No
     _settings.update(variant=variant, autotune=autotune)
 
 
+def settings() -> dict:
+    """``configure``'s current arguments (to restore them)."""
+    return dict(_settings)
+
+
 def from_env() -> int:
     """The variant a call is traced with: ``configure(variant=...)``, else
     ``$JFM_KERNEL_VARIANT``, else ``AUTO`` (unset or empty). Raises ValueError naming the

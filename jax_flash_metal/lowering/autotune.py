@@ -171,6 +171,11 @@ def tune(problem, implementation: str, primitives) -> dict:
                                             problem.value_head_dim])
 
 
+def forget() -> None:
+    """Forget this process's choices: the next lowering of each key reads the cache file."""
+    _memo.clear()
+
+
 def _lock(memo_key) -> threading.Lock:
     with _locks_guard:
         return _locks.setdefault(memo_key, threading.Lock())
