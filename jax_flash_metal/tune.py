@@ -124,15 +124,20 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     return b, t, h, d
 
 
+DESCRIPTION = ("Time the fused kernels' variants on the calls of the given shapes, print the "
+               "table and write the choices to the tuning cache (docs/tuning.md).")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jax_flash_metal.tune",
-                                description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+                                description=DESCRIPTION, formatter_class=HelpFormatter)
     p.add_argument("--shape", type=_shape, action="append", required=True, metavar="B,T,H,D",
                    help="batch, key/value length, query heads, head dim (repeatable)")
     p.add_argument("--q-len", type=positive_int, help="query length (default: T; 1: a decode)")
     p.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: H)")
     p.add_argument("--value-head-dim", type=positive_int, help="value head dim (default: D)")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float16")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float16",
+                   help="the calls' dtype")
     p.add_argument("--causal", action="store_true", help="causal calls")
     p.add_argument("--backward", action="store_true", help="tune the backward too")
     p.add_argument("--implementation", choices=("metal", "emulator"),
@@ -140,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=positive_int, default=autotune.REPEATS,
                    help="timed runs per variant (the median is kept)")
     p.add_argument("--cache", metavar="PATH",
-                   help=f"the cache file (default: ${tuning_cache.ENV}, else {tuning_cache.path()})")
+                   help=f"the cache file (default: ${tuning_cache.ENV}, else "
+                        "jax_flash_metal/tuning.json in the user's cache directory)")
     args = p.parse_args(argv)
     implementation = args.implementation or _default_implementation()
     if implementation not in implementations.available():

@@ -1,7 +1,8 @@
-"""The problem the autotuner times for a call being lowered (docs/tuning.md#what-is-timed):
-the call's shapes, dtype and features, with the lengths and batch capped so that timing every
-variant and the xla reference check stays cheap, and synthetic operands that give every feature
-real work (full lengths, a random bias, a page table that reads every page).
+"""The problem the autotuner times for a call being lowered
+(docs/tuning.md#what-is-timed-and-checked): the call's shapes, dtype and features, with the
+lengths and batch capped so that timing every variant and the xla reference check stays cheap,
+and synthetic operands that give every feature real work (full lengths, a random bias, a page
+table that reads every page).
 """
 
 from __future__ import annotations
