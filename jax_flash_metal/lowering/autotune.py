@@ -13,6 +13,7 @@ process and in the file. Only lowerings of the same key wait for a tuning (one l
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import logging
@@ -87,6 +88,7 @@ def candidates(problem, implementation: str) -> list[int]:
     return chosen
 
 
+@functools.cache
 def _build() -> str:
     """The package version and a digest of the embedded shader sources."""
     import jax_flash_metal._ext as _ext
