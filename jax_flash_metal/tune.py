@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{implementations.unavailable_reasons().get(implementation, '')}")
     if args.cache:
         os.environ[tuning_cache.ENV] = args.cache
+    if variants.from_env() != variants.AUTO:
+        p.error(f"${variants.ENV} forces a kernel variant: unset it to tune")
     rows = tune(args.shape, dtype=args.dtype, q_len=args.q_len, kv_heads=args.kv_heads,
                 value_head_dim=args.value_head_dim, causal=args.causal, backward=args.backward,
                 implementation=implementation, repeats=args.repeats)
