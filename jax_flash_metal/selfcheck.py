@@ -335,11 +335,14 @@ def speed(implementation: str, quick: bool, repeats: int) -> tuple[bool, str, di
 DECODE_QUERIES = 4  # the tuned decode: a grouped decode (decode_partial, which has variants)
 
 
-def tuning(implementation: str, quick: bool, repeats: int) -> tuple[bool, str, dict]:
+def tuning(implementation: str, quick: bool, repeats: int) -> tuple[bool | None, str, dict]:
     """Tunes the speed step's training shape (forward and backward, float16) and a decode of
     DECODE_QUERIES queries against its cache (``jax_flash_metal.tune``); reports each key's
     variants and the chosen one's TFLOP/s and GB/s against the chip's peak."""
     metal = implementation == "metal"
+    if variants.from_env() != variants.AUTO:
+        return None, f"skipped: a kernel variant is forced (${variants.ENV})", dict(
+            meaningful=metal, rows=[], cache=None)
     peak = _peak(implementation)
     shapes = _speed_shapes(metal, quick)
     _, t, _, h, _, d = shapes["forward"]
@@ -417,14 +420,15 @@ SCHEMA_VERSION = 2
 
 
 @contextlib.contextmanager
-def _tuned(implementation: str):
-    """Tuning on; on the emulated device against a temporary cache file (its timings mean
-    nothing, so nothing it picks may reach the user's cache)."""
+def _autotune(implementation: str, on: bool):
+    """The autotuner on or off (a forced variant stays forced); on the emulated device, when
+    on, against a temporary cache file (its timings mean nothing, so nothing it picks may reach
+    the user's cache)."""
     previous, cache = variants.settings(), os.environ.get(tuning_cache.ENV)
     with tempfile.TemporaryDirectory() as scratch:
-        if implementation != "metal":
+        if on and implementation != "metal":
             os.environ[tuning_cache.ENV] = os.path.join(scratch, "tuning.json")
-        tune.configure(autotune=True)
+        tune.configure(**dict(previous, autotune=on))
         try:
             yield
         finally:
@@ -463,15 +467,17 @@ def run(implementation: str, head_dims, features, seq_len: int, repeats: int,
             entry.update(extra[0] if isinstance(extra[0], dict) else {"cases": extra[0]})
         steps[name] = entry
 
-    step("lane_layout", lane_layout, implementation)
-    step("compile", compile_libraries, implementation)
-    step("families", families, implementation, chosen)
-    step("dropout_paging", dropout_and_paging, implementation,
-         chosen if len(chosen) <= 3 else QUICK_FAMILIES)
-    step("correctness", correctness, implementation, head_dims, features)
-    step("profile", kernel_profile, head_dims[0])
-    step("timings", timings, implementation, seq_len, head_dims[0], repeats)
-    with _tuned(implementation):
+    # The checks and timings run variant 0 (or a forced one); tuning has its own steps.
+    with _autotune(implementation, on=False):
+        step("lane_layout", lane_layout, implementation)
+        step("compile", compile_libraries, implementation)
+        step("families", families, implementation, chosen)
+        step("dropout_paging", dropout_and_paging, implementation,
+             chosen if len(chosen) <= 3 else QUICK_FAMILIES)
+        step("correctness", correctness, implementation, head_dims, features)
+        step("profile", kernel_profile, head_dims[0])
+        step("timings", timings, implementation, seq_len, head_dims[0], repeats)
+    with _autotune(implementation, on=True):
         step("tuning", tuning, implementation, quick, repeats)
         step("speed", speed, implementation, quick, repeats)
     return dict(schema_version=SCHEMA_VERSION, implementation=implementation,

@@ -29,7 +29,8 @@ from .tools.cli import HelpFormatter, aligned, positive_int
 
 
 def configure(*, variant: int | None = None, autotune: bool | None = None) -> None:
-    """Force a kernel variant or switch the autotuner for calls traced from now on.
+    """Force a kernel variant or switch the autotuner for calls traced from now on. Each call
+    sets both settings (an omitted one is None); ``configure()`` returns to the environment.
 
     Args:
       variant: the kernel variant (docs/kernels.md#kernel-variants) every fused call traced

@@ -24,7 +24,7 @@ _settings: dict[str, object] = {"variant": None, "autotune": None}
 
 
 def configure(*, variant: int | None = None, autotune: bool | None = None) -> None:
-    """Set the process's choice: ``variant`` forces that kernel variant for every call traced
+    """Set the process's choice (both settings; an omitted one is None): ``variant`` forces that kernel variant for every call traced
     afterwards (None: ``$JFM_KERNEL_VARIANT`` or the autotuner decide); ``autotune`` turns the
     autotuner on (True, also on the emulated device), off (False) or back to
     ``$JFM_AUTOTUNE`` / the default (None). Both take effect for calls traced afterwards (a
