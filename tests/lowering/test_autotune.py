@@ -19,7 +19,6 @@ from jax_flash_metal import flash_attention, tune
 from jax_flash_metal.core import tuning_cache, variants
 from jax_flash_metal.lowering import autotune
 
-pytestmark = needs_emulator
 SPEC = jax.ShapeDtypeStruct((1, 17, 2, 16), jnp.float32)  # one forward family with 2 variants
 
 
@@ -61,6 +60,7 @@ def entries():
         return json.load(f)["entries"]
 
 
+@needs_emulator
 @pytest.mark.parametrize("seconds,chosen", [({0: 2.0, 1: 1.0}, 1), ({0: 1.0, 1: 2.0}, 0)])
 def test_the_fastest_variant_reaches_the_call_and_the_file(monkeypatch, seconds, chosen):
     timer = fake_timer(seconds)
@@ -73,6 +73,7 @@ def test_the_fastest_variant_reaches_the_call_and_the_file(monkeypatch, seconds,
     assert lowered_variant() == chosen and len(timer.timed) == 2  # this process remembers
 
 
+@needs_emulator
 def test_a_later_process_reuses_the_file_and_a_version_change_retunes(monkeypatch):
     monkeypatch.setattr(autotune, "timer", fake_timer({0: 2.0, 1: 1.0}))
     assert lowered_variant() == 1
@@ -91,6 +92,7 @@ def test_a_later_process_reuses_the_file_and_a_version_change_retunes(monkeypatc
     assert len(entries()) == 4
 
 
+@needs_emulator
 @pytest.mark.parametrize("content", ["{not json", '["a", "list"]',
                                      '{"format": "another tool", "entries": {}}'])
 def test_a_corrupt_or_foreign_file_is_ignored_with_a_warning(monkeypatch, content):
@@ -102,6 +104,7 @@ def test_a_corrupt_or_foreign_file_is_ignored_with_a_warning(monkeypatch, conten
     assert [e["variant"] for e in entries().values()] == [1]  # replaced by a valid file
 
 
+@needs_emulator
 def test_a_variant_that_disagrees_is_rejected(monkeypatch):
     timer = fake_timer({0: 2.0, 1: 1.0}, wrong=(1,))
     monkeypatch.setattr(autotune, "timer", timer)
@@ -111,6 +114,7 @@ def test_a_variant_that_disagrees_is_rejected(monkeypatch):
     assert entry["variant"] == 0 and entry["rejected"]["1"].startswith("o: max error")
 
 
+@needs_emulator
 def test_the_switches(monkeypatch):
     timer = fake_timer({0: 2.0, 1: 1.0})
     monkeypatch.setattr(autotune, "timer", timer)
@@ -153,6 +157,7 @@ def test_processes_writing_at_once_leave_a_valid_file_with_every_entry():
                                        for name in ("a", "b") for n in range(25)}
 
 
+@needs_emulator
 def test_the_program_tunes_ahead_of_time_and_a_second_run_reads_the_cache(monkeypatch, capsys):
     monkeypatch.setattr(autotune, "timer", fake_timer({0: 2.0, 1: 1.0}))
     argv = ["--shape", "1,17,2,16", "--dtype", "float32", "--implementation", "emulator"]
