@@ -1,9 +1,9 @@
-"""Tune the fused kernels ahead of time: ``python -m jax_flash_metal.tune``; and
-``configure``, the process's switch for the autotuner and the kernel variant
-(docs/tuning.md).
+"""Tune the fused kernels ahead of time: ``python -m jax_flash_metal.tune``, ``tune`` and
+``tune_function``; and ``configure``, the process's switch for the autotuner and the kernel
+variant (docs/tuning.md).
 
     python -m jax_flash_metal.tune --shape 1,2048,16,128 --dtype float16 --causal --backward
-    python -m jax_flash_metal.tune --shape 1,8192,32,128 --q-len 1 --kv-heads 8   # a decode
+    python -m jax_flash_metal.tune --shape 1,8192,32,128 --q-len 4 --kv-heads 8   # a decode
 
 Each ``--shape B,T,H,D`` (T the key/value length; the query length is ``--q-len``, default T)
 is traced and lowered through ``flash_attention`` under ``jax.jit`` with tuning on, so the keys
@@ -15,6 +15,7 @@ choice, whether it came from the cache) and writes the cache file.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -63,26 +64,52 @@ def tune(shapes, *, dtype="float16", q_len: int | None = None, kv_heads: int | N
     nothing). ``repeats``: timed runs per variant (default ``autotune.REPEATS``). Raises
     ValueError when ``$JFM_KERNEL_VARIANT`` or ``configure(variant=...)`` forces a variant."""
     implementation = implementation or _default_implementation()
+    rows = []
+    with _tuning(repeats):
+        for b, t, h, d in shapes:
+            tq, hkv = q_len or t, kv_heads or h
+            shape = [b, tq, t, h, hkv, d]
+            start = len(autotune.history)
+            _lower(b, tq, t, h, hkv, d, value_head_dim or d, dtype, causal, backward,
+                   implementation)
+            rows += [dict(entry, shape=shape) for entry in _rows(start)]
+    return rows
+
+
+def tune_function(fn, *args, repeats: int | None = None, **kwargs) -> list[dict]:
+    """Tune every fused attention call of ``fn(*args, **kwargs)`` (e.g. a model's training
+    step) with its exact shapes and features, by lowering ``jax.jit(fn)`` with tuning on;
+    ``args`` may be arrays or ``jax.ShapeDtypeStruct``. The calls take the implementation
+    they would take anyway (on Linux "xla" unless ``fn`` asks for "emulator"). Returns the rows
+    of ``tune`` without ``shape``; errors as ``tune``."""
+    with _tuning(repeats):
+        start = len(autotune.history)
+        jax.jit(fn).lower(*args, **kwargs)
+        return _rows(start)
+
+
+@contextlib.contextmanager
+def _tuning(repeats: int | None):
+    """Tuning on, ``repeats`` timed runs, every key reported (this process's choices
+    forgotten); the settings restored afterwards."""
     if variants.from_env() != variants.AUTO:
         raise ValueError(f"a kernel variant is forced (${variants.ENV} or configure(variant="
                          f"...)): nothing to tune")
     previous, previous_repeats = variants.settings(), autotune.REPEATS
     variants.configure(autotune=True)
     autotune.REPEATS = previous_repeats if repeats is None else repeats
-    autotune.forget()  # report cached choices too
-    rows = []
+    autotune.forget()
     try:
-        for b, t, h, d in shapes:
-            start = len(autotune.history)
-            _lower(b, q_len or t, t, h, kv_heads or h, d, value_head_dim or d, dtype, causal,
-                   backward, implementation)
-            tuned = autotune.history[start:] or [dict(key=None, variant=None, seconds={},
-                                                      rejected={}, cached=False, problem=None)]
-            rows += [dict(entry, shape=[b, q_len or t, t, h, kv_heads or h, d]) for entry in tuned]
+        yield
     finally:
         variants.configure(**previous)
         autotune.REPEATS = previous_repeats
-    return rows
+
+
+def _rows(start: int) -> list[dict]:
+    """The tuner's records since ``start``; one row saying so when nothing had variants."""
+    return autotune.history[start:] or [dict(key=None, variant=None, seconds={}, rejected={},
+                                             cached=False, problem=None)]
 
 
 def _lower(b, tq, tkv, h, hkv, d, dv, dtype, causal, backward, implementation) -> None:

@@ -167,3 +167,19 @@ def test_the_program_tunes_ahead_of_time_and_a_second_run_reads_the_cache(monkey
                  if line.startswith("1,17,17,2,2,16")]
         assert row[1:] == ["fwd", "plain", "q32_kv32", "2000.000", "1000.000", "1", source]
     assert variants.settings() == {"variant": None, "autotune": None}  # restored
+
+
+@needs_emulator
+def test_a_models_calls_are_tuned_with_their_own_features(monkeypatch):
+    monkeypatch.setattr(autotune, "timer", fake_timer({0: 2.0, 1: 1.0}))
+    bias = jax.ShapeDtypeStruct((1, 2, 17, 17), jnp.float32)
+
+    def step(q, bias):
+        return flash_attention(q, q, q, bias, is_causal=True, implementation="emulator").sum()
+
+    rows = tune.tune_function(jax.grad(step), SPEC, bias)
+    assert [r["key"].split("|")[3:6] for r in rows] == [
+        ["kernels=fwd", "dtype=float32", "head_dims=16x16"],
+        ["kernels=bwd_dq+bwd_dkdv", "dtype=float32", "head_dims=16x16"]]
+    assert {r["key"].split("|")[6] for r in rows} == {"features=causal+bias"}
+    assert [r["variant"] for r in rows] == [1, 1] and len(entries()) == 2

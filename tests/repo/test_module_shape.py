@@ -42,7 +42,7 @@ PUBLIC_NAMES = {"jax_flash_metal": ["flash_attention", "reference_attention", "d
                 "jax_flash_metal.paging": ["gather", "logical_len"],
                 "jax_flash_metal.flax": ["attention_fn"],
                 "jax_flash_metal.equinox": ["MultiheadAttention"],
-                "jax_flash_metal.tune": ["configure", "tune"]}
+                "jax_flash_metal.tune": ["configure", "tune", "tune_function"]}
 PROGRAMS = ["jax_flash_metal.benchmark", "jax_flash_metal.profile", "jax_flash_metal.selfcheck",
             "jax_flash_metal.tune",
             "jax_flash_metal.fused.shader_libraries", "jax_flash_metal.examples.train_lm",
