@@ -33,7 +33,7 @@ LONG_FUNCTIONS: dict[tuple[str, str], str] = {}
 PUBLIC_MODULES = ["jax_flash_metal", "jax_flash_metal.attention", "jax_flash_metal.reference",
                   "jax_flash_metal.ring_attention", "jax_flash_metal.dropout",
                   "jax_flash_metal.paging", "jax_flash_metal.implementations",
-                  "jax_flash_metal.flax", "jax_flash_metal.equinox"]
+                  "jax_flash_metal.flax", "jax_flash_metal.equinox", "jax_flash_metal.tune"]
 PUBLIC_NAMES = {"jax_flash_metal": ["flash_attention", "reference_attention", "dropout_mask",
                                     "devices", "metal_available", "implementations",
                                     "__version__"],
@@ -42,8 +42,10 @@ PUBLIC_NAMES = {"jax_flash_metal": ["flash_attention", "reference_attention", "d
                 "jax_flash_metal.ring_attention": ["stripe", "unstripe", "shard_map"],
                 "jax_flash_metal.paging": ["gather", "logical_len"],
                 "jax_flash_metal.flax": ["attention_fn"],
-                "jax_flash_metal.equinox": ["MultiheadAttention"]}
+                "jax_flash_metal.equinox": ["MultiheadAttention"],
+                "jax_flash_metal.tune": ["configure", "tune", "tune_function"]}
 PROGRAMS = ["jax_flash_metal.benchmark", "jax_flash_metal.profile", "jax_flash_metal.selfcheck",
+            "jax_flash_metal.tune",
             "jax_flash_metal.fused.shader_libraries", "jax_flash_metal.examples.train_lm",
             "jax_flash_metal.examples.train_flax"]
 
