@@ -158,20 +158,32 @@ void run_plan(std::vector<PlanStep> steps, nb::dict buffers, std::vector<int> ou
   if (!error.empty()) throw std::runtime_error(error);
 }
 
+// profile_to_dict's count keys, in order: emulator.h's lists.
+const std::vector<std::string>& count_names() {
+#define JFM_COUNT_NAME(name) #name,
+  static const std::vector<std::string> names = {
+      JFM_PROFILE_TOTALS(JFM_COUNT_NAME) JFM_PROFILE_OPS(JFM_COUNT_NAME)};
+#undef JFM_COUNT_NAME
+  return names;
+}
+
 // "a, b, ..., buffers: {index: {read, ...}}": profile_to_dict's keys, from the same lists.
 std::string profile_keys() {
-#define JFM_COUNT_KEY(name) ", " #name
+  std::string keys;
+  for (const std::string& name : count_names()) keys += name + ", ";
 #define JFM_BUFFER_KEY(key, array) ", " #key
-  const std::string counts = JFM_PROFILE_TOTALS(JFM_COUNT_KEY) JFM_PROFILE_OPS(JFM_COUNT_KEY);
   const std::string buffer = JFM_PROFILE_BUFFER_FIELDS(JFM_BUFFER_KEY);
-#undef JFM_COUNT_KEY
 #undef JFM_BUFFER_KEY
-  return counts.substr(2) + ", buffers: {index: {" + buffer.substr(2) + "}}";
+  return keys + "buffers: {index: {" + buffer.substr(2) + "}}";
 }
 
 }  // namespace
 
 void bind_emulator(nb::module_& m) {
+  nb::list counts;
+  for (const std::string& name : count_names()) counts.append(name);
+  // The count keys of run(..., profile=True)'s dict, in order (the profile tables read them).
+  m.attr("PROFILE_COUNTS") = nb::tuple(counts);
   m.def("run_plan", &run_plan, nb::arg("steps"), nb::arg("buffers"),
         nb::arg("outputs") = std::vector<int>(), nb::arg("sanitize") = "first",
         "Run dispatches as one call under the sanitizer (docs/testing.md).\n\n"
