@@ -200,7 +200,7 @@ def test_initcheck_accumulated_output_one_store_per_dispatch():
         emulator.run_plan([produce, accumulate], plan_buffers(), outputs=[1])
     with pytest.raises(RuntimeError, match="one store per dispatch") as e:
         emulator.run_plan([produce, twice], plan_buffers(), outputs=[1], accumulated=[1])
-    assert line_of("mid[i] += 1.0f;") in str(e.value)
+    assert line_of("mid[i] *= 2.0f;") in str(e.value)
     with pytest.raises(ValueError, match="accumulated: buffer 2 is not in outputs"):
         emulator.run_plan([produce], plan_buffers(), outputs=[1], accumulated=[2])
 

@@ -150,9 +150,11 @@ kernel void sanitizer_accumulate(device float* mid [[buffer(1)]],
   mid[i] += 1.0f;
 }
 
-// initcheck (output contract): two stores of one dispatch into an accumulated output.
+// initcheck (output contract): two stores of one dispatch into an accumulated output (the
+// barrier keeps them two stores).
 kernel void initcheck_accumulate_twice(device float* mid [[buffer(1)]],
                                        uint i [[thread_position_in_grid]]) {
   mid[i] += 1.0f;
-  mid[i] += 1.0f;
+  threadgroup_barrier(mem_flags::mem_device);
+  mid[i] *= 2.0f;
 }
