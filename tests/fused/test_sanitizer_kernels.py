@@ -68,8 +68,12 @@ def test_sanitizer_every_family_dtype_and_variant(monkeypatch, dtype, dk, dv, va
     check_against_oracle(q, k, v, do, g, implementation="emulator", **kw)
 
 
-CONSTANT_SETS = ([pytest.param(c, 12, id=f"q12-{label(c)}") for c in PREFILL]
-                 + [pytest.param(c, 1, id=f"q1-{label(c)}") for c in DECODE])
+# 20 queries: the tiled forward (past the decode's JFM_DECODE_MAX_Q_LEN of 16) and the
+# backward; one query: the decode's vector pass 1; 8 queries: its tiled pass 1. Both decodes end
+# with the combine.
+CONSTANT_SETS = [pytest.param(c, q_len, id=f"q{q_len}-{label(c)}")
+                 for sets, q_lens in ((PREFILL, (20,)), (DECODE, (1, 8))) for q_len in q_lens
+                 for c in sets]
 
 
 @pytest.mark.parametrize("constants,q_len", CONSTANT_SETS)
