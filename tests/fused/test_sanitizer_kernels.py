@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernel_harness as kh
 import tolerance
 from api_helpers import DTYPES, check_against_oracle, make_inputs, needs_emulator, normal
 from api_helpers import run as run_with_gradients
-from constant_sets import DECODE, PREFILL, label, run_constant_set
 from jax_flash_metal.core import variants
 
 ext = pytest.importorskip("jax_flash_metal._ext")
+import kernel_harness as kh  # noqa: E402
+from constant_sets import DECODE, PREFILL, label, run_constant_set  # noqa: E402
 from jax_flash_metal import flash_attention  # noqa: E402
 
 pytestmark = [
@@ -160,8 +160,6 @@ def test_memcheck_sees_the_attention_kernels_accesses():
     # The forward kernel bound to an O one query row short, as a host sizing bug would: the last
     # row's store lands past the buffer (where Metal may have mapped another one) and is reported
     # with the kernel's shader line; the declared outputs start poisoned.
-    import kernel_harness as kh
-
     rng = np.random.default_rng(8)
     q, k, v = (rng.standard_normal((1, 19, 2, 16)).astype(np.float32) for _ in range(3))
     lse, row_max, log_sum = (np.zeros((1, 2, 19), np.float32) for _ in range(3))
