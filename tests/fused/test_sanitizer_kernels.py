@@ -16,6 +16,7 @@ import pytest
 import tolerance
 from api_helpers import DTYPES, check_against_oracle, make_inputs, needs_emulator, normal
 from api_helpers import run as run_with_gradients
+from ffi_targets import submission_budget
 from jax_flash_metal.core import variants
 
 ext = pytest.importorskip("jax_flash_metal._ext")
@@ -83,6 +84,18 @@ def test_sanitizer_every_constant_set(monkeypatch, constants, q_len):
     each pair of constants, runs in both variants (a set and its one-larger supersets)."""
     monkeypatch.setenv(variants.ENV, str(bin(constants).count("1") % 2))
     run_constant_set(constants, q_len)
+
+
+@pytest.mark.parametrize("q_len", [45, 8], ids=["prefill", "decode"])
+def test_sanitizer_plan_cut_into_one_threadgroup_submissions(q_len):
+    """Under a budget of one threadgroup per submission, every stage is cut into chunks across
+    many command buffers: each output is still written once in all (the write contract), and
+    the chunks' dispatches of one stage and the stages' barriers order every access."""
+    q, k, v, do, g = make_inputs(10, 2, q_len, 37, 4, 2, 16, jnp.float32)
+    kw = dict(is_causal=True, causal_alignment="bottom_right",
+              key_value_seq_lengths=np.array([37, 20], np.int32))
+    with submission_budget(1e-12):
+        check_against_oracle(q, k, v, do, g, implementation="emulator", **kw)
 
 
 def test_sanitizer_every_score_feature_forward_and_backward():
