@@ -4,6 +4,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -111,7 +112,8 @@ nb::object run(const std::string& kernel, nb::dict buffers, Dim3 groups, Dim3 gr
   std::unique_ptr<emu::SanitizerCall> call;
   if (sanitize != "off") {
     call.reset(new emu::SanitizerCall(sanitize == "all"));
-    for (int o : outputs) call->add_range(args[size_t(o)].data, args[size_t(o)].size, true);
+    for (int o : outputs)
+      call->add_range(args[size_t(o)].data, args[size_t(o)].size, emu::WriteRule::kOnce);
     launch.sanitizer = call.get();
   }
   std::string error;
@@ -131,13 +133,21 @@ using PlanStep = std::tuple<std::string, Dim3, Dim3, bool>;
 // barrier_before false may run concurrently with the step before it (as between the memory
 // barriers of a plan on Metal).
 void run_plan(std::vector<PlanStep> steps, nb::dict buffers, std::vector<int> outputs,
-              const std::string& sanitize) {
+              const std::string& sanitize, std::vector<int> accumulated) {
   if (sanitize != "first" && sanitize != "all")
     throw nb::value_error(("sanitize must be 'first' or 'all', not '" + sanitize + "'").c_str());
+  for (int a : accumulated)
+    if (std::find(outputs.begin(), outputs.end(), a) == outputs.end())
+      throw nb::value_error(("accumulated: buffer " + std::to_string(a) + " is not in outputs")
+                                .c_str());
   std::vector<nb::object> keep;
   const std::vector<emu::Arg> args = bind_buffers(buffers, outputs, &keep);
   emu::SanitizerCall call(sanitize == "all");
-  for (int o : outputs) call.add_range(args[size_t(o)].data, args[size_t(o)].size, true);
+  for (int o : outputs) {
+    const bool acc = std::find(accumulated.begin(), accumulated.end(), o) != accumulated.end();
+    call.add_range(args[size_t(o)].data, args[size_t(o)].size,
+                   acc ? emu::WriteRule::kAccumulated : emu::WriteRule::kOnce);
+  }
   std::string error;
   {
     nb::gil_scoped_release release;
@@ -186,11 +196,14 @@ void bind_emulator(nb::module_& m) {
   m.attr("PROFILE_COUNTS") = nb::tuple(counts);
   m.def("run_plan", &run_plan, nb::arg("steps"), nb::arg("buffers"),
         nb::arg("outputs") = std::vector<int>(), nb::arg("sanitize") = "first",
+        nb::arg("accumulated") = std::vector<int>(),
         "Run dispatches as one call under the sanitizer (docs/testing.md).\n\n"
         "steps: list of (kernel, groups, group_size, barrier_before), in plan order; a step\n"
         "without barrier_before may run concurrently with its predecessor on Metal, so the\n"
         "sanitizer reports a step that touches what such a predecessor wrote. buffers, outputs:\n"
-        "as run(). sanitize: 'first' or 'all'. Raises RuntimeError with the findings.");
+        "as run(), each written once by the call unless listed in accumulated (outputs the\n"
+        "steps accumulate: at most one store per step). sanitize: 'first' or 'all'. Raises\n"
+        "RuntimeError with the findings, ValueError for an accumulated index not in outputs.");
   m.def("has_counting_variant", &emu::has_counting_variant,
         "bool: this build has the counting kernel variants (run(..., profile=True)).");
   m.def("kernel_names", &emu::kernel_names,
@@ -207,8 +220,8 @@ void bind_emulator(nb::module_& m) {
       "sanitize: 'first' runs the counting variant under the sanitizer (racecheck, initcheck,\n"
       "memcheck; docs/testing.md) and raises at its first finding; 'all' collects every\n"
       "finding and raises with all of them; 'off' (default). outputs: buffer indices that are\n"
-      "outputs: poisoned (0xFF bytes) before the run, every byte must be written, and reading\n"
-      "one before it is written is a finding.\n"
+      "outputs: poisoned (0xFF bytes) before the run, every byte must be written exactly once,\n"
+      "and reading one before it is written is a finding.\n"
       "function_constants: bit n is the value of the kernel's bool [[function_constant(n)]]\n"
       "for this launch (default: all true, the unspecialised kernel).\n"
       "Raises RuntimeError with the emulator's message (unknown kernel, bad launch size,\n"

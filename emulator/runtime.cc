@@ -812,7 +812,8 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
     size_t sizes[rt::kMaxBuffers] = {};
     for (int b = 0; b < def->num_buffers; ++b) sizes[uses[b].index] = args[uses[b].index].size;
     const uint32_t g[3] = {launch.groups[0], launch.groups[1], launch.groups[2]};
-    checker.reset(rt::sanitize_begin(launch.sanitizer, def, g, buffers, sizes));
+    checker.reset(rt::sanitize_begin(launch.sanitizer, def, launch.function_constants, g,
+                                          buffers, sizes));
   }
   rt::Job job;
   job.def = def;

@@ -483,12 +483,10 @@ void bind_tiles(nb::module_& m) {
   m.def(
       "function_constant_names",
       [] {
-        // In the order of the JFM_FC_* indices.
-        static const char* const names[] = {"causal", "lengths", "score_features",
-                                            "sinks",  "dropout", "paged"};
-        static_assert(sizeof(names) / sizeof(names[0]) == JFM_FUNCTION_CONSTANTS,
-                      "one name per function constant");
-        return std::vector<std::string>(std::begin(names), std::end(names));
+        std::vector<std::string> names;
+        for (int n = 0; n < JFM_FUNCTION_CONSTANTS; ++n)
+          names.push_back(jfm_function_constant_name(n));
+        return names;
       },
       "list[str]: the function constants by index (JFM_FC_* of shaders/function_constants.h).");
   m.def("bwd_stages", &bwd_stages, nb::arg("head_dim"),
