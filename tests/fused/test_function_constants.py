@@ -85,7 +85,7 @@ def cases(sets, q_len):
 
 
 @kh.needs_counting
-@pytest.mark.parametrize("constants,q_len", cases(PREFILL, 12) + cases(DECODE, 1))
+@pytest.mark.parametrize("constants,q_len", cases(PREFILL, 20) + cases(DECODE, 1))
 def test_every_constant_set_the_host_picks(constants, q_len):
     """The call using exactly these features: each dispatch carries the set masked by its
     stage's list, and O, LSE (and without paging dQ, dK, dV, dbias, dsinks) match the oracle."""
