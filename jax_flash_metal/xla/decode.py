@@ -4,16 +4,16 @@ over the cache span by span.
 A forward with at most ``MAX_QUERY_ROWS`` query rows over more keys than the schedule's dense tile,
 on a schedule with ``split_kv_decode`` (the accelerators'; ``covers``), runs here instead of the
 block loops of ``attention``, whose block layout copies the whole cache first. The keys are
-visited span by span (``SPAN`` keys or more, at most ``MAX_SPANS`` spans, unrolled); each span is
-split into chunks of ``CHUNK`` keys, and each chunk gives partial statistics (m, l) and a partial
-output acc = sum_j exp(s_j - m) v_j, all merged at the end (FlashAttention's rescaling; Dao et al.,
-"Flash-Decoding for long-context inference", 2023). The scores are a multiply-and-sum over the head
-dim and the output a weighted sum over keys, not matmuls (whose batch axes would need the cache as
-[B, HKV, Tkv, D]), and the spans are static slices of the operands, not a loop's state (a
-``lax.fori_loop`` let XLA pick the state's layout, and it transposed the whole cache before the
-loop). XLA:GPU still assigns its reductions operand layouts of its own and copies part of the cache
-into them (docs/gpu.md: 2.9 GiB of temporaries for a 4 GiB cache on an H100); reading it strictly in
-place needs more control over layouts than jax.numpy gives. With a page table each span gathers only
+visited span by span (``SPAN`` keys or more, at most ``MAX_SPANS`` spans, unrolled); each span
+gives partial statistics (m, l) and a partial output acc = sum_j exp(s_j - m) v_j, all merged at
+the end (FlashAttention's rescaling; Dao et al., "Flash-Decoding for long-context inference",
+2023). Within a span: the scores [B, span, HKV, G, Tq] are a multiply-and-sum over the head dim
+(a reduction that reads K in its own [B, Tkv, HKV, D] layout), (m, l) one reduction over the
+span's keys, and the output a weighted sum over them reading V in place. Matmuls would need the
+cache as [B, HKV, Tkv, D] (their batch axes first), a copy of the whole cache; the float32 scores
+a span keeps are 2 G Tq / D of its bfloat16 K bytes (1/16 at G 4, Tq 1, D 128). The
+spans are static slices of the operands, not a loop's state (a ``lax.fori_loop`` let XLA pick the
+state's layout, and it transposed the whole cache before the loop). With a page table each span gathers only
 its own pages (page 0 for those past a row's length, which are never weighed); spans that no row can
 see are skipped when the band is static.
 
@@ -36,7 +36,6 @@ F32 = tiles.F32
 MAX_QUERY_ROWS = 16  # query rows per batch row that count as decoding
 SPAN = 8192  # keys per span at least: bounds the float32 scores a span keeps
 MAX_SPANS = 32  # longer caches take longer spans (the spans are unrolled)
-CHUNK = 256  # keys per partial (m, l, acc)
 
 
 def covers(q, k, operands, schedule, dropout_rate, kv_len) -> bool:
@@ -71,7 +70,6 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
     # A span is a whole number of pages, and no longer than the cache.
     span = max(SPAN, -(-kv_len // MAX_SPANS))
     span = min(max(span // page, 1) * page, kv_len)
-    chunk = np.gcd(span, CHUNK)
     rows = np.arange(q_len, dtype=np.int32)
     spans = range(-(-kv_len // span))
     if visibility.array_module(band.q_lengths, band.kv_lengths) is np:  # a static band
@@ -80,35 +78,35 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
         spans = range(int(np.min(np.where(seen, lo, kv_len))) // span,
                       -(-int(np.max(np.where(seen, hi, 0))) // span))
 
-    # [B, 1, HKV, G, Tq, D]: query head hkv * G + g, the chunk axis before it.
+    # [B, 1, HKV, G, Tq, D]: query head hkv * G + g, after the key axis.
     qx = _nan_f32(q).reshape(batch, q_len, kv_heads, groups, -1).transpose(0, 2, 3, 1, 4)
     qx = qx[:, None]
     alibi = (None if operands.alibi_slopes is None
-             else operands.alibi_slopes.reshape(batch, 1, 1, kv_heads, groups, 1))
+             else operands.alibi_slopes.reshape(batch, 1, kv_heads, groups, 1))
+
+    def key_major(x):
+        """[B, Tq, span] -> [B, span, 1, 1, Tq], the scores' axes."""
+        return x.transpose(0, 2, 1)[:, :, None, None, :]
 
     def span_partials(c):
         """(m, l, acc) of span c: [B, HKV, G, Tq] and [B, HKV, G, Tq, Dv]."""
         nominal = c * span
         start = min(nominal, kv_len - span)  # the last span ends at the cache's end
         keys = start + np.arange(span, dtype=np.int32)
-        visible = band.mask(jnp.asarray(rows), keys) & (keys >= nominal)[None, None, :]
-        # [B, n, CHUNK, 1, 1, Tq]: keys split into chunks, before the head axes.
-        visible = visible.reshape(batch, q_len, -1, chunk).transpose(0, 2, 3, 1)[:, :, :, None,
-                                                                                  None]
-        kx, vx = (_nan_f32(_read(x, start, span, table, band.kv_lengths)).reshape(
-            batch, -1, chunk, kv_heads, 1, 1, x.shape[3]) for x in (k, v))
-        s = jnp.sum(qx[:, :, None] * kx, axis=-1) * jnp.float32(scale)  # [B, n, C, HKV, G, Tq]
+        visible = key_major(band.mask(jnp.asarray(rows), keys)
+                            & (keys >= nominal)[None, None, :])
+        # [B, span, HKV, 1, 1, D]: the cache's own layout, read where it is.
+        kx, vx = (_nan_f32(_read(x, start, span, table, band.kv_lengths))[:, :, :, None, None]
+                  for x in (k, v))
+        s = jnp.sum(qx * kx, axis=-1) * jnp.float32(scale)  # [B, span, HKV, G, Tq]
         s = features.soft_cap(s, logits_soft_cap)[0]
         if alibi is not None:
-            distance = band.alibi_distance(jnp.asarray(rows), keys)  # [B, Tq, span]
-            distance = distance.reshape(batch, q_len, -1, chunk).transpose(0, 2, 3, 1)
-            s = s + alibi * distance[:, :, :, None, None]
+            s = s + alibi * key_major(band.alibi_distance(jnp.asarray(rows), keys))
         s = jnp.where(visible, s, -jnp.inf)
-        m = jnp.maximum(jnp.max(s, axis=2), tiles.LOWEST)  # per chunk
-        p = jnp.exp(s - m[:, :, None])
-        l = jnp.sum(p, axis=2)
-        acc = jnp.sum(jnp.where(visible[..., None], p[..., None] * vx, 0.0), axis=2)
-        return _merge(m, l, acc, axis=1)
+        m, l = tiles.row_statistics(s, axis=1)
+        p = jnp.exp(s - m[:, None])
+        acc = jnp.sum(jnp.where(visible[..., None], p[..., None] * vx, 0.0), axis=1)
+        return tiles.Running(m, l, acc)
 
     rows_shape = (batch, kv_heads, groups, q_len)
     partials = [span_partials(c) for c in spans] or [tiles.Running(

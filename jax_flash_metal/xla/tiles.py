@@ -111,8 +111,9 @@ def _merge_statistics(a, b):
     return jnp.maximum(m1, m2), jnp.where(m1 >= m2, l1 + l2 * scale, l1 * scale + l2)
 
 
-def row_statistics(s):
-    """(m, l) of masked scores s [..., Bc] (-inf at invisible pairs): m = max(LOWEST, max s)
+def row_statistics(s, axis=-1):
+    """(m, l) of masked scores s [..., Bc] (-inf at invisible pairs; the keys on ``axis``, the
+    last by default): m = max(LOWEST, max s)
     and l = sum exp(s - m), in one pass over s (a variadic reduction of the pairs (s, 1),
     (LOWEST, 0) for an invisible pair, with ``_merge_statistics``), where a max reduction then
     a sum of exponentials would read s twice. A NaN score makes both NaN; a row with no visible
@@ -120,7 +121,7 @@ def row_statistics(s):
     hidden = s == -jnp.inf
     return jax.lax.reduce((jnp.where(hidden, LOWEST, s), jnp.where(hidden, 0.0, 1.0)),
                           (jnp.float32(LOWEST), jnp.float32(0.0)), _merge_statistics,
-                          (s.ndim - 1,))
+                          (axis % s.ndim,))
 
 
 def forward_step(state, q, k_nan, v_zeroed, visible, bias=None, cap=None, scale=None,
