@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import arguments
+from . import arguments, mulhi
 
 _U32 = jnp.uint32
 # Philox-4x32's multipliers and key increments (Weyl constants), as in Random123.
@@ -32,14 +32,8 @@ ROUNDS = 10
 
 
 def _mulhilo(a: int, b):
-    """(hi, lo) words of the 64-bit product of the constant ``a`` and uint32 ``b``, from 16-bit
-    halves (JAX has no 64-bit integers without x64): every partial product fits in 32 bits."""
-    a_hi, a_lo = a >> 16, a & 0xFFFF
-    b_hi, b_lo = b >> 16, b & 0xFFFF
-    lo_lo, lo_hi = b_lo * _U32(a_lo), b_hi * _U32(a_lo)
-    hi_lo, hi_hi = b_lo * _U32(a_hi), b_hi * _U32(a_hi)
-    carry = ((lo_lo >> 16) + (lo_hi & 0xFFFF) + (hi_lo & 0xFFFF)) >> 16
-    return hi_hi + (lo_hi >> 16) + (hi_lo >> 16) + carry, b * _U32(a)
+    """(hi, lo) words of the 64-bit product of the constant ``a`` and uint32 ``b``."""
+    return mulhi.high_word(a, b), b * _U32(a)
 
 
 def philox4x32(counter, key):
