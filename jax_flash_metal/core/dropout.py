@@ -74,11 +74,16 @@ def keep(seeds, rows, key_start, num_keys: int, rate: float, aligned: bool = Fal
     counter0 = (first + jnp.arange(groups, dtype=jnp.int32)).astype(_U32)
     k0, k1, b, n = (seeds[..., w, None, None] for w in range(4))
     words = philox4x32((counter0, jnp.asarray(rows).astype(_U32)[:, None], n, b), (k0, k1))
-    # One Philox call gives the words of 4 keys. The barrier keeps the 4 word arrays apart
-    # from the interleave below: fused into it, XLA evaluates the 10-round chain per key, not
-    # per group of 4 (measured on CPU: a 4 x 1024 x 1024 mask took 40-60x as long).
-    kept = jax.lax.optimization_barrier(tuple(w >= _U32(threshold(rate)) for w in words))
-    kept = jnp.stack(kept, axis=-1).reshape(kept[0].shape[:-1] + (groups * 4,))
+    # One Philox call gives the words of 4 keys: their 4 keep bits are packed into one byte
+    # behind a barrier, so the 10-round chain runs once per group of 4 (fused into the unpacking
+    # below, XLA evaluated it per key: 40-60x as long on CPU), and what is stored between the two
+    # is a byte per 4 keys (stacking 4 bool arrays made XLA:GPU store the float32 weights).
+    bits = sum((w >= _U32(threshold(rate))).astype(jnp.uint8) << jnp.uint8(i)
+               for i, w in enumerate(words))
+    bits = jax.lax.optimization_barrier(bits)
+    shifts = jnp.arange(4, dtype=jnp.uint8)
+    kept = ((bits[..., None] >> shifts) & jnp.uint8(1)).astype(bool)
+    kept = kept.reshape(kept.shape[:-2] + (groups * 4,))
     if exact:
         return kept[..., offset:offset + num_keys]
     return jax.lax.dynamic_slice_in_dim(kept, jnp.asarray(key_start, jnp.int32) % 4, num_keys,
