@@ -3,28 +3,29 @@ over the cache span by span.
 
 A forward with at most ``MAX_QUERY_ROWS`` query rows over more keys than the schedule's dense tile,
 on a schedule with ``split_kv_decode`` (the accelerators'; ``covers``), runs here instead of the
-block loops of ``attention``, whose block layout copies the whole cache first. The keys are
-visited span by span (``SPAN`` keys or more, at most ``MAX_SPANS`` spans, unrolled); each span
-gives partial statistics (m, l) and a partial output acc = sum_j exp(s_j - m) v_j, all merged at
-the end (FlashAttention's rescaling; Dao et al., "Flash-Decoding for long-context inference",
-2023). Within a span: the scores [B, span, HKV, G, Tq] are a multiply-and-sum over the head dim
-(a reduction that reads K in its own [B, Tkv, HKV, D] layout), (m, l) one reduction over the
-span's keys, and the output one matmul per batch row over all heads that reads V in place
-(``_weighted_sum``): a matmul or reduction with the head as a batch axis made XLA copy the
-cache into [B, HKV, Tkv, D] (or [B, HKV, D, Tkv]) first. The matmul weighs every key, so where
-an output comes out non-finite the span is summed again by an exact reduction (non-finite values
-of unseen keys zeroed), under a ``lax.cond`` that runs only then. The float32 scores a span keeps
-are 2 G Tq / D of its bfloat16 K bytes (1/16 at G 4, Tq 1, D 128). The spans are static slices
-of the operands, not a loop's state (a ``lax.fori_loop`` let XLA pick the state's layout, and it
-transposed the whole cache before the loop). With a page table each span gathers only
-its own pages (page 0 for those past a row's length, which are never weighed); spans that no row can
-see are skipped when the band is static.
+block loops of ``attention``, whose block layout copies the whole cache first. The whole cache
+is read in place by two matmuls per batch row over all heads (``_block_scores``: the keys
+[Tkv, HKV D] times the queries laid out block-diagonally; ``_weighted_sum``: the probabilities
+[HKV G Tq, Tkv] times the values [Tkv, HKV Dv], keeping the diagonal blocks), with the float32
+scores [B, Tkv, HKV, G, Tq] and their (m, l) in between: a matmul, or a reduction, with the head
+as a batch axis made XLA copy the cache into [B, HKV, Tkv, D] (or [B, HKV, D, Tkv]) first, and
+a slice of the cache along its keys is a copy too when it feeds a matmul. The matmuls do HKV
+times the useful multiplies (small next to reading the cache) and weigh every key of every KV
+head, so a non-finite entry could reach an output it must not: where any output is not finite,
+and only then (a ``lax.cond``), the exact path runs instead. It visits the keys span by span
+(``SPAN`` keys or more, at most ``MAX_SPANS`` spans, unrolled), each a multiply-and-sum over the
+head dim, (m, l) and a weighted sum over keys that zeroes the values of unseen keys, merged at the
+end (FlashAttention's rescaling; Dao et al., "Flash-Decoding for long-context inference", 2023).
+With a page table the fast path gathers the cache's pages (page 0 past a row's length) and each
+exact span only its own; spans that no row can see are skipped when the band is static.
 
 Semantics are those of ``attention.forward`` (and its outputs (o, lse, row_max, log_sum)):
 lengths, causal and local windows in either alignment, grouped-query attention, soft cap, ALiBi,
 sinks, exact NaN placement (a non-finite query or key entry makes its visible scores NaN; a value
 entry reaches only outputs of the rows that see its key) and empty rows (o = 0, lse = -inf or the
-sink). Bias, mask, segment ids and dropout keep the block loops. All math is float32.
+sink). Bias, mask, segment ids and dropout keep the block loops. All math is float32; the
+matmuls take half-precision q, K and V as they are, and P rounded to V's dtype, accumulating in
+float32 (``tiles.dot``, as the block loops).
 """
 
 from __future__ import annotations
@@ -92,46 +93,47 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
         """[B, Tq, span] -> [B, span, 1, 1, Tq], the scores' axes."""
         return x.transpose(0, 2, 1)[:, :, None, None, :]
 
-    def span_partials(c, exact):
-        """(m, l, acc) of span c: [B, HKV, G, Tq] and [B, HKV, G, Tq, Dv]; ``exact``: the
-        weighted sum as a reduction that zeroes non-finite values of keys a row does not see,
-        else as one matmul (``_weighted_sum``)."""
+    def scores(s, keys):
+        """The scores [B, n, HKV, G, Tq] of keys ``keys`` (int [n]) with their features."""
+        s = features.soft_cap(s * jnp.float32(scale), logits_soft_cap)[0]
+        if alibi is not None:
+            s = s + alibi * key_major(band.alibi_distance(jnp.asarray(rows), keys))
+        return s
+
+    def span_partials(c):
+        """(m, l, acc) of span c: [B, HKV, G, Tq] and [B, HKV, G, Tq, Dv], by reductions that
+        zero the non-finite values of keys a row does not see."""
         nominal = c * span
         start = min(nominal, kv_len - span)  # the last span ends at the cache's end
         keys = start + np.arange(span, dtype=np.int32)
         visible = key_major(band.mask(jnp.asarray(rows), keys)
                             & (keys >= nominal)[None, None, :])
-        # [B, span, HKV, 1, 1, D]: the cache's own layout, read where it is.
-        kx = _nan_f32(_read(k, start, span, table, band.kv_lengths))[:, :, :, None, None]
-        s = jnp.sum(qx * kx, axis=-1) * jnp.float32(scale)  # [B, span, HKV, G, Tq]
-        s = features.soft_cap(s, logits_soft_cap)[0]
-        if alibi is not None:
-            s = s + alibi * key_major(band.alibi_distance(jnp.asarray(rows), keys))
-        s = jnp.where(visible, s, -jnp.inf)
+        # [B, span, HKV, 1, 1, D]: the cache's own layout.
+        kx, vx = (_nan_f32(_read(x, start, span, table, band.kv_lengths))[:, :, :, None, None]
+                  for x in (k, v))
+        s = jnp.where(visible, scores(jnp.sum(qx * kx, axis=-1), keys), -jnp.inf)
         m, l = tiles.row_statistics(s, axis=1)
         p = jnp.exp(s - m[:, None])
-        vx = _read(v, start, span, table, band.kv_lengths)
-        if exact:
-            vx = _nan_f32(vx)[:, :, :, None, None]
-            acc = jnp.sum(jnp.where(visible[..., None], p[..., None] * vx, 0.0), axis=1)
-        else:
-            acc = _weighted_sum(p, vx)
+        acc = jnp.sum(jnp.where(visible[..., None], p[..., None] * vx, 0.0), axis=1)
         return tiles.Running(m, l, acc)
 
-    rows_shape = (batch, kv_heads, groups, q_len)
-
-    def merged(exact):
-        partials = [span_partials(c, exact) for c in spans] or [tiles.Running(
+    def exact():
+        rows_shape = (batch, kv_heads, groups, q_len)
+        partials = [span_partials(c) for c in spans] or [tiles.Running(
             jnp.full(rows_shape, tiles.LOWEST, F32), jnp.zeros(rows_shape, F32),
             jnp.zeros(rows_shape + (value_dim,), F32))]
         return _merge(*(jnp.stack(x, axis=0) for x in zip(*partials)), axis=0)
 
-    # The matmul reads V in place but weighs every key, so a non-finite value of a key a row
-    # does not see would reach its output: where any output is not finite, and only then, the
-    # exact reductions run again.
-    fast = merged(exact=False)
-    state = jax.lax.cond(jnp.all(jnp.isfinite(fast.acc)), lambda: fast,
-                         lambda: merged(exact=True))
+    # The whole cache in two matmuls that read K and V in place (``_matmuls``). They weigh
+    # every key of every KV head, so a non-finite entry could reach an output it must not:
+    # where any output is not finite, and only then, the exact reductions run instead.
+    keys = np.arange(kv_len, dtype=np.int32)
+    kx, vx = (_read(x, 0, kv_len, table, band.kv_lengths) for x in (k, v))
+    visible = key_major(band.mask(jnp.asarray(rows), keys))
+    s = jnp.where(visible, scores(_block_scores(q, kx), keys), -jnp.inf)
+    m, l = tiles.row_statistics(s, axis=1)
+    fast = tiles.Running(m, l, _weighted_sum(jnp.exp(s - m[:, None]), vx))
+    state = jax.lax.cond(jnp.all(jnp.isfinite(fast.acc)), lambda: fast, exact)
     sinks = (None if operands.sinks is None
              else operands.sinks.astype(F32).reshape(1, kv_heads, groups, 1))
     o, lse, row_max, log_sum = tiles.forward_finish(state, sinks)
@@ -151,6 +153,23 @@ def _read(x, start, span, table, kv_lengths):
     used = first_key[None, :] < kv_lengths[:, None]
     index = jnp.clip(jnp.where(used, pages, 0), 0, x.shape[0] - 1)
     return x[index].reshape((table.shape[0], span) + x.shape[2:])
+
+
+def _block_scores(q, k):
+    """q . k float32 [B, Tkv, HKV, G, Tq] for q [B, Tq, H, D] and k [B, Tkv, HKV, D], as one
+    matmul per batch row over all heads: [Tkv, HKV D] x [HKV D, HKV G Tq] with the queries laid
+    out block-diagonally (head hkv's queries in rows hkv D .. hkv D + D, zeros elsewhere), so k
+    is read in its own layout. HKV - 1 of every HKV products are with zeros: k entries that are
+    not finite make the scores of other heads NaN too (``forward`` then reruns exactly)."""
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    groups = num_heads // kv_heads
+    qx = q.reshape(batch, q_len, kv_heads, groups, head_dim).transpose(0, 4, 2, 3, 1)
+    same = (np.arange(kv_heads)[:, None] == np.arange(kv_heads)[None, :])
+    blocks = jnp.where(same[None, :, None, :, None, None], qx[:, None], jnp.zeros((), q.dtype))
+    blocks = blocks.reshape(batch, kv_heads * head_dim, -1)  # [B, HKV D, HKV G Tq]
+    s = tiles.dot("bkn,bnm->bkm", k.reshape(batch, k.shape[1], -1), blocks)
+    return s.reshape(batch, k.shape[1], kv_heads, groups, q_len)
 
 
 def _weighted_sum(p, v):
