@@ -1,5 +1,5 @@
-"""The xla implementation's short-query forward (decoding with a KV cache): split-KV attention
-over the cache span by span.
+"""The xla implementation's short-query forward (decoding with a KV cache): the cache read in
+place by two matmuls, and a split-KV loop over spans where an output is not finite.
 
 A forward with at most ``MAX_QUERY_ROWS`` query rows over more keys than the schedule's dense tile,
 on a schedule with ``split_kv_decode`` (the accelerators'; ``covers``), runs here instead of the
@@ -12,12 +12,14 @@ as a batch axis made XLA copy the cache into [B, HKV, Tkv, D] (or [B, HKV, D, Tk
 a slice of the cache along its keys is a copy too when it feeds a matmul. The matmuls do HKV
 times the useful multiplies (small next to reading the cache) and weigh every key of every KV
 head, so a non-finite entry could reach an output it must not: where any output is not finite,
-and only then (a ``lax.cond``), the exact path runs instead. It visits the keys span by span
-(``SPAN`` keys or more, at most ``MAX_SPANS`` spans, unrolled), each a multiply-and-sum over the
-head dim, (m, l) and a weighted sum over keys that zeroes the values of unseen keys, merged at the
-end (FlashAttention's rescaling; Dao et al., "Flash-Decoding for long-context inference", 2023).
-With a page table the fast path gathers the cache's pages (page 0 past a row's length) and each
-exact span only its own; spans that no row can see are skipped when the band is static.
+and only then (a ``lax.cond``), the exact path runs instead: a ``lax.fori_loop`` over spans of
+``SPAN`` keys or more (at most ``MAX_SPANS``), each a multiply-and-sum over the head dim (exact per
+head), (m, l), and the weighted sum with the span's non-finite values zeroed and NaN placed where a
+row sees one (a second matmul counts them), merged into the loop's state (FlashAttention's
+rescaling; Dao et al., "Flash-Decoding for long-context inference", 2023). Its copies are of one
+span at a time. With a page table the fast path gathers the cache's pages (page 0 past a row's
+length) and each exact span only its own; spans that no row can see are skipped when the band is
+static.
 
 Semantics are those of ``attention.forward`` (and its outputs (o, lse, row_max, log_sum)):
 lengths, causal and local windows in either alignment, grouped-query attention, soft cap, ALiBi,
@@ -100,29 +102,38 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
             s = s + alibi * key_major(band.alibi_distance(jnp.asarray(rows), keys))
         return s
 
-    def span_partials(c):
-        """(m, l, acc) of span c: [B, HKV, G, Tq] and [B, HKV, G, Tq, Dv], by reductions that
-        zero the non-finite values of keys a row does not see."""
+    def span_partials(c, state):
+        """``state`` (m, l, acc: [B, HKV, G, Tq] and [B, HKV, G, Tq, Dv]) with span c (traced)
+        merged in: the scores a multiply-and-sum over the head dim (exact per head), the
+        weighted sum ``_weighted_sum`` of the span's values with the non-finite ones zeroed,
+        and NaN where a row sees a key whose value entry is not finite (a matmul of the
+        visibility and those entries counts them)."""
         nominal = c * span
-        start = min(nominal, kv_len - span)  # the last span ends at the cache's end
-        keys = start + np.arange(span, dtype=np.int32)
-        visible = key_major(band.mask(jnp.asarray(rows), keys)
-                            & (keys >= nominal)[None, None, :])
-        # [B, span, HKV, 1, 1, D]: the cache's own layout.
-        kx, vx = (_nan_f32(_read(x, start, span, table, band.kv_lengths))[:, :, :, None, None]
-                  for x in (k, v))
+        start = jnp.minimum(nominal, kv_len - span)  # the last span ends at the cache's end
+        keys = start + jnp.arange(span, dtype=jnp.int32)
+        seen = band.mask(jnp.asarray(rows), keys) & (keys >= nominal)[None, None, :]
+        visible = key_major(seen)
+        kx = _nan_f32(_read(k, start, span, table, band.kv_lengths))[:, :, :, None, None]
+        vx = _read(v, start, span, table, band.kv_lengths)
         s = jnp.where(visible, scores(jnp.sum(qx * kx, axis=-1), keys), -jnp.inf)
         m, l = tiles.row_statistics(s, axis=1)
-        p = jnp.exp(s - m[:, None])
-        acc = jnp.sum(jnp.where(visible[..., None], p[..., None] * vx, 0.0), axis=1)
-        return tiles.Running(m, l, acc)
+        finite = jnp.isfinite(vx)
+        acc = _weighted_sum(jnp.exp(s - m[:, None]),
+                            jnp.where(finite, vx, jnp.zeros((), vx.dtype)))
+        shape = visible.shape[:2] + (kv_heads, groups, q_len)
+        counts = _weighted_sum(jnp.broadcast_to(visible, shape).astype(F32),
+                               (~finite).astype(vx.dtype))
+        acc = jnp.where(counts > 0, jnp.nan, acc)
+        part = tiles.Running(m, l, acc)
+        return _merge(*(jnp.stack(x, axis=0) for x in zip(state, part)), axis=0)
 
     def exact():
+        """The spans one by one in a loop (each one's copies are of that span only)."""
         rows_shape = (batch, kv_heads, groups, q_len)
-        partials = [span_partials(c) for c in spans] or [tiles.Running(
-            jnp.full(rows_shape, tiles.LOWEST, F32), jnp.zeros(rows_shape, F32),
-            jnp.zeros(rows_shape + (value_dim,), F32))]
-        return _merge(*(jnp.stack(x, axis=0) for x in zip(*partials)), axis=0)
+        empty = tiles.Running(jnp.full(rows_shape, tiles.LOWEST, F32),
+                              jnp.zeros(rows_shape, F32),
+                              jnp.zeros(rows_shape + (value_dim,), F32))
+        return jax.lax.fori_loop(spans.start, spans.stop, span_partials, empty)
 
     # The whole cache in two matmuls that read K and V in place (``_matmuls``). They weigh
     # every key of every KV head, so a non-finite entry could reach an output it must not:
@@ -142,13 +153,13 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
 
 
 def _read(x, start, span, table, kv_lengths):
-    """Keys [start, start + span) (static) of the cache x as [B, span, HKV, D]: a slice of x
-    [B, Tkv, HKV, D], or with ``table`` a gather of the span's pages from x [P, S, HKV, D]
-    (page 0 for the pages past a row's length, which are never weighed)."""
+    """Keys [start, start + span) (start an int or a traced int32) of the cache x as
+    [B, span, HKV, D]: a slice of x [B, Tkv, HKV, D], or with ``table`` a gather of the span's
+    pages from x [P, S, HKV, D] (page 0 for the pages past a row's length, never weighed)."""
     if table is None:
-        return x[:, start:start + span]
+        return jax.lax.dynamic_slice_in_dim(x, start, span, axis=1)
     page = x.shape[1]
-    pages = table[:, start // page:(start + span) // page]
+    pages = jax.lax.dynamic_slice_in_dim(table, start // page, span // page, axis=1)
     first_key = start + np.arange(span // page, dtype=np.int32) * page
     used = first_key[None, :] < kv_lengths[:, None]
     index = jnp.clip(jnp.where(used, pages, 0), 0, x.shape[0] - 1)
