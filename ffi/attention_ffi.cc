@@ -19,6 +19,8 @@
 #include "dispatch_plan.h"
 #include "function_constants.h"
 #include "host_timing.h"
+#include "plan_cache.h"
+#include "working_memory.h"
 #include "xla/ffi/api/ffi.h"
 
 // jfm::Attributes decoded from the attributes dictionary, member by member in the order of
@@ -525,9 +527,23 @@ std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& 
   return main;
 }
 
-std::vector<StageShape> stages_of(bool backward, const Problem& p, int gpu_cores) {
-  return attention_stages(backward, p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads,
-                          p.head_dim, p.value_head_dim, gpu_cores, p.dropout, p.variant);
+// The call's plan, from this thread's plan cache (plan_cache.h).
+CallPlan& plan_of(Device& device, bool backward, const Problem& p) {
+  PlanKey key;
+  key.device = &device;
+  key.dtype_suffix = p.suffix;
+  key.backward = backward;
+  key.dropout = p.dropout;
+  key.variant = p.variant;
+  key.gpu_cores = device.gpu_cores();
+  key.batch = p.batch;
+  key.q_len = p.q_len;
+  key.kv_len = p.kv_len;
+  key.heads = p.heads;
+  key.kv_heads = p.kv_heads;
+  key.head_dim = p.head_dim;
+  key.value_head_dim = p.value_head_dim;
+  return cached_plan(key, submission_budget(device));
 }
 
 int64_t splits_of(const Problem& p, int gpu_cores) {
@@ -535,11 +551,13 @@ int64_t splits_of(const Problem& p, int gpu_cores) {
                        tile_head_dim(p.head_dim, p.value_head_dim), gpu_cores, p.dropout);
 }
 
-ffi::Error require_kernels(Device& device, const std::vector<StageShape>& stages,
-                           const Problem& p) {
-  for (const StageShape& stage : stages) {
+// The plan's kernels on the device, checked once per cached plan.
+ffi::Error require_kernels(Device& device, CallPlan* plan, const Problem& p) {
+  if (plan->kernels_found) return ffi::Error::Success();
+  for (const StageShape& stage : plan->stages) {
     if (ffi::Error e = require_kernel(device, stage.kernel, p); e.failure()) return e;
   }
+  plan->kernels_found = true;
   return ffi::Error::Success();
 }
 
@@ -555,13 +573,14 @@ struct PendingCall {
 
 // Appends to call->submissions the stages (stage i binds buffers[i]) in the submissions of the
 // dispatch plan, each chunk with its offsets in AttentionParams.
-void plan_stages(Device& device, const Problem& p, const Attributes& o,
-                 const std::vector<StageShape>& stages,
+void plan_stages(const Problem& p, const Attributes& o, const CallPlan& plan,
                  const std::vector<std::vector<Binding>>& buffers, PendingCall* call,
                  int64_t splits = 0) {
+  const std::vector<StageShape>& stages = plan.stages;
   AttentionParams base = make_params(p, o, call->x);
   base.splits = static_cast<uint32_t>(splits);
-  for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
+  call->submissions.reserve(plan.submissions.size());
+  for (const ChunkedSubmission& chunks : plan.submissions) {
     Submission submission;
     submission.reserve(chunks.size());
     for (const Chunk& chunk : chunks) {
@@ -600,11 +619,22 @@ ffi::Future finished(ffi::Error error) {
   return future;
 }
 
+// The host memory the call holds for the kernels' arguments (working_memory.h): its
+// parameter blocks and copied lengths, as allocated.
+uint64_t argument_bytes_held(const PendingCall& call) {
+  uint64_t bytes = (call.x.q_lengths.size() + call.x.kv_lengths.size()) * sizeof(int32_t);
+  for (const Submission& submission : call.submissions) {
+    for (const Dispatch& d : submission) bytes += d.constants.size();
+  }
+  return bytes;
+}
+
 // Starts the call's submissions on the device; the future completes when the device reports
 // (a device error becomes an FFI error, naming the kernel as the device's message does).
 ffi::Future launch(Device& device, std::shared_ptr<PendingCall> call) {
   if (call->submissions.empty()) return finished(ffi::Error::Success());
   ffi::Future future(call->promise);
+  record_argument_bytes(argument_bytes_held(*call));
   const char* kind = device.kind();
   std::vector<Submission> submissions = std::move(call->submissions);
   device.run_async(std::move(submissions), [call, kind](const std::string& error) {
@@ -684,9 +714,9 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
     write_empty_rows(p, x.sinks, o, lse, row_max, log_sum);
     return ffi::Error::Success();
   }
-  const std::vector<StageShape> stages = stages_of(false, p, device->gpu_cores());
+  CallPlan& plan = plan_of(*device, false, p);
   call->timer.lap(kHostPlan);
-  if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
+  if (ffi::Error e = require_kernels(*device, &plan, p); e.failure()) return e;
   call->timer.lap(kHostLookup);
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
                 bv = whole(JFM_BUFFER_V, v, false), bo = whole(JFM_BUFFER_O, o, true),
@@ -694,13 +724,12 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
                 bmax = whole(JFM_BUFFER_ROW_MAX, row_max, true),
                 bsum = whole(JFM_BUFFER_LOG_SUM, log_sum, true);
   if (splits == 0) {
-    plan_stages(*device, p, opt, stages, {with_optional({bq, bk, bv, bo, blse, bmax, bsum}, x)},
-                call);
+    plan_stages(p, opt, plan, {with_optional({bq, bk, bv, bo, blse, bmax, bsum}, x)}, call);
     return ffi::Error::Success();
   }
   // Decode: pass 1 writes the workspace that pass 2 combines (with the sinks).
   plan_stages(
-      *device, p, opt, stages,
+      p, opt, plan,
       {with_optional({bq, bk, bv, whole(JFM_BUFFER_WORKSPACE, workspace, true)}, x),
        with_optional({whole(JFM_BUFFER_WORKSPACE, workspace, false), bo, blse, bmax, bsum}, x)},
       call, splits);
@@ -751,9 +780,9 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
     zero(dalibi);
     return ffi::Error::Success();
   }
-  const std::vector<StageShape> stages = stages_of(true, p, device->gpu_cores());
+  CallPlan& plan = plan_of(*device, true, p);
   call->timer.lap(kHostPlan);
-  if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
+  if (ffi::Error e = require_kernels(*device, &plan, p); e.failure()) return e;
   call->timer.lap(kHostLookup);
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
                 bv = whole(JFM_BUFFER_V, v, false), bdo = whole(JFM_BUFFER_DO, d_o, false),
@@ -771,12 +800,12 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
                      whole(JFM_BUFFER_G_LSE, g_lse, false), whole(JFM_BUFFER_DELTA, delta, true),
                      whole(JFM_BUFFER_DQ, dq, true), bdbias, bdalibi},
                     x)};
-  buffers.resize(stages.size(),
+  buffers.resize(plan.stages.size(),
                  with_optional({bq, bk, bv, bmax, bsum, bdo,
                                 whole(JFM_BUFFER_DELTA, delta, false),
                                 whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)},
                                x));
-  plan_stages(*device, p, opt, stages, buffers, call);
+  plan_stages(p, opt, plan, buffers, call);
   return ffi::Error::Success();
 }
 

@@ -72,7 +72,9 @@ bool conflicts(const Access& a, const Access& b) {
 }  // namespace
 
 void mark_barriers(std::vector<Dispatch>* submission) {
-  std::vector<Access> since_barrier, mine;  // reused across dispatches: no allocation each
+  // Per thread and kept between calls: no allocation once they have grown.
+  thread_local std::vector<Access> since_barrier, mine;
+  since_barrier.clear();
   for (Dispatch& d : *submission) {
     mine.clear();
     for (const Binding& b : d.buffers) {
@@ -113,8 +115,12 @@ std::vector<ChunkedSubmission> plan_submissions(const std::vector<StageShape>& s
   return submissions;
 }
 
+double submission_budget(Device& device) {
+  return submission_budget_seconds() * device.multiply_adds_per_second();
+}
+
 std::vector<ChunkedSubmission> plan_for(Device& device, const std::vector<StageShape>& stages) {
-  return plan_submissions(stages, submission_budget_seconds() * device.multiply_adds_per_second());
+  return plan_submissions(stages, submission_budget(device));
 }
 
 double set_submission_budget_seconds(double seconds) {

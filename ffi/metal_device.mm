@@ -49,6 +49,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -62,6 +63,7 @@
 #include "device.h"
 #include "../emulator/emulator.h"
 #include "shader_sources.h"
+#include "working_memory.h"
 
 // Encoder status of an injected fault (set_metal_fault): stands in for what Metal reports in
 // MTLCommandBufferEncoderInfoErrorKey, so the injected error takes the real error's path.
@@ -438,7 +440,8 @@ class MetalDevice final : public Device {
 
   // Every command buffer of the call has completed: the first error (encoding, then each
   // command buffer in order; the GPU time of the good ones refines the estimate), the staged
-  // results copied back, the staging buffers returned, then `done`.
+  // results copied back, the staging buffers returned (their bytes recorded for
+  // take_working_memory: working_memory.h), then `done`.
   void finish(Call& call) {
     @autoreleasepool {
       std::string error = call.encode_error;
@@ -457,10 +460,13 @@ class MetalDevice final : public Device {
           add_gpu_seconds(seconds);
         }
       }
+      uint64_t staged_bytes = 0;  // the call's staging buffers, as allocated
       for (const Staged& s : call.staged) {
         if (error.empty() && s.copy_back) std::memcpy(s.host, s.buffer.contents, s.size);
+        staged_bytes += s.buffer.length;
         staging_.release(s.buffer);
       }
+      record_staging_bytes(staged_bytes);
       // The command buffers hold their completion blocks, which hold this call: let go of them.
       call.committed.clear();
       call.ranges.clear();
