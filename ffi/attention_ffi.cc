@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "attention_params.h"
+#include "attribute_decoding.h"
 #include "device.h"
 #include "dispatch_plan.h"
 #include "function_constants.h"
@@ -23,15 +24,6 @@
 #include "working_memory.h"
 #include "xla/ffi/api/ffi.h"
 
-// jfm::Attributes decoded from the attributes dictionary, member by member in the order of
-// JFM_FFI_ATTRIBUTES (a missing, extra or mistyped attribute is an error). The list
-// expands to ", member, member, ..." after the type, hence the indirection through
-// JFM_REGISTER_ATTRIBUTES, which splits it into the macro's arguments.
-#define JFM_ATTRIBUTE_MEMBER(type, name) , ::xla::ffi::StructMember<type>(#name)
-#define JFM_REGISTER_ATTRIBUTES(...) XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(__VA_ARGS__)
-JFM_REGISTER_ATTRIBUTES(jfm::Attributes JFM_FFI_ATTRIBUTES(JFM_ATTRIBUTE_MEMBER));
-#undef JFM_REGISTER_ATTRIBUTES
-#undef JFM_ATTRIBUTE_MEMBER
 
 namespace ffi = xla::ffi;
 
@@ -242,12 +234,14 @@ OperandSlots operand_slots(const Attributes& o) {
 // The present operand `id` of a call, from its own slot.
 ffi::ErrorOr<ffi::AnyBuffer> operand_at(ffi::RemainingArgs rest, const OperandSlots& slots,
                                         Operand id) {
-  const std::string name = kOperandNames[id];
+  const char* name = kOperandNames[id];
   if (slots.index[id] < 0 || static_cast<size_t>(slots.index[id]) >= rest.size()) {
-    return ffi::Unexpected(invalid(name + ": operand missing"));
+    return ffi::Unexpected(invalid(std::string(name) + ": operand missing"));
   }
   auto arg = rest.get<ffi::AnyBuffer>(static_cast<size_t>(slots.index[id]));
-  if (arg.has_error()) return ffi::Unexpected(invalid(name + ": " + arg.error().message()));
+  if (arg.has_error()) {
+    return ffi::Unexpected(invalid(std::string(name) + ": " + arg.error().message()));
+  }
   return arg.value();
 }
 
@@ -519,12 +513,14 @@ Binding lengths_binding(int index, std::vector<int32_t>& values) {
 
 // `main` followed by the optional operands' bindings: the lengths, then buffers 16-20, 23, 25
 // and 26.
-std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& x) {
-  main.reserve(main.size() + 2 + x.features.size());  // one allocation, not one per growth
-  main.push_back(lengths_binding(JFM_BUFFER_Q_LENGTHS, x.q_lengths));
-  main.push_back(lengths_binding(JFM_BUFFER_KV_LENGTHS, x.kv_lengths));
-  main.insert(main.end(), x.features.begin(), x.features.end());
-  return main;
+std::vector<Binding> with_optional(std::initializer_list<Binding> main, OptionalOperands& x) {
+  std::vector<Binding> all;
+  all.reserve(main.size() + 2 + x.features.size());  // one allocation, not one per growth
+  all.insert(all.end(), main.begin(), main.end());
+  all.push_back(lengths_binding(JFM_BUFFER_Q_LENGTHS, x.q_lengths));
+  all.push_back(lengths_binding(JFM_BUFFER_KV_LENGTHS, x.kv_lengths));
+  all.insert(all.end(), x.features.begin(), x.features.end());
+  return all;
 }
 
 // The call's plan, from this thread's plan cache (plan_cache.h).
@@ -571,11 +567,12 @@ struct PendingCall {
   HostTimer timer;
 };
 
-// Appends to call->submissions the stages (stage i binds buffers[i]) in the submissions of the
-// dispatch plan, each chunk with its offsets in AttentionParams.
+// Appends to call->submissions the stages in the submissions of the dispatch plan, each chunk
+// with its offsets in AttentionParams: the first stage binds `first`, every later one `later`
+// (the decode's combine; the backward's dK/dV kernels).
 void plan_stages(const Problem& p, const Attributes& o, const CallPlan& plan,
-                 const std::vector<std::vector<Binding>>& buffers, PendingCall* call,
-                 int64_t splits = 0) {
+                 const std::vector<Binding>& first, const std::vector<Binding>& later,
+                 PendingCall* call, int64_t splits = 0) {
   const std::vector<StageShape>& stages = plan.stages;
   AttentionParams base = make_params(p, o, call->x);
   base.splits = static_cast<uint32_t>(splits);
@@ -593,7 +590,7 @@ void plan_stages(const Problem& p, const Attributes& o, const CallPlan& plan,
       d.kernel = stage.kernel;
       d.groups = chunk.groups;
       d.group_size = {stage.threads, 1, 1};
-      d.buffers = buffers[chunk.stage];
+      d.buffers = chunk.stage == 0 ? first : later;
       d.constants.resize(sizeof(AttentionParams));
       std::memcpy(d.constants.data(), &params, sizeof(AttentionParams));
       d.constants_index = JFM_BUFFER_PARAMS;
@@ -724,14 +721,13 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
                 bmax = whole(JFM_BUFFER_ROW_MAX, row_max, true),
                 bsum = whole(JFM_BUFFER_LOG_SUM, log_sum, true);
   if (splits == 0) {
-    plan_stages(p, opt, plan, {with_optional({bq, bk, bv, bo, blse, bmax, bsum}, x)}, call);
+    plan_stages(p, opt, plan, with_optional({bq, bk, bv, bo, blse, bmax, bsum}, x), {}, call);
     return ffi::Error::Success();
   }
   // Decode: pass 1 writes the workspace that pass 2 combines (with the sinks).
   plan_stages(
-      p, opt, plan,
-      {with_optional({bq, bk, bv, whole(JFM_BUFFER_WORKSPACE, workspace, true)}, x),
-       with_optional({whole(JFM_BUFFER_WORKSPACE, workspace, false), bo, blse, bmax, bsum}, x)},
+      p, opt, plan, with_optional({bq, bk, bv, whole(JFM_BUFFER_WORKSPACE, workspace, true)}, x),
+      with_optional({whole(JFM_BUFFER_WORKSPACE, workspace, false), bo, blse, bmax, bsum}, x),
       call, splits);
   return ffi::Error::Success();
 }
@@ -795,17 +791,16 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
       opt.bias_grad ? whole(JFM_BUFFER_DBIAS, dbias, true) : x.unused(JFM_BUFFER_DBIAS);
   const Binding bdalibi =
       opt.alibi_grad ? whole(JFM_BUFFER_DALIBI, dalibi, true) : x.unused(JFM_BUFFER_DALIBI);
-  std::vector<std::vector<Binding>> buffers = {
-      with_optional({bq, bk, bv, bmax, bsum, bdo, whole(JFM_BUFFER_O, o, false),
-                     whole(JFM_BUFFER_G_LSE, g_lse, false), whole(JFM_BUFFER_DELTA, delta, true),
-                     whole(JFM_BUFFER_DQ, dq, true), bdbias, bdalibi},
-                    x)};
-  buffers.resize(plan.stages.size(),
-                 with_optional({bq, bk, bv, bmax, bsum, bdo,
-                                whole(JFM_BUFFER_DELTA, delta, false),
-                                whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)},
-                               x));
-  plan_stages(p, opt, plan, buffers, call);
+  plan_stages(p, opt, plan,
+              with_optional({bq, bk, bv, bmax, bsum, bdo, whole(JFM_BUFFER_O, o, false),
+                             whole(JFM_BUFFER_G_LSE, g_lse, false),
+                             whole(JFM_BUFFER_DELTA, delta, true), whole(JFM_BUFFER_DQ, dq, true),
+                             bdbias, bdalibi},
+                            x),
+              with_optional({bq, bk, bv, bmax, bsum, bdo, whole(JFM_BUFFER_DELTA, delta, false),
+                             whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)},
+                            x),
+              call);
   return ffi::Error::Success();
 }
 
