@@ -4,6 +4,7 @@
 #include "attention_ffi.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -298,7 +299,11 @@ struct OptionalOperands {
   std::vector<int32_t> q_lengths, kv_lengths;
   // Buffers 16-20, 23 and 25 for every kernel of the call; an absent one is bound to
   // `placeholder`, never read (its flag is 0), so every kernel argument is bound on Metal.
-  std::vector<Binding> features;
+  // At most one per optional operand: a fixed array, no allocation per call.
+  std::array<Binding, kOperandCount> features;
+  size_t feature_count = 0;
+
+  void add_feature(const Binding& b) { features[feature_count++] = b; }
   uint32_t bias_kind = JFM_BIAS_NONE;
   int64_t bias_strides[4] = {0, 0, 0, 0}, mask_strides[4] = {0, 0, 0, 0};
   int32_t placeholder[4] = {0, 0, 0, 0};
@@ -443,18 +448,18 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
   const size_t rows = static_cast<size_t>(std::max<int64_t>(p.batch, 1));
   out->q_lengths.assign(rows, static_cast<int32_t>(p.q_len));
   out->kv_lengths.assign(rows, static_cast<int32_t>(p.kv_len));
-  out->features.reserve(kOperandCount);  // every feature buffer: bound, or its placeholder
+  out->feature_count = 0;  // every feature buffer: bound, or its placeholder
   for (int n = 0; n < kOperandCount; ++n) {
     const Operand id = static_cast<Operand>(n);
     const int buffer = buffer_of(id);
     if (slots.index[id] < 0) {  // absent: a bound placeholder nothing reads (its flag is 0)
-      if (buffer >= 0) out->features.push_back(out->unused(buffer));
+      if (buffer >= 0) out->add_feature(out->unused(buffer));
       continue;
     }
     auto arg = operand_at(rest, slots, id);
     if (arg.has_error()) return arg.error();
     if (ffi::Error e = check_operand(id, arg.value(), p, out); e.failure()) return e;
-    if (buffer >= 0) out->features.push_back(whole(buffer, arg.value(), false));
+    if (buffer >= 0) out->add_feature(whole(buffer, arg.value(), false));
   }
   return ffi::Error::Success();
 }
@@ -515,11 +520,11 @@ Binding lengths_binding(int index, std::vector<int32_t>& values) {
 // and 26.
 std::vector<Binding> with_optional(std::initializer_list<Binding> main, OptionalOperands& x) {
   std::vector<Binding> all;
-  all.reserve(main.size() + 2 + x.features.size());  // one allocation, not one per growth
+  all.reserve(main.size() + 2 + x.feature_count);  // one allocation, not one per growth
   all.insert(all.end(), main.begin(), main.end());
   all.push_back(lengths_binding(JFM_BUFFER_Q_LENGTHS, x.q_lengths));
   all.push_back(lengths_binding(JFM_BUFFER_KV_LENGTHS, x.kv_lengths));
-  all.insert(all.end(), x.features.begin(), x.features.end());
+  all.insert(all.end(), x.features.begin(), x.features.begin() + x.feature_count);
   return all;
 }
 

@@ -26,8 +26,8 @@ COUNT_KEYS = ("threadgroups", "threads_per_threadgroup", "threadgroup_memory_byt
               "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
               "threadgroup_bytes_written", "mma_ops", "simd_ops", "barriers", "fma_ops", "math_ops")
 # Keys of each --json record, in order.
-JSON_KEYS = ("kernel", "variant", *PROBLEM_KEYS, *COUNT_KEYS, "useful_flops", "registers",
-             "model", "occupancy")
+JSON_KEYS = ("kernel", "variant", *PROBLEM_KEYS, *COUNT_KEYS, "ffi_call_bytes", "useful_flops",
+             "registers", "model", "occupancy")
 
 # Useful FLOPs per visible (query, key) pair credited to each kernel stage (kernel names are
 # flash_attention_<stage>_<dtype>_d<Dk>[_v<Dv>]), as (coefficient of the key head dim Dk,
@@ -168,14 +168,19 @@ class Problem:
 
 
 def _recorded(fn, *args):
-    """Runs fn(*args) with the emulated device's profiling on; returns its launch records."""
+    """Runs fn(*args) with the emulated device's profiling on; returns its launch records, each
+    with "ffi_call_bytes": the host memory the FFI handler allocated for the call (the kernels'
+    parameter blocks and copied lengths; outside XLA's memory analysis), as it measured it."""
     ext = _ext()
     ext.set_emulator_profiling(True)
+    ext.take_working_memory()  # zeroed: the figures of this call only
     try:
         jax.block_until_ready(fn(*args))
-        return ext.take_emulator_profile()
+        records = ext.take_emulator_profile()
     finally:
         ext.set_emulator_profiling(False)
+    call_bytes = ext.take_working_memory()["peak_bytes"]
+    return [dict(r, ffi_call_bytes=call_bytes) for r in records]
 
 
 def run_problem(problem: Problem, passes) -> list[tuple[str, dict]]:
@@ -299,6 +304,7 @@ def profile_records(problem: Problem, passes, gpus) -> list[dict]:
             "kernel": r["kernel"], "variant": kernel_variant(r["kernel"]),
             **{k: getattr(problem, k) for k in PROBLEM_KEYS},
             **{k: r[k] for k in COUNT_KEYS},
+            "ffi_call_bytes": r["ffi_call_bytes"],
             "useful_flops": useful,
             "registers": registers(r["kernel"]),
             "model": {g: model_launch(GPUS[g], executed_flops=executed, useful_flops=useful,
