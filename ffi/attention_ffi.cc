@@ -291,12 +291,41 @@ Binding whole(int index, ffi::AnyBuffer buffer, bool written) {
   return Binding{index, buffer.untyped_data(), buffer.size_bytes(), written, false};
 }
 
+// A call's copy of int32 lengths [rows]: in place up to kInlineRows rows (a decode's batch),
+// so a small call allocates nothing for it; held where the bindings point, so not copyable.
+class Lengths {
+ public:
+  Lengths() = default;
+  Lengths(const Lengths&) = delete;
+  Lengths& operator=(const Lengths&) = delete;
+
+  void assign(size_t rows, int32_t value) {
+    if (rows > kInlineRows) {
+      heap_.assign(rows, value);
+      data_ = heap_.data();
+    } else {
+      std::fill_n(inline_, rows, value);
+      data_ = inline_;
+    }
+    size_ = rows;
+  }
+  int32_t* data() { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  static constexpr size_t kInlineRows = 8;
+  int32_t inline_[kInlineRows] = {};
+  std::vector<int32_t> heap_;
+  int32_t* data_ = inline_;
+  size_t size_ = 0;
+};
+
 // The optional operands of a call (attention_ffi.h), as the kernels bind them.
 struct OptionalOperands {
   // Copied for binding. Clamping to [0, len] happens where the kernels read them
   // (jfm_valid_len), so nothing indexes out of bounds whatever the caller passes. When a length
   // is absent, the full length fills the buffer the kernel does not read.
-  std::vector<int32_t> q_lengths, kv_lengths;
+  Lengths q_lengths, kv_lengths;
   // Buffers 16-20, 23 and 25 for every kernel of the call; an absent one is bound to
   // `placeholder`, never read (its flag is 0), so every kernel argument is bound on Metal.
   // At most one per optional operand: a fixed array, no allocation per call.
@@ -352,10 +381,10 @@ ffi::Error check_operand_count(ffi::RemainingArgs rest, const OperandSlots& slot
 
 // A length operand int32 [B], copied for binding.
 ffi::Error copy_lengths(const char* what, ffi::AnyBuffer buffer, const Problem& p,
-                        std::vector<int32_t>* values) {
+                        Lengths* values) {
   if (ffi::Error e = expect(what, buffer, ffi::DataType::S32, {p.batch}); e.failure()) return e;
   const int32_t* data = static_cast<const int32_t*>(buffer.untyped_data());
-  std::copy(data, data + p.batch, values->begin());
+  std::copy(data, data + p.batch, values->data());
   return ffi::Error::Success();
 }
 
@@ -512,7 +541,7 @@ AttentionParams make_params(const Problem& p, const Attributes& o, const Optiona
   return params;
 }
 
-Binding lengths_binding(int index, std::vector<int32_t>& values) {
+Binding lengths_binding(int index, Lengths& values) {
   return Binding{index, values.data(), values.size() * sizeof(int32_t), false, true};
 }
 
@@ -574,11 +603,16 @@ struct PendingCall {
 
 // Appends to call->submissions the stages in the submissions of the dispatch plan, each chunk
 // with its offsets in AttentionParams: the first stage binds `first`, every later one `later`
-// (the decode's combine; the backward's dK/dV kernels).
+// (the decode's combine; the backward's dK/dV kernels), moved into the last dispatch that binds
+// them and copied into the others.
 void plan_stages(const Problem& p, const Attributes& o, const CallPlan& plan,
-                 const std::vector<Binding>& first, const std::vector<Binding>& later,
-                 PendingCall* call, int64_t splits = 0) {
+                 std::vector<Binding> first, std::vector<Binding> later, PendingCall* call,
+                 int64_t splits = 0) {
   const std::vector<StageShape>& stages = plan.stages;
+  size_t uses[2] = {0, 0};  // the dispatches still to bind `first` and `later`
+  for (const ChunkedSubmission& chunks : plan.submissions) {
+    for (const Chunk& chunk : chunks) ++uses[chunk.stage == 0 ? 0 : 1];
+  }
   AttentionParams base = make_params(p, o, call->x);
   base.splits = static_cast<uint32_t>(splits);
   call->submissions.reserve(plan.submissions.size());
@@ -595,7 +629,13 @@ void plan_stages(const Problem& p, const Attributes& o, const CallPlan& plan,
       d.kernel = stage.kernel;
       d.groups = chunk.groups;
       d.group_size = {stage.threads, 1, 1};
-      d.buffers = chunk.stage == 0 ? first : later;
+      const int kind = chunk.stage == 0 ? 0 : 1;
+      std::vector<Binding>& bindings = kind == 0 ? first : later;
+      if (--uses[kind] == 0) {
+        d.buffers = std::move(bindings);
+      } else {
+        d.buffers = bindings;
+      }
       d.constants.resize(sizeof(AttentionParams));
       std::memcpy(d.constants.data(), &params, sizeof(AttentionParams));
       d.constants_index = JFM_BUFFER_PARAMS;
