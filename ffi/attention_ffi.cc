@@ -601,6 +601,9 @@ struct PendingCall {
   HostTimer timer;
 };
 
+static_assert(sizeof(AttentionParams) <= kMaxConstantBytes,
+              "a dispatch holds its AttentionParams in place (device.h ConstantBytes)");
+
 // Appends to call->submissions the stages in the submissions of the dispatch plan, each chunk
 // with its offsets in AttentionParams: the first stage binds `first`, every later one `later`
 // (the decode's combine; the backward's dK/dV kernels), moved into the last dispatch that binds
@@ -636,8 +639,7 @@ void plan_stages(const Problem& p, const Attributes& o, const CallPlan& plan,
       } else {
         d.buffers = bindings;
       }
-      d.constants.resize(sizeof(AttentionParams));
-      std::memcpy(d.constants.data(), &params, sizeof(AttentionParams));
+      d.constants.assign(&params, sizeof(AttentionParams));  // fits: static_assert above
       d.constants_index = JFM_BUFFER_PARAMS;
       d.function_constants = jfm_function_constants(params) & stage.function_constant_mask;
       d.multiply_adds = chunk.multiply_adds;
