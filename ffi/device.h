@@ -4,10 +4,12 @@
 #define JAX_FLASH_METAL_DEVICE_H_
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -116,6 +118,28 @@ class Device {
   // schedule (reversed or shuffled under "reverse" and "random"), so a missing barrier changes
   // results.
   virtual void run_async(std::vector<Submission> submissions, RunDone done) = 0;
+};
+
+// The kernel a fault-injection test hook names (set_metal_fault, set_emulator_fault), read by
+// every call: one atomic load while none is set, so the hot path takes no global lock.
+class FaultKernel {
+ public:
+  void set(const std::string& kernel) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    kernel_ = kernel;
+    on_.store(!kernel.empty(), std::memory_order_release);
+  }
+  // The kernel, or "" when none is set.
+  std::string get() const {
+    if (!on_.load(std::memory_order_acquire)) return "";
+    std::lock_guard<std::mutex> lock(mutex_);
+    return kernel_;
+  }
+
+ private:
+  std::atomic<bool> on_{false};
+  mutable std::mutex mutex_;
+  std::string kernel_;  // guarded by mutex_
 };
 
 // Runs the submissions on `device` and waits for them: run_async's error message, or "".

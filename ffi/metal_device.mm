@@ -110,13 +110,7 @@ namespace {
 // setBytes is for data up to 4 KB (Apple's guidance); larger copies go through a buffer.
 constexpr size_t kMaxSetBytes = 4096;
 
-std::mutex g_fault_mutex;
-std::string g_fault_kernel;  // guarded by g_fault_mutex
-
-std::string fault_kernel() {
-  std::lock_guard<std::mutex> lock(g_fault_mutex);
-  return g_fault_kernel;
-}
+FaultKernel g_fault;  // set_metal_fault
 
 // A dispatch's label in error messages and debug signposts: "<kernel> groups [x, y, z]".
 std::string dispatch_label(const Dispatch& d) {
@@ -359,7 +353,7 @@ class MetalDevice final : public Device {
     @autoreleasepool {
       auto call = std::make_shared<Call>();
       call->done = std::move(done);
-      call->fault = fault_kernel();
+      call->fault = g_fault.get();
       call->submissions = std::move(submissions);
       std::string error;
       for (const Submission& submission : call->submissions) {
@@ -845,9 +839,6 @@ double metal_gpu_seconds_total() {
   return device != nullptr ? device->gpu_seconds_total() : 0.0;
 }
 
-void set_metal_fault(const std::string& kernel) {
-  std::lock_guard<std::mutex> lock(g_fault_mutex);
-  g_fault_kernel = kernel;
-}
+void set_metal_fault(const std::string& kernel) { g_fault.set(kernel); }
 
 }  // namespace jfm
