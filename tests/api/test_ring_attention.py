@@ -3,9 +3,9 @@ shard_map (with its default checks of varying manual axes; also manual over the 
 only, the batch axis Explicit under jax.set_mesh) on 8 host devices, in a subprocess
 (tests/api/ring_checks.py), against the float64 oracle: forward and gradients, both strategies
 (all_gather, ring) and the three layouts (contiguous, striped, zigzag), causal and not,
-windows, lengths, bottom-right alignment, segment ids, sinks with a soft cap, ALiBi,
-grouped-query and multi-query attention, a value head dim other than the key's, and slices cut
-into several pieces. Here: the block schedule (hidden pairs are skipped), the causal balance of
+windows, lengths, bottom-right alignment, segment ids, sinks with a soft cap, ALiBi, dropout
+(the whole call's keep mask, read back bit for bit), grouped-query and multi-query attention,
+a value head dim other than the key's, and slices cut into several pieces. Here: the block schedule (hidden pairs are skipped), the causal balance of
 the layouts, the backward's structure (no forward recomputed), the per-device memory at the
 issue's shape (benchmarks/ring_memory.py) and the arguments' errors."""
 
@@ -44,6 +44,25 @@ def test_ring_matches_oracle(implementation):
     cases = CASES if implementation == "xla" else EMULATOR_CASES
     if not hasattr(jax, "set_mesh"):  # "explicit:" cases need Explicit mesh axes
         cases = tuple(c for c in cases if not c.startswith("explicit:"))
+    out = run_script("api/ring_checks.py", implementation, *cases, timeout=900)
+    assert out.count(" ok") == len(cases), out
+
+
+# Dropout across the axis: every strategy, layout and causal or not (the causal ones in pieces
+# on the striped layout); the emulator runs the kernels' strided and offset keys once per
+# strategy.
+DROPOUT_CASES = tuple(f"{case}/{layout}@{strategy}" for strategy in ("all_gather", "ring")
+                      for layout in ("contiguous", "striped", "zigzag")
+                      for case in ("dropout", ("pieces_" if layout == "striped" else "")
+                                   + "dropout_causal"))
+EMULATOR_DROPOUT_CASES = ("pieces_dropout_causal/striped@all_gather",
+                          "dropout_causal/zigzag@ring")
+
+
+def test_ring_dropout_is_the_whole_calls(implementation):
+    """A split call with dropout applies the unsplit call's keep mask: O and gradients against
+    the oracle given that mask, and the mask read back bit for bit (ring_checks.py)."""
+    cases = DROPOUT_CASES if implementation == "xla" else EMULATOR_DROPOUT_CASES
     out = run_script("api/ring_checks.py", implementation, *cases, timeout=900)
     assert out.count(" ok") == len(cases), out
 
