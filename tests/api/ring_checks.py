@@ -95,7 +95,7 @@ def run(implementation, spec, explicit_mesh):
     rate = kw.get("dropout_rate", 0.0)
     if rate:
         kw["dropout_rng"] = DROPOUT_KEY
-    batch_axis = None if rate else "data"
+    batch_axis = None if rate and explicit_mesh is None else "data"
     seq, row = P(batch_axis, "sp"), P(batch_axis, None, "sp")
 
     def local(q, k, v, diff, arrays):
@@ -155,7 +155,7 @@ def read_back_mask(attention, keep, causal):
     """The split call's keep mask, bit for bit: with q = k = 0 every visible key has the same
     weight, and V = the identity over keys makes O[b, i, h, j] that weight times M[b, h, i, j]
     (zero for an invisible key)."""
-    zeros = jnp.zeros((B, T, H, D), jnp.float32)
+    zeros = jnp.zeros((B, T, H, T), jnp.float32)  # head dim T, the value's (every kernel has it)
     eye = jnp.broadcast_to(jnp.eye(T, dtype=jnp.float32)[None, :, None], (B, T, H, T))
     o, _ = jax.jit(lambda v: attention(zeros, zeros, v, {}, {}))(eye)
     visible = np.tril(np.ones((T, T), bool)) if causal else np.ones((T, T), bool)

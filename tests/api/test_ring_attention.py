@@ -58,6 +58,8 @@ DROPOUT_CASES = tuple(f"{case}/{layout}@{strategy}" for strategy in ("all_gather
 QUICK_DROPOUT_CASES = DROPOUT_CASES[1::4] + DROPOUT_CASES[2::4]
 EMULATOR_DROPOUT_CASES = ("pieces_dropout_causal/striped@all_gather",
                           "dropout_causal/zigzag@ring")
+if hasattr(jax, "set_mesh"):  # the batch Explicit over "data": its global indices
+    QUICK_DROPOUT_CASES += ("explicit:dropout_causal@ring",)
 
 
 def _check_dropout(cases, implementation):
