@@ -145,19 +145,20 @@ def run(implementation, spec, explicit_mesh):
         oracle_kw = {n: x for n, x in kw.items() if n != "dropout_rng"}
         tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got),
                                           dropout_mask=keep, **host, **oracle_kw)
-        read_back_mask(attention, keep, kw.get("is_causal", False))
+        place = (lambda x: x) if explicit_mesh is None else (lambda x: put(x, seq))
+        read_back_mask(attention, place, keep, kw.get("is_causal", False))
     else:
         tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got), **host, **kw)
     print(spec, implementation, "ok")
 
 
-def read_back_mask(attention, keep, causal):
+def read_back_mask(attention, place, keep, causal):
     """The split call's keep mask, bit for bit: with q = k = 0 every visible key has the same
     weight, and V = the identity over keys makes O[b, i, h, j] that weight times M[b, h, i, j]
-    (zero for an invisible key)."""
-    zeros = jnp.zeros((B, T, H, T), jnp.float32)  # head dim T, the value's (every kernel has it)
-    eye = jnp.broadcast_to(jnp.eye(T, dtype=jnp.float32)[None, :, None], (B, T, H, T))
-    o, _ = jax.jit(lambda v: attention(zeros, zeros, v, {}, {}))(eye)
+    (zero for an invisible key). ``place`` puts an array where the call expects it."""
+    zeros = place(jnp.zeros((B, T, H, T), jnp.float32))  # head dim T, the value's
+    eye = place(jnp.broadcast_to(jnp.eye(T, dtype=jnp.float32)[None, :, None], (B, T, H, T)))
+    o, _ = jax.jit(lambda q, v: attention(q, q, v, {}, {}))(zeros, eye)
     visible = np.tril(np.ones((T, T), bool)) if causal else np.ones((T, T), bool)
     np.testing.assert_array_equal(np.asarray(o).transpose(0, 2, 1, 3) > 0, keep & visible)
 
