@@ -344,9 +344,3 @@ def test_errors_name_the_argument(kwargs, error, match):
     q, k, v, _, _ = inputs(9)
     with pytest.raises(error, match=match):
         flash_attention(q, k, v, **kwargs)
-
-
-def test_refused_with_a_sequence_axis():
-    q, k, v, _, _ = inputs(9)
-    with pytest.raises(ValueError, match="dropout_rate > 0 is not supported with sequence_axis"):
-        flash_attention(q, k, v, sequence_axis_name="sp", dropout_rate=0.1, dropout_rng=KEY)
