@@ -23,25 +23,38 @@ struct Arg {
   size_t size = 0;  // in bytes
 };
 
+// The counts of a launch, each list written once: Profile declares them, the workers' tallies
+// (runtime.cc) sum the operation counts, and the Python bindings name the dict keys after them.
+// The launch's totals:
+#define JFM_PROFILE_TOTALS(X)                                                              \
+  X(threadgroups)                                                                          \
+  X(threads_per_threadgroup)                                                               \
+  X(threadgroup_memory_bytes) /* static threadgroup memory of one group (largest) */       \
+  X(device_bytes_read)        /* sum over the `device` buffers */                          \
+  X(device_bytes_written)                                                                  \
+  X(threadgroup_bytes_read)                                                                \
+  X(threadgroup_bytes_written)
+// The operations, summed over the workers:
+#define JFM_PROFILE_OPS(X)                                                                 \
+  X(mma_ops)  /* simdgroup_multiply(_accumulate): one 8x8x8 op per simdgroup */            \
+  X(simd_ops) /* other simd collectives and simdgroup_barrier, per simdgroup */            \
+  X(barriers) /* threadgroup_barrier, once per threadgroup that meets at it */             \
+  X(fma_ops)  /* scalar fma() calls, per thread (vector fma: per component) */             \
+  X(math_ops) /* other scalar math-function calls (exp2, max, ...), per thread */
+// Per [[buffer(n)]]: X(key, array of Profile).
+#define JFM_PROFILE_BUFFER_FIELDS(X) \
+  X(read, buffer_bytes_read) X(written, buffer_bytes_written) X(constant, constant_buffer)
+#define JFM_PROFILE_DECLARE_COUNT(name) uint64_t name = 0;
+
 // Exact counts of one launch (the counting build variant; emulator/README.md defines them).
 struct Profile {
-  uint64_t threadgroups = 0;
-  uint64_t threads_per_threadgroup = 0;
-  uint64_t threadgroup_memory_bytes = 0;  // static threadgroup memory of one group (largest)
+  JFM_PROFILE_TOTALS(JFM_PROFILE_DECLARE_COUNT)
+  JFM_PROFILE_OPS(JFM_PROFILE_DECLARE_COUNT)
   // Bytes loaded / stored through each [[buffer(n)]], at the size of each access.
   std::array<uint64_t, 31> buffer_bytes_read{};
   std::array<uint64_t, 31> buffer_bytes_written{};
   std::array<bool, 31> buffer_bound{};     // the kernel binds [[buffer(n)]]
   std::array<bool, 31> constant_buffer{};  // bound as `constant` (not device memory)
-  uint64_t device_bytes_read = 0;     // sum over the `device` buffers
-  uint64_t device_bytes_written = 0;
-  uint64_t threadgroup_bytes_read = 0;
-  uint64_t threadgroup_bytes_written = 0;
-  uint64_t mma_ops = 0;   // simdgroup_multiply(_accumulate): one 8x8x8 op per simdgroup
-  uint64_t simd_ops = 0;  // other simd collectives and simdgroup_barrier, per simdgroup
-  uint64_t barriers = 0;  // threadgroup_barrier, once per threadgroup that meets at it
-  uint64_t fma_ops = 0;   // scalar fma() calls, per thread (vector fma: per component)
-  uint64_t math_ops = 0;  // other scalar math-function calls (exp2, max, ...), per thread
 };
 
 struct Launch {

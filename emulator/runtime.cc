@@ -103,8 +103,8 @@ struct Counts {
   uint64_t read[kMaxBuffers] = {};  // by [[buffer(n)]] index
   uint64_t written[kMaxBuffers] = {};
   uint64_t threadgroup_read = 0, threadgroup_written = 0;
-  uint64_t mma_ops = 0, simd_ops = 0, barriers = 0, threadgroup_memory = 0, fma_ops = 0,
-           math_ops = 0;
+  uint64_t threadgroup_memory = 0;
+  JFM_PROFILE_OPS(JFM_PROFILE_DECLARE_COUNT)
 
   void add(const Counts& o) {
     for (int b = 0; b < kMaxBuffers; ++b) {
@@ -113,11 +113,9 @@ struct Counts {
     }
     threadgroup_read += o.threadgroup_read;
     threadgroup_written += o.threadgroup_written;
-    mma_ops += o.mma_ops;
-    simd_ops += o.simd_ops;
-    barriers += o.barriers;
-    fma_ops += o.fma_ops;
-    math_ops += o.math_ops;
+#define JFM_ADD_COUNT(name) name += o.name;
+    JFM_PROFILE_OPS(JFM_ADD_COUNT)
+#undef JFM_ADD_COUNT
     threadgroup_memory = std::max(threadgroup_memory, o.threadgroup_memory);
   }
 };
@@ -302,18 +300,15 @@ struct Job {
   }
 };
 
-// Runs one threadgroup to completion; returns "" or an error message.
-std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
-  const uint32_t sx = job.group_size[0], sy = job.group_size[1], sz = job.group_size[2];
-  const uint32_t n = sx * sy * sz;
-  const uint32_t nsimd = (n + kSimdWidth - 1) / kSimdWidth;
+// Binds the first n fibers of `w` to the threads of threadgroup `gid` and makes them ready.
+void prepare_group(Worker* w, const Job& job, const uint32_t gid[3], uint32_t n) {
+  const uint32_t sx = job.group_size[0], sy = job.group_size[1];
   while (w->fibers.size() < n) w->fibers.emplace_back(new Fiber);
   w->launch = job.def->launch;
   w->arena_used = 0;
   w->arena_declared = 0;
   w->allocations.clear();
-  Checker* checker = job.checker;
-  if (checker) san_begin_group(checker, gid, w->arena, kArenaSize);
+  if (job.checker) san_begin_group(job.checker, gid, w->arena, kArenaSize);
   w->error.clear();
   for (uint32_t i = 0; i < n; ++i) {
     Fiber* f = w->fibers[i].get();
@@ -334,162 +329,188 @@ std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
     c.thread_index_in_simdgroup = i % kSimdWidth;
     c.simdgroup_index_in_threadgroup = i / kSimdWidth;
     c.threads_per_simdgroup = kSimdWidth;
-    c.simdgroups_per_threadgroup = nsimd;
+    c.simdgroups_per_threadgroup = (n + kSimdWidth - 1) / kSimdWidth;
     f->state = State::kReady;
   }
+}
 
-  std::mt19937_64 rng(job.seed * 0x9E3779B97F4A7C15ull ^
-                      ((uint64_t(gid[2]) * job.groups[1] + gid[1]) * job.groups[0] + gid[0]));
+// Resumes every ready fiber of the group once, in the schedule's order, until each waits at a
+// collective or returns. Returns "" or the first fiber's error.
+std::string resume_ready(Worker* w, const Job& job, const uint32_t gid[3], uint32_t n,
+                         std::mt19937_64& rng) {
   std::vector<uint32_t> order;
-  order.reserve(n);
-  std::string kname = job.def->name;
-  auto where = [&](const Fiber* f) {
-    return " in threadgroup " + format_id(gid) + " (thread_position_in_threadgroup " +
-           format_id(f->ctx.thread_position_in_threadgroup) + ")";
+  for (uint32_t i = 0; i < n; ++i)
+    if (w->fibers[i]->state == State::kReady) order.push_back(i);
+  if (job.schedule == emu::Schedule::kReverse) {
+    std::reverse(order.begin(), order.end());
+  } else if (job.schedule == emu::Schedule::kRandom) {
+    std::shuffle(order.begin(), order.end(), rng);
+  }
+  for (uint32_t i : order) {
+    Fiber* f = w->fibers[i].get();
+    if (job.checker) {
+      san_set_actor(job.checker, int(i), int(i / kSimdWidth), int(i % kSimdWidth), nullptr, 0);
+    }
+    resume(w, f);
+    if (!w->error.empty()) {
+      return "kernel " + std::string(job.def->name) + ": " + w->error + " in threadgroup " +
+             format_id(gid) + " (thread_position_in_threadgroup " +
+             format_id(f->ctx.thread_position_in_threadgroup) + ")";
+    }
+  }
+  return "";
+}
+
+// Why simdgroup `s` of a group of n threads, some of whose lanes wait at a simd collective
+// (the first at `first`), cannot resolve it: "" when it can.
+std::string simd_wait_error(Worker* w, const Job& job, const uint32_t gid[3], uint32_t s,
+                            uint32_t n, const Fiber* first, bool at_barrier, bool mismatch,
+                            bool done) {
+  const uint32_t lo = s * kSimdWidth, hi = std::min(n, lo + kSimdWidth);
+  auto select = [&](auto pred) {
+    std::vector<const Fiber*> r;
+    for (uint32_t i = lo; i < hi; ++i)
+      if (pred(w->fibers[i].get())) r.push_back(w->fibers[i].get());
+    return r;
   };
-  std::string err;
-  for (;;) {
-    order.clear();
-    for (uint32_t i = 0; i < n; ++i)
-      if (w->fibers[i]->state == State::kReady) order.push_back(i);
-    if (job.schedule == emu::Schedule::kReverse) {
-      std::reverse(order.begin(), order.end());
-    } else if (job.schedule == emu::Schedule::kRandom) {
-      std::shuffle(order.begin(), order.end(), rng);
-    }
-    for (uint32_t i : order) {
-      Fiber* f = w->fibers[i].get();
-      if (checker) {
-        san_set_actor(checker, int(i), int(i / kSimdWidth), int(i % kSimdWidth), nullptr, 0);
-      }
-      resume(w, f);
-      if (!w->error.empty()) {
-        err = "kernel " + kname + ": " + w->error + where(f);
-        break;
-      }
-    }
-    if (!err.empty()) break;
+  const std::string kernel = "kernel " + std::string(job.def->name) + ": ";
+  const std::string sg =
+      " in simdgroup " + std::to_string(s) + " of threadgroup " + format_id(gid) + ": ";
+  auto waiting = [](const Fiber* f) { return f->state == State::kSimd; };
+  if (at_barrier) {
+    auto a = select(waiting);
+    auto b = select([](const Fiber* f) { return f->state == State::kBarrier; });
+    return kernel + "barrier divergence" + sg + thread_list(a) + " wait at " + site(a[0]) +
+           " while " + thread_list(b) + " wait at " + site(b[0]);
+  }
+  if (mismatch) {
+    auto a = select([&](const Fiber* f) { return waiting(f) && same_site(f, first); });
+    auto b = select([&](const Fiber* f) { return waiting(f) && !same_site(f, first); });
+    return kernel + "simdgroup divergence" + sg + thread_list(a) + " wait at " + site(first) +
+           " while " + thread_list(b) + " wait at " + site(b[0]);
+  }
+  if (first->full && done) {
+    auto a = select(waiting);
+    auto b = select([](const Fiber* f) { return f->state == State::kDone; });
+    return kernel + thread_list(b) + sg + "returned while " + thread_list(a) + " wait at " +
+           site(first) + ", which needs all 32 lanes";
+  }
+  if (first->full && hi - lo != uint32_t(kSimdWidth)) {
+    return kernel + site(first) + " needs a full simdgroup of 32 threads (threadgroup size " +
+           std::to_string(n) + " is not a multiple of 32)";
+  }
+  return "";
+}
 
-    bool any_live = false, progressed = false;
-    // Simdgroups whose live lanes all wait at one simd collective resolve independently. The
-    // fast path only counts; lists of threads are built for error messages.
-    for (uint32_t s = 0; s < nsimd && err.empty(); ++s) {
-      Slot* lanes[kSimdWidth] = {};
-      const Fiber* first = nullptr;
-      int at_simd = 0, at_barrier = 0, done = 0;
-      bool mismatch = false;
-      const uint32_t lo = s * kSimdWidth, hi = std::min(n, lo + kSimdWidth);
-      for (uint32_t i = lo; i < hi; ++i) {
-        Fiber* f = w->fibers[i].get();
-        if (f->state == State::kSimd) {
-          ++at_simd;
-          if (!first) {
-            first = f;
-          } else if (!same_site(f, first)) {
-            mismatch = true;
-          }
-          lanes[i - lo] = &f->slot;
-        } else if (f->state == State::kBarrier) {
-          ++at_barrier;
-        } else {
-          ++done;
-        }
-      }
-      if (at_simd + at_barrier) any_live = true;
-      if (!at_simd) continue;
-      auto select = [&](auto pred) {
-        std::vector<const Fiber*> r;
-        for (uint32_t i = lo; i < hi; ++i)
-          if (pred(w->fibers[i].get())) r.push_back(w->fibers[i].get());
-        return r;
-      };
-      const std::string sg = " in simdgroup " + std::to_string(s) + " of threadgroup " +
-                             format_id(gid) + ": ";
-      if (at_barrier) {
-        auto a = select([](const Fiber* f) { return f->state == State::kSimd; });
-        auto b = select([](const Fiber* f) { return f->state == State::kBarrier; });
-        err = "kernel " + kname + ": barrier divergence" + sg + thread_list(a) + " wait at " +
-              site(a[0]) + " while " + thread_list(b) + " wait at " + site(b[0]);
-        break;
-      }
-      if (mismatch) {
-        auto a = select([&](const Fiber* f) { return f->state == State::kSimd && same_site(f, first); });
-        auto b = select([&](const Fiber* f) { return f->state == State::kSimd && !same_site(f, first); });
-        err = "kernel " + kname + ": simdgroup divergence" + sg + thread_list(a) + " wait at " +
-              site(first) + " while " + thread_list(b) + " wait at " + site(b[0]);
-        break;
-      }
-      if (first->full && done) {
-        auto a = select([](const Fiber* f) { return f->state == State::kSimd; });
-        auto b = select([](const Fiber* f) { return f->state == State::kDone; });
-        err = "kernel " + kname + ": " + thread_list(b) + sg + "returned while " +
-              thread_list(a) + " wait at " + site(first) + ", which needs all 32 lanes";
-        break;
-      }
-      if (first->full && hi - lo != uint32_t(kSimdWidth)) {
-        err = "kernel " + kname + ": " + site(first) + " needs a full simdgroup of 32 threads (" +
-              "threadgroup size " + std::to_string(n) + " is not a multiple of 32)";
-        break;
-      }
-      if (checker) {
-        san_set_actor(checker, -1, int(s), -1, first->file, first->line);
-        if (std::strcmp(first->what, "simdgroup_barrier") == 0) {
-          san_simdgroup_barrier(checker, int(s), unsigned(first->slot.arg));
-        }
-      }
-      const char* e = first->fn(lanes);
-      if (!e && checker) e = san_stop(checker);
-      if (e) {
-        err = "kernel " + kname + ": " + e + " (" + site(first) + ", simdgroup " +
-              std::to_string(s) + " of threadgroup " + format_id(gid) + ")";
-        break;
-      }
-      if (t_tally) tally_collective(&t_tally->counts, first->what);
-      for (uint32_t i = lo; i < hi; ++i)
-        if (lanes[i - lo]) w->fibers[i]->state = State::kReady;
-      progressed = true;
-    }
-    if (!err.empty()) break;
-    if (!any_live) break;  // every thread returned
-    if (progressed) continue;
-
-    // Only threadgroup barriers (and returned threads) remain.
-    const Fiber* first = nullptr;
-    bool some_done = false, mismatch = false;
-    for (uint32_t i = 0; i < n; ++i) {
-      const Fiber* f = w->fibers[i].get();
-      if (f->state != State::kBarrier) {
-        some_done = true;
-      } else if (!first) {
+// Resolves simdgroup `s`'s simd collective when all its live lanes wait at one (the fast path
+// only counts; lists of threads are built for error messages). Sets *live when some lane has
+// not returned and *progressed when the collective ran. Returns "" or an error.
+std::string resolve_simdgroup(Worker* w, const Job& job, const uint32_t gid[3], uint32_t s,
+                              uint32_t n, bool* live, bool* progressed) {
+  Slot* lanes[kSimdWidth] = {};
+  const Fiber* first = nullptr;
+  int at_simd = 0, at_barrier = 0, done = 0;
+  bool mismatch = false;
+  const uint32_t lo = s * kSimdWidth, hi = std::min(n, lo + kSimdWidth);
+  for (uint32_t i = lo; i < hi; ++i) {
+    Fiber* f = w->fibers[i].get();
+    if (f->state == State::kSimd) {
+      ++at_simd;
+      if (!first) {
         first = f;
       } else if (!same_site(f, first)) {
         mismatch = true;
       }
+      lanes[i - lo] = &f->slot;
+    } else if (f->state == State::kBarrier) {
+      ++at_barrier;
+    } else {
+      ++done;
     }
-    if (some_done || mismatch) {
-      std::vector<const Fiber*> a, b;
-      for (uint32_t i = 0; i < n; ++i) {
-        const Fiber* f = w->fibers[i].get();
-        if (some_done) {
-          (f->state == State::kBarrier ? a : b).push_back(f);
-        } else {
-          (same_site(f, first) ? a : b).push_back(f);
-        }
-      }
+  }
+  if (at_simd + at_barrier) *live = true;
+  if (!at_simd) return "";
+  std::string err = simd_wait_error(w, job, gid, s, n, first, at_barrier, mismatch, done);
+  if (!err.empty()) return err;
+  if (job.checker) {
+    san_set_actor(job.checker, -1, int(s), -1, first->file, first->line);
+    if (std::strcmp(first->what, "simdgroup_barrier") == 0) {
+      san_simdgroup_barrier(job.checker, int(s), unsigned(first->slot.arg));
+    }
+  }
+  const char* e = first->fn(lanes);
+  if (!e && job.checker) e = san_stop(job.checker);
+  if (e) {
+    return "kernel " + std::string(job.def->name) + ": " + e + " (" + site(first) +
+           ", simdgroup " + std::to_string(s) + " of threadgroup " + format_id(gid) + ")";
+  }
+  if (t_tally) tally_collective(&t_tally->counts, first->what);
+  for (uint32_t i = lo; i < hi; ++i)
+    if (lanes[i - lo]) w->fibers[i]->state = State::kReady;
+  *progressed = true;
+  return "";
+}
+
+// Releases a threadgroup barrier that every thread of the group waits at, at one site. Returns
+// "" or why it cannot be released (a thread returned, or threads wait at different barriers).
+std::string resolve_barrier(Worker* w, const Job& job, const uint32_t gid[3], uint32_t n) {
+  const Fiber* first = nullptr;
+  bool some_done = false, mismatch = false;
+  for (uint32_t i = 0; i < n; ++i) {
+    const Fiber* f = w->fibers[i].get();
+    if (f->state != State::kBarrier) {
+      some_done = true;
+    } else if (!first) {
+      first = f;
+    } else if (!same_site(f, first)) {
+      mismatch = true;
+    }
+  }
+  if (some_done || mismatch) {
+    std::vector<const Fiber*> a, b;
+    for (uint32_t i = 0; i < n; ++i) {
+      const Fiber* f = w->fibers[i].get();
       if (some_done) {
-        err = "kernel " + kname + ": " + thread_list(b) + " of threadgroup " + format_id(gid) +
-              " returned while " + thread_list(a) + " wait at " + site(first) +
-              " (deadlock on real hardware)";
+        (f->state == State::kBarrier ? a : b).push_back(f);
       } else {
-        err = "kernel " + kname + ": barrier divergence in threadgroup " + format_id(gid) +
-              ": " + thread_list(a) + " wait at " + site(first) + " while " + thread_list(b) +
-              " wait at " + site(b[0]);
+        (same_site(f, first) ? a : b).push_back(f);
       }
-      break;
     }
-    for (uint32_t i = 0; i < n; ++i) w->fibers[i]->state = State::kReady;
-    if (t_tally) ++t_tally->counts.barriers;
-    if (checker) san_threadgroup_barrier(checker, unsigned(first->slot.arg));
+    const std::string kernel = "kernel " + std::string(job.def->name) + ": ";
+    if (some_done) {
+      return kernel + thread_list(b) + " of threadgroup " + format_id(gid) + " returned while " +
+             thread_list(a) + " wait at " + site(first) + " (deadlock on real hardware)";
+    }
+    return kernel + "barrier divergence in threadgroup " + format_id(gid) + ": " +
+           thread_list(a) + " wait at " + site(first) + " while " + thread_list(b) +
+           " wait at " + site(b[0]);
+  }
+  for (uint32_t i = 0; i < n; ++i) w->fibers[i]->state = State::kReady;
+  if (t_tally) ++t_tally->counts.barriers;
+  if (job.checker) san_threadgroup_barrier(job.checker, unsigned(first->slot.arg));
+  return "";
+}
+
+// Runs one threadgroup to completion; returns "" or an error message.
+std::string run_group(Worker* w, Job& job, const uint32_t gid[3]) {
+  const uint32_t n = job.group_size[0] * job.group_size[1] * job.group_size[2];
+  const uint32_t nsimd = (n + kSimdWidth - 1) / kSimdWidth;
+  prepare_group(w, job, gid, n);
+  std::mt19937_64 rng(job.seed * 0x9E3779B97F4A7C15ull ^
+                      ((uint64_t(gid[2]) * job.groups[1] + gid[1]) * job.groups[0] + gid[0]));
+  std::string err;
+  for (;;) {
+    err = resume_ready(w, job, gid, n, rng);
+    if (!err.empty()) break;
+    bool any_live = false, progressed = false;
+    // Simdgroups whose live lanes all wait at one simd collective resolve independently.
+    for (uint32_t s = 0; s < nsimd && err.empty(); ++s)
+      err = resolve_simdgroup(w, job, gid, s, n, &any_live, &progressed);
+    if (!err.empty() || !any_live) break;  // an error, or every thread returned
+    if (progressed) continue;
+    // Only threadgroup barriers (and returned threads) remain.
+    err = resolve_barrier(w, job, gid, n);
+    if (!err.empty()) break;
   }
   if (t_tally) {
     uint64_t& m = t_tally->counts.threadgroup_memory;
@@ -669,32 +690,47 @@ bool has_kernel(const std::string& name) { return rt::registry().count(name) != 
 
 bool has_counting_variant() { return !rt::counting_registry().empty(); }
 
-std::string run(const std::string& kernel, const std::vector<Arg>& args, const Launch& launch) {
+namespace {
+
+// The kernel `launch` runs: the plain one, or its counting variant for a profile or the
+// sanitizer. Null with *error set when there is none.
+const rt::KernelDef* launched_kernel(const std::string& kernel, const Launch& launch,
+                                     std::string* error) {
   auto it = rt::registry().find(kernel);
-  if (it == rt::registry().end()) return "emulator: unknown kernel '" + kernel + "'";
-  const rt::KernelDef* def = it->second;
-  if (launch.profile && launch.sanitizer)
-    return "emulator: a launch is either profiled or sanitized, not both";
-  if (launch.profile || launch.sanitizer) {
-    auto c = rt::counting_registry().find(kernel);
-    if (c == rt::counting_registry().end())
-      return "emulator: no counting variant of kernel '" + kernel +
-             "' (built with JFM_EMULATOR_COUNTING=OFF; the profile and the sanitizer need it)";
-    def = c->second;
+  if (it == rt::registry().end()) {
+    *error = "emulator: unknown kernel '" + kernel + "'";
+    return nullptr;
   }
-  const std::string k = "kernel " + kernel + ": ";
-  uint64_t threads = 1;
+  if (launch.profile && launch.sanitizer) {
+    *error = "emulator: a launch is either profiled or sanitized, not both";
+    return nullptr;
+  }
+  if (!launch.profile && !launch.sanitizer) return it->second;
+  auto c = rt::counting_registry().find(kernel);
+  if (c == rt::counting_registry().end()) {
+    *error = "emulator: no counting variant of kernel '" + kernel +
+             "' (built with JFM_EMULATOR_COUNTING=OFF; the profile and the sanitizer need it)";
+    return nullptr;
+  }
+  return c->second;
+}
+
+// Checks the threadgroup size and binds def's buffers from args into buffers[index]. Returns ""
+// or the error, prefixed by `k`.
+std::string bind_launch(const std::string& k, const rt::KernelDef* def,
+                        const std::vector<Arg>& args, const Launch& launch,
+                        void* buffers[rt::kMaxBuffers], uint64_t* threads) {
+  *threads = 1;
   for (int d = 0; d < 3; ++d) {
     if (launch.group_size[d] == 0) return k + "threadgroup size has a zero dimension";
-    threads *= launch.group_size[d];
+    *threads *= launch.group_size[d];
   }
-  if (threads > 1024)
-    return k + "threadgroup of " + std::to_string(threads) + " threads exceeds the limit of 1024";
-  if (def->max_threads && threads > def->max_threads)
-    return k + "threadgroup of " + std::to_string(threads) +
+  if (*threads > 1024)
+    return k + "threadgroup of " + std::to_string(*threads) + " threads exceeds the limit of 1024";
+  if (def->max_threads && *threads > def->max_threads)
+    return k + "threadgroup of " + std::to_string(*threads) +
            " threads exceeds [[max_total_threads_per_threadgroup(" +
            std::to_string(def->max_threads) + ")]]";
-  void* buffers[rt::kMaxBuffers] = {};
   const rt::BufferUse* uses = def->buffers();
   for (int b = 0; b < def->num_buffers; ++b) {
     const rt::BufferUse& u = uses[b];
@@ -705,27 +741,79 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
              std::to_string(args[u.index].size) + " bytes, needs " + std::to_string(u.min_size);
     buffers[u.index] = args[u.index].data;
   }
-  rt::Tally tally;
-  if (launch.profile) {
-    *launch.profile = Profile{};
-    for (int b = 0; b < def->num_buffers; ++b) {
-      const rt::BufferUse& u = uses[b];
-      tally.lo[b] = reinterpret_cast<uintptr_t>(args[u.index].data);
-      tally.size[b] = args[u.index].size;
-      tally.index[b] = u.index;
-      launch.profile->buffer_bound[u.index] = true;
-      launch.profile->constant_buffer[u.index] = u.constant_space;
-    }
-    tally.num_ranges = def->num_buffers;
+  return "";
+}
+
+// A profiled launch: clears *p, marks def's bound buffers in it and gives the tally their
+// address ranges.
+void begin_profile(const rt::KernelDef* def, const std::vector<Arg>& args, Profile* p,
+                   rt::Tally* tally) {
+  *p = Profile{};
+  const rt::BufferUse* uses = def->buffers();
+  for (int b = 0; b < def->num_buffers; ++b) {
+    const rt::BufferUse& u = uses[b];
+    tally->lo[b] = reinterpret_cast<uintptr_t>(args[u.index].data);
+    tally->size[b] = args[u.index].size;
+    tally->index[b] = u.index;
+    p->buffer_bound[u.index] = true;
+    p->constant_buffer[u.index] = u.constant_space;
   }
+  tally->num_ranges = def->num_buffers;
+}
+
+// The profile of a launch from the workers' summed counts.
+void finish_profile(const rt::Counts& c, uint64_t groups, uint64_t threads, Profile* p) {
+  p->threadgroups = groups;
+  p->threads_per_threadgroup = threads;
+  p->threadgroup_memory_bytes = c.threadgroup_memory;
+  for (int b = 0; b < rt::kMaxBuffers; ++b) {
+    p->buffer_bytes_read[b] = c.read[b];
+    p->buffer_bytes_written[b] = c.written[b];
+    if (!p->constant_buffer[b]) {
+      p->device_bytes_read += c.read[b];
+      p->device_bytes_written += c.written[b];
+    }
+  }
+  p->threadgroup_bytes_read = c.threadgroup_read;
+  p->threadgroup_bytes_written = c.threadgroup_written;
+#define JFM_COPY_COUNT(name) p->name = c.name;
+  JFM_PROFILE_OPS(JFM_COPY_COUNT)
+#undef JFM_COPY_COUNT
+}
+
+// Runs the job's threadgroups on `workers` threads, the calling one included.
+void run_workers(rt::Job& job, int workers) {
+  std::vector<std::thread> pool;
+  try {
+    for (int i = 1; i < workers; ++i) pool.emplace_back([&job] { rt::work(job); });
+  } catch (const std::exception&) {  // fewer threads than asked: the others do the work
+  }
+  rt::work(job);
+  for (std::thread& t : pool) t.join();
+}
+
+}  // namespace
+
+std::string run(const std::string& kernel, const std::vector<Arg>& args, const Launch& launch) {
+  std::string error;
+  const rt::KernelDef* def = launched_kernel(kernel, launch, &error);
+  if (!def) return error;
+  void* buffers[rt::kMaxBuffers] = {};
+  uint64_t threads = 0;
+  error = bind_launch("kernel " + kernel + ": ", def, args, launch, buffers, &threads);
+  if (!error.empty()) return error;
+  rt::Tally tally;
+  if (launch.profile) begin_profile(def, args, launch.profile, &tally);
   const uint64_t groups = uint64_t(launch.groups[0]) * launch.groups[1] * launch.groups[2];
   if (groups == 0) return "";
   std::unique_ptr<rt::Checker, void (*)(rt::Checker*)> checker(nullptr, &rt::destroy_checker);
   if (launch.sanitizer) {
+    const rt::BufferUse* uses = def->buffers();
     size_t sizes[rt::kMaxBuffers] = {};
     for (int b = 0; b < def->num_buffers; ++b) sizes[uses[b].index] = args[uses[b].index].size;
     const uint32_t g[3] = {launch.groups[0], launch.groups[1], launch.groups[2]};
-    checker.reset(rt::sanitize_begin(launch.sanitizer, def, g, buffers, sizes));
+    checker.reset(rt::sanitize_begin(launch.sanitizer, def, launch.function_constants, g,
+                                          buffers, sizes));
   }
   rt::Job job;
   job.def = def;
@@ -740,39 +828,12 @@ std::string run(const std::string& kernel, const std::vector<Arg>& args, const L
   int workers = launch.num_workers > 0 ? launch.num_workers
                                        : int(std::max(1u, std::thread::hardware_concurrency()));
   if (checker) workers = 1;  // the shadow state is updated without locks
-  workers = int(std::min<uint64_t>(uint64_t(workers), groups));
-  std::vector<std::thread> pool;
-  try {
-    for (int i = 1; i < workers; ++i) pool.emplace_back([&job] { rt::work(job); });
-  } catch (const std::exception&) {  // fewer threads than asked: the others do the work
-  }
-  rt::work(job);  // the calling thread is a worker too
-  for (std::thread& t : pool) t.join();
+  run_workers(job, int(std::min<uint64_t>(uint64_t(workers), groups)));
   if (checker) {
     const std::string findings = rt::sanitize_end(checker.get());
     if (job.error.empty() && !findings.empty()) return "kernel " + kernel + ": " + findings;
   }
-  if (Profile* p = launch.profile) {
-    const rt::Counts& c = tally.counts;
-    p->threadgroups = groups;
-    p->threads_per_threadgroup = threads;
-    p->threadgroup_memory_bytes = c.threadgroup_memory;
-    for (int b = 0; b < rt::kMaxBuffers; ++b) {
-      p->buffer_bytes_read[b] = c.read[b];
-      p->buffer_bytes_written[b] = c.written[b];
-      if (!p->constant_buffer[b]) {
-        p->device_bytes_read += c.read[b];
-        p->device_bytes_written += c.written[b];
-      }
-    }
-    p->threadgroup_bytes_read = c.threadgroup_read;
-    p->threadgroup_bytes_written = c.threadgroup_written;
-    p->mma_ops = c.mma_ops;
-    p->simd_ops = c.simd_ops;
-    p->barriers = c.barriers;
-    p->fma_ops = c.fma_ops;
-    p->math_ops = c.math_ops;
-  }
+  if (launch.profile) finish_profile(tally.counts, groups, threads, launch.profile);
   return job.error;
 }
 

@@ -12,6 +12,8 @@
 // access of its whole simdgroup.
 #include "sanitizer.h"
 
+#include "../shaders/function_constants.h"
+
 #include <dlfcn.h>
 #include <unistd.h>
 
@@ -49,10 +51,30 @@ struct Cell {
 struct Range {  // host memory of the call
   uintptr_t lo = 0;
   size_t size = 0;
-  bool output = false;
+  emu::WriteRule rule = emu::WriteRule::kInput;
   std::vector<Cell> cells;
   std::string name;  // the first binding seen: "[[buffer(n)]] 'name' of kernel K"
+  std::string output;  // the output's name in the contract ("O", "dQ", ...)
 };
+
+const char* rule_text(emu::WriteRule rule) {
+  return rule == emu::WriteRule::kAccumulated ? "accumulates it, one store per dispatch"
+                                              : "writes it once";
+}
+
+// "kernel K with function constants causal+lengths": the pipeline a report is about (the tile
+// variant is part of the kernel's name). Bits beyond shaders/function_constants.h are numbered.
+std::string pipeline_label(const char* kernel, uint32_t constants) {
+  std::string s = std::string("kernel ") + kernel + " with function constants ";
+  if (constants == ~0u) return s + "all true (unspecialised)";
+  std::string names;
+  for (int n = 0; n < 32; ++n) {
+    if (!(constants >> n & 1u)) continue;
+    const char* name = jfm_function_constant_name(n);
+    names += (names.empty() ? "" : "+") + (name ? std::string(name) : "#" + std::to_string(n));
+  }
+  return s + (names.empty() ? "none" : names);
+}
 
 struct DispatchInfo {
   std::string kernel;
@@ -139,7 +161,8 @@ struct SanitizerCall::State {
   }
 
   // Declares [lo, lo + size); overlapping declarations merge (output if any is).
-  void add(uintptr_t lo, size_t size, bool output, bool poison) {
+  void add(uintptr_t lo, size_t size, emu::WriteRule rule, bool poison, const std::string& name) {
+    const bool output = rule != emu::WriteRule::kInput;
     uintptr_t hi = lo + size;
     std::vector<std::unique_ptr<Range>> keep, merged;
     for (auto& r : ranges) {
@@ -158,9 +181,10 @@ struct SanitizerCall::State {
     for (size_t i = 0; i < n->size; ++i) n->cells[i].init = 1;
     if (output)
       for (size_t i = lo - n->lo; i < lo - n->lo + size; ++i) n->cells[i].init = 0;
-    n->output = output;
+    n->rule = rule;
+    n->output = name;
     for (auto& r : merged) {
-      n->output = n->output || r->output;
+      if (n->rule == emu::WriteRule::kInput) n->rule = r->rule, n->output = r->output;
       if (n->name.empty()) n->name = r->name;
       std::copy(r->cells.begin(), r->cells.end(), n->cells.begin() + (r->lo - n->lo));
     }
@@ -175,8 +199,8 @@ SanitizerCall::SanitizerCall(bool collect_all) : state(new State) {
 }
 SanitizerCall::~SanitizerCall() = default;
 
-void SanitizerCall::add_range(void* data, size_t size, bool output) {
-  if (data && size) state->add(reinterpret_cast<uintptr_t>(data), size, output, true);
+void SanitizerCall::add_range(void* data, size_t size, WriteRule rule, const std::string& name) {
+  if (data && size) state->add(reinterpret_cast<uintptr_t>(data), size, rule, true, name);
 }
 
 void SanitizerCall::begin_dispatch(uint64_t segment) { state->segment = segment; }
@@ -186,15 +210,16 @@ bool SanitizerCall::collect_all() const { return state->collect_all; }
 std::string SanitizerCall::finish() {
   State& s = *state;
   for (const auto& r : s.ranges) {
-    if (!r->output) continue;
+    if (r->rule == WriteRule::kInput) continue;
     size_t unwritten = 0, first = 0;
     for (size_t i = 0; i < r->size; ++i)
       if (!r->cells[i].init && !unwritten++) first = i;
     if (!unwritten || s.findings.size() >= kMaxFindings) continue;
     std::ostringstream m;
     m << "sanitizer: initcheck: " << unwritten << " of the " << r->size << " bytes of output "
-      << (r->name.empty() ? "memory" : r->name) << " were never written by the call (first: byte "
-      << first << ")";
+      << (r->output.empty() ? "" : r->output + ", ") << (r->name.empty() ? "memory" : r->name)
+      << ", were never written by the call (first: byte " << first << "); the contract "
+      << rule_text(r->rule) << ", every element";
     s.findings.push_back(m.str());
   }
   std::string out;
@@ -215,7 +240,8 @@ class Checker {
     Cell* cells = nullptr;
     int index = 0;
     bool constant_space = false;
-    std::string name;
+    emu::WriteRule rule = emu::WriteRule::kInput;
+    std::string name, output;
   };
   struct TgAlloc {
     size_t offset, size, element_size;
@@ -226,6 +252,7 @@ class Checker {
 
   emu::SanitizerCall::State* st;
   const KernelDef* def;
+  std::string label;  // pipeline_label of the launch
   uint32_t gen = 0;  // this dispatch
   uint32_t groups[3];
   std::vector<Region> regions;
@@ -345,7 +372,7 @@ class Checker {
             (x.sg == a.sg ? " nor a simdgroup_barrier of their simdgroup" : "");
     }
     std::ostringstream s;
-    s << "racecheck (" << (dev ? "device" : "threadgroup") << " memory) in kernel " << def->name
+    s << "racecheck (" << (dev ? "device" : "threadgroup") << " memory) in " << label
       << ": " << (x_write ? "write" : "read") << " by " << who(x, dev) << ", then "
       << (a_write ? "write" : "read") << " by " << who(a, dev) << ", of " << location(addr, n, r)
       << ": " << why;
@@ -369,13 +396,22 @@ class Checker {
         }
       }
     }
+    if (write && ok && dev && r->rule != emu::WriteRule::kInput && c.w.gen &&
+        (r->rule == emu::WriteRule::kOnce || c.w.gen == a.gen)) {
+      std::ostringstream s;
+      s << "initcheck (output contract) in " << label << ": write by " << who(a, dev) << " of "
+        << location(addr, n, r) << ", which the write by " << who(c.w, dev)
+        << " already stored; the contract of output " << r->output << " " << rule_text(r->rule);
+      report("twice" + std::to_string(c.w.where) + "/" + std::to_string(a.where), s.str());
+      ok = false;
+    }
     if (write) {
       c.w = a;
       c.init = dev ? 1 : tg_gen;
     } else {
       if (ok && (dev ? c.init == 0 : c.init != tg_gen)) {
         std::ostringstream s;
-        s << "initcheck in kernel " << def->name << ": read by " << who(a, dev) << " of "
+        s << "initcheck in " << label << ": read by " << who(a, dev) << " of "
           << location(addr, n, r) << ", which "
           << (dev ? "no dispatch of this call has written (an output starts undefined)"
                   : "no thread of the threadgroup has written");
@@ -394,7 +430,7 @@ class Checker {
   void out_of_bounds(uintptr_t a, uint64_t n, bool write, uint64_t pc, const Region* r) {
     std::ostringstream s;
     const Access x = actor(r != nullptr, pc);
-    s << "memcheck in kernel " << def->name << ": " << (write ? "write" : "read") << " of " << n
+    s << "memcheck in " << label << ": " << (write ? "write" : "read") << " of " << n
       << " bytes by " << who(x, r != nullptr) << " outside ";
     if (r) {
       s << "its buffer: " << location(a, n, r);
@@ -453,11 +489,13 @@ class Checker {
 
 __attribute__((tls_model("initial-exec"))) thread_local Checker* t_san_checker = nullptr;
 
-Checker* sanitize_begin(emu::SanitizerCall* call, const KernelDef* def, const uint32_t groups[3],
-                        void** buffers, const size_t* sizes) {
+Checker* sanitize_begin(emu::SanitizerCall* call, const KernelDef* def,
+                        uint32_t function_constants, const uint32_t groups[3], void** buffers,
+                        const size_t* sizes) {
   auto c = std::make_unique<Checker>();
   c->st = call->state.get();
   c->def = def;
+  c->label = pipeline_label(def->name, function_constants);
   std::copy(groups, groups + 3, c->groups);
   emu::SanitizerCall::State& st = *c->st;
   st.dispatches.push_back(DispatchInfo{def->name, {groups[0], groups[1], groups[2]}, st.segment});
@@ -471,7 +509,8 @@ Checker* sanitize_begin(emu::SanitizerCall* call, const KernelDef* def, const ui
     std::ostringstream name;
     name << "[[buffer(" << u.index << ")]] '" << u.name << "' of kernel " << def->name;
     if (!u.constant_space) {
-      if (!st.range_of(host) || !st.range_of(host + size - 1)) st.add(host, size, false, false);
+      if (!st.range_of(host) || !st.range_of(host + size - 1))
+        st.add(host, size, emu::WriteRule::kInput, false, "");
       Range* rg = st.range_of(host);
       if (rg->name.empty()) rg->name = name.str();
     }
@@ -491,6 +530,8 @@ Checker* sanitize_begin(emu::SanitizerCall* call, const KernelDef* def, const ui
     if (r.constant_space) continue;
     Range* rg = st.range_of(r.host);
     r.cells = rg->cells.data() + (r.host - rg->lo);
+    r.rule = rg->rule;
+    r.output = rg->output.empty() ? "'" + r.name + "'" : rg->output;
     buffers[r.index] = reinterpret_cast<void*>(r.copy);
   }
   for (Checker::Region& r : c->regions)

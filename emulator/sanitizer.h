@@ -19,6 +19,12 @@
 namespace jfm {
 namespace emu {
 
+// How the call writes an output (initcheck's end-of-call contract, docs/testing.md): kInput is
+// memory the call only reads; every byte of an output is written by the call, kOnce by exactly
+// one store, kAccumulated by at most one store per dispatch (the dispatches ordered by the plan's
+// memory barriers, which racecheck checks, so in plan order).
+enum class WriteRule { kInput, kOnce, kAccumulated };
+
 class SanitizerCall {
  public:
   // collect_all: keep running after a finding and report them all when the call ends (at most
@@ -31,12 +37,14 @@ class SanitizerCall {
   // Declares host memory of the call. An output's bytes are poisoned (0xFF: NaN, -1) and count
   // as unwritten until a dispatch writes them, as Metal leaves a new buffer's contents undefined;
   // an input's bytes count as written. Memory a launch binds without a declaration is an input.
-  void add_range(void* data, size_t size, bool output);
+  // `name` names an output in contract findings ("O", "dQ", ...).
+  void add_range(void* data, size_t size, WriteRule rule, const std::string& name = "");
   // Before each launch: `segment` numbers the runs of dispatches between two memory barriers of
   // the plan (a new number after every barrier and for every submission); dispatches of one
   // segment may run concurrently on Metal.
   void begin_dispatch(uint64_t segment);
-  // After the call: every output byte was written. Returns every finding of the call ("" if none).
+  // After the call: every output byte was written (its rule's other half is checked at each
+  // store). Returns every finding of the call ("" if none).
   std::string finish();
   bool collect_all() const;
 
@@ -53,10 +61,12 @@ namespace rt {
 // One launch under the sanitizer (created by emu::run, used by the runtime on its one worker).
 class Checker;
 
-// Starts a launch of `def` under the sanitizer: each bound buffers[n] (of sizes[n] bytes) is
-// replaced by a copy between poisoned redzones.
-Checker* sanitize_begin(emu::SanitizerCall* call, const KernelDef* def, const uint32_t groups[3],
-                        void** buffers, const size_t* sizes);
+// Starts a launch of `def`, specialised with `function_constants` (emu::Launch), under the
+// sanitizer: each bound buffers[n] (of sizes[n] bytes) is replaced by a copy between poisoned
+// redzones.
+Checker* sanitize_begin(emu::SanitizerCall* call, const KernelDef* def,
+                        uint32_t function_constants, const uint32_t groups[3], void** buffers,
+                        const size_t* sizes);
 // Copies device buffers back to the host; returns the launch's findings ("" if none, or in
 // collect-all mode, where SanitizerCall::finish reports them).
 std::string sanitize_end(Checker* checker);

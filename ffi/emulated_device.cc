@@ -24,6 +24,7 @@
 #include "../emulator/emulator.h"
 #include "../emulator/sanitizer.h"
 #include "emulator_profile.h"
+#include "output_contract.h"
 
 namespace jfm {
 namespace {
@@ -132,8 +133,9 @@ class EmulatedDevice final : public Device {
   static std::string run_now(const std::vector<Submission>& submissions, emu::Launch launch,
                              const std::string& fault) {
     std::mt19937_64 rng(launch.seed);
-    // Under the sanitizer the call's written buffers are poisoned outputs, and each dispatch
-    // belongs to the segment of the plan between two memory barriers it follows.
+    // Under the sanitizer the call's written buffers are poisoned outputs under their write
+    // contract, and each dispatch belongs to the segment of the plan between two memory
+    // barriers it follows.
     const int sanitize = g_sanitize.load();
     if (sanitize && g_profiling.load())
       return "emulator: the kernel profile and the sanitizer are both on; a call runs one of them";
@@ -146,8 +148,14 @@ class EmulatedDevice final : public Device {
         segment_base.push_back(segments);
         for (const Dispatch& d : submission) {
           if (d.barrier_before || &d == &submission.front()) ++segments;
-          for (const Binding& b : d.buffers)
-            if (b.written) call->add_range(b.data, b.size, true);
+          for (const Binding& b : d.buffers) {
+            if (!b.written) continue;
+            const OutputContract* contract = output_contract(b.index);
+            if (!contract)
+              return "emulator sanitizer: [[buffer(" + std::to_string(b.index) + ")]] of " +
+                     d.kernel + " is written but has no write contract (output_contract.h)";
+            call->add_range(b.data, b.size, contract->rule, contract->name);
+          }
         }
       }
       launch.sanitizer = call.get();

@@ -10,14 +10,16 @@
 
 namespace jfm {
 
-// The phases of a handler call, in order.
-enum HostPhase : int {
-  kHostValidate,  // decoding and checking the operands, results and attributes
-  kHostLookup,    // the kernels' pipelines (Device::has_kernel)
-  kHostPlan,      // the dispatch plan, the AttentionParams and the bindings of each dispatch
-  kHostLaunch,    // Device::run_async until it returns (Metal: encode and commit)
-  kHostPhases
-};
+// The phases of a handler call, in order: X(Enumerator, name), the name take_host_times()'s
+// Python binding reports.
+#define JFM_HOST_PHASES(X)                                                                         \
+  X(Validate, validate) /* decoding and checking the operands, results and attributes */           \
+  X(Lookup, lookup)     /* the kernels' pipelines (Device::has_kernel) */                          \
+  X(Plan, plan)         /* the dispatch plan, the AttentionParams, each dispatch's bindings */     \
+  X(Launch, launch)     /* Device::run_async until it returns (Metal: encode and commit) */
+#define JFM_HOST_PHASE_ENUMERATOR(enumerator, name) kHost##enumerator,
+enum HostPhase : int { JFM_HOST_PHASES(JFM_HOST_PHASE_ENUMERATOR) kHostPhases };
+#undef JFM_HOST_PHASE_ENUMERATOR
 
 struct HostTimes {
   uint64_t calls = 0;

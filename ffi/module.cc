@@ -64,6 +64,8 @@ nb::tuple dim3(const std::array<uint32_t, 3>& v) { return nb::make_tuple(v[0], v
 #define JFM_PROFILE_RECORD_FIELDS(X) \
   X(kernel, r.kernel) X(groups, dim3(r.groups)) X(group_size, dim3(r.group_size)) \
   X(function_constants, r.function_constants)
+#define JFM_SHADER_LIBRARY_FIELDS(X) \
+  X(file, library.source->file) X(family, library.family) X(macros, macros)
 #define JFM_SET_FIELD(key, value) d[#key] = value;
 #define JFM_FIELD_KEY(key, value) ", " #key
 
@@ -303,6 +305,12 @@ void bind_shader_sources(nb::module_& m) {
   m.def("tile_head_dim", &tile_head_dim, nb::arg("head_dim"), nb::arg("value_head_dim"),
         "int: the head dim the tiles of the (key, value) head-dim family are chosen by, the "
         "wider of the two: what tile_shape and bwd_stages take.");
+  static const std::string shader_library_doc =
+      "dict(" + std::string(field_keys(JFM_SHADER_LIBRARY_FIELDS(JFM_FIELD_KEY))) +
+      "): what the Metal device compiles to get `kernel`: the embedded source file "
+      "(shader_sources()[file]), its (element type, head dim) family such as 'half_64' ('' for "
+      "the whole source) and the preprocessor macros {name: value} it passes "
+      "(MTLCompileOptions.preprocessorMacros). ValueError when no embedded source defines it.";
   m.def(
       "shader_library",
       [](const std::string& kernel) {
@@ -314,16 +322,11 @@ void bind_shader_sources(nb::module_& m) {
         nb::dict macros;
         for (const auto& [name, value] : library.macros) macros[name.c_str()] = value;
         nb::dict d;
-        d["file"] = library.source->file;
-        d["family"] = library.family;
-        d["macros"] = macros;
+        JFM_SHADER_LIBRARY_FIELDS(JFM_SET_FIELD)
         return d;
       },
       nb::arg("kernel"),
-      "dict(file, family, macros): what the Metal device compiles to get `kernel`: the embedded "
-      "source file (shader_sources()[file]), its (element type, head dim) family such as "
-      "'half_64' ('' for the whole source) and the preprocessor macros {name: value} it passes "
-      "(MTLCompileOptions.preprocessorMacros). ValueError when no embedded source defines it.");
+      shader_library_doc.c_str());
 }
 
 // The emulated device's thread schedule and kernel profile.
@@ -480,12 +483,10 @@ void bind_tiles(nb::module_& m) {
   m.def(
       "function_constant_names",
       [] {
-        // In the order of the JFM_FC_* indices.
-        static const char* const names[] = {"causal", "lengths", "score_features",
-                                            "sinks",  "dropout", "paged"};
-        static_assert(sizeof(names) / sizeof(names[0]) == JFM_FUNCTION_CONSTANTS,
-                      "one name per function constant");
-        return std::vector<std::string>(std::begin(names), std::end(names));
+        std::vector<std::string> names;
+        for (int n = 0; n < JFM_FUNCTION_CONSTANTS; ++n)
+          names.push_back(jfm_function_constant_name(n));
+        return names;
       },
       "list[str]: the function constants by index (JFM_FC_* of shaders/function_constants.h).");
   m.def("bwd_stages", &bwd_stages, nb::arg("head_dim"),

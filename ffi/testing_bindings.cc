@@ -55,7 +55,9 @@ void bind_testing(nb::module_& m) {
       [] {
         const HostTimes t = take_host_times();
         nb::dict seconds;
-        const char* names[kHostPhases] = {"validate", "lookup", "plan", "launch"};
+#define JFM_HOST_PHASE_NAME(enumerator, name) #name,
+        const char* names[kHostPhases] = {JFM_HOST_PHASES(JFM_HOST_PHASE_NAME)};
+#undef JFM_HOST_PHASE_NAME
         for (int p = 0; p < kHostPhases; ++p) seconds[names[p]] = t.nanoseconds[p] * 1e-9;
         return nb::make_tuple(t.calls, seconds);
       },

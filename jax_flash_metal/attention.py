@@ -91,7 +91,9 @@ def _sinks_grad(sinks, o, row_max, log_sum, do, g_lse):
     denominator. Computed from the forward's outputs (no kernel needed), in a fixed order."""
     rowsum = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
-    p_sink = jnp.exp((sinks[None, :, None] - row_max) - log_sum)
+    # A probability is at most 1; the clamp is exact and keeps exp finite when the kernels'
+    # row max saturated below a huge sink (sink - m then overflows).
+    p_sink = jnp.minimum(jnp.exp((sinks[None, :, None] - row_max) - log_sum), 1.0)
     return jnp.sum(p_sink * (g_lse - rowsum), axis=(0, 2))
 
 

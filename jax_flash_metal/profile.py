@@ -43,7 +43,7 @@ row per launch and variant: the variant is part of the kernel name (``..._fwd_va
 register estimate is that variant's.
 
 ``--json PATH`` writes a JSON list with one record per launch, in launch order, with exactly the
-keys of ``JSON_KEYS``: the problem (kernel, variant: the tile variant, dtype, head_dim,
+keys of ``tools.profile_model.json_keys()``: the problem (kernel, variant: the tile variant, dtype, head_dim,
 value_head_dim, batch, q_len, kv_len, heads, kv_heads, causal, alibi, dropout: the rate), the
 exact counts (threadgroups, threads_per_threadgroup, threadgroup_memory_bytes,
 device_bytes_read, device_bytes_written, threadgroup_bytes_read, threadgroup_bytes_written:
@@ -66,7 +66,7 @@ from .core import contract, validation
 from .tools import profile_model
 from .tools.cli import (HelpFormatter, add_problem_flags, check_problem_flags, positive_int,
                         progress_bar)
-from .tools.profile_model import (DTYPES, JSON_KEYS, NO_COUNTING_MESSAGE, PASSES, Problem,
+from .tools.profile_model import (DTYPES, NO_COUNTING_MESSAGE, PASSES, Problem, json_keys,
                                   problem_variants, profile_records, variant_records)
 from .tools.profile_tables import format_paged_table, format_tables
 from .tools.roofline import GPUS
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
         print(format_paged_table(records))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{k: r[k] for k in JSON_KEYS} for r in records], f, indent=1)
+            json.dump([{k: r[k] for k in json_keys()} for r in records], f, indent=1)
     return 0
 
 

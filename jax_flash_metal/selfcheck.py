@@ -23,8 +23,12 @@ Steps, one readable report, and with ``--json`` one JSON object (its schema: doc
   (``jax_flash_metal.profile``; the emulator's counting variant, skipped without it).
 - ``timings``: forward + backward wall time, median of ``--repeats``, of the fused
   implementation and of ``jax.nn.dot_product_attention`` on the CPU, at ``--seq-len``.
+- ``tuning``: tunes the training shape of ``speed`` (forward and backward) and a grouped decode
+  (``jax_flash_metal.tune``): each variant's time, the choice, and the chosen variants' TFLOP/s
+  and GB/s against the chip's peak; on the emulator against a temporary cache.
 - ``speed``: achieved TFLOP/s (training-size forward) and GB/s (decode) against the chip's
-  published peak (``chip_peaks``); meaningless on the emulator, and marked so.
+  published peak (``chip_peaks``), with the tuned variants; meaningless on the emulator, and
+  marked so.
 
 Exit status 0 when no step failed.
 """
@@ -32,9 +36,12 @@ Exit status 0 when no step failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import sys
+import tempfile
 import time
 from typing import Any, Callable, cast
 
@@ -42,9 +49,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import __version__, dropout_mask, flash_attention, implementations, paging
+from . import __version__, dropout_mask, flash_attention, implementations, paging, tune
+from .core import tolerance, tuning_cache, variants
 from .core.contract import Implementation
 from .fused import shader_libraries
+from .lowering import autotune
 import jax_flash_metal._ext as _ext
 from .tools import chip_peaks, profile_model, profile_tables, selfcheck_oracle
 from .tools.cli import count
@@ -227,7 +236,7 @@ def check_case(implementation: str, suffix: str, dk: int, dv: int, path: str,
                                           **oracle_kwargs)
     errors, passed = {}, True
     for name, value in got.items():
-        ok, error, limit = selfcheck_oracle.within_tolerance(
+        ok, error, limit = tolerance.within(
             name, value, want[name], None if baseline is None else baseline[name])
         passed &= ok
         errors[name] = [error, limit]
@@ -269,55 +278,99 @@ def dropout_and_paging(implementation: str, chosen) -> tuple[bool, str, list[dic
     return _summary(cases, "dropout and paged-cache cases")
 
 
-def _median_call_seconds(implementation: str, fn: Callable, args, repeats: int) -> float:
-    """Median seconds of one call: GPU time on Metal (the command buffers' GPUStart to GPUEnd,
-    gpu_seconds_total), wall time elsewhere."""
-    jax.block_until_ready(fn(*args))  # compile, first-use pipeline builds
-    times = []
-    for _ in range(repeats):
-        gpu_before = _ext.gpu_seconds_total(implementation)
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        wall = time.perf_counter() - start
-        gpu = _ext.gpu_seconds_total(implementation)
-        times.append(wall if gpu is None else gpu - gpu_before)
-    return float(np.median(times))
-
-
-def speed(implementation: str, quick: bool, repeats: int) -> tuple[bool, str, dict]:
-    """Achieved TFLOP/s of a training-size forward and GB/s of a decode, float16, against the
-    chip's published peak (chip_peaks); on the emulator the figures mean nothing."""
-    metal = implementation == "metal"
+def _peak(implementation: str) -> dict:
     name = _ext.device_name(implementation)
-    peak = chip_peaks.peak(name, _ext.gpu_cores(implementation), _ext.gpu_cores_by_name(name))
-    seq = 2048 if metal and not quick else 64
-    kv = 8192 if metal and not quick else 256
-    shapes = {"forward": (1, seq, seq, 16, 16, 128), "decode": (1, 1, kv, 32, 8, 128)}
-    rng = np.random.default_rng(4)
-    rows = []
-    for kind, (b, tq, tkv, h, hkv, d) in shapes.items():
-        q = jnp.asarray(rng.standard_normal((b, tq, h, d)), jnp.float16)
-        k = jnp.asarray(rng.standard_normal((b, tkv, hkv, d)), jnp.float16)
-        fn = jax.jit(lambda q, k, v: flash_attention(
-            q, k, v, implementation=cast(Implementation, implementation)))
-        seconds = _median_call_seconds(implementation, fn, (q, k, k), repeats)
-        flops = 4.0 * b * h * tq * tkv * d  # QK^T and PV, 2 FLOP per multiply-add
-        moved = 2.0 * (q.size * 2 + k.size * 2)  # f16 bytes: Q and O, K and V once each
-        row = dict(kind=kind, shape=[b, tq, tkv, h, hkv, d], dtype="float16", seconds=seconds,
-                   tflops=flops / seconds / 1e12, gb_per_s=moved / seconds / 1e9)
-        row["tflops_of_peak"] = (row["tflops"] / peak["tflops"] if peak["tflops"] else None)
-        row["gb_per_s_of_peak"] = (row["gb_per_s"] / peak["gb_per_s"] if peak["gb_per_s"]
-                                   else None)
-        rows.append(row)
+    return chip_peaks.peak(name, _ext.gpu_cores(implementation), _ext.gpu_cores_by_name(name))
+
+
+def _figures(kind: str, shape, flops: float, moved: float, seconds: float, peak: dict) -> dict:
+    """A speed row: achieved TFLOP/s and GB/s, and their fractions of the chip's peak."""
+    row = dict(kind=kind, shape=list(shape), dtype="float16", seconds=seconds,
+               tflops=flops / seconds / 1e12, gb_per_s=moved / seconds / 1e9)
+    row["tflops_of_peak"] = row["tflops"] / peak["tflops"] if peak["tflops"] else None
+    row["gb_per_s_of_peak"] = row["gb_per_s"] / peak["gb_per_s"] if peak["gb_per_s"] else None
+    return row
+
+
+def _speed_text(rows: list[dict], metal: bool, peak: dict) -> str:
     text = "; ".join(f"{r['kind']} {r['shape']}: {r['tflops']:.3g} TFLOP/s, "
                      f"{r['gb_per_s']:.3g} GB/s" + (
                          f" ({r['tflops_of_peak']:.0%} / {r['gb_per_s_of_peak']:.0%} of peak)"
                          if r["tflops_of_peak"] is not None else "") for r in rows)
     if not metal:
-        text += " (emulated device: these speeds mean nothing)"
-    elif peak["source"] is None:
-        text += f" (no published peak for {peak['chip']})"
-    return True, text, dict(peak=peak, meaningful=metal, rows=rows)
+        return text + " (emulated device: these speeds mean nothing)"
+    return text + (f" (no published peak for {peak['chip']})" if peak["source"] is None else "")
+
+
+def _speed_shapes(metal: bool, quick: bool) -> dict:
+    """(batch, q_len, kv_len, heads, kv_heads, head_dim) of the training-size forward and the
+    decode; short with --quick or on the emulator, with a quarter of the heads there."""
+    seq = 2048 if metal and not quick else 64
+    kv = 8192 if metal and not quick else 256
+    heads = 1 if metal else 4  # the emulator: the same kernels on fewer threadgroups
+    return {"forward": (1, seq, seq, 16 // heads, 16 // heads, 128),
+            "decode": (1, 1, kv, 32 // heads, 8 // heads, 128)}
+
+
+def speed(implementation: str, quick: bool, repeats: int) -> tuple[bool, str, dict]:
+    """Achieved TFLOP/s of a training-size forward and GB/s of a decode, float16, against the
+    chip's published peak (chip_peaks), with the tuned kernel variants; on the emulator the
+    figures mean nothing."""
+    metal = implementation == "metal"
+    peak = _peak(implementation)
+    rng = np.random.default_rng(4)
+    rows = []
+    for kind, (b, tq, tkv, h, hkv, d) in _speed_shapes(metal, quick).items():
+        q = jnp.asarray(rng.standard_normal((b, tq, h, d)), jnp.float16)
+        k = jnp.asarray(rng.standard_normal((b, tkv, hkv, d)), jnp.float16)
+        fn = jax.jit(lambda q, k, v: flash_attention(
+            q, k, v, implementation=cast(Implementation, implementation)))
+        seconds = autotune.measure(lambda: fn(q, k, k), implementation, repeats=repeats)[1]
+        flops = 4.0 * b * h * tq * tkv * d  # QK^T and PV, 2 FLOP per multiply-add
+        moved = 2.0 * (q.size * 2 + k.size * 2)  # f16 bytes: Q and O, K and V once each
+        rows.append(_figures(kind, (b, tq, tkv, h, hkv, d), flops, moved, seconds, peak))
+    return True, _speed_text(rows, metal, peak), dict(peak=peak, meaningful=metal, rows=rows)
+
+
+DECODE_QUERIES = 4  # the tuned decode: a grouped decode (decode_partial, which has variants)
+
+
+def tuning(implementation: str, quick: bool, repeats: int) -> tuple[bool | None, str, dict]:
+    """Tunes the speed step's training shape (forward and backward, float16) and a decode of
+    DECODE_QUERIES queries against its cache (``jax_flash_metal.tune``); reports each key's
+    variants and the chosen one's TFLOP/s and GB/s against the chip's peak."""
+    metal = implementation == "metal"
+    if variants.from_env() != variants.AUTO:
+        return None, f"skipped: a kernel variant is forced (${variants.ENV})", dict(
+            meaningful=metal, rows=[], cache=None)
+    peak = _peak(implementation)
+    shapes = _speed_shapes(metal, quick)
+    _, t, _, h, _, d = shapes["forward"]
+    kv = shapes["decode"][2]
+    repeats = repeats if metal else 1  # the emulator's timings mean nothing: one run each
+    rows = tune.tune([(1, t, h, d)], backward=True, implementation=implementation,
+                     repeats=repeats)
+    rows += tune.tune([(1, kv, shapes["decode"][3], d)], q_len=DECODE_QUERIES,
+                      kv_heads=shapes["decode"][4], implementation=implementation,
+                      repeats=repeats)
+    for row in rows:
+        if row["variant"] is None:
+            continue
+        b, tq, tkv, h, hkv, d, dv = row["problem"]
+        backward = "bwd_" in row["key"]
+        kind = "backward" if backward else "decode" if "decode" in row["key"] else "forward"
+        pairs = b * h * tq * tkv
+        flops = (10.0 if backward else 4.0) * pairs * d  # the backward: 2.5 forwards
+        moved = 2.0 * b * (tq * h + tkv * hkv) * (d + dv) * (2 if backward else 1)
+        row["speed"] = _figures(kind, row["problem"], flops,
+                                moved, row["seconds"][str(row["variant"])], peak)
+    text = "\n" + tune.format_table(rows) + "\nchosen variants: " + _speed_text(
+        [r["speed"] for r in rows if "speed" in r], metal, peak)
+    if not metal:
+        text += "; not cached"
+    passed = all(r["key"] is None or r["variant"] is not None for r in rows)
+    return passed, text, dict(meaningful=metal, rows=rows,
+                              cache=tuning_cache.path() if metal else None)
 
 
 def kernel_profile(head_dim: int) -> tuple[bool | None, str]:
@@ -363,7 +416,27 @@ def timings(implementation: Implementation, seq_len: int, head_dim: int,
                   f"{t_nn * 1e3:.1f} ms, ratio {t_fused / t_nn:.2f}")
 
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+
+@contextlib.contextmanager
+def _autotune(implementation: str, on: bool):
+    """The autotuner on or off (a forced variant stays forced); on the emulated device, when
+    on, against a temporary cache file (its timings mean nothing, so nothing it picks may reach
+    the user's cache)."""
+    previous, cache = variants.settings(), os.environ.get(tuning_cache.ENV)
+    with tempfile.TemporaryDirectory() as scratch:
+        if on and implementation != "metal":
+            os.environ[tuning_cache.ENV] = os.path.join(scratch, "tuning.json")
+        tune.configure(**dict(previous, autotune=on))
+        try:
+            yield
+        finally:
+            tune.configure(**previous)
+            if cache is None:
+                os.environ.pop(tuning_cache.ENV, None)
+            else:
+                os.environ[tuning_cache.ENV] = cache
 
 
 def environment() -> dict:
@@ -394,15 +467,19 @@ def run(implementation: str, head_dims, features, seq_len: int, repeats: int,
             entry.update(extra[0] if isinstance(extra[0], dict) else {"cases": extra[0]})
         steps[name] = entry
 
-    step("lane_layout", lane_layout, implementation)
-    step("compile", compile_libraries, implementation)
-    step("families", families, implementation, chosen)
-    step("dropout_paging", dropout_and_paging, implementation,
-         chosen if len(chosen) <= 3 else QUICK_FAMILIES)
-    step("correctness", correctness, implementation, head_dims, features)
-    step("profile", kernel_profile, head_dims[0])
-    step("timings", timings, implementation, seq_len, head_dims[0], repeats)
-    step("speed", speed, implementation, quick, repeats)
+    # The checks and timings run variant 0 (or a forced one); tuning has its own steps.
+    with _autotune(implementation, on=False):
+        step("lane_layout", lane_layout, implementation)
+        step("compile", compile_libraries, implementation)
+        step("families", families, implementation, chosen)
+        step("dropout_paging", dropout_and_paging, implementation,
+             chosen if len(chosen) <= 3 else QUICK_FAMILIES)
+        step("correctness", correctness, implementation, head_dims, features)
+        step("profile", kernel_profile, head_dims[0])
+        step("timings", timings, implementation, seq_len, head_dims[0], repeats)
+    with _autotune(implementation, on=True):
+        step("tuning", tuning, implementation, quick, repeats)
+        step("speed", speed, implementation, quick, repeats)
     return dict(schema_version=SCHEMA_VERSION, implementation=implementation,
                 device=_ext.device_name(implementation), quick=quick,
                 environment=environment(),

@@ -56,6 +56,14 @@ inline uint32_t jfm_function_constants(const AttentionParams& p) {
          (p.page_size != 0 ? 1u << JFM_FC_PAGED : 0u);
 }
 
+// The name of constant n (a JFM_FC_* index), nullptr beyond them: the Python package's
+// function_constant_names and the emulator sanitizer's reports.
+inline const char* jfm_function_constant_name(int n) {
+  static const char* const names[JFM_FUNCTION_CONSTANTS] = {"causal", "lengths", "score_features",
+                                                            "sinks",  "dropout", "paged"};
+  return n >= 0 && n < JFM_FUNCTION_CONSTANTS ? names[n] : nullptr;
+}
+
 }  // namespace jfm
 #endif
 

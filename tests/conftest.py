@@ -22,6 +22,11 @@ os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS"),
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"]))
 
+# The autotuner (docs/tuning.md) would time every new call's variants on a Mac and write the
+# user's cache; the suite checks variants against the oracle instead (tests/lowering/
+# test_autotune.py turns tuning on for itself).
+os.environ.setdefault("JFM_AUTOTUNE", "0")
+
 import jax  # noqa: E402
 
 import jax_flash_metal  # noqa: E402

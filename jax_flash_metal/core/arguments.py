@@ -30,10 +30,22 @@ def as_array(x, name):
 
 
 def check_bool(value, name):
-    """``value`` as a bool: a Python or NumPy bool, else TypeError naming ``name``."""
-    if isinstance(value, (bool, np.bool_)):
+    """``value`` as a Python bool known at trace time: a Python or NumPy bool, the integer 0 or
+    1, or a concrete 0-d bool or integer JAX/NumPy array holding one of them (the flags jax.nn
+    tests with ``if``). TypeError naming ``name`` otherwise, and for a traced value (a flag
+    selects the computation, so it is static)."""
+    problem = ""
+    if isinstance(value, (jax.Array, np.ndarray)) and value.shape == () and (
+            value.dtype == np.bool_ or jnp.issubdtype(value.dtype, jnp.integer)):
+        try:
+            value = int(value)
+        except jax.errors.ConcretizationTypeError:
+            problem = " (a traced value: pass a Python bool, or make the argument static)"
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, numbers.Integral)
+                                               and value in (0, 1)):
         return bool(value)
-    raise TypeError(f"{name} must be a bool, got {value!r} of type {type(value).__name__}")
+    raise TypeError(f"{name} must be a bool known at trace time{problem}, got {value!r} of type "
+                    f"{type(value).__name__}")
 
 
 def static_real(value, name):

@@ -49,8 +49,8 @@ class StaticParams(NamedTuple):
     has_alibi: bool = False
     has_page_table: bool = False
     dropout_rate: float = 0.0
-    # The fused kernels' tile variant (docs/kernels.md#kernel-variants; variants.from_env).
-    kernel_variant: int = 0
+    # The fused kernels' tile variant, or variants.AUTO: the lowering chooses (docs/tuning.md).
+    kernel_variant: int = -1
 
 
 class Operands(NamedTuple):

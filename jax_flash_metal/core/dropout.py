@@ -102,7 +102,7 @@ def _grouped(key_start, num_keys, aligned, cut, rows, k_first, k_stride, n, b, k
     words = philox4x32((counter0, rows, n, b), key)
     # One Philox call gives the words of 4 keys. The barrier keeps the 4 word arrays apart
     # from the interleave below: fused into it, XLA evaluates the 10-round chain per key, not
-    # per group of 4 (measured on CPU: a 4 x 1024 x 1024 mask took 40-60x as long).
+    # per group of 4 (docs/benchmarks.md#why-the-xla-schedules).
     kept = jax.lax.optimization_barrier(tuple(w >= cut for w in words))
     kept = jnp.stack(kept, axis=-1).reshape(kept[0].shape[:-1] + (groups * 4,))
     if exact:

@@ -161,9 +161,13 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
     asked = (f"head_dim {head_dim}" if value_head_dim == head_dim else
              f"key head dim {head_dim} with value head dim {value_head_dim}")
     message = (f"flash_attention: {asked} with dtype {dtype} is not supported by "
-               f"the {implementation!r} implementation (missing kernels {missing}); "
-               f"supported head dims for {dtype}: {dims}, and (key, value) head-dim pairs "
-               f"{pairs}")
+               f"the {implementation!r} implementation, whose kernels take head dims {dims} "
+               f"(key and value alike) and the (key, value) head-dim pairs {pairs}; the 'xla' "
+               f"implementation runs any head dim")
+    offered = (head_dim in dims) if value_head_dim == head_dim else (
+        (head_dim, value_head_dim) in pairs)
+    if offered:
+        message += f". This build lacks kernels of that family: {missing}"  # a broken build
     library_error = _ext.library_error(implementation)
     if library_error:
         message += f". Shader library error: {library_error}"

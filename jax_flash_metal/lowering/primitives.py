@@ -33,7 +33,7 @@ from ..core._jax_private import (ShapedArray, prim_requires_devices_during_lower
 from ..core.contract import Operands, coerce_params
 from ..xla import attention as xla_attention
 from ..xla import schedule as xla_schedule
-from . import dispatch, sharding
+from . import autotune, dispatch, sharding
 
 fwd_p = Primitive("flash_attention_fwd")
 fwd_p.multiple_results = True
@@ -335,6 +335,8 @@ def _make_cpu_lowering(prim):
         if impl == "xla" or _has_zero_size(ctx):
             return _xla_lowering(prim, ctx, args, params, "cpu")
         params["implementation"] = impl
+        params["kernel_variant"] = autotune.choose(direction, impl, ctx.avals_in, params,
+                                                   {d: p for p, d in _DIRECTION.items()})
         return sharding.lower(prim, direction, ctx, args, params,
                               dispatch.fused_lowering(direction), fused=True)
     return lowering

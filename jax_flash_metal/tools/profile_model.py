@@ -21,13 +21,6 @@ PASSES = ("forward", "backward")
 
 PROBLEM_KEYS = ("dtype", "head_dim", "value_head_dim", "batch", "q_len", "kv_len", "heads",
                 "kv_heads", "causal", "alibi", "dropout")
-# Exact counts of one launch, as the emulator reports them.
-COUNT_KEYS = ("threadgroups", "threads_per_threadgroup", "threadgroup_memory_bytes",
-              "device_bytes_read", "device_bytes_written", "threadgroup_bytes_read",
-              "threadgroup_bytes_written", "mma_ops", "simd_ops", "barriers", "fma_ops", "math_ops")
-# Keys of each --json record, in order.
-JSON_KEYS = ("kernel", "variant", *PROBLEM_KEYS, *COUNT_KEYS, "useful_flops", "registers",
-             "model", "occupancy")
 
 # Useful FLOPs per visible (query, key) pair credited to each kernel stage (kernel names are
 # flash_attention_<stage>_<dtype>_d<Dk>[_v<Dv>]), as (coefficient of the key head dim Dk,
@@ -55,6 +48,17 @@ NO_COUNTING_MESSAGE = ("this build has no counting kernel variants (they are bui
 def _ext():
     from .. import _ext as ext  # the native extension; absent in an unbuilt source tree
     return ext
+
+
+def count_keys() -> tuple[str, ...]:
+    """The exact counts of one launch, in order, as the emulator reports them (its list)."""
+    return tuple(_ext().emulator.PROFILE_COUNTS)
+
+
+def json_keys() -> tuple[str, ...]:
+    """The keys of each --json record, in order."""
+    return ("kernel", "variant", *PROBLEM_KEYS, *count_keys(), "useful_flops", "registers",
+            "model", "occupancy")
 
 
 class Problem:
@@ -298,7 +302,7 @@ def profile_records(problem: Problem, passes, gpus) -> list[dict]:
         record = {
             "kernel": r["kernel"], "variant": kernel_variant(r["kernel"]),
             **{k: getattr(problem, k) for k in PROBLEM_KEYS},
-            **{k: r[k] for k in COUNT_KEYS},
+            **{k: r[k] for k in count_keys()},
             "useful_flops": useful,
             "registers": registers(r["kernel"]),
             "model": {g: model_launch(GPUS[g], executed_flops=executed, useful_flops=useful,

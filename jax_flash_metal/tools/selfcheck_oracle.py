@@ -1,11 +1,9 @@
-"""The self-check's reference and tolerances (``python -m jax_flash_metal.selfcheck``).
+"""The self-check's float64 oracle (``python -m jax_flash_metal.selfcheck``).
 
 ``dense`` is plain softmax attention written out in one dtype, with gradients by ``jax.vjp``: run
 on float64 inputs (under 64-bit mode) it is the float64 oracle the self-check compares the fused
 kernels with; run on the inputs' own float16/bfloat16 it is the baseline the half-precision
-tolerances scale with. ``within_tolerance`` applies the rule of docs/testing.md#tolerances:
-float32 errors within 1e-5 x max|oracle| (O, LSE) or 1e-4 x max|oracle| (gradients) + 1e-6;
-float16/bfloat16 errors within 2 x the baseline's error + 1e-5.
+tolerances (``core.tolerance``) scale with.
 """
 
 from __future__ import annotations
@@ -14,8 +12,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-FLOAT32_RTOL = {"o": 1e-5, "lse": 1e-5, "dq": 1e-4, "dk": 1e-4, "dv": 1e-4}
 
 
 def x64():
@@ -74,17 +70,3 @@ def oracle(arrays, **kwargs):
     with x64():
         return dense(*(jnp.asarray(np.asarray(a, np.float64)) for a in arrays), **kwargs)
 
-
-def _max_error(got, want) -> float:
-    return float(np.abs(np.asarray(got, np.float64) - want).max(initial=0.0))
-
-
-def within_tolerance(name: str, got, want, baseline=None) -> tuple[bool, float, float]:
-    """(passed, max |got - want|, limit) for output ``name`` (o, lse, dq, dk, dv); ``baseline``
-    (required for float16/bfloat16 ``got``) is ``dense`` of the same inputs in their dtype."""
-    error = _max_error(got, want)
-    if baseline is None:
-        limit = FLOAT32_RTOL[name] * float(np.abs(want).max(initial=0.0)) + 1e-6
-    else:
-        limit = 2 * _max_error(baseline, want) + 1e-5
-    return error <= limit, error, limit

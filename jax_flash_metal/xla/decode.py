@@ -12,7 +12,7 @@ dim and the output a weighted sum over keys, not matmuls (whose batch axes would
 [B, HKV, Tkv, D]), and the spans are static slices of the operands, not a loop's state (a
 ``lax.fori_loop`` let XLA pick the state's layout, and it transposed the whole cache before the
 loop). XLA:GPU still assigns its reductions operand layouts of its own and copies part of the cache
-into them (docs/gpu.md: 2.9 GiB of temporaries for a 4 GiB cache on an H100); reading it strictly in
+into them (docs/gpu.md has the temporaries this costs); reading it strictly in
 place needs more control over layouts than jax.numpy gives. With a page table each span gathers only
 its own pages (page 0 for those past a row's length, which are never weighed); spans that no row can
 see are skipped when the band is static.

@@ -210,7 +210,8 @@ def _key_major(small, big, pinned_transposes):
     -> [B, HKV, Bc, D] (dS^T q, P^T dO). With ``pinned_transposes``, computed as
     (small^T big)^T: a plain matmul that reads the [rows, keys] operand in its layout. The
     optimization barriers keep XLA from folding the two small transposes back into the matmul,
-    which XLA:CPU would then run as a transposed-operand matmul about 1.5x slower."""
+    which XLA:CPU would then run as a slower transposed-operand matmul
+    (docs/benchmarks.md#why-the-xla-schedules)."""
     if not pinned_transposes:
         return _dot("bhgqd,bhgqk->bhkd", small, big)
     small_t = jax.lax.optimization_barrier(jnp.moveaxis(small, -1, 2))  # [B, HKV, D, G, Br]

@@ -76,7 +76,7 @@ BAD_INPUTS = [
      "key with page_table must be pages [num_pages, page_size, num_kv_heads, head_dim]"),
     (dict(page_table=jnp.zeros((2, 1), jnp.int32), value=K[:1]), ValueError,
      "key and value must agree on [num_pages, page_size, num_kv_heads]"),
-    (dict(is_causal=1), TypeError, "is_causal must be a bool"),
+    (dict(is_causal=2), TypeError, "is_causal must be a bool"),
     (dict(return_lse="yes"), TypeError, "return_lse must be a bool"),
 ]
 

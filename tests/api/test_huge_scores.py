@@ -163,6 +163,17 @@ def test_sinks_at_the_offset(impl, offset):
           saturates=impl == "emulator", **kw)
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_sink_beyond_the_saturation(impl):
+    """A sink of 1e38 (beyond the kernels' +-8.5e37) takes its head's whole weight: output 0
+    there, and every gradient, dsinks included, that of the float64 oracle (never NaN)."""
+    q, k, v, do, g = inputs(jnp.float32, 1, TQ, TK, H, HKV, seed=9)
+    sinks = jnp.asarray([1e38, 0.5, -1.0, 2.0], jnp.float32)
+    got = run(q, k, v, do, g, implementation=impl, sinks=sinks)
+    tolerance.assert_all_match_oracle(got, q, k, v, do, g, sinks=np.asarray(sinks),
+                                      names=("o", "dq", "dk", "dv", "dsinks"))
+
+
 # ---- finite differences where the offset leaves them meaningful -----------------------------
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)

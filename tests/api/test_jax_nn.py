@@ -168,3 +168,33 @@ def test_scale_must_be_static_and_finite():
     with pytest.raises(ValueError, match="scale"):
         flash_attention(q, k, v, scale=float("inf"))
     jax.jit(lambda s: jax.nn.dot_product_attention(q, k, v, scale=s))(0.5)
+
+
+def test_is_causal_takes_concrete_bool_likes():
+    """As jax.nn's `if is_causal:`: a NumPy or JAX 0-d bool, or the integer 0 or 1, known at
+    trace time; a traced flag raises TypeError naming is_causal (it selects the computation)."""
+    q, k, v, _, _ = make_inputs(49, 1, TQ, TK, H, HKV, D, jnp.float32)
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+    for flag, causal in [(jnp.array(True), True), (np.array(True), True), (1, True),
+                         (np.int32(0), False), (jnp.array(False), False)]:
+        want = oracle.attention(q64, k64, v64, is_causal=causal)[0]
+        np.testing.assert_allclose(flash_attention(q, k, v, is_causal=flag), want, atol=2e-6)
+    with pytest.raises(TypeError, match="is_causal must be a bool known at trace time .a traced"):
+        jax.jit(lambda flag: flash_attention(q, k, v, is_causal=flag))(True)
+    with pytest.raises(TypeError, match="is_causal"):
+        flash_attention(q, k, v, is_causal=2)
+
+
+def test_low_precision_bias_with_float32_query(implementation):
+    """As jax.nn: a float16 bias is added to the float32 scores exactly (no error, no
+    rounding of the scores to float16); its gradient comes back in float16."""
+    q, k, v, _, _ = make_inputs(50, 1, TQ, TK, H, HKV, D, jnp.float32)
+    bias = jnp.asarray(np.random.default_rng(50).standard_normal((1, H, TQ, TK)), jnp.float16)
+    want = oracle.attention(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                            bias=np.asarray(bias, np.float64))[0]
+    out = flash_attention(q, k, v, bias, implementation=implementation)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, want, atol=2e-6)
+    dbias = jax.grad(lambda b: jnp.sum(flash_attention(q, k, v, b,
+                                                       implementation=implementation)))(bias)
+    assert dbias.dtype == jnp.float16

@@ -177,3 +177,38 @@ def test_sanitizer_arguments():
         findings("sanitizer_legal_reduce", sanitize="yes")
     with pytest.raises(ValueError, match="outputs needs sanitize"):
         emulator.run("sanitizer_legal_reduce", buffers(), (1, 1, 1), THREADS, outputs=[1])
+
+
+def test_initcheck_output_written_twice_breaks_the_contract():
+    report = findings("initcheck_output_written_twice")
+    assert "initcheck (output contract) in kernel initcheck_output_written_twice" in report
+    assert "[[buffer(1)]] 'out' element" in report and "writes it once" in report, report
+    assert line_of("out[tid] = 0.0f;") in report and line_of("out[63 - tid] = in[tid];") in report
+    assert len(re.findall(r"thread \d+ \(simdgroup \d, lane \d+\)", report)) == 2, report
+
+
+def test_initcheck_accumulated_output_one_store_per_dispatch():
+    produce = ("sanitizer_produce", (2, 1, 1), (32, 1, 1), False)
+    accumulate = ("sanitizer_accumulate", (2, 1, 1), (32, 1, 1), True)
+    twice = ("initcheck_accumulate_twice", (2, 1, 1), (32, 1, 1), True)
+    bufs = plan_buffers()
+    emulator.run_plan([produce, accumulate, accumulate], bufs, outputs=[1], accumulated=[1])
+    np.testing.assert_array_equal(bufs[1], np.arange(64, dtype=np.float32) * 2 + 2)
+    # Written once by contract: the accumulating step is a second store.
+    with pytest.raises(RuntimeError, match=r"already stored; the contract of output 'mid' "
+                                           r"writes it once"):
+        emulator.run_plan([produce, accumulate], plan_buffers(), outputs=[1])
+    with pytest.raises(RuntimeError, match="one store per dispatch") as e:
+        emulator.run_plan([produce, twice], plan_buffers(), outputs=[1], accumulated=[1])
+    assert line_of("mid[i] *= 2.0f;") in str(e.value)
+    with pytest.raises(ValueError, match="accumulated: buffer 2 is not in outputs"):
+        emulator.run_plan([produce], plan_buffers(), outputs=[1], accumulated=[2])
+
+
+def test_reports_name_the_function_constants():
+    assert "kernel racecheck_write_write with function constants all true (unspecialised)" in \
+        findings("racecheck_write_write")
+    with pytest.raises(RuntimeError, match=r"kernel racecheck_write_write with function "
+                                           r"constants causal\+sinks:"):
+        emulator.run("racecheck_write_write", buffers(), (1, 1, 1), THREADS, sanitize="first",
+                     function_constants=0b1001)

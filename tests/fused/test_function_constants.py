@@ -9,9 +9,6 @@ pipeline whose feature constants are off has no feature code left to run (its co
 memory traffic do not depend on the feature flags of AttentionParams at all).
 """
 
-import itertools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,28 +16,14 @@ import pytest
 import kernel_harness as kh
 import oracle
 import tolerance
-from api_helpers import needs_emulator, normal, run
-from jax_flash_metal import _ext, flash_attention
-from jax_flash_metal.dropout import dropout_mask
+from api_helpers import needs_emulator, normal
+from constant_sets import BIT, D, DECODE, NAMES, PREFILL, label, run_constant_set
+from jax_flash_metal import _ext
 
 pytestmark = needs_emulator
 
-NAMES = _ext.function_constant_names()
-BIT = {name: 1 << n for n, name in enumerate(NAMES)}
 FEATURE_BUFFERS = (kh.Q_LENGTHS, kh.KV_LENGTHS, kh.Q_SEGMENT_IDS, kh.KV_SEGMENT_IDS, kh.BIAS,
                    kh.MASK, kh.SINKS, kh.DROPOUT, kh.PAGE_TABLE, kh.ALIBI_SLOPES)
-B, H, HKV, D = 2, 4, 2, 16
-KEY = jax.random.key(7)
-
-
-def subsets(mask):
-    """Every constant set within `mask` (the bits of the host's list), smallest first."""
-    bits = [1 << n for n in range(32) if mask >> n & 1]
-    return sorted(sum(c) for r in range(len(bits) + 1) for c in itertools.combinations(bits, r))
-
-
-def label(constants):
-    return "+".join(n for n in NAMES if constants & BIT[n]) or "plain"
 
 
 def test_the_translator_binds_function_constants_per_launch():
@@ -60,24 +43,7 @@ def test_the_host_lists_one_name_per_constant_and_masks_per_stage():
     assert _ext.stage_function_constants("nonsense") == 0
 
 
-# ---- every constant set the host can pick, through the FFI handler ----
-
-def call_arguments(constants, q_len, kv_len, rng):
-    """flash_attention keyword arguments that use exactly the features of `constants`."""
-    kw = {}
-    if constants & BIT["causal"]:
-        kw.update(is_causal=True, causal_alignment="bottom_right")
-    if constants & BIT["lengths"]:
-        kw.update(query_seq_lengths=np.array([q_len, max(q_len - 3, 1)], np.int32),
-                  key_value_seq_lengths=np.array([kv_len, kv_len - 5], np.int32))
-    if constants & BIT["score_features"]:
-        kw["bias"] = np.asarray(normal(rng, (1, H, q_len, kv_len), jnp.float32))
-    if constants & BIT["sinks"]:
-        kw["sinks"] = np.asarray(normal(rng, (H,), jnp.float32))
-    if constants & BIT["dropout"]:
-        kw.update(dropout_rate=0.5, dropout_rng=KEY)
-    return kw
-
+# ---- every constant set the host can pick (constant_sets.py), through the FFI handler ----
 
 def dispatched(records):
     """{stage: set of function-constant sets} of the recorded dispatches."""
@@ -96,48 +62,10 @@ def check_dispatches(records, constants):
     return stages
 
 
-def paged_case(constants, q, kv_len, rng, kw):
-    """Forward on a paged cache (forward only; pages of 16 keys in shuffled order, key lengths
-    always given, as a paged call needs them) against the oracle on the gathered cache."""
-    page, pages = 16, -(-kv_len // 16)
-    lengths = kw.pop("key_value_seq_lengths", np.array([pages * page] * B, np.int32))
-    table = rng.permutation(B * pages).reshape(B, pages).astype(np.int32)
-    k = np.asarray(normal(rng, (B * pages, page, HKV, D), jnp.float32))
-    v = np.asarray(normal(rng, (B * pages, page, HKV, D), jnp.float32))
-    k_flat, v_flat = (x[table].reshape(B, pages * page, HKV, D) for x in (k, v))
-    if "bias" in kw:
-        kw["bias"] = np.pad(kw["bias"], ((0, 0), (0, 0), (0, 0), (0, pages * page - kv_len)))
-    call_kw = dict(kw, key_value_seq_lengths=lengths)  # a paged call always has them
-    o, lse = flash_attention(q, k, v, page_table=table, implementation="emulator",
-                             return_lse=True, **call_kw)
-    oracle_kw = {n: x for n, x in call_kw.items() if n not in ("dropout_rate", "dropout_rng")}
-    if constants & BIT["dropout"]:
-        oracle_kw.update(dropout_rate=0.5, dropout_mask=np.asarray(
-            dropout_mask(KEY, (B, H, q.shape[1], pages * page), 0.5)))
-    want_o, want_lse = oracle.attention(q, k_flat, v_flat, **oracle_kw)
-    tolerance.assert_matches_oracle("o", o, want_o)
-    tolerance.assert_matches_oracle("lse", lse, want_lse)
-
-
 def check_constant_set(constants, q_len):
-    rng = np.random.default_rng(constants)
-    kv_len = 40
-    kw = call_arguments(constants, q_len, kv_len, rng)
-    q = normal(rng, (B, q_len, H, D), jnp.float32)
     _ext.set_emulator_profiling(True)
     try:
-        if constants & BIT["paged"]:
-            paged_case(constants, q, kv_len, rng, kw)
-        else:
-            k, v = (normal(rng, (B, kv_len, HKV, D), jnp.float32) for _ in range(2))
-            do = normal(rng, (B, q_len, H, D), jnp.float32)
-            g = jnp.zeros((B, H, q_len), jnp.float32)
-            got = run(q, k, v, do, g, implementation="emulator", **kw)
-            oracle_kw = {n: x for n, x in kw.items() if n not in ("dropout_rate", "dropout_rng")}
-            if constants & BIT["dropout"]:
-                oracle_kw.update(dropout_rate=0.5, dropout_mask=np.asarray(
-                    dropout_mask(KEY, (B, H, q_len, kv_len), 0.5)))
-            tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got), **oracle_kw)
+        run_constant_set(constants, q_len)
     finally:
         records = _ext.take_emulator_profile()
         _ext.set_emulator_profiling(False)
@@ -146,9 +74,6 @@ def check_constant_set(constants, q_len):
     return check_dispatches(records, constants)
 
 
-PREFILL = subsets(_ext.stage_function_constants("fwd"))
-DECODE = subsets(_ext.stage_function_constants("decode_partial")
-                 | _ext.stage_function_constants("decode_combine"))
 # The plain call, each feature alone and all together run in CI's quick set; every other
 # combination is in the slow set.
 QUICK = {0, max(PREFILL)} | {1 << n for n in range(len(NAMES))}
@@ -160,7 +85,7 @@ def cases(sets, q_len):
 
 
 @kh.needs_counting
-@pytest.mark.parametrize("constants,q_len", cases(PREFILL, 12) + cases(DECODE, 1))
+@pytest.mark.parametrize("constants,q_len", cases(PREFILL, 20) + cases(DECODE, 1))
 def test_every_constant_set_the_host_picks(constants, q_len):
     """The call using exactly these features: each dispatch carries the set masked by its
     stage's list, and O, LSE (and without paging dQ, dK, dV, dbias, dsinks) match the oracle."""

@@ -30,15 +30,11 @@ SCHEDULES = (("forward", 0), ("reverse", 0), ("random", 5))
 REPRESENTATIVE = [("f32", 64), ("f16", 128), ("bf16", 192)]
 
 
-def stages_of(head_dim):
-    return ("fwd", "decode_partial", *_ext.bwd_stages(head_dim))
-
-
 def test_every_family_lists_its_variants():
     names = set(_ext.kernel_names("emulator"))
     for suffix, dk, dv in _ext.kernel_families():
         d = _ext.tile_head_dim(dk, dv)
-        for stage in stages_of(d):
+        for stage in kh.stages_of(d):
             variants = _ext.kernel_variants(stage, suffix, d)
             assert [v["variant"] for v in variants][:1] == [0]
             assert len(variants) <= _ext.tile_variants(stage) == 2
@@ -59,12 +55,7 @@ def test_every_family_lists_its_variants():
         _ext.tile_shape("fwd", "f16", 64, 2)
 
 
-def _variants(dtype, head_dim):
-    return sorted({v["variant"] for s in stages_of(head_dim)
-                   for v in _ext.kernel_variants(s, dtype, head_dim)})
-
-
-CASES = [(dtype, d, v) for dtype, d in REPRESENTATIVE for v in _variants(dtype, d)]
+CASES = [(dtype, d, v) for dtype, d in REPRESENTATIVE for v in kh.variants_of(dtype, d)]
 
 
 @pytest.mark.parametrize("dtype,head_dim,variant", CASES,

@@ -1,8 +1,11 @@
-"""Every attention kernel family under the emulator's sanitizer (racecheck, initcheck, memcheck;
-docs/testing.md): forward, decode (both passes and the combine), backward (joint and split),
-dropout and paging, on small shapes with partial tiles, lengths and fully masked rows. A finding
-fails the call (an FFI error naming both accesses and their shader lines); the results must
-still match the float64 oracle, as the sanitizer poisons every output before the call.
+"""Every attention kernel the host can launch under the emulator's sanitizer (racecheck,
+initcheck with the output write contract, memcheck; docs/testing.md, "Sanitizer coverage"):
+every family in f32, f16 and bf16 in each of its tile variants, forward and backward (joint and
+split); every function-constant set the host can pick (tests/helpers/constant_sets.py); the
+decode (both passes and the combine) in each pass-1 variant; every score feature, dropout and
+paging; on small shapes with partial tiles, lengths and fully masked rows. A finding fails the
+call (an FFI error naming both accesses and their shader lines); the results must still match
+the float64 oracle, as the sanitizer poisons every output before the call.
 """
 
 import jax
@@ -11,10 +14,14 @@ import numpy as np
 import pytest
 
 import tolerance
-from api_helpers import FAMILIES, check_against_oracle, make_inputs, needs_emulator, normal
+from api_helpers import DTYPES, check_against_oracle, make_inputs, needs_emulator, normal
 from api_helpers import run as run_with_gradients
+from ffi_targets import submission_budget
+from jax_flash_metal.core import variants
 
 ext = pytest.importorskip("jax_flash_metal._ext")
+import kernel_harness as kh  # noqa: E402
+from constant_sets import DECODE, PREFILL, label, run_constant_set  # noqa: E402
 from jax_flash_metal import flash_attention  # noqa: E402
 
 pytestmark = [
@@ -35,31 +42,60 @@ def sanitizer():
         ext.set_emulator_sanitizer(before)
 
 
-# Tails in both directions (19 queries, 37 keys: partial tiles), grouped-query attention, and
-# bottom-right causal with q_len > kv_len in the first case: its first rows see no key.
-SHAPES = [dict(q_len=19, kv_len=37, is_causal=True),
-          dict(q_len=40, kv_len=23, is_causal=True, causal_alignment="bottom_right")]
+# Every kernel instantiation of the prefill path: (dtype, Dk, Dv, tile variant).
+KERNELS = [pytest.param(dtype, dk, dv, variant, id=f"{dtype}-d{dk}_v{dv}-var{variant}")
+           for dtype, dk, dv in ext.kernel_families()
+           for variant in kh.variants_of(dtype, ext.tile_head_dim(dk, dv))]
 
 
-@pytest.mark.parametrize("dk,dv", FAMILIES, ids=[f"d{dk}_v{dv}" for dk, dv in FAMILIES])
-def test_sanitizer_every_family_forward_and_backward(dk, dv):
-    for i, shape in enumerate(SHAPES if dk <= 64 else SHAPES[:1]):
-        shape = dict(shape)
-        q_len, kv_len = shape.pop("q_len"), shape.pop("kv_len")
-        q, k, v, do, g = make_inputs(i, 1, q_len, kv_len, 2, 1, dk, jnp.float32)
-        if dv != dk:
-            v = normal(np.random.default_rng(i), (1, kv_len, 1, dv), jnp.float32)
-            do = normal(np.random.default_rng(i + 1), (1, q_len, 2, dv), jnp.float32)
-        check_against_oracle(q, k, v, do, g, implementation="emulator", **shape)
+@pytest.mark.parametrize("dtype,dk,dv,variant", KERNELS)
+def test_sanitizer_every_family_dtype_and_variant(monkeypatch, dtype, dk, dv, variant):
+    """Forward and backward of one kernel instantiation: batch 2 with lengths cutting both
+    directions, bottom-right causal with more queries than keys (the first rows of the first
+    batch element see no key), partial tiles of at least two blocks in both directions,
+    grouped-query heads; the odd variants add a local window."""
+    monkeypatch.setenv(variants.ENV, str(variant))
+    q_len, kv_len = 45, 37
+    q, k, v, do, g = make_inputs(variant, 2, q_len, kv_len, 2, 1, dk, DTYPES[dtype])
+    if dv != dk:
+        rng = np.random.default_rng(variant + 1)
+        v = normal(rng, (2, kv_len, 1, dv), DTYPES[dtype])
+        do = normal(rng, (2, q_len, 2, dv), DTYPES[dtype])
+    kw = dict(is_causal=True, causal_alignment="bottom_right",
+              query_seq_lengths=np.array([q_len, 7], np.int32),
+              key_value_seq_lengths=np.array([kv_len, 11], np.int32))
+    if variant % 2:
+        kw["local_window_size"] = (6, 2)
+    check_against_oracle(q, k, v, do, g, implementation="emulator", **kw)
 
 
-@pytest.mark.parametrize("dtype", ["f16", "bf16"])
-def test_sanitizer_half_precision_with_lengths_and_window(dtype):
-    q, k, v, do, g = make_inputs(3, 2, 21, 45, 4, 2, 32, getattr(jnp, {"f16": "float16",
-                                                                        "bf16": "bfloat16"}[dtype]))
-    check_against_oracle(q, k, v, do, g, implementation="emulator", local_window_size=(6, 2),
-                         query_seq_lengths=np.array([21, 5], np.int32),
-                         key_value_seq_lengths=np.array([45, 12], np.int32))
+# 20 queries: the tiled forward (past the decode's JFM_DECODE_MAX_Q_LEN of 16) and the
+# backward; one query: the decode's vector pass 1; 8 queries: its tiled pass 1. Both decodes end
+# with the combine.
+CONSTANT_SETS = [pytest.param(c, q_len, id=f"q{q_len}-{label(c)}")
+                 for sets, q_lens in ((PREFILL, (20,)), (DECODE, (1, 8))) for q_len in q_lens
+                 for c in sets]
+
+
+@pytest.mark.parametrize("constants,q_len", CONSTANT_SETS)
+def test_sanitizer_every_constant_set(monkeypatch, constants, q_len):
+    """Each function-constant set the host can pick, in the call that uses exactly its features.
+    The tile variant alternates with the parity of the set's size, so each constant alone, and
+    each pair of constants, runs in both variants (a set and its one-larger supersets)."""
+    monkeypatch.setenv(variants.ENV, str(bin(constants).count("1") % 2))
+    run_constant_set(constants, q_len)
+
+
+@pytest.mark.parametrize("q_len", [45, 8], ids=["prefill", "decode"])
+def test_sanitizer_plan_cut_into_one_threadgroup_submissions(q_len):
+    """Under a budget of one threadgroup per submission, every stage is cut into chunks across
+    many command buffers: each output is still written once in all (the write contract), and
+    the chunks' dispatches of one stage and the stages' barriers order every access."""
+    q, k, v, do, g = make_inputs(10, 2, q_len, 37, 4, 2, 16, jnp.float32)
+    kw = dict(is_causal=True, causal_alignment="bottom_right",
+              key_value_seq_lengths=np.array([37, 20], np.int32))
+    with submission_budget(1e-12):
+        check_against_oracle(q, k, v, do, g, implementation="emulator", **kw)
 
 
 def test_sanitizer_every_score_feature_forward_and_backward():
@@ -82,11 +118,22 @@ def test_sanitizer_every_score_feature_forward_and_backward():
             assert np.isfinite(np.asarray(x, np.float32)).all(), name
 
 
-@pytest.mark.parametrize("heads,kv_heads,dtype", [(8, 1, jnp.float32), (2, 2, jnp.float16)])
-def test_sanitizer_decode_both_passes_and_the_combine(heads, kv_heads, dtype):
-    # q_len 1 against a long cache: the split-KV decode (pass 1 per split, then the combine).
+# (query rows, heads, KV heads, dtype, variant): the vector pass 1 (a few rows per KV head) and
+# the tiled one (decode_partial) in each variant, each followed by the combine.
+DECODES = [(1, 8, 1, "f32", 0), (1, 2, 2, "f16", 0), (8, 4, 1, "bf16", 0), (8, 4, 1, "f32", 1),
+           (5, 4, 2, "f16", 1)]
+
+
+@pytest.mark.parametrize("q_len,heads,kv_heads,dtype,variant", DECODES,
+                         ids=[f"q{c[0]}-h{c[1]}_{c[2]}-{c[3]}-var{c[4]}" for c in DECODES])
+def test_sanitizer_decode_both_passes_and_the_combine(monkeypatch, q_len, heads, kv_heads,
+                                                      dtype, variant):
+    # A few queries against a long cache: the split-KV decode (pass 1 per split, then the
+    # combine); the second batch element's shorter length leaves the later splits few or no keys.
+    monkeypatch.setenv(variants.ENV, str(variant))
+    dtype = DTYPES[dtype]
     rng = np.random.default_rng(5)
-    q = normal(rng, (2, 1, heads, 64), dtype)
+    q = normal(rng, (2, q_len, heads, 64), dtype)
     k = normal(rng, (2, 517, kv_heads, 64), dtype)
     v = normal(rng, (2, 517, kv_heads, 64), dtype)
     lengths = np.array([517, 200], np.int32)
@@ -126,8 +173,6 @@ def test_memcheck_sees_the_attention_kernels_accesses():
     # The forward kernel bound to an O one query row short, as a host sizing bug would: the last
     # row's store lands past the buffer (where Metal may have mapped another one) and is reported
     # with the kernel's shader line; the declared outputs start poisoned.
-    import kernel_harness as kh
-
     rng = np.random.default_rng(8)
     q, k, v = (rng.standard_normal((1, 19, 2, 16)).astype(np.float32) for _ in range(3))
     lse, row_max, log_sum = (np.zeros((1, 2, 19), np.float32) for _ in range(3))
@@ -146,7 +191,8 @@ def test_memcheck_sees_the_attention_kernels_accesses():
     with pytest.raises(RuntimeError) as e:
         run()
     report = str(e.value)
-    assert f"memcheck in kernel {kernel}: write of" in report, report
+    assert (f"memcheck in kernel {kernel} with function constants all true (unspecialised): "
+            "write of") in report, report
     assert "[[buffer(3)]] 'o' element" in report and "outside its buffer" in report
     if kh.SANITIZER_LINES:
         assert "at shaders/flash_attention_" in report  # the store's line in the kernel source

@@ -166,6 +166,18 @@ def _dropout(mask):
     return {} if x is None else {DROPOUT: np.ascontiguousarray(x, dtype=np.uint32)}
 
 
+def stages_of(head_dim):
+    """The tiled stages of a family whose tiles are chosen by `head_dim` (tile_head_dim)."""
+    return ("fwd", "decode_partial", *bwd_stages(head_dim))
+
+
+def variants_of(dtype, head_dim):
+    """The tile variants any tiled stage of the family lists (``_ext.kernel_variants``), sorted;
+    dtype 'f32' | 'f16' | 'bf16'."""
+    return sorted({v["variant"] for s in stages_of(head_dim)
+                   for v in kernel_variants(s, dtype, head_dim)})
+
+
 def blocks(stage, dtype, head_dim):
     """(rows per threadgroup, block of the traversed dimension) of a stage (tile_shapes.h);
     dtype 'f32' | 'f16' | 'bf16'."""

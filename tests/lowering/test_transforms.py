@@ -207,7 +207,7 @@ def test_coerce_params_exact_types():
                           implementation=None, has_segment_ids=False, has_bias=False,
                           has_mask=False, has_sinks=False, logits_soft_cap=None,
                           has_alibi=False, has_page_table=False, dropout_rate=0.0,
-                          kernel_variant=0)
+                          kernel_variant=-1)  # variants.AUTO: the lowering chooses
     assert [type(x) for x in params.values()] == [float, bool, int, int, bool, bool, bool,
                                                   type(None), bool, bool, bool, bool, type(None),
                                                   bool, bool, float, int]

@@ -2,8 +2,8 @@
 path and command-line program of the package.
 
 - No module of ``jax_flash_metal/`` is over LINES_PER_MODULE lines except those of LONG_MODULES
-  (each with the reason); no function of ``ffi/`` is over LINES_PER_FUNCTION lines except those
-  of LONG_FUNCTIONS.
+  (each with the reason); no function of the native code (``ffi/`` and ``emulator/``) is over
+  LINES_PER_FUNCTION lines except those of LONG_FUNCTIONS.
 - No relay: no module imports a name of the package only to hand it on to the package again
   (every use of the name an argument of a call of a package function), outside
   ``__init__.py``, whose re-exports are the public API.
@@ -27,12 +27,13 @@ LONG_MODULES = {
     "selfcheck.py": "one job: the self-check's steps in order, each a short function",
 }
 LINES_PER_FUNCTION = 80
+NATIVE_FOLDERS = ("ffi", "emulator")
 LONG_FUNCTIONS: dict[tuple[str, str], str] = {}
 
 PUBLIC_MODULES = ["jax_flash_metal", "jax_flash_metal.attention", "jax_flash_metal.reference",
                   "jax_flash_metal.ring_attention", "jax_flash_metal.dropout",
                   "jax_flash_metal.paging", "jax_flash_metal.implementations",
-                  "jax_flash_metal.flax", "jax_flash_metal.equinox"]
+                  "jax_flash_metal.flax", "jax_flash_metal.equinox", "jax_flash_metal.tune"]
 PUBLIC_NAMES = {"jax_flash_metal": ["flash_attention", "reference_attention", "dropout_mask",
                                     "devices", "metal_available", "implementations",
                                     "__version__"],
@@ -41,8 +42,10 @@ PUBLIC_NAMES = {"jax_flash_metal": ["flash_attention", "reference_attention", "d
                 "jax_flash_metal.ring_attention": ["stripe", "unstripe", "shard_map"],
                 "jax_flash_metal.paging": ["gather", "logical_len"],
                 "jax_flash_metal.flax": ["attention_fn"],
-                "jax_flash_metal.equinox": ["MultiheadAttention"]}
+                "jax_flash_metal.equinox": ["MultiheadAttention"],
+                "jax_flash_metal.tune": ["configure", "tune", "tune_function"]}
 PROGRAMS = ["jax_flash_metal.benchmark", "jax_flash_metal.profile", "jax_flash_metal.selfcheck",
+            "jax_flash_metal.tune",
             "jax_flash_metal.fused.shader_libraries", "jax_flash_metal.examples.train_lm",
             "jax_flash_metal.examples.train_flax"]
 
@@ -88,11 +91,12 @@ def ffi_functions(path):
 
 def test_ffi_function_sizes():
     long = {}
-    for name in sorted(os.listdir(os.path.join(ROOT, "ffi"))):
-        if name.endswith((".cc", ".mm", ".h")):
-            for function, size in ffi_functions(os.path.join(ROOT, "ffi", name)):
-                if size > LINES_PER_FUNCTION:
-                    long[(f"ffi/{name}", function)] = size
+    for folder in NATIVE_FOLDERS:
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
+            if name.endswith((".cc", ".mm", ".h")):
+                for function, size in ffi_functions(os.path.join(ROOT, folder, name)):
+                    if size > LINES_PER_FUNCTION:
+                        long[(f"{folder}/{name}", function)] = size
     assert sorted(long) == sorted(LONG_FUNCTIONS), long
 
 

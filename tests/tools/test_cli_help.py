@@ -10,6 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODULES = ["jax_flash_metal.benchmark", "jax_flash_metal.profile", "jax_flash_metal.selfcheck",
+           "jax_flash_metal.tune",
            "jax_flash_metal.fused.shader_libraries", "jax_flash_metal.examples.train_lm",
            "jax_flash_metal.examples.train_flax"]
 SCRIPTS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "benchmarks",

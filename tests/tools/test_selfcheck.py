@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal import selfcheck  # noqa: E402
-from jax_flash_metal.tools import chip_peaks, selfcheck_oracle  # noqa: E402
+from jax_flash_metal.core import tolerance  # noqa: E402
+from jax_flash_metal.tools import chip_peaks  # noqa: E402
 
 
 def test_selfcheck_passes_on_the_emulator_and_writes_its_report(tmp_path):
@@ -31,7 +32,7 @@ def test_selfcheck_passes_on_the_emulator_and_writes_its_report(tmp_path):
     assert report["implementation"] == "emulator" and report["passed"] is True
     assert report["environment"]["devices"]["emulator"] == "MSL-on-CPU emulator"
     assert list(report["steps"]) == ["lane_layout", "compile", "families", "dropout_paging",
-                                     "correctness", "profile", "timings", "speed"]
+                                     "correctness", "profile", "timings", "tuning", "speed"]
     for name, step in report["steps"].items():
         assert {"passed", "seconds", "detail"} <= set(step), name
         assert step["passed"] in (True, None), (name, step["detail"])
@@ -51,6 +52,12 @@ def test_selfcheck_passes_on_the_emulator_and_writes_its_report(tmp_path):
     paths = [(c["feature"], c["path"]) for c in report["steps"]["dropout_paging"]["cases"]]
     assert paths == [("dropout", "forward_backward")] + [
         ("paged", p) for p in ("forward_backward", "decode_vector", "decode_partial")]
+    tuning = report["steps"]["tuning"]
+    assert tuning["meaningful"] is False and tuning["cache"] is None  # nothing cached
+    assert [(r["key"].split("|")[3], r["variant"] is not None) for r in tuning["rows"]] == [
+        ("kernels=fwd", True), ("kernels=bwd_dq+bwd_dkdv", True),
+        ("kernels=decode_partial+decode_combine", True)]
+    assert [r["speed"]["kind"] for r in tuning["rows"]] == ["forward", "backward", "decode"]
     speed = report["steps"]["speed"]
     assert speed["meaningful"] is False and [r["kind"] for r in speed["rows"]] == ["forward",
                                                                                   "decode"]
@@ -59,11 +66,11 @@ def test_selfcheck_passes_on_the_emulator_and_writes_its_report(tmp_path):
 def test_family_errors_are_judged_against_the_oracle():
     """A fused result off by more than the tolerance fails its case (the check can fail)."""
     want = {"o": np.ones(4)}
-    assert selfcheck_oracle.within_tolerance("o", np.ones(4) + 1e-6, want["o"])[0]
-    assert not selfcheck_oracle.within_tolerance("o", np.ones(4) + 1e-3, want["o"])[0]
+    assert tolerance.within("o", np.ones(4) + 1e-6, want["o"])[0]
+    assert not tolerance.within("o", np.ones(4) + 1e-3, want["o"])[0]
     baseline = np.ones(4) + 1e-3  # a half-precision baseline 1e-3 off allows 2e-3 + 1e-5
-    assert selfcheck_oracle.within_tolerance("o", np.ones(4) + 2e-3, want["o"], baseline)[0]
-    assert not selfcheck_oracle.within_tolerance("o", np.ones(4) + 3e-3, want["o"], baseline)[0]
+    assert tolerance.within("o", np.ones(4) + 2e-3, want["o"], baseline)[0]
+    assert not tolerance.within("o", np.ones(4) + 3e-3, want["o"], baseline)[0]
 
 
 def test_chip_peaks_scale_binned_parts_and_know_their_limits():
@@ -84,6 +91,7 @@ def test_a_failing_step_fails_the_report(monkeypatch):
     monkeypatch.setattr(selfcheck, "families", lambda *a: (True, "skipped here", []))
     monkeypatch.setattr(selfcheck, "dropout_and_paging", lambda *a: (True, "skipped here", []))
     monkeypatch.setattr(selfcheck, "speed", lambda *a: (True, "skipped here", {}))
+    monkeypatch.setattr(selfcheck, "tuning", lambda *a: (True, "skipped here", {}))
     monkeypatch.setattr(selfcheck, "kernel_profile", lambda *a: (None, "skipped here"))
     monkeypatch.setattr(selfcheck, "timings", lambda *a: (True, "skipped here"))
     report = selfcheck.run("emulator", [16], ["plain"], 64, 1)

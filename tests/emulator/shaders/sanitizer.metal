@@ -132,3 +132,29 @@ kernel void sanitizer_legal_reduce(device const float* in [[buffer(0)]],
   threadgroup_barrier(mem_flags::mem_threadgroup);
   out[gid * 64 + tid] = partial[0];
 }
+
+// initcheck (output contract): the output is zeroed, then, after a barrier that orders the two
+// stores (no race), written again by the mirrored thread; the contract writes it once.
+kernel void initcheck_output_written_twice(device const float* in [[buffer(0)]],
+                                           device float* out [[buffer(1)]],
+                                           uint tid [[thread_index_in_threadgroup]]) {
+  out[tid] = 0.0f;
+  threadgroup_barrier(mem_flags::mem_device);
+  out[63 - tid] = in[tid];
+}
+
+// A step of a plan that accumulates into `mid` (buffer 1): legal after a plan barrier when the
+// output's contract is accumulation, one store per dispatch.
+kernel void sanitizer_accumulate(device float* mid [[buffer(1)]],
+                                 uint i [[thread_position_in_grid]]) {
+  mid[i] += 1.0f;
+}
+
+// initcheck (output contract): two stores of one dispatch into an accumulated output (the
+// barrier keeps them two stores).
+kernel void initcheck_accumulate_twice(device float* mid [[buffer(1)]],
+                                       uint i [[thread_position_in_grid]]) {
+  mid[i] += 1.0f;
+  threadgroup_barrier(mem_flags::mem_device);
+  mid[i] *= 2.0f;
+}
