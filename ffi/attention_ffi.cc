@@ -435,7 +435,7 @@ ffi::Error check_operand(Operand id, ffi::AnyBuffer b, const Problem& p, Optiona
     case kOperand_page_table:  // checked by read_page_table
       return ffi::Error::Success();
     case kOperand_dropout:
-      return expect(what, b, ffi::DataType::U32, {p.batch, p.heads, 4});
+      return expect(what, b, ffi::DataType::U32, {p.batch, p.heads, JFM_DROPOUT_WORDS});
     case kOperandCount:
       break;
   }

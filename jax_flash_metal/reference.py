@@ -99,7 +99,7 @@ def forward(q, k, v, operands=contract.Operands(), *, scale, is_causal=False, wi
     nonempty = denom != 0.0  # a NaN denom (NaN in a visible input) stays NaN
     denom_safe = jnp.where(nonempty, denom, 1.0)
     if x.dropout is not None:  # O = (P Z) V with Z = M / (1 - rate): dropout.dropout_mask's M
-        seeds = x.dropout.reshape(batch, num_kv_heads, -1, 4)
+        seeds = x.dropout.reshape(batch, num_kv_heads, -1, dropout.WORDS)
         p = p * dropout.weights(seeds, jnp.arange(q_len, dtype=jnp.int32), 0, kv_len,
                                 dropout_rate)
     o = _contract("bhgqk,bkhd->bqhgd", p, v.astype(_F32))

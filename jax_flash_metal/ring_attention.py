@@ -41,7 +41,12 @@ ALiBi uses global distances: each pair gets -slope * |i + off - j| over its glob
 a bias (the primitives' own ALiBi would use the pieces' local positions), and dslopes sums the
 pairs' -distance-weighted bias gradients. Not supported with a sequence axis (ValueError): bias
 and mask (arrays over the whole score matrix; express them with lengths, windows or segment
-ids); dropout and page_table.
+ids); page_table.
+
+Dropout applies the whole call's keep mask (docs/design.md#dropout): each pair's call gets the
+dropout operand with the global positions of its query and key pieces
+(``_Pair.dropout_operand``; a piece's positions are first + stride * arange in every layout),
+so a split call drops exactly the entries the unsplit call drops.
 """
 
 from __future__ import annotations
@@ -256,12 +261,24 @@ class _Pair(NamedTuple):
         diag = rows[None, :, None] + self.band.offset[:, None, None]
         return jnp.abs(diag - keys[None, None, :]).astype(F32)
 
-    def run(self, kind, block, q_seg, kv_seg, slopes):
+    def dropout_operand(self, seeds):
+        """The dropout operand (or None) of the pair's call: its rows and keys at their global
+        positions, so the call applies the whole call's keep mask restricted to the pair."""
+        if seeds is None:
+            return None
+        q_first, q_stride = self.ring.positions(self.i, self.ring.q_chunk, self.r,
+                                                self.ring.q_piece)
+        k_first, k_stride = self.ring.positions(self.j, self.ring.kv_chunk, self.p,
+                                                self.ring.kv_piece)
+        return dropout.at_positions(seeds, q_first, q_stride, k_first, k_stride)
+
+    def run(self, kind, block, q_seg, kv_seg, slopes, seeds):
         """``block(params, operands)`` for a FULL or PARTIAL pair, with the static params and
         optional operands (``contract``) of the primitive call on the two pieces that gives
         this pair's part of the whole call: the call's scale, soft cap, segment ids (of the
         pieces) and implementation, ALiBi slopes [B, H] (or None) as the bias of the pair's
-        global distances; no positional rule (FULL), the causal diagonal (PARTIAL under causal
+        global distances, the dropout operand ``seeds`` (or None) at the pair's global positions;
+        no positional rule (FULL), the causal diagonal (PARTIAL under causal
         attention only) or the band as a mask (any other PARTIAL pair)."""
         ring = self.ring
         params = ring.params._replace(
@@ -270,7 +287,8 @@ class _Pair(NamedTuple):
             has_mask=False, has_sinks=False, has_alibi=False)
         bias = None if slopes is None else -slopes[:, :, None, None] * self.alibi_distance()[
             :, None]
-        operands = Operands(q_segment_ids=q_seg, kv_segment_ids=kv_seg, bias=bias)
+        operands = Operands(q_segment_ids=q_seg, kv_segment_ids=kv_seg, bias=bias,
+                            dropout=self.dropout_operand(seeds))
         if kind == FULL:
             return block(params, operands)
         if not ring.only_causal(self.lengths):
@@ -409,7 +427,7 @@ def _gathered(ring, xs):
                  for x in xs)
 
 
-def _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes):
+def _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes, seeds):
     """The _State of this device's query slice over the whole key sequence: one forward
     primitive call per visible pair of pieces, merged."""
     q_piece, kv_piece = ring.q_piece, ring.kv_piece
@@ -422,7 +440,7 @@ def _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes):
             q_r = _piece(q, pair.r, q_piece)
             part = pair.run(kind, lambda params, operands: _State(*fwd_p.bind(
                 q_r, k, v, *operands.present(), **params._asdict())),
-                _piece(q_seg, pair.r, q_piece), kv_seg, slopes)
+                _piece(q_seg, pair.r, q_piece), kv_seg, slopes, seeds)
             return state.with_piece(_merge(state.piece(pair.r, q_piece), part), pair.r, q_piece)
 
         return _switch(pair, branch, state, kv), kv
@@ -433,7 +451,7 @@ def _forward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes):
 
 # The roles (sharding._Layout) of _ring_attention's arguments, of a _State and of (dO, g_lse).
 _ARG_ROLES = ("q", "kv", "kv_v", "q_segment_ids", "kv_segment_ids", "q_lengths", "kv_lengths",
-              "alibi_slopes")
+              "alibi_slopes", "dropout")
 _STATE_ROLES = ("q_v", "row", "row", "row")
 
 
@@ -470,15 +488,15 @@ def _ring_bwd(ring, residuals, cotangents):
     batch or head axes, as ``_forward_state``)."""
     args, state = residuals
     do, g_lse = cotangents[0].astype(args[0].dtype), cotangents[1].astype(F32)
-    slopes = args[-1]
+    slopes = args[7]
     out_roles = ("q", "kv", "kv_v") + (() if slopes is None else ("alibi_slopes",))
     grads = sharding.on_explicit_shards(partial(_backward, ring), (*args, *state, do, g_lse),
                                         _ARG_ROLES + _STATE_ROLES + ("q_v", "row"), out_roles)
-    return (*grads[:3], None, None, None, None, None if slopes is None else grads[3])
+    return (*grads[:3], None, None, None, None, None if slopes is None else grads[3], None)
 
 
-def _backward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes, o, lse, row_max,
-              log_sum, do, g_lse):
+def _backward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes, seeds, o, lse,
+              row_max, log_sum, do, g_lse):
     """dQ, dK, dV (and dslopes with ALiBi): each visible pair's backward primitive call with the whole call's residuals
     (its P = exp((S - m) - log l) is the whole call's softmax restricted to the pair's keys, and
     D = rowsum(dO * O) - g_lse the whole call's), so no block's forward is computed again; the
@@ -502,7 +520,8 @@ def _backward(ring, q, k, v, q_seg, kv_seg, q_lengths, kv_lengths, slopes, o, ls
             grads = pair.run(kind, lambda params, operands: bwd_p.bind(
                 q_r, k_p, v_p, o_r, lse_r, max_r, log_sum_r, do_r, g_r, *operands.present(),
                 bias_grad=params.has_bias, **params._asdict()),
-                _piece(q_seg, pair.r, q_piece), _piece(kv_seg, pair.slot, kv_piece), slopes)
+                _piece(q_seg, pair.r, q_piece), _piece(kv_seg, pair.slot, kv_piece), slopes,
+                seeds)
             dq_r, dk_p, dv_p = grads[:3]
             if slopes is not None:  # d(-slope * distance) / d slope = -distance
                 dslopes = dslopes - jnp.einsum("bhqk,bqk->bh", grads[3],
@@ -639,8 +658,6 @@ def ring_flash_attention(query, key, value, bias, mask, options: Options):
                 "matrix); express it with lengths, local_window_size or segment ids")
     if options.page_table is not None:
         raise ValueError("page_table is not supported with sequence_axis_name")
-    if dropout.check_rate(options.dropout_rate) > 0:
-        raise ValueError("dropout_rate > 0 is not supported with sequence_axis_name")
     ids = [options.query_segment_ids, options.key_value_segment_ids]
     dtypes = [getattr(x, "dtype", None) or jnp.asarray(x).dtype for x in ids if x is not None]
     if len(dtypes) == 2 and not validation.segment_ids_cast_exactly(*dtypes):
@@ -667,7 +684,8 @@ def ring_flash_attention(query, key, value, bias, mask, options: Options):
 
     out, lse = _ring_attention(ring, *vary_together((q, k, v, operands.q_segment_ids,
                                                      operands.kv_segment_ids, q_lengths,
-                                                     kv_lengths, operands.alibi_slopes)))
+                                                     kv_lengths, operands.alibi_slopes,
+                                                     operands.dropout)))
     if operands.sinks is not None:
         out, lse = _with_sinks(out, lse, operands.sinks)
     return validation.restore_rank(query, out, lse, options.return_lse)

@@ -44,10 +44,14 @@ typedef long jfm_long;  // 64-bit in MSL
 #define JFM_BUFFER_SINKS 20
 #define JFM_BUFFER_DBIAS 21
 #define JFM_BUFFER_LOG_SUM 22   // ... and log(l) of its softmax sum (JFM_EMPTY_ROW_MAX)
-#define JFM_BUFFER_DROPOUT 23   // uint32 [B, H, 4]: dropout's key words and (b, n) per row
+#define JFM_BUFFER_DROPOUT 23   // uint32 [B, H, JFM_DROPOUT_WORDS] (flash_attention_dropout.h)
 #define JFM_BUFFER_DALIBI 24
 #define JFM_BUFFER_PAGE_TABLE 25  // int32 [B, kv_len / page_size] of a paged K/V cache
 #define JFM_BUFFER_ALIBI_SLOPES 26
+
+// Words per (batch, query head) of the dropout operand: the key's two words, the counter's
+// (b, n) and the global position maps of rows and keys (JfmDropout).
+#define JFM_DROPOUT_WORDS 8
 
 // AttentionParams::has_bias: no bias, a bias in the dtype of q, or a float32 bias.
 #define JFM_BIAS_NONE 0

@@ -20,7 +20,7 @@ struct JfmFeatureBuffers {
   device const uchar* mask;          // uchar, same, through params.mask_strides; 0 = hidden
   device const float* sinks;         // float32 [H], natural-log logits
   device const float* alibi_slopes;  // float32 [B, H]
-  device const uint* dropout;        // uint32 [B, H, 4] (flash_attention_dropout.h)
+  device const uint* dropout;        // uint32 [B, H, 8] (flash_attention_dropout.h)
 };
 
 // The kernel arguments of the optional buffers (every kernel that reads a feature declares all

@@ -66,8 +66,9 @@ class Operands(NamedTuple):
     [b, h, tq, tkv], rank 4, each axis 1 (broadcast) or the full size of [B, H, Tq, Tkv].
     sinks: float32 [H]. alibi_slopes: float32 [B, H]. page_table: int32 [B, max_pages]; with
     it, k and v are pages [num_pages, page_size, HKV, D] and Tkv = max_pages * page_size.
-    dropout: uint32 [B, H, 4] (dropout_rate > 0 only): per batch row and query head the PRNG
-    key's two words and the (b, n) of the keep mask's counter (``dropout``).
+    dropout: uint32 [B, H, 8] (dropout_rate > 0 only): per batch row and query head the PRNG
+    key's two words, the (b, n) of the keep mask's counter and the global positions of the
+    call's rows and keys (``dropout.FIELDS``).
     """
 
     # Each a JAX array (validation) or an abstract value (primitive rules), hence Any.

@@ -8,15 +8,18 @@ SC 2011) with the counter ``(j // 4, i, n, b)`` and the key's two words as its k
 word is >= ``threshold(rate)``. So a sub-shape's mask is the slice of a larger one, and no
 padding, block schedule or kernel changes it.
 
-The primitives carry the key as the ``dropout`` operand, uint32 [B, H, 4]: per (batch row, query
-head) the key's words and the (b, n) its counter uses (``operand``), so rows
-that vmap folds into the batch axis, or shards of batch and heads, keep their own key and
-indices.
+The primitives carry the key as the ``dropout`` operand, uint32 [B, H, WORDS]: per (batch row,
+query head) the key's words, the (b, n) its counter uses and the global positions of the call's
+rows and keys (``operand``, ``at_positions``): local query row r is position
+``q_first + q_stride * r`` and local key c is ``k_first + k_stride * c``, so rows that vmap folds
+into the batch axis, shards of batch and heads, and a sequence split into pieces (each device's
+slice of a sequence axis) keep their own key and indices.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +32,9 @@ _U32 = jnp.uint32
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
 ROUNDS = 10
+# The dropout operand's words per (batch row, query head), in order.
+FIELDS = ("key0", "key1", "b", "n", "q_first", "q_stride", "k_first", "k_stride")
+WORDS = len(FIELDS)
 
 
 def _mulhilo(a: int, b):
@@ -62,25 +68,38 @@ def keep_scale(rate: float) -> float:
 
 
 def keep(seeds, rows, key_start, num_keys: int, rate: float, aligned: bool = False):
-    """bool [..., R, num_keys]: the keep mask of query positions ``rows`` (int [R]) and key
-    positions ``key_start + arange(num_keys)`` for the ``dropout`` operand's entries ``seeds``
-    uint32 [..., 4] (key words, b, n). ``key_start``: an int, or a traced int32 (``aligned``:
-    known to be a multiple of 4, else one more group of 4 keys is generated and sliced)."""
+    """bool [..., R, num_keys]: the keep mask of the local query rows ``rows`` (int [R]) and
+    local keys ``key_start + arange(num_keys)`` for the ``dropout`` operand's entries ``seeds``
+    uint32 [..., WORDS], at the global positions the entries map them to. ``key_start``: an
+    int, or a traced int32 (``aligned``: known to be a multiple of 4, else one more group of 4
+    keys is generated and sliced)."""
+    k0, k1, b, n, q_first, q_stride, k_first, k_stride = (seeds[..., w, None, None]
+                                                          for w in range(WORDS))
+    rows = q_first + q_stride * jnp.asarray(rows).astype(_U32)[:, None]
+    key = (k0, k1)
+    # Keys at unit stride from a multiple of 4 keep their local groups of 4 (one Philox call
+    # each); any other map needs one call per key.
+    grouped = jnp.all((k_stride == 1) & (k_first % 4 == 0))
+    cut = _U32(threshold(rate))
+    return jax.lax.cond(grouped, partial(_grouped, key_start, num_keys, aligned, cut),
+                        partial(_per_key, key_start, num_keys, cut), rows, k_first, k_stride,
+                        n, b, key)
+
+
+def _grouped(key_start, num_keys, aligned, cut, rows, k_first, k_stride, n, b, key):
     static = isinstance(key_start, int)
     offset = key_start % 4 if static else 0
     exact = static or aligned
     groups = -(-(offset + num_keys) // 4) + (0 if exact else 1)
     first = jnp.asarray(key_start, jnp.int32) // 4
-    counter0 = (first + jnp.arange(groups, dtype=jnp.int32)).astype(_U32)
-    k0, k1, b, n = (seeds[..., w, None, None] for w in range(4))
-    words = philox4x32((counter0, jnp.asarray(rows).astype(_U32)[:, None], n, b), (k0, k1))
+    counter0 = k_first // 4 + (first + jnp.arange(groups, dtype=jnp.int32)).astype(_U32)
+    words = philox4x32((counter0, rows, n, b), key)
     # One Philox call gives the words of 4 keys: their 4 keep bits are packed into one byte
     # behind a barrier, so the 10-round chain runs once per group of 4 (fused into the unpacking
     # below, XLA evaluated it per key: docs/benchmarks.md#why-the-xla-schedules), and what is
     # stored between the two is a byte per 4 keys (stacking 4 bool arrays made XLA:GPU store the
     # float32 weights).
-    bits = sum((w >= _U32(threshold(rate))).astype(jnp.uint8) << jnp.uint8(i)
-               for i, w in enumerate(words))
+    bits = sum((w >= cut).astype(jnp.uint8) << jnp.uint8(i) for i, w in enumerate(words))
     bits = jax.lax.optimization_barrier(bits)
     shifts = jnp.arange(4, dtype=jnp.uint8)
     kept = ((bits[..., None] >> shifts) & jnp.uint8(1)).astype(bool)
@@ -89,6 +108,15 @@ def keep(seeds, rows, key_start, num_keys: int, rate: float, aligned: bool = Fal
         return kept[..., offset:offset + num_keys]
     return jax.lax.dynamic_slice_in_dim(kept, jnp.asarray(key_start, jnp.int32) % 4, num_keys,
                                         axis=-1)
+
+
+def _per_key(key_start, num_keys, cut, rows, k_first, k_stride, n, b, key):
+    local = (jnp.asarray(key_start, jnp.int32) + jnp.arange(num_keys, dtype=jnp.int32))
+    keys = k_first + k_stride * local.astype(_U32)
+    words = philox4x32((keys // 4, rows, n, b), key)
+    word = keys % 4
+    return jnp.where(word < 2, jnp.where(word == 0, words[0], words[1]),
+                     jnp.where(word == 2, words[2], words[3])) >= cut
 
 
 def weights(seeds, rows, key_start, num_keys, rate, aligned=False):
@@ -122,12 +150,13 @@ def _key_words(dropout_rng):
 
 
 def operand(dropout_rate, dropout_rng, batch, num_heads, broadcast=False):
-    """(rate float in [0, 1), the primitives' ``dropout`` operand uint32 [batch, num_heads, 4] or
-    None).
+    """(rate float in [0, 1), the primitives' ``dropout`` operand uint32 [batch, num_heads,
+    WORDS] or None).
 
-    The operand holds, per (batch row, query head), the key's two words and the b and n of the
-    mask's counter; ``broadcast`` gives every row b = n = 0 (one mask for all, Flax's
-    ``broadcast_dropout``). None when the rate is 0 (a key is then checked and unused)."""
+    The operand holds, per (batch row, query head), the key's two words, the b and n of the
+    mask's counter and the call's positions from 0 at stride 1 (``at_positions`` moves them);
+    ``broadcast`` gives every row b = n = 0 (one mask for all, Flax's ``broadcast_dropout``).
+    None when the rate is 0 (a key is then checked and unused)."""
     rate = check_rate(dropout_rate)
     if dropout_rng is None:
         if rate > 0.0:
@@ -143,4 +172,14 @@ def operand(dropout_rate, dropout_rng, batch, num_heads, broadcast=False):
         return jax.lax.broadcasted_iota(jnp.uint32, (batch, num_heads), axis)
 
     words = [jnp.broadcast_to(rng[w], (batch, num_heads)) for w in range(2)]
-    return rate, jnp.stack(words + [index(0), index(1)], axis=-1)
+    return rate, at_positions(jnp.stack(words + [index(0), index(1)], axis=-1), 0, 1, 0, 1)
+
+
+def at_positions(seeds, q_first, q_stride, k_first, k_stride):
+    """``seeds`` (uint32 [..., 4 or WORDS], the first 4 words of ``FIELDS``) mapping local
+    query row r to global position ``q_first + q_stride * r`` and local key c to
+    ``k_first + k_stride * c`` (non-negative ints, possibly traced)."""
+    shape = seeds.shape[:-1]
+    maps = [jnp.broadcast_to(jnp.asarray(x).astype(_U32), shape)
+            for x in (q_first, q_stride, k_first, k_stride)]
+    return jnp.concatenate([seeds[..., :4], jnp.stack(maps, axis=-1)], axis=-1)

@@ -27,7 +27,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from .. import paging
-from ..core import contract
+from ..core import contract, dropout
 from ..core._jax_private import (ShapedArray, prim_requires_devices_during_lowering,
                                  varying_axes)
 from ..core.contract import Operands, coerce_params
@@ -81,9 +81,9 @@ def _check_operand_avals(prim, x: Operands, batch, num_heads, q_len, kv_len):
     if x.page_table is not None and (x.page_table.ndim != 2 or x.page_table.shape[0] != batch
                                      or x.page_table.dtype != jnp.int32):
         bad("page_table", x.page_table, f"int32 [{batch}, max_pages]")
-    if x.dropout is not None and (x.dropout.shape != (batch, num_heads, 4)
+    if x.dropout is not None and (x.dropout.shape != (batch, num_heads, dropout.WORDS)
                                   or x.dropout.dtype != jnp.uint32):
-        bad("dropout", x.dropout, f"uint32 [{batch}, {num_heads}, 4]")
+        bad("dropout", x.dropout, f"uint32 [{batch}, {num_heads}, {dropout.WORDS}]")
 
 
 def kv_len(k, x: Operands):

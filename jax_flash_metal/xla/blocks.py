@@ -294,11 +294,11 @@ class _Blocks:
 
     def __init__(self, band, t: _Tiling, q_len, kv_len, operands, kv_heads, dropout_rate):
         self.band, self.t = band, t
-        # The dropout operand as [B, HKV, G, 4], like the tiles' query heads.
+        # The dropout operand as [B, HKV, G, WORDS], like the tiles' query heads.
         self.dropout, self.dropout_rate = operands.dropout, dropout_rate
         if self.dropout is not None:
             b, h, _ = self.dropout.shape
-            self.dropout = self.dropout.reshape(b, kv_heads, h // kv_heads, 4)
+            self.dropout = self.dropout.reshape(b, kv_heads, h // kv_heads, dropout.WORDS)
         self.check_rows = operands.q_lengths is not None or t.nq * t.br != q_len
         self.check_keys = operands.kv_lengths is not None or t.nk * t.bc != kv_len
         self.features = _Features(operands, kv_heads, t)

@@ -2,7 +2,8 @@
 (tests/helpers/host_devices.py): flash_attention(..., sequence_axis_name="sp") inside shard_map
 (its default checks of varying manual axes on) over a ("data" 2, "sp" 4) mesh (batch over
 "data", each sequence in 4 slices over "sp") against the float64 oracle on the whole arrays: O,
-LSE, dQ, dK, dV (and dsinks, dalibi_slopes), for each case.
+LSE, dQ, dK, dV (and dsinks, dalibi_slopes), for each case; with dropout, the oracle given the
+whole call's keep mask, and that mask read back bit for bit from the split call.
 
     python ring_checks.py IMPLEMENTATION [explicit:]CASE[/LAYOUT][@STRATEGY]...
 
@@ -22,7 +23,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import tolerance
 from api_helpers import alibi_bias, make_inputs
-from jax_flash_metal import flash_attention
+from jax_flash_metal import dropout_mask, flash_attention
 from jax_flash_metal import ring_attention
 from jax_flash_metal.ring_attention import shard_map, stripe, unstripe, unzigzag, zigzag
 
@@ -57,7 +58,13 @@ CASES = {
     "alibi": dict(is_causal=True, causal_alignment="bottom_right",
                   query_seq_lengths=LENGTHS[::-1], key_value_seq_lengths=LENGTHS,
                   alibi_slopes=jnp.asarray(RNG.random((B, H)), jnp.float32)),
+    # The whole call's keep mask (rate 0.5), the batch whole on every device (a batch split by
+    # shard_map is the caller's: each shard's rows count from 0).
+    "dropout": dict(dropout_rate=0.5),
+    "dropout_causal": dict(is_causal=True, dropout_rate=0.5),
+    "pieces_dropout_causal": dict(is_causal=True, dropout_rate=0.5),
 }
+DROPOUT_KEY = jax.random.key(11)
 REORDER = {"striped": (stripe, unstripe), "zigzag": (zigzag, unzigzag)}
 SEQUENCE = ("query_segment_ids", "key_value_segment_ids")  # split like the sequence
 PIECE_LEN = ring_attention.PIECE_LEN
@@ -85,15 +92,19 @@ def run(implementation, spec, explicit_mesh):
         v, do = (jnp.concatenate([x, x[..., ::-1]], axis=-1) for x in (v, do))
     arrays = {n: kw.pop(n) for n in list(kw) if isinstance(kw[n], jax.Array)}
     diff = {n: arrays.pop(n) for n in ("sinks", "alibi_slopes") if n in arrays}
-    seq, row = P("data", "sp"), P("data", None, "sp")
+    rate = kw.get("dropout_rate", 0.0)
+    if rate:
+        kw["dropout_rng"] = DROPOUT_KEY
+    batch_axis = None if rate and explicit_mesh is None else "data"
+    seq, row = P(batch_axis, "sp"), P(batch_axis, None, "sp")
 
     def local(q, k, v, diff, arrays):
         return flash_attention(q, k, v, sequence_axis_name="sp", return_lse=True,
                                sequence_layout=layout, implementation=implementation, **diff,
                                **arrays, **chosen, **kw)
 
-    specs = {n: seq if n in SEQUENCE else P("data") for n in arrays}
-    diff_specs = {n: P() if n == "sinks" else P("data") for n in diff}
+    specs = {n: seq if n in SEQUENCE else P(batch_axis) for n in arrays}
+    diff_specs = {n: P() if n == "sinks" else P(batch_axis) for n in diff}
     if explicit_mesh is None:
         ring = shard_map(local, mesh, (seq, seq, seq, diff_specs, specs), (seq, row))
     else:  # manual over "sp" only: the specs name "sp", "data" stays in the arrays' types
@@ -129,9 +140,27 @@ def run(implementation, spec, explicit_mesh):
         want = tolerance.assert_all_match_oracle(got, q, k, v, do, g, bias=term, **host, **kw)
         tolerance.assert_matches_oracle("dalibi_slopes", got["dalibi_slopes"],
                                         (want["dbias"] * dist).sum(axis=(2, 3)), kind="dbias")
+    elif rate:
+        keep = np.asarray(dropout_mask(DROPOUT_KEY, (B, H, T, T), rate))
+        oracle_kw = {n: x for n, x in kw.items() if n != "dropout_rng"}
+        tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got),
+                                          dropout_mask=keep, **host, **oracle_kw)
+        place = (lambda x: x) if explicit_mesh is None else (lambda x: put(x, seq))
+        read_back_mask(attention, place, keep, kw.get("is_causal", False))
     else:
         tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got), **host, **kw)
     print(spec, implementation, "ok")
+
+
+def read_back_mask(attention, place, keep, causal):
+    """The split call's keep mask, bit for bit: with q = k = 0 every visible key has the same
+    weight, and V = the identity over keys makes O[b, i, h, j] that weight times M[b, h, i, j]
+    (zero for an invisible key). ``place`` puts an array where the call expects it."""
+    zeros = place(jnp.zeros((B, T, H, T), jnp.float32))  # head dim T, the value's
+    eye = place(jnp.broadcast_to(jnp.eye(T, dtype=jnp.float32)[None, :, None], (B, T, H, T)))
+    o, _ = jax.jit(lambda q, v: attention(q, q, v, {}, {}))(zeros, eye)
+    visible = np.tril(np.ones((T, T), bool)) if causal else np.ones((T, T), bool)
+    np.testing.assert_array_equal(np.asarray(o).transpose(0, 2, 1, 3) > 0, keep & visible)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ known answers, its construction and statistics, and the kernels' generator
 (shaders/flash_attention_dropout.h) word for word against it; ``flash_attention`` with dropout
 on every implementation against the float64 oracle given that mask (every feature, three rates,
 three dtypes, forward and gradients), the mask read back bit for bit through O and dV on every
-implementation and xla schedule, finite differences, vmap with batched keys, keys as traced
+implementation and xla schedule, both primitives with rows and keys at global positions (a
+slice of a split sequence), finite differences, vmap with batched keys, keys as traced
 operands, and the errors.
 
 The non-slow set holds every kind of check once; the exhaustive matrices (each feature alone on
@@ -221,6 +222,43 @@ def test_every_rate_with_every_dtype(implementation, rate, dtype):
     check(*inputs(2, DTYPES[dtype]), rate, implementation=implementation, is_causal=True)
 
 
+# Position maps of the dropout operand (q_first, q_stride, k_first, k_stride): unit strides
+# from a multiple of 4 (the keys' groups of 4 stay whole), from an even key (each kernel lane's
+# pair of keys still shares a group) and strided from odd starts (one Philox call per key).
+POSITION_MAPS = {"aligned": (8, 1, 12, 1), "even": (5, 1, 6, 1), "strided": (3, 2, 5, 3)}
+
+
+@pytest.mark.parametrize("maps", list(POSITION_MAPS))
+def test_calls_at_global_positions_against_the_oracle(implementation, maps):
+    """Both primitives with the dropout operand mapping their rows and keys to global positions
+    (as a slice of a split sequence passes them): O, LSE, dQ, dK and dV against the oracle given
+    the whole keep mask restricted to those positions."""
+    from jax_flash_metal.core import validation
+    from jax_flash_metal.core.options import Options
+    from jax_flash_metal.lowering.primitives import bwd_p, fwd_p
+    q_first, q_stride, k_first, k_stride = POSITION_MAPS[maps]
+    q, k, v, do, g = inputs(3)
+    rate = 0.5
+    q, k, v, operands, params = validation.check_inputs(
+        q, k, v, None, None, Options(is_causal=True, dropout_rate=rate, dropout_rng=KEY,
+                                     implementation=implementation))
+    operands = operands._replace(dropout=dropout.at_positions(
+        operands.dropout, q_first, q_stride, k_first, k_stride))
+    rows, keys = q_first + q_stride * np.arange(TQ), k_first + k_stride * np.arange(TK)
+    whole = np.asarray(dropout_mask(KEY, (B, H, rows[-1] + 1, keys[-1] + 1), rate))
+    keep = whole[:, :, rows][:, :, :, keys]
+
+    def forward_and_backward(q, k, v, do, g, operands):
+        o, lse, row_max, log_sum = fwd_p.bind(q, k, v, *operands.present(), **params._asdict())
+        grads = bwd_p.bind(q, k, v, o, lse, row_max, log_sum, do, g, *operands.present(),
+                           bias_grad=False, alibi_grad=False, **params._asdict())
+        return dict(o=o, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2])
+
+    got = jax.jit(forward_and_backward)(q, k, v, do, g, operands)
+    tolerance.assert_all_match_oracle(got, q, k, v, do, g, names=tuple(got), is_causal=True,
+                                      dropout_mask=keep, dropout_rate=rate)
+
+
 def test_kernel_plans_with_dropout(ext):
     """On the emulator: a decode-shaped call (one query, a long cache) with dropout runs the
     tiled forward (the decode kernels have no dropout; the plan's decode_splits is 0 for it), and
@@ -321,9 +359,3 @@ def test_errors_name_the_argument(kwargs, error, match):
     q, k, v, _, _ = inputs(9)
     with pytest.raises(error, match=match):
         flash_attention(q, k, v, **kwargs)
-
-
-def test_refused_with_a_sequence_axis():
-    q, k, v, _, _ = inputs(9)
-    with pytest.raises(ValueError, match="dropout_rate > 0 is not supported with sequence_axis"):
-        flash_attention(q, k, v, sequence_axis_name="sp", dropout_rate=0.1, dropout_rng=KEY)

@@ -96,10 +96,9 @@ def test_bad_input(fn, overrides, error, text):
 
 
 @pytest.mark.parametrize("name,kwargs", [
-    ("page_table", dict(page_table=jnp.zeros((2, 1), jnp.int32))),
-    ("dropout_rate > 0", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)))])
+    ("page_table", dict(page_table=jnp.zeros((2, 1), jnp.int32)))])
 def test_ring_attention_refuses(name, kwargs):
-    """Paged caches and dropout are not supported with a sequence axis."""
+    """Paged caches are not supported with a sequence axis."""
     with pytest.raises(ValueError, match=f"{name} is not supported with sequence_axis_name"):
         flash_attention(Q, K, K, sequence_axis_name="sp", **kwargs)
 

@@ -3,9 +3,9 @@ shard_map (with its default checks of varying manual axes; also manual over the 
 only, the batch axis Explicit under jax.set_mesh) on 8 host devices, in a subprocess
 (tests/api/ring_checks.py), against the float64 oracle: forward and gradients, both strategies
 (all_gather, ring) and the three layouts (contiguous, striped, zigzag), causal and not,
-windows, lengths, bottom-right alignment, segment ids, sinks with a soft cap, ALiBi,
-grouped-query and multi-query attention, a value head dim other than the key's, and slices cut
-into several pieces. Here: the block schedule (hidden pairs are skipped), the causal balance of
+windows, lengths, bottom-right alignment, segment ids, sinks with a soft cap, ALiBi, dropout
+(the whole call's keep mask, read back bit for bit), grouped-query and multi-query attention,
+a value head dim other than the key's, and slices cut into several pieces. Here: the block schedule (hidden pairs are skipped), the causal balance of
 the layouts, the backward's structure (no forward recomputed), the per-device memory at the
 issue's shape (benchmarks/ring_memory.py) and the arguments' errors."""
 
@@ -46,6 +46,37 @@ def test_ring_matches_oracle(implementation):
         cases = tuple(c for c in cases if not c.startswith("explicit:"))
     out = run_script("api/ring_checks.py", implementation, *cases, timeout=900)
     assert out.count(" ok") == len(cases), out
+
+
+# Dropout across the axis: every strategy, layout and causal or not (causal on the striped
+# layout in pieces); each strategy and layout once in the quick set, the rest ``slow``. The
+# emulator runs the kernels' strided and offset keys once per strategy.
+DROPOUT_CASES = tuple(f"{case}/{layout}@{strategy}" for strategy in ("all_gather", "ring")
+                      for layout in ("contiguous", "striped", "zigzag")
+                      for case in ("dropout", ("pieces_" if layout == "striped" else "")
+                                   + "dropout_causal"))
+QUICK_DROPOUT_CASES = DROPOUT_CASES[1::4] + DROPOUT_CASES[2::4]
+EMULATOR_DROPOUT_CASES = ("pieces_dropout_causal/striped@all_gather",
+                          "dropout_causal/zigzag@ring")
+if hasattr(jax, "set_mesh"):  # the batch Explicit over "data": its global indices
+    QUICK_DROPOUT_CASES += ("explicit:dropout_causal@ring",)
+
+
+def _check_dropout(cases, implementation):
+    out = run_script("api/ring_checks.py", implementation, *cases, timeout=900)
+    assert out.count(" ok") == len(cases), out
+
+
+def test_ring_dropout_is_the_whole_calls(implementation):
+    """A split call with dropout applies the unsplit call's keep mask: O and gradients against
+    the oracle given that mask, and the mask read back bit for bit (ring_checks.py)."""
+    _check_dropout(QUICK_DROPOUT_CASES if implementation == "xla" else EMULATOR_DROPOUT_CASES,
+                   implementation)
+
+
+@pytest.mark.slow
+def test_ring_dropout_every_strategy_layout_and_causal():
+    _check_dropout(tuple(c for c in DROPOUT_CASES if c not in QUICK_DROPOUT_CASES), "xla")
 
 
 def test_causal_schedule_skips_the_hidden_half():

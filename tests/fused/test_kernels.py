@@ -84,6 +84,11 @@ def _assert_bit_identical(a, b):
                      key_value_seq_lengths=np.array([40, 21], np.int32))),
     ("bf16", 80, dict(local_window_size=(5, 9), causal_alignment="bottom_right")),
     ("f16", 256, dict(is_causal=True, local_window_size=(40, 3))),
+    # Dropout with rows and keys at strided global positions (one Philox call per key).
+    ("f32", 64, dict(is_causal=True, dropout_rate=0.5, dropout=np.concatenate([
+        np.tile(np.array([7, 9], np.uint32), (2, 4, 1)),
+        np.stack(np.meshgrid(np.arange(2), np.arange(4), indexing="ij"), -1).astype(np.uint32),
+        np.tile(np.array([5, 3, 3, 2], np.uint32), (2, 4, 1))], axis=-1))),
 ])
 def test_schedules_are_bit_identical(dtype, head_dim, mask):
     """Each output element is written by one simdgroup: resume order cannot change a bit."""

@@ -22,7 +22,8 @@ import pytest
 pytest.importorskip("jax_flash_metal._ext")
 from jax_flash_metal._ext import (  # noqa: E402
     bwd_stages, emulator, kernel_families, kernel_variants, tile_shape)
-from jax_flash_metal.profile import NO_COUNTING_MESSAGE
+from jax_flash_metal.core import dropout as dropout_module  # noqa: E402
+from jax_flash_metal.profile import NO_COUNTING_MESSAGE  # noqa: E402
 
 # The kernel profile's counting variants are built only with JFM_EMULATOR_COUNTING=ON (.ci/run
 # sets it); tests of exact counts skip without them.
@@ -104,8 +105,9 @@ def window_bounds(local_window_size):
 
 def pack_params(q_shape, kv_shape, *, scale=None, is_causal=False, local_window_size=None,
                 query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment="top_left",
-                bias_grad=False):
-    """AttentionParams as uint8 bytes [184] for q [B, Tq, H, D] and k/v [B, Tkv, HKV, D]."""
+                bias_grad=False, dropout_rate=0.0, dropout=None):
+    """AttentionParams as uint8 bytes [184] for q [B, Tq, H, D] and k/v [B, Tkv, HKV, D]
+    (``dropout``, the operand, is bound by ``forward`` / ``backward``)."""
     batch, q_len, heads, head_dim = q_shape
     _, kv_len, kv_heads, _ = kv_shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -120,6 +122,9 @@ def pack_params(q_shape, kv_shape, *, scale=None, is_causal=False, local_window_
     p["has_q_lengths"] = int(query_seq_lengths is not None)
     p["has_kv_lengths"] = int(key_value_seq_lengths is not None)
     p["bias_grad"] = int(bias_grad)
+    if dropout_rate > 0:  # the host's threshold and scale (ffi/attention_ffi.cc)
+        p["dropout_threshold"] = dropout_module.threshold(dropout_rate)
+        p["dropout_scale"] = np.float32(dropout_module.keep_scale(dropout_rate))
     return np.frombuffer(p.tobytes(), dtype=np.uint8).copy()
 
 
@@ -155,6 +160,12 @@ def _dispatch(kind, dtype, head_dim, buffers, rows, heads, batch, schedule, seed
                  (shape["threads"], 1, 1), schedule=schedule, seed=seed)
 
 
+def _dropout(mask):
+    """The dropout operand's binding (uint32 [B, H, 8], ``mask["dropout"]``), if any."""
+    x = mask.get("dropout")
+    return {} if x is None else {DROPOUT: np.ascontiguousarray(x, dtype=np.uint32)}
+
+
 def stages_of(head_dim):
     """The tiled stages of a family whose tiles are chosen by `head_dim` (tile_head_dim)."""
     return ("fwd", "decode_partial", *bwd_stages(head_dim))
@@ -180,7 +191,7 @@ def forward(q, k, v, *, schedule="forward", seed=0, variant=0, **mask):
     the backward takes).
 
     mask: scale, is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths,
-    causal_alignment (the oracle's keywords).
+    causal_alignment (the oracle's keywords); dropout_rate with dropout (the operand).
     """
     batch, q_len, heads, head_dim = q.shape
     params = pack_params(q.shape, k.shape, **mask)
@@ -190,7 +201,7 @@ def forward(q, k, v, *, schedule="forward", seed=0, variant=0, **mask):
     _dispatch("fwd", q.dtype, head_dim,
               {Q: q, K: k, V: v, Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
                KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths")), O: o, LSE: lse,
-               ROW_MAX: row_max, LOG_SUM: log_sum, PARAMS: params},
+               ROW_MAX: row_max, LOG_SUM: log_sum, PARAMS: params, **_dropout(mask)},
               q_len, heads, batch, schedule, seed, variant)
     return o, lse, (row_max, log_sum)
 
@@ -219,7 +230,7 @@ def backward(q, k, v, o, residuals, do, g_lse=None, *, schedule="forward", seed=
     inputs = {Q: q, K: k, V: v, DO: do, ROW_MAX: residuals[0], LOG_SUM: residuals[1],
               PARAMS: params,
               Q_LENGTHS: _lengths(mask.get("query_seq_lengths")),
-              KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths"))}
+              KV_LENGTHS: _lengths(mask.get("key_value_seq_lengths")), **_dropout(mask)}
     dq_stage, *dkdv_stages = bwd_stages(head_dim)
     _dispatch(dq_stage, q.dtype, head_dim,
               {**inputs, O: o, G_LSE: np.ascontiguousarray(g_lse, dtype=np.float32),
