@@ -125,6 +125,7 @@ class Row:
     fwd_gpu_ms: float | None = None  # flash:metal only: median GPU time of the timed calls
     fwdbwd_gpu_ms: float | None = None
     noisy: bool = False  # NOISY_NOTE
+    dtype: str = "float32"
 
 
 def _temp_bytes(compiled) -> int | None:
@@ -327,7 +328,8 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
                 compile_s, q_len=q_len, fwd_gpu_ms=gpu_ms.get(name + " fwd"),
                 fwdbwd_gpu_ms=gpu_ms.get(name + " fwd+bwd"),
                 noisy=bool({name + " fwd", name + " fwd+bwd"} & noisy)
-                or ms.get(name + " fwd", 0) > ms.get(name + " fwd+bwd", float("inf")))
+                or ms.get(name + " fwd", 0) > ms.get(name + " fwd+bwd", float("inf")),
+                dtype=dtype)
 
     for point in points:
         measure_point(*point)
