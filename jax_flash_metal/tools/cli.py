@@ -39,16 +39,16 @@ FLAGS = {
     "heads": (("--heads",), dict(type=positive_int, help="query heads")),
     "kv_heads": (("--kv-heads",), dict(
         type=positive_int, help="key/value heads, dividing the query heads (grouped-query "
-                                "attention) (default: as many as the query heads)")),
-    "dtype": (("--dtype",), dict(nargs="+", choices=DTYPES,
-                                 help="input dtype(s), each run in turn")),
+                                "attention)")),
+    "dtype": (("--dtype",), dict(nargs="+", choices=DTYPES, metavar="DTYPE",
+                                 help=f"input dtype(s) ({', '.join(DTYPES)}), each run in turn")),
     "causal": (("--causal",), dict(nargs="?", const="on", choices=tuple(CAUSAL),
                                    help="causal masking off, on (a bare --causal) or both, each "
                                         "run in turn")),
     "head_dim": (("--head-dim", "--head-dims"), dict(nargs="+", type=positive_int, metavar="D",
                                                      help="head dim(s) D of query and key")),
     "value_head_dim": (("--value-head-dim",), dict(
-        type=positive_int, help="head dim of value (and O) (default: each head dim)")),
+        type=positive_int, help="head dim of value (and O)")),
     "q_len": (("--q-len",), dict(type=positive_int, help="query length")),
     "implementation": (("--implementation",), dict(
         choices=IMPLEMENTATIONS, help="fused implementation (default: metal where available, "
@@ -74,7 +74,8 @@ def add_problem_flags(parser: argparse.ArgumentParser, *, heads: int) -> None:
     """The problem flags of the benchmarks and the profile: --batch, --heads (default
     ``heads``, the program's), --kv-heads and --no-progress. ``check_problem_flags``
     completes them after parsing."""
-    add_flags(parser, batch=1, heads=heads, kv_heads=None, no_progress=False)
+    add_flags(parser, notes=dict(kv_heads="default: --heads"), batch=1, heads=heads,
+              kv_heads=None, no_progress=False)
 
 
 def check_problem_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -85,13 +86,18 @@ def check_problem_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
 
 
+def default_implementation() -> str:
+    """The fused implementation a program runs unless told: metal where available, else the
+    emulator."""
+    return "metal" if "metal" in implementations.available() else "emulator"
+
+
 def check_implementation(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--implementation defaulted to metal where available, else emulator; a parser error
     when the one named is not available here."""
-    available = implementations.available()
     if args.implementation is None:
-        args.implementation = "metal" if "metal" in available else "emulator"
-    if args.implementation not in available:
+        args.implementation = default_implementation()
+    if args.implementation not in implementations.available():
         parser.error(f"--implementation {args.implementation} is not available here: "
                      f"{implementations.unavailable_reasons().get(args.implementation, '')}")
 

@@ -318,7 +318,7 @@ ATTENTION_CASES = [
 
 def make_problem(argv):
     args = profile.make_parser().parse_args(argv)
-    return profile_model.Problem(args, args.dtype[0], args.head_dim[0])
+    return profile_model.Problem(args, args.dtype[0], args.head_dim[0], args.causal == "on")
 
 
 @needs_counting
