@@ -71,12 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "jax.nn.dot_product_attention. The defaults take a few minutes on 2 CPU "
                     "cores.",
         formatter_class=HelpFormatter)
-    p.add_argument("--seq-lens", nargs="+", type=positive_int, default=[256, 1024, 4096, 16384],
-                   metavar="N", help="sequence lengths (query = key length)")
     p.add_argument("--decode-kv-lens", nargs="*", type=positive_int, default=[2048], metavar="N",
                    help="KV-cache lengths of the decode rows (1 query against each; shown as "
                         "seq 1xN); none for no decode rows")
-    add_flags(p, head_dim=[64], causal="both", dtype=["float32"], repeats=5)
+    add_flags(p, notes=dict(lengths="query = key length"), lengths=[256, 1024, 4096, 16384],
+              head_dim=[64], causal="both", dtype=["float32"], repeats=5)
     add_problem_flags(p, heads=8)
     p.add_argument("--compile-rounds", type=positive_int, default=3,
                    help="forward+backward compiles per method, interleaved; median")
@@ -163,7 +162,7 @@ def _measure(args, names, dtype) -> list[Row]:
     bar = progress_bar(0, f"benchmark {dtype}", enabled=not args.no_progress)
     try:
         return run_benchmark(
-            seq_lens=args.seq_lens, head_dims=args.head_dim, causal_modes=CAUSAL[args.causal],
+            seq_lens=args.lengths, head_dims=args.head_dim, causal_modes=CAUSAL[args.causal],
             method_names=names, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
             dtype=dtype, repeats=args.repeats, run_up_to=args.run_up_to,
             emulator_max_len=args.emulator_max_len, decode_kv_lens=args.decode_kv_lens,

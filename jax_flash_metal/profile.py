@@ -112,10 +112,9 @@ def make_parser() -> argparse.ArgumentParser:
         description="Exact per-launch counts of the attention kernels (MSL-on-CPU emulator, "
                     "through the real dispatch plan) and a roofline MODEL of them per Apple GPU.",
         formatter_class=HelpFormatter)
-    add_flags(p, notes=dict(value_head_dim="default: each --head-dim"), dtype=["float16"],
-              head_dim=[64, 128], value_head_dim=None, q_len=1024, causal="off")
-    p.add_argument("--kv-len", type=positive_int, default=None,
-                   help="key/value length (default: --q-len)")
+    add_flags(p, notes=dict(value_head_dim="default: each --head-dim", kv_len="default: --q-len"),
+              dtype=["float16"], head_dim=[64, 128], value_head_dim=None, q_len=1024,
+              kv_len=None, causal="off")
     p.add_argument("--causal-alignment", choices=("top_left", "bottom_right"), default="top_left",
                    help="alignment of the causal diagonal and the window")
     p.add_argument("--window", type=_window, default=None, metavar="W|LEFT,RIGHT",

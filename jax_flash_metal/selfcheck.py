@@ -513,12 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jax_flash_metal.selfcheck",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
-    add_flags(p, notes=dict(head_dim="of the correctness grid"), implementation=None,
-              head_dim=[16, 64], repeats=3)
+    add_flags(p, notes=dict(head_dim="of the correctness grid", seq_len="of the timings"),
+              implementation=None, head_dim=[16, 64], seq_len=256, repeats=3)
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--features", nargs="+", choices=FEATURES, default=list(FEATURES),
                    help="feature cases of the correctness grid")
-    p.add_argument("--seq-len", type=int, default=256, help="sequence length of the timings")
     p.add_argument("--quick", action="store_true",
                    help="the families and dropout/paging steps on three families only "
                         f"({', '.join(f'{t} {k}/{v}' for t, k, v in QUICK_FAMILIES)}), and the "

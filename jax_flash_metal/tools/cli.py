@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from .. import implementations
 
@@ -34,7 +35,7 @@ IMPLEMENTATIONS = ("metal", "emulator")
 
 # Every flag that two or more programs take, in its one form: (option strings, argparse keywords
 # less the default, which is each program's). Lists are space-separated (nargs="+").
-FLAGS = {
+FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "batch": (("--batch",), dict(type=positive_int, help="batch size")),
     "heads": (("--heads",), dict(type=positive_int, help="query heads")),
     "kv_heads": (("--kv-heads",), dict(
@@ -50,6 +51,12 @@ FLAGS = {
     "value_head_dim": (("--value-head-dim",), dict(
         type=positive_int, help="head dim of value (and O)")),
     "q_len": (("--q-len",), dict(type=positive_int, help="query length")),
+    "kv_len": (("--kv-len",), dict(type=positive_int, help="key/value length")),
+    "seq_len": (("--seq-len",), dict(type=positive_int,
+                                     help="sequence length (query = key/value length)")),
+    "lengths": (("--lengths", "--seq-lens"), dict(nargs="+", type=positive_int, metavar="N",
+                                                  help="sequence lengths, each run in turn")),
+    "rounds": (("--rounds",), dict(type=positive_int, help="measured rounds")),
     "implementation": (("--implementation",), dict(
         choices=IMPLEMENTATIONS, help="fused implementation (default: metal where available, "
                                       "else emulator)")),
