@@ -266,7 +266,8 @@ def main():
     add_flags(p, notes=dict(lengths="of the train rows", dtype="of the train rows",
                             batch="of the train rows",
                             heads="and key/value heads, of the train rows"),
-              lengths=[1024, 4096, 16384, 32768], dtype=["bfloat16", "float16"], causal="both", batch=4, heads=16, head_dim=[128],
+              lengths=[1024, 4096, 16384, 32768], dtype=["bfloat16", "float16"], causal="both",
+              batch=4, heads=16, head_dim=[128],
               repeats=10)
     p.add_argument("--schedules", nargs="+", default=["default"],
                    help='xla schedules: "default", "cpu", "BQxBK" or "BQxBKxINNER" (see above)')

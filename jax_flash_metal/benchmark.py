@@ -118,8 +118,9 @@ def main(argv=None) -> list[Row]:
     print(textwrap.fill(
         f"batch {args.batch}, heads {args.heads}/{args.kv_heads} (q/kv), "
         f"{', '.join(args.dtype)}, median of {args.repeats} (up to {3 * args.repeats} while "
-        f"noisy) after 1 warm-up; compile time median of {count(args.compile_rounds, 'round')}; lengths > "
-        f"{args.run_up_to} compile-only (memory only)", WIDTH))
+        f"noisy) after 1 warm-up; compile time median of "
+        f"{count(args.compile_rounds, 'round')}; lengths > {args.run_up_to} compile-only "
+        f"(memory only)", WIDTH))
     if gpu:
         print(f"GPU: {gpu}")
     if "flash:metal" in names:

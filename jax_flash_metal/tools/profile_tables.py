@@ -71,7 +71,8 @@ def format_paged_table(records: list[dict]) -> str:
     contiguous forward's launch of the same stage (pass "forward")."""
     name = _kernel_names(records)
     point = lambda r: (r["dtype"], r["head_dim"], r["causal"], _stage(r["kernel"]))
-    contiguous = {point(r): r["device_bytes_read"] for r in records if r["pass"] == "forward" and r["variant"] == 0}
+    contiguous = {point(r): r["device_bytes_read"] for r in records
+                  if r["pass"] == "forward" and r["variant"] == 0}
     head = (f"{'kernel':<40} {'page size':>9} {'contiguous B rd':>16} {'paged B rd':>16} "
             f"{'paged/contiguous':>16}")
     lines = ["paged KV cache: device bytes read (exact counts, emulator), paged over contiguous:",
