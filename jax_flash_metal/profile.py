@@ -85,15 +85,12 @@ def _window(text):
     return tuple(None if b == contract.UNBOUNDED else b for b in (left, right))
 
 
-def _lengths(text):
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from None
-    if any(x < 0 for x in values):
-        raise argparse.ArgumentTypeError(f"lengths must be >= 0, got {text!r}")
-    return values
+def _length(text):
+    """An argparse type: an int >= 0 (a sequence may be empty)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"lengths must be >= 0, got {text}")
+    return value
 
 
 def _rate(text):
@@ -119,9 +116,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="alignment of the causal diagonal and the window")
     p.add_argument("--window", type=_window, default=None, metavar="W|LEFT,RIGHT",
                    help="local window (inclusive); an empty side is unbounded (default: none)")
-    p.add_argument("--q-lengths", type=_lengths, default=None, metavar="N,N,...",
+    p.add_argument("--q-lengths", nargs="+", type=_length, default=None, metavar="N",
                    help="valid query length per batch entry (default: all of --q-len)")
-    p.add_argument("--kv-lengths", type=_lengths, default=None, metavar="N,N,...",
+    p.add_argument("--kv-lengths", nargs="+", type=_length, default=None, metavar="N",
                    help="valid key/value length per batch entry (default: all of --kv-len)")
     p.add_argument("--alibi", action="store_true",
                    help="ALiBi with BLOOM's slopes 2^(-8n/heads); the backward also forms the "
