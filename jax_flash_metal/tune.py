@@ -121,22 +121,22 @@ def _lower(b, tq, tkv, h, hkv, d, dv, dtype, causal, backward, implementation) -
 
 
 def format_table(rows: list[dict]) -> str:
-    """One line per row of ``tune``: the key's kernels, features and lengths, each variant's
-    median milliseconds ("x" rejected), the choice and its source."""
+    """One line per row of ``tune``: the key's kernels, dtype, features and lengths, each
+    variant's median milliseconds ("x" rejected), the choice and its source."""
     shown = sorted({v for r in rows for v in (*r["seconds"], *r["rejected"])}, key=int)
     body = []
     for r in rows:
         fields = dict(f.split("=", 1) for f in r["key"].split("|")) if r["key"] else {}
         body.append([",".join(map(str, r["shape"])), fields.get("kernels", "-"),
-                     fields.get("features", "-"), fields.get("lengths", "-"),
+                     fields.get("dtype", "-"), fields.get("features", "-"), fields.get("lengths", "-"),
                      *(f"{r['seconds'][v] * 1e3:.3f}" if v in r["seconds"] else
                        "x" if v in r["rejected"] else "-" for v in shown),
                      "-" if r["variant"] is None else str(r["variant"]),
                      "one variant" if r["key"] is None else
                      "cache" if r["cached"] else "tuned"])
-    header = ["shape B,Tq,Tkv,H,Hkv,D", "kernels", "features", "lengths",
+    header = ["shape B,Tq,Tkv,H,Hkv,D", "kernels", "dtype", "features", "lengths",
               *(f"var{v} ms" for v in shown), "chosen", "from"]
-    return aligned(header, body, left=4)
+    return aligned(header, body, left=5)
 
 
 def _shape(text: str) -> tuple[int, int, int, int]:
