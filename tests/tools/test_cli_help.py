@@ -100,3 +100,15 @@ def test_shared_flags_are_defined_once(monkeypatch):
               if not any(o in options for options, _ in cli.FLAGS.values())}
     assert not strays, f"flags defined in two programs, not once in tools/cli.FLAGS: {strays}"
     assert {"--dtype", "--causal", "--head-dim", "--heads", "--repeats"} <= set(twice)
+
+
+def test_causal_is_off_on_or_both_and_bare_means_on():
+    from jax_flash_metal.tools import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_flags(parser, causal="off")
+    runs = [cli.CAUSAL[parser.parse_args(argv).causal]
+            for argv in ([], ["--causal"], ["--causal", "both"], ["--causal", "on"])]
+    assert runs == [(False,), (True,), (False, True), (True,)]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--causal", "yes"])
