@@ -1,5 +1,5 @@
 """Every option of every command-line tool (the ``python -m`` modules and benchmarks/*.py) has
---help text."""
+--help text; a flag two of them take is defined once, in one form (tools/cli.FLAGS)."""
 
 import argparse
 import glob
