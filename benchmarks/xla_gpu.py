@@ -3,7 +3,7 @@ benchmark, not a test).
 
 Usage: python benchmarks/xla_gpu.py [--modes train decode] [--lengths 1024 4096 16384 32768]
            [--dtype bfloat16 float16] [--schedules default cpu 1024x2048 ...]
-           [--decode-kv 8192 32768 131072] [--decode-q 1 4] [--decode-spans 8192x256 ...]
+           [--decode-kv 8192 32768 131072] [--decode-q 1 4] [--decode-spans 4096 32768 ...]
            [--methods flash "jax.nn cudnn"] [--repeats 10] [--json PATH]
 
 Run from the repository root with PYTHONPATH=. and XLA_PYTHON_CLIENT_PREALLOCATE=false, so the
@@ -25,7 +25,7 @@ rows with other schedules of the xla implementation (``xla_schedule``): "cpu" (o
 lengths from the full cache down to 9/16 of it; GB/s counts the K/V bytes of the valid keys, %
 compares it with the measured copy bandwidth of this device (a jitted elementwise pass over a
 2 GiB array, bytes read + written). ``--decode-spans`` adds "flash xla" rows with other
-(SPAN x CHUNK) sizes of ``xla/decode.py``.
+``SPAN`` sizes (keys per span at least) of ``xla/decode.py``.
 """
 
 import argparse
@@ -212,11 +212,9 @@ def measure_decode(kv_len, q_len, spans, copy_gbs, args):
 
     methods = {"flash": (forward(_flash(None)), None),
                "flash xla": (forward(_flash("xla")), None)}
-    for name in spans:
-        span, chunk = (int(x) for x in name.split("x"))
-        methods[f"flash xla:{name}"] = (forward(_flash("xla")),
-                                        lambda s=span, c=chunk: _patched(xla_decode, SPAN=s,
-                                                                         CHUNK=c))
+    for span in spans:
+        methods[f"flash xla:{span}"] = (forward(_flash("xla")),
+                                        lambda s=span: _patched(xla_decode, SPAN=s))
     methods["jax.nn xla"] = (forward(_nn("xla")), None)
     methods["jax.nn cudnn"] = (forward(_nn("cudnn")), None)
     compiled, temp, notes = _compile_all(_chosen(methods, args), operands, args)
@@ -267,8 +265,7 @@ def main():
                             batch="of the train rows",
                             heads="and key/value heads, of the train rows"),
               lengths=[1024, 4096, 16384, 32768], dtype=["bfloat16", "float16"], causal="both",
-              batch=4, heads=16, head_dim=[128],
-              repeats=10)
+              batch=4, heads=16, head_dim=[128], repeats=10)
     p.add_argument("--schedules", nargs="+", default=["default"],
                    help='xla schedules: "default", "cpu", "BQxBK" or "BQxBKxINNER" (see above)')
     p.add_argument("--decode-kv", nargs="+", type=positive_int, default=[8192, 32768, 131072],
@@ -279,8 +276,8 @@ def main():
     p.add_argument("--decode-heads", type=int, default=32, help="query heads of the decode rows")
     p.add_argument("--decode-kv-heads", type=int, default=8, help="kv heads of the decode rows")
     p.add_argument("--decode-dtype", default="bfloat16", help="dtype of the decode rows")
-    p.add_argument("--decode-spans", nargs="*", default=[],
-                   help="span counts of the xla decode to compare (default: its own choice)")
+    p.add_argument("--decode-spans", nargs="*", type=positive_int, default=[],
+                   help="SPAN sizes (keys) of the xla decode to compare (default: its own only)")
     p.add_argument("--methods", nargs="*", default=[],
                    help='only these methods, e.g. flash "jax.nn cudnn" (default: all)')
     p.add_argument("--cpu-max-len", type=int, default=4096,

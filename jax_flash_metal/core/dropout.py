@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import arguments
+from . import arguments, mulhi
 
 _U32 = jnp.uint32
 # Philox-4x32's multipliers and key increments (Weyl constants), as in Random123.
@@ -32,14 +32,8 @@ ROUNDS = 10
 
 
 def _mulhilo(a: int, b):
-    """(hi, lo) words of the 64-bit product of the constant ``a`` and uint32 ``b``, from 16-bit
-    halves (JAX has no 64-bit integers without x64): every partial product fits in 32 bits."""
-    a_hi, a_lo = a >> 16, a & 0xFFFF
-    b_hi, b_lo = b >> 16, b & 0xFFFF
-    lo_lo, lo_hi = b_lo * _U32(a_lo), b_hi * _U32(a_lo)
-    hi_lo, hi_hi = b_lo * _U32(a_hi), b_hi * _U32(a_hi)
-    carry = ((lo_lo >> 16) + (lo_hi & 0xFFFF) + (hi_lo & 0xFFFF)) >> 16
-    return hi_hi + (lo_hi >> 16) + (hi_lo >> 16) + carry, b * _U32(a)
+    """(hi, lo) words of the 64-bit product of the constant ``a`` and uint32 ``b``."""
+    return mulhi.high_word(a, b), b * _U32(a)
 
 
 def philox4x32(counter, key):
@@ -80,11 +74,17 @@ def keep(seeds, rows, key_start, num_keys: int, rate: float, aligned: bool = Fal
     counter0 = (first + jnp.arange(groups, dtype=jnp.int32)).astype(_U32)
     k0, k1, b, n = (seeds[..., w, None, None] for w in range(4))
     words = philox4x32((counter0, jnp.asarray(rows).astype(_U32)[:, None], n, b), (k0, k1))
-    # One Philox call gives the words of 4 keys. The barrier keeps the 4 word arrays apart
-    # from the interleave below: fused into it, XLA evaluates the 10-round chain per key, not
-    # per group of 4 (docs/benchmarks.md#why-the-xla-schedules).
-    kept = jax.lax.optimization_barrier(tuple(w >= _U32(threshold(rate)) for w in words))
-    kept = jnp.stack(kept, axis=-1).reshape(kept[0].shape[:-1] + (groups * 4,))
+    # One Philox call gives the words of 4 keys: their 4 keep bits are packed into one byte
+    # behind a barrier, so the 10-round chain runs once per group of 4 (fused into the unpacking
+    # below, XLA evaluated it per key: docs/benchmarks.md#why-the-xla-schedules), and what is
+    # stored between the two is a byte per 4 keys (stacking 4 bool arrays made XLA:GPU store the
+    # float32 weights).
+    bits = sum((w >= _U32(threshold(rate))).astype(jnp.uint8) << jnp.uint8(i)
+               for i, w in enumerate(words))
+    bits = jax.lax.optimization_barrier(bits)
+    shifts = jnp.arange(4, dtype=jnp.uint8)
+    kept = ((bits[..., None] >> shifts) & jnp.uint8(1)).astype(bool)
+    kept = kept.reshape(kept.shape[:-2] + (groups * 4,))
     if exact:
         return kept[..., offset:offset + num_keys]
     return jax.lax.dynamic_slice_in_dim(kept, jnp.asarray(key_start, jnp.int32) % 4, num_keys,

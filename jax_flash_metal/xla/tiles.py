@@ -50,7 +50,7 @@ def nan_entries(x):
     return x + (x - x)
 
 
-def _dot(spec, a, b):
+def dot(spec, a, b):
     """The float32 product of a and b. Where one is a half-precision operand, the other (a
     float32 P or dS) is rounded to its dtype, so the matmul runs on the half-precision matrix
     units; float32 operands multiply at float32 precision."""
@@ -72,7 +72,7 @@ def _masked(visible, x, fill):
 
 def _scores(q, k_nan, bias, cap, scale):
     """(cap(scale * (q . k)) + bias, d cap / d raw score or None) for one tile."""
-    s = _dot("bhgqd,bhkd->bhgqk", q, k_nan)
+    s = dot("bhgqd,bhkd->bhgqk", q, k_nan)
     s, slope = features.soft_cap(s if scale is None else s * jnp.float32(scale), cap)
     return (s if bias is None else s + bias), slope
 
@@ -111,8 +111,9 @@ def _merge_statistics(a, b):
     return jnp.maximum(m1, m2), jnp.where(m1 >= m2, l1 + l2 * scale, l1 * scale + l2)
 
 
-def row_statistics(s):
-    """(m, l) of masked scores s [..., Bc] (-inf at invisible pairs): m = max(LOWEST, max s)
+def row_statistics(s, axis=-1):
+    """(m, l) of masked scores s [..., Bc] (-inf at invisible pairs; the keys on ``axis``, the
+    last by default): m = max(LOWEST, max s)
     and l = sum exp(s - m), in one pass over s (a variadic reduction of the pairs (s, 1),
     (LOWEST, 0) for an invisible pair, with ``_merge_statistics``), where a max reduction then
     a sum of exponentials would read s twice. A NaN score makes both NaN; a row with no visible
@@ -120,7 +121,7 @@ def row_statistics(s):
     hidden = s == -jnp.inf
     return jax.lax.reduce((jnp.where(hidden, LOWEST, s), jnp.where(hidden, 0.0, 1.0)),
                           (jnp.float32(LOWEST), jnp.float32(0.0)), _merge_statistics,
-                          (s.ndim - 1,))
+                          (axis % s.ndim,))
 
 
 def forward_step(state, q, k_nan, v_zeroed, visible, bias=None, cap=None, scale=None,
@@ -132,7 +133,7 @@ def forward_step(state, q, k_nan, v_zeroed, visible, bias=None, cap=None, scale=
     p = jnp.exp(s - m[..., None])
     alpha = jnp.exp(state.m - m)
     return Running(m, alpha * state.l + jnp.sum(p, axis=-1),
-                   alpha[..., None] * state.acc + _dot("bhgqk,bhkd->bhgqd", _dropped(p, dropout),
+                   alpha[..., None] * state.acc + dot("bhgqk,bhkd->bhgqd", _dropped(p, dropout),
                                                        v_zeroed))
 
 
@@ -200,7 +201,7 @@ def forward_whole_rows(q, k_nan, v_zeroed, visible, bias=None, cap=None, sinks=N
             l = l + jnp.exp(sinks - m)
     log_l = jnp.where(l == 0.0, 0.0, jnp.log(l))
     lse = jnp.where(l == 0.0, -jnp.inf, m + log_l)
-    o = _dot("bhgqk,bhkd->bhgqd", _dropped(probabilities(s, m, log_l, visible), dropout),
+    o = dot("bhgqk,bhkd->bhgqd", _dropped(probabilities(s, m, log_l, visible), dropout),
              v_zeroed)
     return o, lse, m, log_l
 
@@ -213,10 +214,10 @@ def _key_major(small, big, pinned_transposes):
     which XLA:CPU would then run as a slower transposed-operand matmul
     (docs/benchmarks.md#why-the-xla-schedules)."""
     if not pinned_transposes:
-        return _dot("bhgqd,bhgqk->bhkd", small, big)
+        return dot("bhgqd,bhgqk->bhkd", small, big)
     small_t = jax.lax.optimization_barrier(jnp.moveaxis(small, -1, 2))  # [B, HKV, D, G, Br]
     return jnp.swapaxes(jax.lax.optimization_barrier(
-        _dot("bhdgq,bhgqk->bhdk", small_t, big)), -1, -2)
+        dot("bhdgq,bhgqk->bhdk", small_t, big)), -1, -2)
 
 
 def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, scale=None, dropout=None,
@@ -233,9 +234,9 @@ def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, scale=None,
     ``pinned_transposes``: as ``xla_schedule``'s (``_key_major``)."""
     s, slope = _scores(x.q, x.k_nan, bias, cap, scale)
     p = _as_operand(probabilities(s, x.row_max, x.log_sum, visible), x.do)
-    dp = _dropped(_dot("bhgqd,bhkd->bhgqk", x.do, x.v), dropout)
+    dp = _dropped(dot("bhgqd,bhkd->bhgqk", x.do, x.v), dropout)
     ds = _masked(visible, p * _as_operand(dp - x.delta[..., None], x.do), 0.0)
     ds_raw = ds if slope is None else ds * slope
-    return (_dot("bhgqk,bhkd->bhgqd", ds_raw, x.k_zeroed),
+    return (dot("bhgqk,bhkd->bhgqd", ds_raw, x.k_zeroed),
             _key_major(x.q_zeroed, ds_raw, pinned_transposes),
             _key_major(x.do_zeroed, _dropped(p, dropout), pinned_transposes), ds)

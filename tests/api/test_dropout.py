@@ -19,7 +19,7 @@ from jax.test_util import check_grads
 import tolerance
 from api_helpers import make_inputs, needs_test_kernels, run, use_xla_schedule
 from jax_flash_metal import dropout_mask, flash_attention, reference_attention
-from jax_flash_metal.core import dropout
+from jax_flash_metal.core import dropout, mulhi
 from jax_flash_metal.xla import schedule as xla_schedule
 
 B, TQ, TK, H, HKV, D = 2, 9, 11, 4, 2, 16
@@ -81,6 +81,21 @@ def test_mulhi_in_the_emulator(ext):
     assert [int(h) for h in high] == [(int(a) * int(b)) >> 32 for a, b in zip(x, y)]
     sx, sy = x.view(np.int32), y.view(np.int32)
     assert [int(h) for h in signed_high] == [(int(a) * int(b)) >> 32 for a, b in zip(sx, sy)]
+
+
+@pytest.mark.parametrize("lowering", ["wide", "halves"])
+def test_mulhi_high_word(lowering):
+    """The high word of Philox's products, lowered through a 64-bit multiply (CPU, CUDA) and
+    through 16-bit halves (other platforms), against Python's integers."""
+    rng = np.random.default_rng(2)
+    b = rng.integers(0, 2 ** 32, 256, dtype=np.uint32)
+    b[:3] = [0, 1, 0xFFFFFFFF]
+    for a in (0xD2511F53, 0xCD9E8D57, 0xFFFFFFFF, 1):
+        if lowering == "wide":
+            got = jax.jit(lambda b, a=a: mulhi.high_word(a, b))(b)
+        else:
+            got = jax.jit(lambda b, a=a: mulhi._halves(b, a=a))(jnp.asarray(b))
+        assert [int(h) for h in np.asarray(got)] == [(a * int(x)) >> 32 for x in b]
 
 
 def test_mask_construction():

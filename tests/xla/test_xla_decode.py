@@ -39,7 +39,6 @@ def span(request, monkeypatch):
     overlapping its predecessor); every platform's schedule with the split-KV decode and a
     dense tile of at most 256 keys, so the decode path runs on cpu and on an accelerator."""
     monkeypatch.setattr(xla_decode, "SPAN", request.param)
-    monkeypatch.setattr(xla_decode, "CHUNK", 64)
     jax.clear_caches()
     for name, schedule in list(xla_schedule.SCHEDULES.items()):
         monkeypatch.setitem(xla_schedule.SCHEDULES, name,
