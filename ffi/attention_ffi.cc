@@ -4,6 +4,7 @@
 #include "attention_ffi.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -15,21 +16,15 @@
 #include <vector>
 
 #include "attention_params.h"
+#include "attribute_decoding.h"
 #include "device.h"
 #include "dispatch_plan.h"
 #include "function_constants.h"
 #include "host_timing.h"
+#include "plan_cache.h"
+#include "working_memory.h"
 #include "xla/ffi/api/ffi.h"
 
-// jfm::Attributes decoded from the attributes dictionary, member by member in the order of
-// JFM_FFI_ATTRIBUTES (a missing, extra or mistyped attribute is an error). The list
-// expands to ", member, member, ..." after the type, hence the indirection through
-// JFM_REGISTER_ATTRIBUTES, which splits it into the macro's arguments.
-#define JFM_ATTRIBUTE_MEMBER(type, name) , ::xla::ffi::StructMember<type>(#name)
-#define JFM_REGISTER_ATTRIBUTES(...) XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(__VA_ARGS__)
-JFM_REGISTER_ATTRIBUTES(jfm::Attributes JFM_FFI_ATTRIBUTES(JFM_ATTRIBUTE_MEMBER));
-#undef JFM_REGISTER_ATTRIBUTES
-#undef JFM_ATTRIBUTE_MEMBER
 
 namespace ffi = xla::ffi;
 
@@ -240,12 +235,14 @@ OperandSlots operand_slots(const Attributes& o) {
 // The present operand `id` of a call, from its own slot.
 ffi::ErrorOr<ffi::AnyBuffer> operand_at(ffi::RemainingArgs rest, const OperandSlots& slots,
                                         Operand id) {
-  const std::string name = kOperandNames[id];
+  const char* name = kOperandNames[id];
   if (slots.index[id] < 0 || static_cast<size_t>(slots.index[id]) >= rest.size()) {
-    return ffi::Unexpected(invalid(name + ": operand missing"));
+    return ffi::Unexpected(invalid(std::string(name) + ": operand missing"));
   }
   auto arg = rest.get<ffi::AnyBuffer>(static_cast<size_t>(slots.index[id]));
-  if (arg.has_error()) return ffi::Unexpected(invalid(name + ": " + arg.error().message()));
+  if (arg.has_error()) {
+    return ffi::Unexpected(invalid(std::string(name) + ": " + arg.error().message()));
+  }
   return arg.value();
 }
 
@@ -294,15 +291,48 @@ Binding whole(int index, ffi::AnyBuffer buffer, bool written) {
   return Binding{index, buffer.untyped_data(), buffer.size_bytes(), written, false};
 }
 
+// A call's copy of int32 lengths [rows]: in place up to kInlineRows rows (a decode's batch),
+// so a small call allocates nothing for it; held where the bindings point, so not copyable.
+class Lengths {
+ public:
+  Lengths() = default;
+  Lengths(const Lengths&) = delete;
+  Lengths& operator=(const Lengths&) = delete;
+
+  void assign(size_t rows, int32_t value) {
+    if (rows > kInlineRows) {
+      heap_.assign(rows, value);
+      data_ = heap_.data();
+    } else {
+      std::fill_n(inline_, rows, value);
+      data_ = inline_;
+    }
+    size_ = rows;
+  }
+  int32_t* data() { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  static constexpr size_t kInlineRows = 8;
+  int32_t inline_[kInlineRows] = {};
+  std::vector<int32_t> heap_;
+  int32_t* data_ = inline_;
+  size_t size_ = 0;
+};
+
 // The optional operands of a call (attention_ffi.h), as the kernels bind them.
 struct OptionalOperands {
   // Copied for binding. Clamping to [0, len] happens where the kernels read them
   // (jfm_valid_len), so nothing indexes out of bounds whatever the caller passes. When a length
   // is absent, the full length fills the buffer the kernel does not read.
-  std::vector<int32_t> q_lengths, kv_lengths;
+  Lengths q_lengths, kv_lengths;
   // Buffers 16-20, 23 and 25 for every kernel of the call; an absent one is bound to
   // `placeholder`, never read (its flag is 0), so every kernel argument is bound on Metal.
-  std::vector<Binding> features;
+  // At most one per optional operand: a fixed array, no allocation per call.
+  std::array<Binding, kOperandCount> features;
+  size_t feature_count = 0;
+
+  void add_feature(const Binding& b) { features[feature_count++] = b; }
   uint32_t bias_kind = JFM_BIAS_NONE;
   int64_t bias_strides[4] = {0, 0, 0, 0}, mask_strides[4] = {0, 0, 0, 0};
   int32_t placeholder[4] = {0, 0, 0, 0};
@@ -351,10 +381,10 @@ ffi::Error check_operand_count(ffi::RemainingArgs rest, const OperandSlots& slot
 
 // A length operand int32 [B], copied for binding.
 ffi::Error copy_lengths(const char* what, ffi::AnyBuffer buffer, const Problem& p,
-                        std::vector<int32_t>* values) {
+                        Lengths* values) {
   if (ffi::Error e = expect(what, buffer, ffi::DataType::S32, {p.batch}); e.failure()) return e;
   const int32_t* data = static_cast<const int32_t*>(buffer.untyped_data());
-  std::copy(data, data + p.batch, values->begin());
+  std::copy(data, data + p.batch, values->data());
   return ffi::Error::Success();
 }
 
@@ -447,18 +477,18 @@ ffi::Error read_optional(ffi::RemainingArgs rest, const Attributes& o, const Pro
   const size_t rows = static_cast<size_t>(std::max<int64_t>(p.batch, 1));
   out->q_lengths.assign(rows, static_cast<int32_t>(p.q_len));
   out->kv_lengths.assign(rows, static_cast<int32_t>(p.kv_len));
-  out->features.reserve(kOperandCount);  // every feature buffer: bound, or its placeholder
+  out->feature_count = 0;  // every feature buffer: bound, or its placeholder
   for (int n = 0; n < kOperandCount; ++n) {
     const Operand id = static_cast<Operand>(n);
     const int buffer = buffer_of(id);
     if (slots.index[id] < 0) {  // absent: a bound placeholder nothing reads (its flag is 0)
-      if (buffer >= 0) out->features.push_back(out->unused(buffer));
+      if (buffer >= 0) out->add_feature(out->unused(buffer));
       continue;
     }
     auto arg = operand_at(rest, slots, id);
     if (arg.has_error()) return arg.error();
     if (ffi::Error e = check_operand(id, arg.value(), p, out); e.failure()) return e;
-    if (buffer >= 0) out->features.push_back(whole(buffer, arg.value(), false));
+    if (buffer >= 0) out->add_feature(whole(buffer, arg.value(), false));
   }
   return ffi::Error::Success();
 }
@@ -511,23 +541,39 @@ AttentionParams make_params(const Problem& p, const Attributes& o, const Optiona
   return params;
 }
 
-Binding lengths_binding(int index, std::vector<int32_t>& values) {
+Binding lengths_binding(int index, Lengths& values) {
   return Binding{index, values.data(), values.size() * sizeof(int32_t), false, true};
 }
 
 // `main` followed by the optional operands' bindings: the lengths, then buffers 16-20, 23, 25
 // and 26.
-std::vector<Binding> with_optional(std::vector<Binding> main, OptionalOperands& x) {
-  main.reserve(main.size() + 2 + x.features.size());  // one allocation, not one per growth
-  main.push_back(lengths_binding(JFM_BUFFER_Q_LENGTHS, x.q_lengths));
-  main.push_back(lengths_binding(JFM_BUFFER_KV_LENGTHS, x.kv_lengths));
-  main.insert(main.end(), x.features.begin(), x.features.end());
-  return main;
+std::vector<Binding> with_optional(std::initializer_list<Binding> main, OptionalOperands& x) {
+  std::vector<Binding> all;
+  all.reserve(main.size() + 2 + x.feature_count);  // one allocation, not one per growth
+  all.insert(all.end(), main.begin(), main.end());
+  all.push_back(lengths_binding(JFM_BUFFER_Q_LENGTHS, x.q_lengths));
+  all.push_back(lengths_binding(JFM_BUFFER_KV_LENGTHS, x.kv_lengths));
+  all.insert(all.end(), x.features.begin(), x.features.begin() + x.feature_count);
+  return all;
 }
 
-std::vector<StageShape> stages_of(bool backward, const Problem& p, int gpu_cores) {
-  return attention_stages(backward, p.suffix, p.batch, p.q_len, p.kv_len, p.heads, p.kv_heads,
-                          p.head_dim, p.value_head_dim, gpu_cores, p.dropout, p.variant);
+// The call's plan, from this thread's plan cache (plan_cache.h).
+CallPlan& plan_of(Device& device, bool backward, const Problem& p) {
+  PlanKey key;
+  key.device = &device;
+  key.dtype_suffix = p.suffix;
+  key.backward = backward;
+  key.dropout = p.dropout;
+  key.variant = p.variant;
+  key.gpu_cores = device.gpu_cores();
+  key.batch = p.batch;
+  key.q_len = p.q_len;
+  key.kv_len = p.kv_len;
+  key.heads = p.heads;
+  key.kv_heads = p.kv_heads;
+  key.head_dim = p.head_dim;
+  key.value_head_dim = p.value_head_dim;
+  return cached_plan(key, submission_budget(device));
 }
 
 int64_t splits_of(const Problem& p, int gpu_cores) {
@@ -535,11 +581,13 @@ int64_t splits_of(const Problem& p, int gpu_cores) {
                        tile_head_dim(p.head_dim, p.value_head_dim), gpu_cores, p.dropout);
 }
 
-ffi::Error require_kernels(Device& device, const std::vector<StageShape>& stages,
-                           const Problem& p) {
-  for (const StageShape& stage : stages) {
+// The plan's kernels on the device, checked once per cached plan.
+ffi::Error require_kernels(Device& device, CallPlan* plan, const Problem& p) {
+  if (plan->kernels_found) return ffi::Error::Success();
+  for (const StageShape& stage : plan->stages) {
     if (ffi::Error e = require_kernel(device, stage.kernel, p); e.failure()) return e;
   }
+  plan->kernels_found = true;
   return ffi::Error::Success();
 }
 
@@ -553,15 +601,25 @@ struct PendingCall {
   HostTimer timer;
 };
 
-// Appends to call->submissions the stages (stage i binds buffers[i]) in the submissions of the
-// dispatch plan, each chunk with its offsets in AttentionParams.
-void plan_stages(Device& device, const Problem& p, const Attributes& o,
-                 const std::vector<StageShape>& stages,
-                 const std::vector<std::vector<Binding>>& buffers, PendingCall* call,
+static_assert(sizeof(AttentionParams) <= kMaxConstantBytes,
+              "a dispatch holds its AttentionParams in place (device.h ConstantBytes)");
+
+// Appends to call->submissions the stages in the submissions of the dispatch plan, each chunk
+// with its offsets in AttentionParams: the first stage binds `first`, every later one `later`
+// (the decode's combine; the backward's dK/dV kernels), moved into the last dispatch that binds
+// them and copied into the others.
+void plan_stages(const Problem& p, const Attributes& o, const CallPlan& plan,
+                 std::vector<Binding> first, std::vector<Binding> later, PendingCall* call,
                  int64_t splits = 0) {
+  const std::vector<StageShape>& stages = plan.stages;
+  size_t uses[2] = {0, 0};  // the dispatches still to bind `first` and `later`
+  for (const ChunkedSubmission& chunks : plan.submissions) {
+    for (const Chunk& chunk : chunks) ++uses[chunk.stage == 0 ? 0 : 1];
+  }
   AttentionParams base = make_params(p, o, call->x);
   base.splits = static_cast<uint32_t>(splits);
-  for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
+  call->submissions.reserve(plan.submissions.size());
+  for (const ChunkedSubmission& chunks : plan.submissions) {
     Submission submission;
     submission.reserve(chunks.size());
     for (const Chunk& chunk : chunks) {
@@ -574,9 +632,14 @@ void plan_stages(Device& device, const Problem& p, const Attributes& o,
       d.kernel = stage.kernel;
       d.groups = chunk.groups;
       d.group_size = {stage.threads, 1, 1};
-      d.buffers = buffers[chunk.stage];
-      d.constants.resize(sizeof(AttentionParams));
-      std::memcpy(d.constants.data(), &params, sizeof(AttentionParams));
+      const int kind = chunk.stage == 0 ? 0 : 1;
+      std::vector<Binding>& bindings = kind == 0 ? first : later;
+      if (--uses[kind] == 0) {
+        d.buffers = std::move(bindings);
+      } else {
+        d.buffers = bindings;
+      }
+      d.constants.assign(&params, sizeof(AttentionParams));  // fits: static_assert above
       d.constants_index = JFM_BUFFER_PARAMS;
       d.function_constants = jfm_function_constants(params) & stage.function_constant_mask;
       d.multiply_adds = chunk.multiply_adds;
@@ -600,11 +663,22 @@ ffi::Future finished(ffi::Error error) {
   return future;
 }
 
+// The host memory the call holds for the kernels' arguments (working_memory.h): its
+// parameter blocks and copied lengths, as allocated.
+uint64_t argument_bytes_held(const PendingCall& call) {
+  uint64_t bytes = (call.x.q_lengths.size() + call.x.kv_lengths.size()) * sizeof(int32_t);
+  for (const Submission& submission : call.submissions) {
+    for (const Dispatch& d : submission) bytes += d.constants.size();
+  }
+  return bytes;
+}
+
 // Starts the call's submissions on the device; the future completes when the device reports
 // (a device error becomes an FFI error, naming the kernel as the device's message does).
 ffi::Future launch(Device& device, std::shared_ptr<PendingCall> call) {
   if (call->submissions.empty()) return finished(ffi::Error::Success());
   ffi::Future future(call->promise);
+  record_argument_bytes(argument_bytes_held(*call));
   const char* kind = device.kind();
   std::vector<Submission> submissions = std::move(call->submissions);
   device.run_async(std::move(submissions), [call, kind](const std::string& error) {
@@ -684,9 +758,9 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
     write_empty_rows(p, x.sinks, o, lse, row_max, log_sum);
     return ffi::Error::Success();
   }
-  const std::vector<StageShape> stages = stages_of(false, p, device->gpu_cores());
+  CallPlan& plan = plan_of(*device, false, p);
   call->timer.lap(kHostPlan);
-  if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
+  if (ffi::Error e = require_kernels(*device, &plan, p); e.failure()) return e;
   call->timer.lap(kHostLookup);
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
                 bv = whole(JFM_BUFFER_V, v, false), bo = whole(JFM_BUFFER_O, o, true),
@@ -694,15 +768,13 @@ ffi::Error forward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyB
                 bmax = whole(JFM_BUFFER_ROW_MAX, row_max, true),
                 bsum = whole(JFM_BUFFER_LOG_SUM, log_sum, true);
   if (splits == 0) {
-    plan_stages(*device, p, opt, stages, {with_optional({bq, bk, bv, bo, blse, bmax, bsum}, x)},
-                call);
+    plan_stages(p, opt, plan, with_optional({bq, bk, bv, bo, blse, bmax, bsum}, x), {}, call);
     return ffi::Error::Success();
   }
   // Decode: pass 1 writes the workspace that pass 2 combines (with the sinks).
   plan_stages(
-      *device, p, opt, stages,
-      {with_optional({bq, bk, bv, whole(JFM_BUFFER_WORKSPACE, workspace, true)}, x),
-       with_optional({whole(JFM_BUFFER_WORKSPACE, workspace, false), bo, blse, bmax, bsum}, x)},
+      p, opt, plan, with_optional({bq, bk, bv, whole(JFM_BUFFER_WORKSPACE, workspace, true)}, x),
+      with_optional({whole(JFM_BUFFER_WORKSPACE, workspace, false), bo, blse, bmax, bsum}, x),
       call, splits);
   return ffi::Error::Success();
 }
@@ -751,9 +823,9 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
     zero(dalibi);
     return ffi::Error::Success();
   }
-  const std::vector<StageShape> stages = stages_of(true, p, device->gpu_cores());
+  CallPlan& plan = plan_of(*device, true, p);
   call->timer.lap(kHostPlan);
-  if (ffi::Error e = require_kernels(*device, stages, p); e.failure()) return e;
+  if (ffi::Error e = require_kernels(*device, &plan, p); e.failure()) return e;
   call->timer.lap(kHostLookup);
   const Binding bq = whole(JFM_BUFFER_Q, q, false), bk = whole(JFM_BUFFER_K, k, false),
                 bv = whole(JFM_BUFFER_V, v, false), bdo = whole(JFM_BUFFER_DO, d_o, false),
@@ -766,17 +838,16 @@ ffi::Error backward(Device* device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
       opt.bias_grad ? whole(JFM_BUFFER_DBIAS, dbias, true) : x.unused(JFM_BUFFER_DBIAS);
   const Binding bdalibi =
       opt.alibi_grad ? whole(JFM_BUFFER_DALIBI, dalibi, true) : x.unused(JFM_BUFFER_DALIBI);
-  std::vector<std::vector<Binding>> buffers = {
-      with_optional({bq, bk, bv, bmax, bsum, bdo, whole(JFM_BUFFER_O, o, false),
-                     whole(JFM_BUFFER_G_LSE, g_lse, false), whole(JFM_BUFFER_DELTA, delta, true),
-                     whole(JFM_BUFFER_DQ, dq, true), bdbias, bdalibi},
-                    x)};
-  buffers.resize(stages.size(),
-                 with_optional({bq, bk, bv, bmax, bsum, bdo,
-                                whole(JFM_BUFFER_DELTA, delta, false),
-                                whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)},
-                               x));
-  plan_stages(*device, p, opt, stages, buffers, call);
+  plan_stages(p, opt, plan,
+              with_optional({bq, bk, bv, bmax, bsum, bdo, whole(JFM_BUFFER_O, o, false),
+                             whole(JFM_BUFFER_G_LSE, g_lse, false),
+                             whole(JFM_BUFFER_DELTA, delta, true), whole(JFM_BUFFER_DQ, dq, true),
+                             bdbias, bdalibi},
+                            x),
+              with_optional({bq, bk, bv, bmax, bsum, bdo, whole(JFM_BUFFER_DELTA, delta, false),
+                             whole(JFM_BUFFER_DK, dk, true), whole(JFM_BUFFER_DV, dv, true)},
+                            x),
+              call);
   return ffi::Error::Success();
 }
 

@@ -3,6 +3,7 @@
 #ifndef JAX_FLASH_METAL_ATTENTION_FFI_H_
 #define JAX_FLASH_METAL_ATTENTION_FFI_H_
 
+#include <cstddef>
 #include <cstdint>
 
 #include "xla/ffi/api/api.h"
@@ -78,13 +79,18 @@ enum Operand : int {
   kOperandCount
 };
 
-// The attributes of a call, decoded by XLA (XLA_FFI_REGISTER_STRUCT_ATTR_DECODING): one field
-// per JFM_FFI_ATTRIBUTES entry, in its order.
+// The attributes of a call (decoded by attribute_decoding.h): one field per JFM_FFI_ATTRIBUTES
+// entry, in its order.
 struct Attributes {
 #define JFM_ATTRIBUTE_FIELD(type, name) type name;
   JFM_FFI_ATTRIBUTES(JFM_ATTRIBUTE_FIELD)
 #undef JFM_ATTRIBUTE_FIELD
 };
+
+// JFM_FFI_ATTRIBUTES's entries.
+#define JFM_COUNT_ATTRIBUTE(type, name) +1
+constexpr size_t kAttributeCount = 0 JFM_FFI_ATTRIBUTES(JFM_COUNT_ATTRIBUTE);
+#undef JFM_COUNT_ATTRIBUTE
 
 }  // namespace jfm
 

@@ -4,9 +4,12 @@
 #define JAX_FLASH_METAL_DEVICE_H_
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -29,13 +32,34 @@ struct Binding {
 // specialised by bits 0 .. kFunctionConstants - 1 of Dispatch::function_constants.
 constexpr int kFunctionConstants = 6;
 
+// Bytes bound as `constant T&` (a kernel's parameter block), held in the dispatch itself, so a
+// handler call allocates nothing for them.
+constexpr size_t kMaxConstantBytes = 256;
+class ConstantBytes {
+ public:
+  // Copies `size` bytes; false (and nothing copied) above kMaxConstantBytes.
+  bool assign(const void* data, size_t size) {
+    if (size > kMaxConstantBytes) return false;
+    std::memcpy(bytes_.data(), data, size);
+    size_ = size;
+    return true;
+  }
+  const uint8_t* data() const { return bytes_.data(); }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+
+ private:
+  std::array<uint8_t, kMaxConstantBytes> bytes_;  // the first size_ are set
+  size_t size_ = 0;
+};
+
 // One kernel launch: grid of `groups` threadgroups of `group_size` threads.
 struct Dispatch {
   std::string kernel;
   std::array<uint32_t, 3> groups{1, 1, 1};
   std::array<uint32_t, 3> group_size{1, 1, 1};
   std::vector<Binding> buffers;
-  std::vector<uint8_t> constants;  // bytes bound as `constant T&` at constants_index (if any)
+  ConstantBytes constants;  // bound as `constant T&` at constants_index (if any)
   int constants_index = 0;
   // Bit n: the bool [[function_constant(n)]] the kernel's pipeline is specialised with
   // (shaders/function_constants.h); one pipeline per (kernel, function_constants).
@@ -94,6 +118,28 @@ class Device {
   // schedule (reversed or shuffled under "reverse" and "random"), so a missing barrier changes
   // results.
   virtual void run_async(std::vector<Submission> submissions, RunDone done) = 0;
+};
+
+// The kernel a fault-injection test hook names (set_metal_fault, set_emulator_fault), read by
+// every call: one atomic load while none is set, so the hot path takes no global lock.
+class FaultKernel {
+ public:
+  void set(const std::string& kernel) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    kernel_ = kernel;
+    on_.store(!kernel.empty(), std::memory_order_release);
+  }
+  // The kernel, or "" when none is set.
+  std::string get() const {
+    if (!on_.load(std::memory_order_acquire)) return "";
+    std::lock_guard<std::mutex> lock(mutex_);
+    return kernel_;
+  }
+
+ private:
+  std::atomic<bool> on_{false};
+  mutable std::mutex mutex_;
+  std::string kernel_;  // guarded by mutex_
 };
 
 // Runs the submissions on `device` and waits for them: run_async's error message, or "".

@@ -66,13 +66,16 @@ struct Access {
 };
 
 bool conflicts(const Access& a, const Access& b) {
-  return *a.kernel != *b.kernel && a.begin < b.end && b.begin < a.end && (a.written || b.written);
+  // The kernel names last: most pairs of ranges do not overlap.
+  return a.begin < b.end && b.begin < a.end && (a.written || b.written) && *a.kernel != *b.kernel;
 }
 
 }  // namespace
 
 void mark_barriers(std::vector<Dispatch>* submission) {
-  std::vector<Access> since_barrier, mine;  // reused across dispatches: no allocation each
+  // Per thread and kept between calls: no allocation once they have grown.
+  thread_local std::vector<Access> since_barrier, mine;
+  since_barrier.clear();
   for (Dispatch& d : *submission) {
     mine.clear();
     for (const Binding& b : d.buffers) {
@@ -113,8 +116,12 @@ std::vector<ChunkedSubmission> plan_submissions(const std::vector<StageShape>& s
   return submissions;
 }
 
+double submission_budget(Device& device) {
+  return submission_budget_seconds() * device.multiply_adds_per_second();
+}
+
 std::vector<ChunkedSubmission> plan_for(Device& device, const std::vector<StageShape>& stages) {
-  return plan_submissions(stages, submission_budget_seconds() * device.multiply_adds_per_second());
+  return plan_submissions(stages, submission_budget(device));
 }
 
 double set_submission_budget_seconds(double seconds) {

@@ -62,8 +62,11 @@ struct Dispatch;
 // that dQ's wrote; the decode's combine reads the partial results).
 void mark_barriers(std::vector<Dispatch>* submission);
 
-// plan_submissions with the budget of `device`: submission_budget_seconds() times the device's
-// estimated throughput (Device::multiply_adds_per_second).
+// The submission budget of `device` in multiply-adds: submission_budget_seconds() times the
+// device's estimated throughput (Device::multiply_adds_per_second).
+double submission_budget(Device& device);
+
+// plan_submissions with the budget of `device` (submission_budget).
 std::vector<ChunkedSubmission> plan_for(Device& device, const std::vector<StageShape>& stages);
 
 // Estimated GPU time per submission, in seconds (default 0.1: well within the watchdog's

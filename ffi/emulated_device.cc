@@ -32,8 +32,7 @@ namespace {
 std::atomic<int> g_schedule{static_cast<int>(emu::Schedule::kForward)};
 std::atomic<uint64_t> g_seed{0};
 
-std::mutex g_fault_mutex;
-std::string g_fault_kernel;  // guarded by g_fault_mutex
+FaultKernel g_fault;  // set_emulator_fault
 
 // set_emulator_hold: the flag is read without the lock on every run; waiting takes it.
 std::atomic<bool> g_hold{false};
@@ -100,11 +99,7 @@ class EmulatedDevice final : public Device {
     emu::Launch launch;  // the schedule and fault in force when the call was made
     launch.schedule = static_cast<emu::Schedule>(g_schedule.load());
     launch.seed = g_seed.load();
-    std::string fault;
-    {
-      std::lock_guard<std::mutex> lock(g_fault_mutex);
-      fault = g_fault_kernel;
-    }
+    const std::string fault = g_fault.get();
     try {
       std::thread([submissions = std::move(submissions), done, launch, fault]() mutable {
         std::string error = wait_for_hold();
@@ -276,10 +271,7 @@ std::string emulator_sanitizer() {
   return names[g_sanitize.load()];
 }
 
-void set_emulator_fault(const std::string& kernel) {
-  std::lock_guard<std::mutex> lock(g_fault_mutex);
-  g_fault_kernel = kernel;
-}
+void set_emulator_fault(const std::string& kernel) { g_fault.set(kernel); }
 
 void set_emulator_hold(bool on) {
   {

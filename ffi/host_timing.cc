@@ -10,6 +10,9 @@ std::atomic<bool> g_on{false};
 std::atomic<uint64_t> g_calls{0};
 std::array<std::atomic<uint64_t>, kHostPhases> g_nanoseconds{};
 
+thread_local bool t_marked = false;
+thread_local std::chrono::steady_clock::time_point t_start;
+
 }  // namespace
 
 void set_host_timing(bool on) {
@@ -29,6 +32,18 @@ HostTimes take_host_times() {
 void add_host_times(const std::array<uint64_t, kHostPhases>& nanoseconds) {
   for (int p = 0; p < kHostPhases; ++p) g_nanoseconds[p].fetch_add(nanoseconds[p]);
   g_calls.fetch_add(1);
+}
+
+void mark_host_call_start() {
+  if (!host_timing()) return;
+  t_start = std::chrono::steady_clock::now();
+  t_marked = true;
+}
+
+std::chrono::steady_clock::time_point take_host_call_start() {
+  if (!t_marked) return std::chrono::steady_clock::now();
+  t_marked = false;
+  return t_start;
 }
 
 }  // namespace jfm

@@ -13,7 +13,7 @@ namespace jfm {
 // The phases of a handler call, in order: X(Enumerator, name), the name take_host_times()'s
 // Python binding reports.
 #define JFM_HOST_PHASES(X)                                                                         \
-  X(Validate, validate) /* decoding and checking the operands, results and attributes */           \
+  X(Validate, validate) /* decoding the attributes, checking them, the operands and results */  \
   X(Lookup, lookup)     /* the kernels' pipelines (Device::has_kernel) */                          \
   X(Plan, plan)         /* the dispatch plan, the AttentionParams, each dispatch's bindings */     \
   X(Launch, launch)     /* Device::run_async until it returns (Metal: encode and commit) */
@@ -32,11 +32,18 @@ bool host_timing();
 HostTimes take_host_times();
 void add_host_times(const std::array<uint64_t, kHostPhases>& nanoseconds);
 
+// Marks the start of a call's host work on this thread: the decoding of its attributes
+// (attribute_decoding.h), which XLA runs before the handler's body. The call's HostTimer then
+// starts there (else where it is made). Nothing while timing is off.
+void mark_host_call_start();
+// The marked start of this thread's call (then unmarked), else now.
+std::chrono::steady_clock::time_point take_host_call_start();
+
 // One call's phases: lap(p) ends phase p; finish() adds the call to the totals.
 class HostTimer {
  public:
   HostTimer() : on_(host_timing()) {
-    if (on_) last_ = std::chrono::steady_clock::now();
+    if (on_) last_ = take_host_call_start();
   }
   void lap(HostPhase phase) {
     if (!on_) return;

@@ -49,6 +49,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -62,6 +63,7 @@
 #include "device.h"
 #include "../emulator/emulator.h"
 #include "shader_sources.h"
+#include "working_memory.h"
 
 // Encoder status of an injected fault (set_metal_fault): stands in for what Metal reports in
 // MTLCommandBufferEncoderInfoErrorKey, so the injected error takes the real error's path.
@@ -108,13 +110,7 @@ namespace {
 // setBytes is for data up to 4 KB (Apple's guidance); larger copies go through a buffer.
 constexpr size_t kMaxSetBytes = 4096;
 
-std::mutex g_fault_mutex;
-std::string g_fault_kernel;  // guarded by g_fault_mutex
-
-std::string fault_kernel() {
-  std::lock_guard<std::mutex> lock(g_fault_mutex);
-  return g_fault_kernel;
-}
+FaultKernel g_fault;  // set_metal_fault
 
 // A dispatch's label in error messages and debug signposts: "<kernel> groups [x, y, z]".
 std::string dispatch_label(const Dispatch& d) {
@@ -357,7 +353,7 @@ class MetalDevice final : public Device {
     @autoreleasepool {
       auto call = std::make_shared<Call>();
       call->done = std::move(done);
-      call->fault = fault_kernel();
+      call->fault = g_fault.get();
       call->submissions = std::move(submissions);
       std::string error;
       for (const Submission& submission : call->submissions) {
@@ -438,7 +434,8 @@ class MetalDevice final : public Device {
 
   // Every command buffer of the call has completed: the first error (encoding, then each
   // command buffer in order; the GPU time of the good ones refines the estimate), the staged
-  // results copied back, the staging buffers returned, then `done`.
+  // results copied back, the staging buffers returned (their bytes recorded for
+  // take_working_memory: working_memory.h), then `done`.
   void finish(Call& call) {
     @autoreleasepool {
       std::string error = call.encode_error;
@@ -457,10 +454,13 @@ class MetalDevice final : public Device {
           add_gpu_seconds(seconds);
         }
       }
+      uint64_t staged_bytes = 0;  // the call's staging buffers, as allocated
       for (const Staged& s : call.staged) {
         if (error.empty() && s.copy_back) std::memcpy(s.host, s.buffer.contents, s.size);
+        staged_bytes += s.buffer.length;
         staging_.release(s.buffer);
       }
+      record_staging_bytes(staged_bytes);
       // The command buffers hold their completion blocks, which hold this call: let go of them.
       call.committed.clear();
       call.ranges.clear();
@@ -839,9 +839,6 @@ double metal_gpu_seconds_total() {
   return device != nullptr ? device->gpu_seconds_total() : 0.0;
 }
 
-void set_metal_fault(const std::string& kernel) {
-  std::lock_guard<std::mutex> lock(g_fault_mutex);
-  g_fault_kernel = kernel;
-}
+void set_metal_fault(const std::string& kernel) { g_fault.set(kernel); }
 
 }  // namespace jfm

@@ -23,6 +23,7 @@
 #include "emulator_profile.h"
 #include "function_constants.h"
 #include "shader_sources.h"
+#include "working_memory.h"
 
 namespace nb = nanobind;
 
@@ -392,6 +393,70 @@ nb::dict tile_shape_dict(const TileShape& t) {
   return d;
 }
 
+// The stages of a call (attention_stages) on `device`, its direction and dtype names checked
+// (ValueError).
+std::vector<StageShape> planned_stages(Device& device, const std::string& direction,
+                                       const std::string& dtype, int64_t batch, int64_t q_len,
+                                       int64_t kv_len, int64_t num_heads, int64_t num_kv_heads,
+                                       int64_t head_dim, std::optional<int64_t> value_head_dim,
+                                       bool dropout, int variant) {
+  if (direction != "fwd" && direction != "bwd") {
+    throw nb::value_error(("direction must be 'fwd' or 'bwd', not " + direction).c_str());
+  }
+  if (dtype != "f32" && dtype != "f16" && dtype != "bf16") {
+    throw nb::value_error(("dtype must be 'f32', 'f16' or 'bf16', not " + dtype).c_str());
+  }
+  return attention_stages(direction == "bwd", dtype.c_str(), batch, q_len, kv_len, num_heads,
+                          num_kv_heads, head_dim, value_head_dim.value_or(head_dim),
+                          device.gpu_cores(), dropout, variant);
+}
+
+// The FFI handlers' own working memory (working_memory.h): the formula and the measured figures.
+void bind_working_memory(nb::module_& m) {
+  m.def(
+      "working_memory",
+      [](const std::string& direction, const std::string& dtype, int64_t batch, int64_t q_len,
+         int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+         const std::string& implementation, std::optional<int64_t> value_head_dim,
+         bool dropout, int variant) {
+        Device& device = device_named(implementation);
+        size_t dispatches = 0;
+        for (const ChunkedSubmission& chunks :
+             plan_for(device, planned_stages(device, direction, dtype, batch, q_len, kv_len,
+                                             num_heads, num_kv_heads, head_dim, value_head_dim,
+                                             dropout, variant))) {
+          dispatches += chunks.size();
+        }
+        return argument_bytes(dispatches, batch);
+      },
+      nb::arg("direction"), nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"),
+      nb::arg("kv_len"), nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
+      nb::arg("implementation") = "emulator", nb::arg("value_head_dim") = nb::none(),
+      nb::arg("dropout") = false, nb::arg("variant") = 0,
+      "int: bytes of host memory the FFI handler allocates for the kernels' arguments of this "
+      "call (arguments as dispatch_plan's; one parameter block per dispatch of the plan and "
+      "the copied q/kv lengths), outside XLA's memory analysis. A Metal call may also stage "
+      "host ranges it cannot wrap in place: take_working_memory() reports those as measured.");
+  m.def(
+      "take_working_memory",
+      [] {
+        const WorkingMemory w = take_working_memory();
+        nb::dict d;
+        d["calls"] = w.calls;
+        d["last_bytes"] = w.last_bytes;
+        d["peak_bytes"] = w.peak_bytes;
+        d["staging_calls"] = w.staging_calls;
+        d["last_staging_bytes"] = w.last_staging_bytes;
+        d["peak_staging_bytes"] = w.peak_staging_bytes;
+        return d;
+      },
+      "dict: the FFI handlers' own working memory since the last take (then zeroed): calls "
+      "(handler calls that ran kernels), last_bytes and peak_bytes (host memory a call "
+      "allocated for the kernels' arguments, as working_memory() gives it), staging_calls, "
+      "last_staging_bytes and peak_staging_bytes (Metal: bytes of staging buffers a call "
+      "used for host ranges it could not wrap in place; 0 on the emulated device).");
+}
+
 // The dispatch plan the handlers use (dispatch_plan.h), read by the lowering and the tests.
 void bind_planning(nb::module_& m) {
   static const std::string dispatch_plan_doc =
@@ -409,17 +474,10 @@ void bind_planning(nb::module_& m) {
          int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
          const std::string& implementation, std::optional<int64_t> value_head_dim,
          bool dropout, int variant) {
-        if (direction != "fwd" && direction != "bwd") {
-          throw nb::value_error(("direction must be 'fwd' or 'bwd', not " + direction).c_str());
-        }
-        if (dtype != "f32" && dtype != "f16" && dtype != "bf16") {
-          throw nb::value_error(("dtype must be 'f32', 'f16' or 'bf16', not " + dtype).c_str());
-        }
         Device& device = device_named(implementation);
         const std::vector<StageShape> stages =
-            attention_stages(direction == "bwd", dtype.c_str(), batch, q_len, kv_len, num_heads,
-                             num_kv_heads, head_dim, value_head_dim.value_or(head_dim),
-                             device.gpu_cores(), dropout, variant);
+            planned_stages(device, direction, dtype, batch, q_len, kv_len, num_heads,
+                           num_kv_heads, head_dim, value_head_dim, dropout, variant);
         nb::list submissions;
         for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
           nb::list dispatches;
@@ -557,6 +615,7 @@ NB_MODULE(_ext, m) {
   jfm::bind_shader_sources(m);
   jfm::bind_emulator_controls(m);
   jfm::bind_planning(m);
+  jfm::bind_working_memory(m);
   jfm::bind_tiles(m);
   nb::module_ testing = m.def_submodule(
       "testing", "Test hooks: fault injection, the submission budget, the plain C++ rules the "

@@ -48,7 +48,9 @@ value_head_dim, batch, q_len, kv_len, heads, kv_heads, causal, alibi, dropout: t
 exact counts (threadgroups, threads_per_threadgroup, threadgroup_memory_bytes,
 device_bytes_read, device_bytes_written, threadgroup_bytes_read, threadgroup_bytes_written:
 bytes; mma_ops, simd_ops, barriers, fma_ops, math_ops: counts as defined in emulator/README.md),
-useful_flops (analytic), registers (estimated live 32-bit registers per thread), ``model``: the
+ffi_call_bytes (the table's "FFI B": host bytes the FFI handler allocated for the call the
+launch belongs to, its kernels' parameter blocks and copied lengths, measured by the extension;
+outside XLA's memory analysis, which counts only the buffers a custom call declares), useful_flops (analytic), registers (estimated live 32-bit registers per thread), ``model``: the
 roofline MODEL, not a measurement, {GPU name: {"bound": "compute" | "device" | "threadgroup",
 "seconds": modelled time, "percent_of_peak": modelled useful FLOP/s over peak FLOP/s, in
 percent}}, and ``occupancy``: {GPU name: {"threadgroups", "simdgroups": per core, "limit":

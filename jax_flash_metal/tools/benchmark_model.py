@@ -125,7 +125,24 @@ class Row:
     fwd_gpu_ms: float | None = None  # flash:metal only: median GPU time of the timed calls
     fwdbwd_gpu_ms: float | None = None
     noisy: bool = False  # NOISY_NOTE
+    ffi_bytes: int | None = None  # flash:emulator / flash:metal only: ffi_working_bytes
     dtype: str = "float32"
+
+
+def ffi_working_bytes(method: str, batch: int, q_len: int, kv_len: int, heads: int,
+                      kv_heads: int, head_dim: int, dtype) -> int | None:
+    """Bytes of host memory the FFI handler itself allocates for the larger of a
+    forward+backward's two calls (the kernels' parameter blocks and copied lengths), which XLA's
+    memory analysis does not see; from the extension's plan (``_ext.working_memory``), for the
+    methods that run the FFI (flash:emulator, flash:metal), else None. Metal staging copies are
+    measured only as calls run (``_ext.take_working_memory``) and are not in it."""
+    impl = method.removeprefix("flash:")
+    if impl not in ("emulator", "metal"):
+        return None
+    from .._ext import working_memory
+    suffix = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[jnp.dtype(dtype).name]
+    return max(working_memory(direction, suffix, batch, q_len, kv_len, heads, kv_heads,
+                              head_dim, implementation=impl) for direction in ("fwd", "bwd"))
 
 
 def _temp_bytes(compiled) -> int | None:
@@ -329,6 +346,8 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
                 fwdbwd_gpu_ms=gpu_ms.get(name + " fwd+bwd"),
                 noisy=bool({name + " fwd", name + " fwd+bwd"} & noisy)
                 or ms.get(name + " fwd", 0) > ms.get(name + " fwd+bwd", float("inf")),
+                ffi_bytes=ffi_working_bytes(name, batch, q_len or seq_len, seq_len, heads,
+                                            kv_heads, head_dim, dtype),
                 dtype=dtype)
 
     for point in points:

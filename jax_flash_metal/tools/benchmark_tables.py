@@ -73,11 +73,14 @@ def format_growth(entries: list[dict]) -> str:
 KEY_COLUMNS = 4
 MEMORY_NOTE = ("temp MiB: XLA's compiled temporaries (memory_analysis().temp_size_in_bytes), "
                "beyond inputs and outputs. For flash:metal and flash:emulator that is the "
-               "buffers their custom calls declare (e.g. the decode's workspace); what the FFI "
-               "handler itself uses (threadgroup memory, Metal staging copies) is outside XLA "
-               "and not counted here.")
+               "buffers their custom calls declare (e.g. the decode's workspace). FFI KiB: "
+               "what the FFI handler itself allocates, outside XLA, for the larger of the "
+               "forward and backward calls (the kernels' parameter blocks and copied lengths, "
+               "from the extension's plan); not counted: Metal staging copies of host ranges "
+               "that cannot be wrapped in place (_ext.take_working_memory reports them as "
+               "calls run) and on-chip threadgroup memory (python -m jax_flash_metal.profile).")
 COLUMNS = ("method", "seq", "hdim", "causal", "fwd ms", "fwd+bwd ms", "fwd temp MiB",
-           "fwd+bwd temp MiB", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "compile s", "fwd GPU ms",
+           "fwd+bwd temp MiB", "FFI KiB", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "compile s", "fwd GPU ms",
            "fwd+bwd GPU ms", "fwd GPU TFLOP/s", "fwd+bwd GPU TFLOP/s", "timing")
 
 
@@ -101,6 +104,7 @@ def table_cells(row: Row, peak_tflops: float | None = None) -> list[str]:
              _fmt(row.fwd_ms, ".2f"), _fmt(row.fwdbwd_ms, ".2f"),
              _fmt(None if row.fwd_temp is None else row.fwd_temp / mib, ".1f"),
              _fmt(None if row.fwdbwd_temp is None else row.fwdbwd_temp / mib, ".1f"),
+             _fmt(None if row.ffi_bytes is None else row.ffi_bytes / 1024, ".1f"),
              _fmt(fwd_tf, ".3g"), _fmt(fb_tf, ".3g"), _fmt(row.compile_s, ".2f"),
              _fmt(row.fwd_gpu_ms, ".3f"), _fmt(row.fwdbwd_gpu_ms, ".3f"),
              _fmt(fwd_gpu_tf, ".3g"), _fmt(fb_gpu_tf, ".3g")]

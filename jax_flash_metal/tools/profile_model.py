@@ -57,7 +57,8 @@ def count_keys() -> tuple[str, ...]:
 
 def json_keys() -> tuple[str, ...]:
     """The keys of each --json record, in order."""
-    return ("kernel", "variant", *PROBLEM_KEYS, *count_keys(), "useful_flops", "registers",
+    return ("kernel", "variant", *PROBLEM_KEYS, *count_keys(), "ffi_call_bytes", "useful_flops",
+            "registers",
             "model", "occupancy")
 
 
@@ -171,14 +172,19 @@ class Problem:
 
 
 def _recorded(fn, *args):
-    """Runs fn(*args) with the emulated device's profiling on; returns its launch records."""
+    """Runs fn(*args) with the emulated device's profiling on; returns its launch records, each
+    with "ffi_call_bytes": the host memory the FFI handler allocated for the call (the kernels'
+    parameter blocks and copied lengths; outside XLA's memory analysis), as it measured it."""
     ext = _ext()
     ext.set_emulator_profiling(True)
+    ext.take_working_memory()  # zeroed: the figures of this call only
     try:
         jax.block_until_ready(fn(*args))
-        return ext.take_emulator_profile()
+        records = ext.take_emulator_profile()
     finally:
         ext.set_emulator_profiling(False)
+    call_bytes = ext.take_working_memory()["peak_bytes"]
+    return [dict(r, ffi_call_bytes=call_bytes) for r in records]
 
 
 def run_problem(problem: Problem, passes) -> list[tuple[str, dict]]:
@@ -302,6 +308,7 @@ def profile_records(problem: Problem, passes, gpus) -> list[dict]:
             "kernel": r["kernel"], "variant": kernel_variant(r["kernel"]),
             **{k: getattr(problem, k) for k in PROBLEM_KEYS},
             **{k: r[k] for k in count_keys()},
+            "ffi_call_bytes": r["ffi_call_bytes"],
             "useful_flops": useful,
             "registers": registers(r["kernel"]),
             "model": {g: model_launch(GPUS[g], executed_flops=executed, useful_flops=useful,

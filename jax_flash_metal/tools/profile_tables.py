@@ -33,7 +33,7 @@ def format_tables(records: list[dict], gpus) -> str:
     fit WIDTH columns."""
     header = ["kernel", "pass", "threadgroups (grid)", "thr/tg", "tg KB", "dev MB rd",
               "dev MB wr", "tg MB", "useful GF", "MMA GF", "dev FLOP/B", "MMA share", "ALU/MA",
-              "regs"]
+              "regs", "FFI B"]
     name = _kernel_names(records)
     body = []
     for r in records:
@@ -47,7 +47,7 @@ def format_tables(records: list[dict], gpus) -> str:
             _ratio(r["useful_flops"], device, "{:.2f}"),
             _ratio(r["mma_flops"], r["executed_flops"], "{:.0%}"),
             _ratio(2 * r["alu_ops"], r["useful_flops"], "{:.2f}"),
-            _registers_cell(r["registers"])])
+            _registers_cell(r["registers"]), str(r["ffi_call_bytes"])])
     lines = _titled_parts("measured (exact, emulator counting variant):", header, body, 2)
     lines += _per_gpu_table(
         records, gpus,

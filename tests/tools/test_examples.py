@@ -164,7 +164,8 @@ def test_benchmark_table():
     # Columns with no value in any row are left out: off a Mac, the GPU-time ones (and the
     # timing note where no row is noisy).
     shown = [c for c in benchmark_tables.COLUMNS if ("flash:metal" in names or "GPU" not in c)
-             and (c != "timing" or any(r.noisy for r in rows))]
+             and (c != "timing" or any(r.noisy for r in rows))
+             and (c != "FFI KiB" or any(r.ffi_bytes is not None for r in rows))]
     assert lines[0] == shown
     assert len(lines) == 2 + len(rows)
     for cells, r in zip(lines[2:], rows):
@@ -176,6 +177,13 @@ def test_benchmark_table():
             assert r.fwd_gpu_ms is None and r.fwdbwd_gpu_ms is None
     # XLA:CPU reports memory on every supported JAX, also for compile-only rows.
     assert all(r.fwd_temp is not None and r.fwdbwd_temp is not None for r in rows)
+    # The FFI handler's own working memory: for the methods that run the FFI, from its plan.
+    for r in rows:
+        assert (r.ffi_bytes is not None) == (r.method in ("flash:emulator", "flash:metal"))
+        if r.method == "flash:emulator":
+            from jax_flash_metal._ext import working_memory
+            assert r.ffi_bytes == max(working_memory(d, "f32", 1, r.seq_len, r.seq_len, 2, 1, 16)
+                                      for d in ("fwd", "bwd"))
     # The plain-jnp reference materialises the scores: temp memory grows with the sequence length.
     ref = {r.seq_len: r.fwd_temp for r in rows if r.method == "reference"}
     assert ref[64] > ref[16]
@@ -232,11 +240,12 @@ def test_benchmark_gpu_columns_and_percent_of_peak():
                         compile_s=1.0, fwd_gpu_ms=1.0, fwdbwd_gpu_ms=3.5)
     cells = benchmark_tables.table_cells(row, peak_tflops=4.0)
     # wall 1 and 0.875 TFLOP/s; GPU 2 and 2 TFLOP/s = 50% of the 4 TFLOP/s peak
-    assert cells[8:10] == ["1", "0.875"]
-    assert cells[11:] == ["1.000", "3.500", "2", "2", "50.0", "50.0", "-"]
+    assert cells[8] == "-"  # FFI KiB: not given for this row
+    assert cells[9:11] == ["1", "0.875"]
+    assert cells[12:] == ["1.000", "3.500", "2", "2", "50.0", "50.0", "-"]
     wall_only = dataclasses.replace(row, method="flash:xla", fwd_gpu_ms=None, fwdbwd_gpu_ms=None,
                                     noisy=True)
-    assert benchmark_tables.table_cells(wall_only, peak_tflops=4.0)[11:] == \
+    assert benchmark_tables.table_cells(wall_only, peak_tflops=4.0)[12:] == \
         ["-"] * 4 + ["25.0", "21.9", "noisy"]
 
 

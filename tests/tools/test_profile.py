@@ -363,8 +363,8 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
             "heads", "kv_heads", "causal", "alibi", "dropout", "threadgroups",
             "threads_per_threadgroup", "threadgroup_memory_bytes", "device_bytes_read",
             "device_bytes_written", "threadgroup_bytes_read", "threadgroup_bytes_written",
-            "mma_ops", "simd_ops", "barriers", "fma_ops", "math_ops", "useful_flops", "registers",
-            "model", "occupancy"]
+            "mma_ops", "simd_ops", "barriers", "fma_ops", "math_ops", "ffi_call_bytes",
+            "useful_flops", "registers", "model", "occupancy"]
     for r in records:
         assert list(r) == keys
         assert (r["dtype"], r["head_dim"], r["q_len"], r["kv_len"], r["causal"]) == (
@@ -381,6 +381,9 @@ def test_json_schema_and_useful_flops(tmp_path, capsys):
                 threads_per_threadgroup=r["threads_per_threadgroup"], registers=r["registers"])
         stage = profile_model.KERNEL_NAME.match(r["kernel"]).group("stage")
         assert r["registers"] == ext.tile_shape(stage, "f32", 16)["registers"]
+        # The handler's measured working memory of the launch's call: its plan's formula.
+        direction = "fwd" if stage == "fwd" else "bwd"
+        assert r["ffi_call_bytes"] == ext.working_memory(direction, "f32", 1, 20, 36, 2, 1, 16)
     # Bottom-right causal with kv_len - q_len = 16: query i sees keys 0..i + 16.
     pairs = sum(i + 17 for i in range(20))
     assert records[0]["useful_flops"] == 4 * 16 * pairs * 2
