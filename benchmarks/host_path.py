@@ -1,8 +1,8 @@
 """The host path of one decode call: what the FFI handler does on the CPU before the kernels run
 (prints a table; a measurement, not a test).
 
-Usage: python benchmarks/host_path.py [--rounds R] [--calls N] [--kv-len T] [--head-dim D]
-                                     [--dtype DTYPE]
+Usage: python benchmarks/host_path.py [--rounds R] [--calls N] [--kv-len T] [--head-dim D ...]
+                                     [--dtype DTYPE ...]
 
 Runs a jitted decode forward (batch 1, one query, 8 heads over 2 key/value heads) R rounds of N
 calls on the
@@ -31,7 +31,7 @@ import numpy as np
 
 import jax_flash_metal._ext as _ext
 from jax_flash_metal import flash_attention
-from jax_flash_metal.tools.cli import HelpFormatter
+from jax_flash_metal.tools.cli import HelpFormatter, add_flags
 
 SHARED = ("validate", "lookup", "plan")
 TARGET_US = 10.0
@@ -66,23 +66,22 @@ def measure(rounds: int, calls: int, kv_len: int, head_dim: int, dtype) -> list[
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--rounds", type=int, default=20,
-                   help="rounds; the table gives the median and minimum over them")
     p.add_argument("--calls", type=int, default=20,
                    help="decode calls per round (each round reports its mean per call)")
-    p.add_argument("--kv-len", type=int, default=128, help="keys in the cache")
-    p.add_argument("--head-dim", type=int, default=64, help="head dim of query, key and value")
-    p.add_argument("--dtype", default="float16", choices=("float32", "float16", "bfloat16"),
-                   help="dtype of query, key and value")
+    add_flags(p, notes=dict(rounds="the table gives the median and minimum over them",
+                            kv_len="keys in the cache", head_dim="of value too"),
+              rounds=20, kv_len=128, head_dim=[64], dtype=["float16"])
     args = p.parse_args()
-    rounds = measure(args.rounds, args.calls, args.kv_len, args.head_dim, jnp.dtype(args.dtype))
-    print(f"host path of one decode call ({args.dtype}, kv_len {args.kv_len}, head dim "
-          f"{args.head_dim}, 8 query / 2 key-value heads) on the emulated device: mean us per "
-          f"call of each of {args.rounds} rounds of {args.calls} calls")
-    print(f"{'phase':<10} {'median':>8} {'min':>8}")
-    for name in rounds[0]:
-        values = [r[name] for r in rounds]
-        print(f"{name:<10} {np.median(values):8.2f} {min(values):8.2f}")
+    for dtype in args.dtype:
+        for head_dim in args.head_dim:
+            rounds = measure(args.rounds, args.calls, args.kv_len, head_dim, jnp.dtype(dtype))
+            print(f"host path of one decode call ({dtype}, kv_len {args.kv_len}, head dim "
+                  f"{head_dim}, 8 query / 2 key-value heads) on the emulated device: mean us "
+                  f"per call of each of {args.rounds} rounds of {args.calls} calls")
+            print(f"{'phase':<10} {'median':>8} {'min':>8}")
+            for name in rounds[0]:
+                values = [r[name] for r in rounds]
+                print(f"{name:<10} {np.median(values):8.2f} {min(values):8.2f}")
     print(f"shared = {' + '.join(SHARED)}; target <= {TARGET_US:g} us; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 

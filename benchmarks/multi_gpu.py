@@ -1,8 +1,8 @@
 """flash_attention over many devices: batch/head sharding and context parallelism against one
 device (prints tables; a measurement, not a test).
 
-Usage: python benchmarks/multi_gpu.py [--sections shard,context,train] [--devices 1,2,4,8]
-           [--lengths 32768,131072,524288] [--shard-length 16384] [--repeats 5] [--json PATH]
+Usage: python benchmarks/multi_gpu.py [--sections shard context train] [--devices 1 2 4 8]
+           [--lengths 32768 131072 524288] [--shard-length 16384] [--repeats 5] [--json PATH]
        python benchmarks/multi_gpu.py --host-devices 8 --tiny   (a rehearsal on host CPU devices)
        (one process per GPU: start it once per GPU with --distributed and the usual
        JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID; process 0 prints)
@@ -50,34 +50,29 @@ import time
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|"
                          r"collective-permute)(-start)?\(")
 TOLERANCE = 2.0 ** -7
-
-
-def _ints(text):
-    return [int(x) for x in text.split(",") if x]
+SECTIONS = ("shard", "context", "train")
 
 
 def parse_args(argv=None):
-    from jax_flash_metal.tools.cli import HelpFormatter, add_problem_flags, check_problem_flags
+    from jax_flash_metal.tools.cli import (HelpFormatter, add_flags, add_problem_flags,
+                                           check_problem_flags, positive_int)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--sections", default="shard,context,train",
-                        help="comma-separated: shard, context, train")
-    parser.add_argument("--devices", type=_ints, default=[1, 2, 4, 8],
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="sections to run")
+    parser.add_argument("--devices", nargs="+", type=positive_int, default=[1, 2, 4, 8],
                         help="device counts to run (those above the devices present are skipped)")
-    parser.add_argument("--lengths", type=_ints, default=[32768, 131072, 524288],
-                        help="whole sequence lengths of the context section")
     parser.add_argument("--shard-length", type=int, default=16384,
                         help="sequence length of the shard section")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dim D")
-    parser.add_argument("--dtype", default="bfloat16", help="input dtype")
+    add_flags(parser, notes=dict(lengths="whole sequences, of the context section"),
+              lengths=[32768, 131072, 524288], head_dim=[128], dtype=["bfloat16"], repeats=5)
     parser.add_argument("--implementation", default=None,
                         help="flash_attention's implementation (default: the platform's chain)")
-    parser.add_argument("--strategies", default="all_gather,ring",
+    parser.add_argument("--strategies", nargs="+", default=["all_gather", "ring"],
                         help="sequence_strategy values of the context section")
-    parser.add_argument("--layouts", default="contiguous,striped,zigzag",
+    parser.add_argument("--layouts", nargs="+", default=["contiguous", "striped", "zigzag"],
                         help="sequence_layout values of the context section")
     parser.add_argument("--train-steps", type=int, default=20, help="steps of the train section")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per point")
     parser.add_argument("--host-devices", type=int, default=None,
                         help="run on this many host (CPU) devices instead (a rehearsal)")
     parser.add_argument("--tiny", action="store_true",
@@ -91,8 +86,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     check_problem_flags(parser, args)
     if args.tiny:
-        args.lengths, args.shard_length, args.head_dim = [256], 256, 32
-        args.dtype, args.train_steps, args.repeats = "float32", 2, 1
+        args.lengths, args.shard_length, args.head_dim = [256], 256, [32]
+        args.dtype, args.train_steps, args.repeats = ["float32"], 2, 1
     return args
 
 
@@ -274,8 +269,8 @@ def context_section(r: Runner, counts):
                     continue
                 mesh = Mesh(np.array(r.devices[:n]), ("sp",))
                 seq = NamedSharding(mesh, P(None, "sp"))
-                for strategy in a.strategies.split(","):
-                    for layout in a.layouts.split(","):
+                for strategy in a.strategies:
+                    for layout in a.layouts:
                         order, undo = _REORDER[layout](ra)
                         xs = r.place([np.asarray(order(x, n)) for x in r.arrays(1, t)], seq)
                         step = ra.shard_map(r.attention(causal, sequence_axis_name="sp",
@@ -358,20 +353,28 @@ def main(argv=None):
     import jax
     if args.distributed:
         jax.distributed.initialize()
-    r = Runner(args)
-    counts = [n for n in args.devices if n <= len(r.devices)]
     if jax.process_index() != 0:
         sys.stdout = open(os.devnull, "w")
-    device = r.devices[0]
-    print(f"{len(r.devices)} x {device.device_kind} ({device.platform}), "
+    device = jax.devices()[0]
+    print(f"{len(jax.devices())} x {device.device_kind} ({device.platform}), "
           f"{jax.process_count()} process(es), jax {jax.__version__}")
-    sections = {"shard": shard_section, "context": context_section, "train": train_section}
-    for name in args.sections.split(","):
-        sections[name](r, counts)
+    sections = {"shard": shard_section, "context": context_section}
+    rows = []
+    for dtype in args.dtype:  # the attention sections for each dtype and head dim in turn
+        for head_dim in args.head_dim:
+            r = Runner(argparse.Namespace(**dict(vars(args), dtype=dtype, head_dim=head_dim)))
+            counts = [n for n in args.devices if n <= len(r.devices)]
+            for name in (n for n in args.sections if n in sections):
+                sections[name](r, counts)
+            rows += [dict(row, dtype=dtype, head_dim=head_dim) for row in r.rows]
+    if "train" in args.sections:  # the example model: its own dtype and head dim
+        r = Runner(args)
+        train_section(r, [n for n in args.devices if n <= len(r.devices)])
+        rows += r.rows
     if args.json and jax.process_index() == 0:
         with open(args.json, "w") as f:
             json.dump({"device": device.device_kind, "jax": jax.__version__,
-                       "rows": r.rows}, f, indent=1)
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

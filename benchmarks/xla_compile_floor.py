@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jax_flash_metal import flash_attention
 from jax_flash_metal.tools.benchmark_model import compile_seconds, inputs
-from jax_flash_metal.tools.cli import HelpFormatter
+from jax_flash_metal.tools.cli import HelpFormatter, add_flags
 
 BLOCK = 128
 
@@ -138,10 +138,9 @@ METHODS = {
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--seq-len", type=int, default=1024,
-                        help=f"sequence length, a multiple of {BLOCK}")
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="interleaved compile rounds; the median is shown")
+    add_flags(parser, notes=dict(seq_len=f"a multiple of {BLOCK}",
+                                 rounds="interleaved compiles; the median is shown"),
+              seq_len=1024, rounds=5)
     args = parser.parse_args()
     if args.seq_len % BLOCK:
         parser.error(f"--seq-len must be a multiple of {BLOCK}")

@@ -1,10 +1,10 @@
 """flash_attention on an NVIDIA GPU against jax.nn.dot_product_attention (prints tables; a
 benchmark, not a test).
 
-Usage: python benchmarks/xla_gpu.py [--modes train,decode] [--lengths 1024,4096,16384,32768]
-           [--dtypes bfloat16,float16] [--schedules default,cpu,1024x2048,...]
-           [--decode-kv 8192,32768,131072] [--decode-q 1,4] [--decode-spans 4096,32768,...]
-           [--methods "flash,jax.nn cudnn"] [--repeats 10] [--json PATH]
+Usage: python benchmarks/xla_gpu.py [--modes train decode] [--lengths 1024 4096 16384 32768]
+           [--dtype bfloat16 float16] [--schedules default cpu 1024x2048 ...]
+           [--decode-kv 8192 32768 131072] [--decode-q 1 4] [--decode-spans 4096 32768 ...]
+           [--methods flash "jax.nn cudnn"] [--repeats 10] [--json PATH]
 
 Run from the repository root with PYTHONPATH=. and XLA_PYTHON_CLIENT_PREALLOCATE=false, so the
 compiled temporaries are what a program pays. Methods, interleaved, median of ``--repeats``
@@ -42,7 +42,7 @@ from jax_flash_metal import flash_attention
 from jax_flash_metal.tools.benchmark_model import attention_flops, inputs
 from jax_flash_metal.xla import decode as xla_decode
 from jax_flash_metal.xla import schedule as xla_schedule
-from jax_flash_metal.tools.cli import HelpFormatter
+from jax_flash_metal.tools.cli import CAUSAL, HelpFormatter, add_flags, positive_int
 
 
 def _fwd_bwd(attention, causal):
@@ -259,37 +259,27 @@ def format_decode_rows(rows):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    names = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--modes", type=names, default=["train", "decode"],
-                   help='comma-separated: "train" (forward+backward rows), "decode" rows')
-    p.add_argument("--lengths", type=ints, default=[1024, 4096, 16384, 32768],
-                   help="comma-separated sequence lengths of the train rows")
-    p.add_argument("--dtypes", type=names, default=["bfloat16", "float16"],
-                   help="comma-separated input dtypes of the train rows")
-    p.add_argument("--causal", choices=["both", "on", "off"], default="both",
-                   help="causal, non-causal or both")
-    p.add_argument("--schedules", type=names, default=["default"],
-                   help='comma-separated xla schedules: "default", "cpu", "BQxBK" or '
-                        '"BQxBKxINNER" (see above)')
-    p.add_argument("--batch", type=int, default=4, help="batch size of the train rows")
-    p.add_argument("--heads", type=int, default=16, help="query and kv heads of the train rows")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim")
-    p.add_argument("--decode-kv", type=ints, default=[8192, 32768, 131072],
-                   help="comma-separated KV cache lengths of the decode rows")
-    p.add_argument("--decode-q", type=ints, default=[1, 4],
-                   help="comma-separated query lengths of the decode rows")
+    p.add_argument("--modes", nargs="+", choices=("train", "decode"), default=["train", "decode"],
+                   help='"train" (forward+backward rows), "decode" rows')
+    add_flags(p, notes=dict(lengths="of the train rows", dtype="of the train rows",
+                            batch="of the train rows",
+                            heads="and key/value heads, of the train rows"),
+              lengths=[1024, 4096, 16384, 32768], dtype=["bfloat16", "float16"], causal="both",
+              batch=4, heads=16, head_dim=[128], repeats=10)
+    p.add_argument("--schedules", nargs="+", default=["default"],
+                   help='xla schedules: "default", "cpu", "BQxBK" or "BQxBKxINNER" (see above)')
+    p.add_argument("--decode-kv", nargs="+", type=positive_int, default=[8192, 32768, 131072],
+                   help="KV cache lengths of the decode rows")
+    p.add_argument("--decode-q", nargs="+", type=positive_int, default=[1, 4],
+                   help="query lengths of the decode rows")
     p.add_argument("--decode-batch", type=int, default=8, help="batch size of the decode rows")
     p.add_argument("--decode-heads", type=int, default=32, help="query heads of the decode rows")
     p.add_argument("--decode-kv-heads", type=int, default=8, help="kv heads of the decode rows")
     p.add_argument("--decode-dtype", default="bfloat16", help="dtype of the decode rows")
-    p.add_argument("--decode-spans", type=ints, default=[],
-                   help="comma-separated SPAN sizes (keys) of the xla decode to compare (default: "
-                        "its own only)")
-    p.add_argument("--methods", type=names, default=[],
-                   help='only these methods, e.g. "flash,jax.nn cudnn" (default: all)')
-    p.add_argument("--repeats", type=int, default=10,
-                   help="timed calls per method; the median is shown")
+    p.add_argument("--decode-spans", nargs="*", type=positive_int, default=[],
+                   help="SPAN sizes (keys) of the xla decode to compare (default: its own only)")
+    p.add_argument("--methods", nargs="*", default=[],
+                   help='only these methods, e.g. flash "jax.nn cudnn" (default: all)')
     p.add_argument("--cpu-max-len", type=int, default=4096,
                    help='longest length the "cpu" schedule runs at')
     p.add_argument("--max-temp-gib", type=float, default=100.0,
@@ -300,34 +290,45 @@ def main():
     print(f"jax {jax.__version__}, {device.device_kind}, jax_default_matmul_precision "
           f"{jax.config.jax_default_matmul_precision}; median of {args.repeats}", flush=True)
     rows = {"train": [], "decode": []}
-    if "train" in args.modes:
-        print(f"train: batch {args.batch}, heads {args.heads}, head dim {args.head_dim}, "
-              "forward+backward", flush=True)
-        causal_modes = {"both": [False, True], "on": [True], "off": [False]}[args.causal]
-        for dtype in args.dtypes:
-            for causal in causal_modes:
-                for length in args.lengths:
-                    point = measure(length, dtype, causal, args.schedules, args)
-                    print(format_rows(point).split("\n", 1)[1], flush=True)
-                    rows["train"] += point
-        print()
-        print(format_rows(rows["train"]), flush=True)
-    if "decode" in args.modes:
-        copy_gbs = copy_bandwidth(args.repeats)
-        print(f"\ndecode: copy bandwidth {copy_gbs:.0f} GB/s; batch {args.decode_batch}, heads "
-              f"{args.decode_heads}/{args.decode_kv_heads}, head dim {args.head_dim}, "
-              f"{args.decode_dtype}, per-batch lengths kv_len .. 9/16 kv_len, forward",
-              flush=True)
-        for q_len in args.decode_q:
-            for kv_len in args.decode_kv:
-                point = measure_decode(kv_len, q_len, args.decode_spans, copy_gbs, args)
-                print(format_decode_rows(point).split("\n", 1)[1], flush=True)
-                rows["decode"] += point
-        print()
-        print(format_decode_rows(rows["decode"]))
+    for head_dim in args.head_dim:  # every mode for each head dim in turn
+        one = argparse.Namespace(**dict(vars(args), head_dim=head_dim))
+        for mode, rows_of in (("train", _train_rows), ("decode", _decode_rows)):
+            if mode in args.modes:
+                rows[mode] += [dict(r, head_dim=head_dim) for r in rows_of(one)]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
+
+
+def _train_rows(args) -> list[dict]:
+    print(f"train: batch {args.batch}, heads {args.heads}, head dim {args.head_dim}, "
+          "forward+backward", flush=True)
+    rows = []
+    for dtype in args.dtype:
+        for causal in CAUSAL[args.causal]:
+            for length in args.lengths:
+                point = measure(length, dtype, causal, args.schedules, args)
+                print(format_rows(point).split("\n", 1)[1], flush=True)
+                rows += point
+    print()
+    print(format_rows(rows), flush=True)
+    return rows
+
+
+def _decode_rows(args) -> list[dict]:
+    copy_gbs = copy_bandwidth(args.repeats)
+    print(f"\ndecode: copy bandwidth {copy_gbs:.0f} GB/s; batch {args.decode_batch}, heads "
+          f"{args.decode_heads}/{args.decode_kv_heads}, head dim {args.head_dim}, "
+          f"{args.decode_dtype}, per-batch lengths kv_len .. 9/16 kv_len, forward", flush=True)
+    rows = []
+    for q_len in args.decode_q:
+        for kv_len in args.decode_kv:
+            point = measure_decode(kv_len, q_len, args.decode_spans, copy_gbs, args)
+            print(format_decode_rows(point).split("\n", 1)[1], flush=True)
+            rows += point
+    print()
+    print(format_decode_rows(rows))
+    return rows
 
 
 if __name__ == "__main__":

@@ -54,16 +54,13 @@ from jax_flash_metal.tools.benchmark_model import (NOISY_NOTE, Row, apple_gpu_pe
 from jax_flash_metal.tools.benchmark_tables import (MEMORY_NOTE, _pyplot, format_growth,
                                                     format_ratios, format_table, memory_growth,
                                                     plot, ratios)
-from jax_flash_metal.tools.cli import (WIDTH, HelpFormatter, add_problem_flags,
-                                       check_problem_flags, count, progress_bar)
+from jax_flash_metal.tools.cli import (CAUSAL, WIDTH, HelpFormatter, add_flags,
+                                       add_problem_flags, check_problem_flags, count,
+                                       positive_int, progress_bar)
 
 EMULATOR_NOTE = ("flash:emulator runs the Metal kernels in the MSL-on-CPU emulator: slow by design "
                  "(it exists to test the kernels without a Mac), so it is timed only at small "
                  "sizes")
-
-
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,23 +71,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "jax.nn.dot_product_attention. The defaults take a few minutes on 2 CPU "
                     "cores.",
         formatter_class=HelpFormatter)
-    p.add_argument("--seq-lens", type=_int_list, default="256,1024,4096,16384",
-                   help="comma-separated sequence lengths (query = key length)")
-    p.add_argument("--head-dims", type=_int_list, default="64", help="comma-separated head dims")
-    p.add_argument("--decode-kv-lens", type=_int_list, default="2048",
+    p.add_argument("--decode-kv-lens", nargs="*", type=positive_int, default=[2048], metavar="N",
                    help="KV-cache lengths of the decode rows (1 query against each; shown as "
-                        "seq 1xN); empty for none")
-    p.add_argument("--causal", choices=["both", "on", "off"], default="both",
-                   help="causal masking: both settings, on or off")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                   help="input dtype")
+                        "seq 1xN); none for no decode rows")
+    add_flags(p, notes=dict(lengths="query = key length"), lengths=[256, 1024, 4096, 16384],
+              head_dim=[64], causal="both", dtype=["float32"], repeats=5)
     add_problem_flags(p, heads=8)
-    p.add_argument("--repeats", type=int, default=5, help="timed calls after one warm-up; median")
-    p.add_argument("--compile-rounds", type=int, default=3,
+    p.add_argument("--compile-rounds", type=positive_int, default=3,
                    help="forward+backward compiles per method, interleaved; median")
-    p.add_argument("--impls", type=lambda s: [x for x in s.split(",") if x], default=None,
-                   help="comma-separated methods (default: all available here: "
-                        + ", ".join(methods()) + ")")
+    p.add_argument("--impls", nargs="+", default=None, metavar="METHOD",
+                   help="methods (default: all available here: " + ", ".join(methods()) + ")")
     p.add_argument("--run-up-to", type=int, default=16384 if metal else 2048,
                    help="longest sequence that is run; longer ones are only compiled for memory "
                         "(16384 where metal runs, else 2048)")
@@ -119,7 +109,6 @@ def main(argv=None) -> list[Row]:
     peak, gpu = args.peak_tflops, None
     if peak is None and "flash:metal" in names:
         peak, gpu = apple_gpu_peak_tflops(where["metal"], system_gpu_cores())
-    causal_modes = {"both": [False, True], "on": [True], "off": [False]}[args.causal]
     environment = (f"jax_flash_metal {jax_flash_metal.__version__}, jax {jax.__version__}, "
                    f"{platform.machine()} {platform.system()}, {jax.device_count()} "
                    f"{jax.default_backend()} device(s), numpy {np.__version__}")
@@ -128,9 +117,10 @@ def main(argv=None) -> list[Row]:
                         WIDTH))
     print(textwrap.fill(
         f"batch {args.batch}, heads {args.heads}/{args.kv_heads} (q/kv), "
-        f"{args.dtype}, median of {args.repeats} (up to {3 * args.repeats} while noisy) after 1 "
-        f"warm-up; compile time median of {count(args.compile_rounds, 'round')}; lengths > "
-        f"{args.run_up_to} compile-only (memory only)", WIDTH))
+        f"{', '.join(args.dtype)}, median of {args.repeats} (up to {3 * args.repeats} while "
+        f"noisy) after 1 warm-up; compile time median of "
+        f"{count(args.compile_rounds, 'round')}; lengths > {args.run_up_to} compile-only "
+        f"(memory only)", WIDTH))
     if gpu:
         print(f"GPU: {gpu}")
     if "flash:metal" in names:
@@ -144,37 +134,21 @@ def main(argv=None) -> list[Row]:
     print(textwrap.fill("FLOPs: forward 4*B*H*P*D, forward+backward 14*B*H*P*D, P = visible "
                         "(query, key) pairs (T*T, or T*(T+1)/2 causal)", WIDTH))
     print(flush=True)
-    bar = progress_bar(0, "benchmark", enabled=not args.no_progress)
-    try:
-        rows = run_benchmark(
-            seq_lens=args.seq_lens, head_dims=args.head_dims, causal_modes=causal_modes,
-            method_names=names, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
-            dtype=args.dtype, repeats=args.repeats, run_up_to=args.run_up_to,
-            emulator_max_len=args.emulator_max_len, decode_kv_lens=args.decode_kv_lens,
-            compile_rounds=args.compile_rounds, bar=bar)
-    finally:
-        bar.close()
-    print(format_table(rows, peak))
-    print(textwrap.fill(MEMORY_NOTE, WIDTH))
-    if any(r.noisy for r in rows):
-        print(textwrap.fill(NOISY_NOTE, WIDTH))
-    entries = ratios(rows, args.ratio_method)
-    dropout = ratios(rows, "flash:xla+dropout", "flash:xla")
-    growth = memory_growth(rows)
-    if entries:
-        print()
-        print(format_ratios(entries, args.ratio_method, "jax.nn"))
-    if dropout:
-        print()
-        print(format_ratios(dropout, "flash:xla+dropout", "flash:xla"))
-    if growth:
-        print()
-        print(format_growth(growth))
+    rows, entries, dropout, growth = [], [], [], []
+    for dtype in args.dtype:
+        part = _measure(args, names, dtype)
+        rows += part
+        if len(args.dtype) > 1:
+            print(f"{dtype}:")
+        tables = _print_tables(part, peak, args.ratio_method)
+        entries += [dict(e, dtype=dtype) for e in tables[0]]
+        dropout += [dict(e, dtype=dtype) for e in tables[1]]
+        growth += [dict(e, dtype=dtype) for e in tables[2]]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(environment=environment, devices=where, batch=args.batch,
                            heads=args.heads, kv_heads=args.kv_heads or args.heads,
-                           dtype=args.dtype, repeats=args.repeats,
+                           dtypes=args.dtype, repeats=args.repeats,
                            rows=[dataclasses.asdict(r) for r in rows], ratios=entries,
                            dropout_ratios=dropout,
                            memory_growth=growth), f, indent=1)
@@ -183,6 +157,40 @@ def main(argv=None) -> list[Row]:
         plot(rows, args.plot)
         print(f"plot saved to {args.plot}")
     return rows
+
+
+def _measure(args, names, dtype) -> list[Row]:
+    bar = progress_bar(0, f"benchmark {dtype}", enabled=not args.no_progress)
+    try:
+        return run_benchmark(
+            seq_lens=args.lengths, head_dims=args.head_dim, causal_modes=CAUSAL[args.causal],
+            method_names=names, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
+            dtype=dtype, repeats=args.repeats, run_up_to=args.run_up_to,
+            emulator_max_len=args.emulator_max_len, decode_kv_lens=args.decode_kv_lens,
+            compile_rounds=args.compile_rounds, bar=bar)
+    finally:
+        bar.close()
+
+
+def _print_tables(rows, peak, ratio_method) -> tuple[list[dict], list[dict], list[dict]]:
+    """Prints the rows of one dtype and their ratio and growth tables; returns those three."""
+    print(format_table(rows, peak))
+    print(textwrap.fill(MEMORY_NOTE, WIDTH))
+    if any(r.noisy for r in rows):
+        print(textwrap.fill(NOISY_NOTE, WIDTH))
+    entries = ratios(rows, ratio_method)
+    dropout = ratios(rows, "flash:xla+dropout", "flash:xla")
+    growth = memory_growth(rows)
+    if entries:
+        print()
+        print(format_ratios(entries, ratio_method, "jax.nn"))
+    if dropout:
+        print()
+        print(format_ratios(dropout, "flash:xla+dropout", "flash:xla"))
+    if growth:
+        print()
+        print(format_growth(growth))
+    return entries, dropout, growth
 
 
 if __name__ == "__main__":

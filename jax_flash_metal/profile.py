@@ -66,9 +66,9 @@ import time
 
 from .core import contract, validation
 from .tools import profile_model
-from .tools.cli import (HelpFormatter, add_problem_flags, check_problem_flags, positive_int,
-                        progress_bar)
-from .tools.profile_model import (DTYPES, NO_COUNTING_MESSAGE, PASSES, Problem, json_keys,
+from .tools.cli import (CAUSAL, HelpFormatter, add_flags, add_problem_flags,
+                        check_problem_flags, positive_int, progress_bar)
+from .tools.profile_model import (NO_COUNTING_MESSAGE, PASSES, Problem, json_keys,
                                   problem_variants, profile_records, variant_records)
 from .tools.profile_tables import format_paged_table, format_tables
 from .tools.roofline import GPUS
@@ -87,15 +87,12 @@ def _window(text):
     return tuple(None if b == contract.UNBOUNDED else b for b in (left, right))
 
 
-def _lengths(text):
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from None
-    if any(x < 0 for x in values):
-        raise argparse.ArgumentTypeError(f"lengths must be >= 0, got {text!r}")
-    return values
+def _length(text):
+    """An argparse type: an int >= 0 (a sequence may be empty)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"lengths must be >= 0, got {text}")
+    return value
 
 
 def _rate(text):
@@ -114,23 +111,16 @@ def make_parser() -> argparse.ArgumentParser:
         description="Exact per-launch counts of the attention kernels (MSL-on-CPU emulator, "
                     "through the real dispatch plan) and a roofline MODEL of them per Apple GPU.",
         formatter_class=HelpFormatter)
-    p.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["float16"],
-                   help="input dtype(s)")
-    p.add_argument("--head-dim", nargs="+", type=positive_int, default=[64, 128],
-                   help="head dim(s) D")
-    p.add_argument("--value-head-dim", type=positive_int, default=None,
-                   help="head dim of value (and O) for every --head-dim (default: each --head-dim)")
-    p.add_argument("--q-len", type=positive_int, default=1024, help="query length")
-    p.add_argument("--kv-len", type=positive_int, default=None,
-                   help="key/value length (default: --q-len)")
-    p.add_argument("--causal", action="store_true", help="causal masking")
+    add_flags(p, notes=dict(value_head_dim="default: each --head-dim", kv_len="default: --q-len"),
+              dtype=["float16"], head_dim=[64, 128], value_head_dim=None, q_len=1024,
+              kv_len=None, causal="off")
     p.add_argument("--causal-alignment", choices=("top_left", "bottom_right"), default="top_left",
                    help="alignment of the causal diagonal and the window")
     p.add_argument("--window", type=_window, default=None, metavar="W|LEFT,RIGHT",
                    help="local window (inclusive); an empty side is unbounded (default: none)")
-    p.add_argument("--q-lengths", type=_lengths, default=None, metavar="N,N,...",
+    p.add_argument("--q-lengths", nargs="+", type=_length, default=None, metavar="N",
                    help="valid query length per batch entry (default: all of --q-len)")
-    p.add_argument("--kv-lengths", type=_lengths, default=None, metavar="N,N,...",
+    p.add_argument("--kv-lengths", nargs="+", type=_length, default=None, metavar="N",
                    help="valid key/value length per batch entry (default: all of --kv-len)")
     p.add_argument("--alibi", action="store_true",
                    help="ALiBi with BLOOM's slopes 2^(-8n/heads); the backward also forms the "
@@ -167,7 +157,8 @@ def main(argv=None) -> int:
         parser.error("--page-size needs --passes forward (a paged cache is forward only)")
     if args.page_size and args.kv_lengths is None:  # a paged call has them: so has its baseline
         args.kv_lengths = [args.kv_len or args.q_len] * args.batch
-    problems = [Problem(args, d, h) for d in args.dtype for h in args.head_dim]
+    problems = [Problem(args, d, h, c) for d in args.dtype for h in args.head_dim
+                for c in CAUSAL[args.causal]]
     page_sizes = args.page_size or ()
     for problem in problems + [p.paged(n) for p in problems for n in page_sizes]:
         try:

@@ -17,7 +17,7 @@ Steps, one readable report, and with ``--json`` one JSON object (its schema: doc
   the float64 oracle (``selfcheck_oracle``) with the tolerances of docs/testing.md#tolerances.
 - ``dropout_paging``: dropout (forward and backward) and a paged K/V cache on the same paths.
 - ``correctness``: forward (O, LSE) and backward (dQ, dK, dV) against the xla implementation,
-  float32, over ``--head-dims`` x ``--features`` (``FEATURES``), max |fused - xla| within
+  float32, over ``--head-dim`` x ``--features`` (``FEATURES``), max |fused - xla| within
   ``TOLERANCE`` times max |xla| + ``TOLERANCE``.
 - ``profile``: the kernel profile's measured table of one small forward and backward
   (``jax_flash_metal.profile``; the emulator's counting variant, skipped without it).
@@ -56,7 +56,7 @@ from .fused import shader_libraries
 from .lowering import autotune
 import jax_flash_metal._ext as _ext
 from .tools import chip_peaks, profile_model, profile_tables, selfcheck_oracle
-from .tools.cli import count
+from .tools.cli import HelpFormatter, add_flags, check_implementation, count
 
 PROBE = "jfm_simdgroup_layout_probe"
 TOLERANCE = 2e-4  # float32 kernels against float32 xla: rounding differences only
@@ -380,9 +380,9 @@ def kernel_profile(head_dim: int) -> tuple[bool | None, str]:
 
     args = profile.make_parser().parse_args(
         ["--dtype", "float16", "--head-dim", str(head_dim), "--q-len", "64", "--heads", "2",
-         "--kv-heads", "1", "--causal"])
-    records = profile_model.profile_records(profile_model.Problem(args, "float16", head_dim),
-                                            args.passes, args.gpu)
+         "--kv-heads", "1"])
+    problem = profile_model.Problem(args, "float16", head_dim, True)
+    records = profile_model.profile_records(problem, args.passes, args.gpu)
     return True, profile_tables.format_tables(records, args.gpu)
 
 
@@ -510,20 +510,14 @@ def _family(text: str) -> tuple[str, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    fused = [n for n in implementations.available() if n in ("metal", "emulator")]
     p = argparse.ArgumentParser(prog="python -m jax_flash_metal.selfcheck",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--implementation", choices=("metal", "emulator"),
-                   default="metal" if "metal" in fused else "emulator",
-                   help="the fused implementation to check (default: metal where available)")
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    add_flags(p, notes=dict(head_dim="of the correctness grid", seq_len="of the timings"),
+              implementation=None, head_dim=[16, 64], seq_len=256, repeats=3)
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    p.add_argument("--head-dims", type=int, nargs="+", default=[16, 64],
-                   help="head dims of the correctness grid (default: %(default)s)")
     p.add_argument("--features", nargs="+", choices=FEATURES, default=list(FEATURES),
-                   help="feature cases of the correctness grid (default: all)")
-    p.add_argument("--seq-len", type=int, default=256,
-                   help="sequence length of the timings (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs (default: %(default)s)")
+                   help="feature cases of the correctness grid")
     p.add_argument("--quick", action="store_true",
                    help="the families and dropout/paging steps on three families only "
                         f"({', '.join(f'{t} {k}/{v}' for t, k, v in QUICK_FAMILIES)}), and the "
@@ -532,10 +526,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="kernel families of the families step, e.g. f16/64/64 (default: every "
                         "one; with --quick those named there)")
     args = p.parse_args(argv)
-    if args.implementation not in fused:
-        p.error(f"--implementation {args.implementation} is not available here: "
-                f"{implementations.unavailable_reasons().get(args.implementation, '')}")
-    report = run(args.implementation, args.head_dims, args.features, args.seq_len, args.repeats,
+    check_implementation(p, args)
+    report = run(args.implementation, args.head_dim, args.features, args.seq_len, args.repeats,
                  args.quick, args.families)
     print(format_report(report))
     if args.json:

@@ -22,11 +22,11 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from . import implementations
 from .attention import flash_attention
 from .core import tuning_cache, variants
 from .lowering import autotune
-from .tools.cli import HelpFormatter, aligned, positive_int
+from .tools.cli import (CAUSAL, HelpFormatter, add_flags, aligned, check_implementation,
+                        default_implementation)
 
 
 def configure(*, variant: int | None = None, autotune: bool | None = None) -> None:
@@ -48,10 +48,6 @@ def configure(*, variant: int | None = None, autotune: bool | None = None) -> No
     variants.configure(variant=variant, autotune=autotune)
 
 
-def _default_implementation() -> str:
-    return "metal" if "metal" in implementations.available() else "emulator"
-
-
 def tune(shapes, *, dtype="float16", q_len: int | None = None, kv_heads: int | None = None,
          value_head_dim: int | None = None, causal: bool = False, backward: bool = False,
          implementation: str | None = None, repeats: int | None = None) -> list[dict]:
@@ -63,7 +59,7 @@ def tune(shapes, *, dtype="float16", q_len: int | None = None, kv_heads: int | N
     ``implementation``: "metal" (default where available) or "emulator" (whose timings mean
     nothing). ``repeats``: timed runs per variant (default ``autotune.REPEATS``). Raises
     ValueError when ``$JFM_KERNEL_VARIANT`` or ``configure(variant=...)`` forces a variant."""
-    implementation = implementation or _default_implementation()
+    implementation = implementation or default_implementation()
     rows = []
     with _tuning(repeats):
         for b, t, h, d in shapes:
@@ -125,22 +121,22 @@ def _lower(b, tq, tkv, h, hkv, d, dv, dtype, causal, backward, implementation) -
 
 
 def format_table(rows: list[dict]) -> str:
-    """One line per row of ``tune``: the key's kernels, features and lengths, each variant's
-    median milliseconds ("x" rejected), the choice and its source."""
+    """One line per row of ``tune``: the key's kernels, dtype, features and lengths, each
+    variant's median milliseconds ("x" rejected), the choice and its source."""
     shown = sorted({v for r in rows for v in (*r["seconds"], *r["rejected"])}, key=int)
     body = []
     for r in rows:
         fields = dict(f.split("=", 1) for f in r["key"].split("|")) if r["key"] else {}
         body.append([",".join(map(str, r["shape"])), fields.get("kernels", "-"),
-                     fields.get("features", "-"), fields.get("lengths", "-"),
+                     fields.get("dtype", "-"), fields.get("features", "-"), fields.get("lengths", "-"),
                      *(f"{r['seconds'][v] * 1e3:.3f}" if v in r["seconds"] else
                        "x" if v in r["rejected"] else "-" for v in shown),
                      "-" if r["variant"] is None else str(r["variant"]),
                      "one variant" if r["key"] is None else
                      "cache" if r["cached"] else "tuned"])
-    header = ["shape B,Tq,Tkv,H,Hkv,D", "kernels", "features", "lengths",
+    header = ["shape B,Tq,Tkv,H,Hkv,D", "kernels", "dtype", "features", "lengths",
               *(f"var{v} ms" for v in shown), "chosen", "from"]
-    return aligned(header, body, left=4)
+    return aligned(header, body, left=5)
 
 
 def _shape(text: str) -> tuple[int, int, int, int]:
@@ -161,34 +157,27 @@ def main(argv: list[str] | None = None) -> int:
                                 description=DESCRIPTION, formatter_class=HelpFormatter)
     p.add_argument("--shape", type=_shape, action="append", required=True, metavar="B,T,H,D",
                    help="batch, key/value length, query heads, head dim (repeatable)")
-    p.add_argument("--q-len", type=positive_int, help="query length (default: T; 1: a decode)")
-    p.add_argument("--kv-heads", type=positive_int, help="key/value heads (default: H)")
-    p.add_argument("--value-head-dim", type=positive_int, help="value head dim (default: D)")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float16",
-                   help="the calls' dtype")
-    p.add_argument("--causal", action="store_true", help="causal calls")
+    add_flags(p, notes=dict(q_len="default: T; 1: a decode", kv_heads="default: H",
+                            value_head_dim="default: D"),
+              q_len=None, kv_heads=None, value_head_dim=None, dtype=["float16"], causal="off",
+              implementation=None, repeats=autotune.REPEATS)
     p.add_argument("--backward", action="store_true", help="tune the backward too")
-    p.add_argument("--implementation", choices=("metal", "emulator"),
-                   help="fused implementation (default: metal where available, else emulator)")
-    p.add_argument("--repeats", type=positive_int, default=autotune.REPEATS,
-                   help="timed runs per variant (the median is kept)")
     p.add_argument("--cache", metavar="PATH",
                    help=f"the cache file (default: ${tuning_cache.ENV}, else "
                         "jax_flash_metal/tuning.json in the user's cache directory)")
     args = p.parse_args(argv)
-    implementation = args.implementation or _default_implementation()
-    if implementation not in implementations.available():
-        p.error(f"--implementation {implementation} is not available here: "
-                f"{implementations.unavailable_reasons().get(implementation, '')}")
+    check_implementation(p, args)
     if args.cache:
         os.environ[tuning_cache.ENV] = args.cache
     if variants.from_env() != variants.AUTO:
         p.error(f"${variants.ENV} forces a kernel variant: unset it to tune")
-    rows = tune(args.shape, dtype=args.dtype, q_len=args.q_len, kv_heads=args.kv_heads,
-                value_head_dim=args.value_head_dim, causal=args.causal, backward=args.backward,
-                implementation=implementation, repeats=args.repeats)
+    rows = [row for dtype in args.dtype for causal in CAUSAL[args.causal]
+            for row in tune(args.shape, dtype=dtype, q_len=args.q_len, kv_heads=args.kv_heads,
+                            value_head_dim=args.value_head_dim, causal=causal,
+                            backward=args.backward, implementation=args.implementation,
+                            repeats=args.repeats)]
     print(format_table(rows))
-    print(f"cache: {tuning_cache.path()}" + ("" if implementation == "metal" else
+    print(f"cache: {tuning_cache.path()}" + ("" if args.implementation == "metal" else
                                              " (emulated device: these timings mean nothing)"))
     return 0 if all(r["key"] is None or r["variant"] is not None for r in rows) else 1
 

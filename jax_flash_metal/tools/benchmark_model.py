@@ -126,6 +126,7 @@ class Row:
     fwdbwd_gpu_ms: float | None = None
     noisy: bool = False  # NOISY_NOTE
     ffi_bytes: int | None = None  # flash:emulator / flash:metal only: ffi_working_bytes
+    dtype: str = "float32"
 
 
 def ffi_working_bytes(method: str, batch: int, q_len: int, kv_len: int, heads: int,
@@ -346,7 +347,8 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
                 noisy=bool({name + " fwd", name + " fwd+bwd"} & noisy)
                 or ms.get(name + " fwd", 0) > ms.get(name + " fwd+bwd", float("inf")),
                 ffi_bytes=ffi_working_bytes(name, batch, q_len or seq_len, seq_len, heads,
-                                            kv_heads, head_dim, dtype))
+                                            kv_heads, head_dim, dtype),
+                dtype=dtype)
 
     for point in points:
         measure_point(*point)

@@ -155,11 +155,13 @@ def plot(rows: list[Row], path: str) -> None:
     panels = 3 if decode else 2
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5))
     ax_t, ax_m = axes[:2]
-    series = sorted({(r.method, r.head_dim, r.causal) for r in rows + decode})
-    for color, (method, head_dim, causal) in enumerate(series):
+    series = sorted({(r.method, r.head_dim, r.causal, r.dtype) for r in rows + decode})
+    several_dtypes = len({key[3] for key in series}) > 1
+    for color, key in enumerate(series):
+        method, head_dim, causal, dtype = key
         style = dict(color=f"C{color % 10}", label=f"{method} d={head_dim}"
-                     f"{' causal' if causal else ''}")
-        pts = [r for r in rows if (r.method, r.head_dim, r.causal) == (method, head_dim, causal)]
+                     f"{' causal' if causal else ''}{' ' + dtype if several_dtypes else ''}")
+        pts = [r for r in rows if (r.method, r.head_dim, r.causal, r.dtype) == key]
         timed = [r for r in pts if r.fwdbwd_ms is not None]
         if timed:
             ax_t.plot([r.seq_len for r in timed], [r.fwdbwd_ms for r in timed], "o-", **style)
@@ -167,8 +169,7 @@ def plot(rows: list[Row], path: str) -> None:
         if mem:
             ax_m.plot([t for t, _ in mem], [max(m, 1) / (1 << 20) for _, m in mem], "o-",
                       **style)
-        dec = [r for r in decode if (r.method, r.head_dim, r.causal) == (method, head_dim,
-                                                                          causal)]
+        dec = [r for r in decode if (r.method, r.head_dim, r.causal, r.dtype) == key]
         if dec:
             axes[2].plot([r.seq_len for r in dec], [r.fwd_ms for r in dec], "s--", **style)
     titles = [(ax_t, "forward+backward time (ms)", "sequence length"),

@@ -1,10 +1,13 @@
-"""What the command-line tools share: --help with every default shown, the problem flags of the
-benchmark and the profile, a progress bar, and plain-text tables that fit 100 columns."""
+"""What the command-line tools share: --help with every default shown, every flag two programs
+take (defined once, in one form), a progress bar, and plain-text tables that fit 100 columns."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
+
+from .. import implementations
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -25,16 +28,61 @@ def positive_int(text):
     return value
 
 
+DTYPES = ("float32", "float16", "bfloat16")
+# --causal's settings, each the masks it runs (a bare --causal is "on").
+CAUSAL = {"off": (False,), "on": (True,), "both": (False, True)}
+IMPLEMENTATIONS = ("metal", "emulator")
+
+# Every flag that two or more programs take, in its one form: (option strings, argparse keywords
+# less the default, which is each program's). Lists are space-separated (nargs="+").
+FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "batch": (("--batch",), dict(type=positive_int, help="batch size")),
+    "heads": (("--heads",), dict(type=positive_int, help="query heads")),
+    "kv_heads": (("--kv-heads",), dict(
+        type=positive_int, help="key/value heads, dividing the query heads (grouped-query "
+                                "attention)")),
+    "dtype": (("--dtype",), dict(nargs="+", choices=DTYPES, metavar="DTYPE",
+                                 help=f"input dtype(s) ({', '.join(DTYPES)}), each run in turn")),
+    "causal": (("--causal",), dict(nargs="?", const="on", choices=tuple(CAUSAL),
+                                   help="causal masking off, on (a bare --causal) or both, each "
+                                        "run in turn")),
+    "head_dim": (("--head-dim", "--head-dims"), dict(nargs="+", type=positive_int, metavar="D",
+                                                     help="head dim(s) D of query and key")),
+    "value_head_dim": (("--value-head-dim",), dict(
+        type=positive_int, help="head dim of value (and O)")),
+    "q_len": (("--q-len",), dict(type=positive_int, help="query length")),
+    "kv_len": (("--kv-len",), dict(type=positive_int, help="key/value length")),
+    "seq_len": (("--seq-len",), dict(type=positive_int,
+                                     help="sequence length (query = key/value length)")),
+    "lengths": (("--lengths", "--seq-lens"), dict(nargs="+", type=positive_int, metavar="N",
+                                                  help="sequence lengths, each run in turn")),
+    "rounds": (("--rounds",), dict(type=positive_int, help="measured rounds")),
+    "implementation": (("--implementation",), dict(
+        choices=IMPLEMENTATIONS, help="fused implementation (default: metal where available, "
+                                      "else emulator)")),
+    "repeats": (("--repeats",), dict(type=positive_int,
+                                     help="timed runs of each measurement; the median is kept")),
+    "no_progress": (("--no-progress",), dict(action="store_true", help="no progress bar")),
+}
+
+
+def add_flags(parser: argparse.ArgumentParser, notes: dict[str, str] | None = None,
+              **defaults) -> None:
+    """Adds the shared ``FLAGS`` named by ``defaults`` (dest: the program's default), each in
+    its one form; ``notes`` appends a program's remark to a flag's help, in parentheses."""
+    for dest, default in defaults.items():
+        options, form = FLAGS[dest]
+        note = (notes or {}).get(dest)
+        form = dict(form, help=f"{form['help']} ({note})") if note else form
+        parser.add_argument(*options, dest=dest, default=default, **form)
+
+
 def add_problem_flags(parser: argparse.ArgumentParser, *, heads: int) -> None:
-    """The flags the benchmark and the profile share, defined once: --batch, --heads (default
-    ``heads``, the program's), --kv-heads (default: --heads) and --no-progress.
-    ``check_problem_flags`` completes them after parsing."""
-    parser.add_argument("--batch", type=positive_int, default=1, help="batch size")
-    parser.add_argument("--heads", type=positive_int, default=heads, help="query heads")
-    parser.add_argument("--kv-heads", type=positive_int, default=None,
-                        help="key/value heads, dividing --heads (grouped-query attention) "
-                             "(default: --heads)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    """The problem flags of the benchmarks and the profile: --batch, --heads (default
+    ``heads``, the program's), --kv-heads and --no-progress. ``check_problem_flags``
+    completes them after parsing."""
+    add_flags(parser, notes=dict(kv_heads="default: --heads"), batch=1, heads=heads,
+              kv_heads=None, no_progress=False)
 
 
 def check_problem_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -43,6 +91,22 @@ def check_problem_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
         args.kv_heads = args.heads
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+
+
+def default_implementation() -> str:
+    """The fused implementation a program runs unless told: metal where available, else the
+    emulator."""
+    return "metal" if "metal" in implementations.available() else "emulator"
+
+
+def check_implementation(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--implementation defaulted to metal where available, else emulator; a parser error
+    when the one named is not available here."""
+    if args.implementation is None:
+        args.implementation = default_implementation()
+    if args.implementation not in implementations.available():
+        parser.error(f"--implementation {args.implementation} is not available here: "
+                     f"{implementations.unavailable_reasons().get(args.implementation, '')}")
 
 
 class _Lines:

@@ -65,13 +65,12 @@ def json_keys() -> tuple[str, ...]:
 class Problem:
     """One attention problem of the profile: shapes, dtype, masking."""
 
-    def __init__(self, args, dtype: str, head_dim: int):
-        self.dtype, self.head_dim = dtype, head_dim
+    def __init__(self, args, dtype: str, head_dim: int, causal: bool):
+        self.dtype, self.head_dim, self.causal = dtype, head_dim, causal
         self.value_head_dim = args.value_head_dim or head_dim
         self.batch, self.q_len, self.heads, self.kv_heads = (args.batch, args.q_len, args.heads,
                                                              args.kv_heads)
         self.kv_len = args.kv_len or args.q_len
-        self.causal = args.causal
         self.bottom_right = args.causal_alignment == "bottom_right"
         self.window = args.window
         self.q_lengths, self.kv_lengths = args.q_lengths, args.kv_lengths

@@ -34,12 +34,13 @@ def format_tables(records: list[dict], gpus) -> str:
     header = ["kernel", "pass", "threadgroups (grid)", "thr/tg", "tg KB", "dev MB rd",
               "dev MB wr", "tg MB", "useful GF", "MMA GF", "dev FLOP/B", "MMA share", "ALU/MA",
               "regs", "FFI B"]
+    name = _kernel_names(records)
     body = []
     for r in records:
         tg_mb = (r["threadgroup_bytes_read"] + r["threadgroup_bytes_written"]) / 1e6
         device = r["device_bytes_read"] + r["device_bytes_written"]
         body.append([
-            r["kernel"], r["pass"], f"{r['threadgroups']} ({'x'.join(map(str, r['groups']))})",
+            name(r), r["pass"], f"{r['threadgroups']} ({'x'.join(map(str, r['groups']))})",
             str(r["threads_per_threadgroup"]), f"{r['threadgroup_memory_bytes'] / 1024:.1f}",
             f"{r['device_bytes_read'] / 1e6:.1f}", f"{r['device_bytes_written'] / 1e6:.2f}",
             f"{tg_mb:.1f}", f"{r['useful_flops'] / 1e9:.3f}", f"{r['mma_flops'] / 1e9:.3f}",
@@ -68,8 +69,10 @@ def format_tables(records: list[dict], gpus) -> str:
 def format_paged_table(records: list[dict]) -> str:
     """Device bytes read by each forward launch of the paged runs (pass "pagedN") over the
     contiguous forward's launch of the same stage (pass "forward")."""
-    contiguous = {(r["dtype"], r["head_dim"], _stage(r["kernel"])): r["device_bytes_read"]
-                  for r in records if r["pass"] == "forward" and r["variant"] == 0}
+    name = _kernel_names(records)
+    point = lambda r: (r["dtype"], r["head_dim"], r["causal"], _stage(r["kernel"]))
+    contiguous = {point(r): r["device_bytes_read"] for r in records
+                  if r["pass"] == "forward" and r["variant"] == 0}
     head = (f"{'kernel':<40} {'page size':>9} {'contiguous B rd':>16} {'paged B rd':>16} "
             f"{'paged/contiguous':>16}")
     lines = ["paged KV cache: device bytes read (exact counts, emulator), paged over contiguous:",
@@ -77,8 +80,8 @@ def format_paged_table(records: list[dict]) -> str:
     for r in records:
         if not r["pass"].startswith("paged"):
             continue
-        base = contiguous.get((r["dtype"], r["head_dim"], _stage(r["kernel"])), 0)
-        lines.append(f"{r['kernel']:<40} {r['pass'][len('paged'):]:>9} {base:>16} "
+        base = contiguous.get(point(r), 0)
+        lines.append(f"{name(r):<40} {r['pass'][len('paged'):]:>9} {base:>16} "
                      f"{r['device_bytes_read']:>16} "
                      f"{_ratio(r['device_bytes_read'], base, '{:.4f}'):>16}")
     return "\n".join(lines)
@@ -86,9 +89,16 @@ def format_paged_table(records: list[dict]) -> str:
 
 def _per_gpu_table(records, gpus, title, cell_text, key) -> list[str]:
     """A titled table of one column per GPU, each cell ``cell_text(record[key][gpu])``."""
+    name = _kernel_names(records)
     return _titled_parts(title, ["kernel", *gpus],
-                         [[r["kernel"], *(cell_text(r[key][g]) for g in gpus)] for r in records],
-                         1)
+                         [[name(r), *(cell_text(r[key][g]) for g in gpus)] for r in records], 1)
+
+
+def _kernel_names(records):
+    """A record's kernel cell: its kernel, marked "causal" where the records hold both
+    settings (--causal both)."""
+    mixed = len({r["causal"] for r in records}) > 1
+    return lambda r: r["kernel"] + (" causal" if mixed and r["causal"] else "")
 
 
 OCCUPANCY_LIMITS = {"memory": "mem", "threads": "thr", "registers": "reg"}

@@ -155,7 +155,7 @@ def test_paged_decode_reads_the_contiguous_caches_bytes():
     args = profile.make_parser().parse_args(
         ["--q-len", "1", "--kv-len", "512", "--heads", "4", "--kv-heads", "2",
          "--kv-lengths", "512"])
-    problem = profile_model.Problem(args, "float16", 64)
+    problem = profile_model.Problem(args, "float16", 64, False)
 
     def read(problem):
         return sum(r["device_bytes_read"]

@@ -181,7 +181,7 @@ def _problem(dtype, head_dim, **fields):
     """A profile problem: the profile's defaults, causal bottom-right, with ``fields`` set."""
     args = profile.make_parser().parse_args(["--causal", "--causal-alignment", "bottom_right"])
     vars(args).update(fields)
-    return profile_model.Problem(args, dtype, head_dim)
+    return profile_model.Problem(args, dtype, head_dim, True)
 
 
 @kh.needs_counting

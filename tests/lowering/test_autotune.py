@@ -160,12 +160,15 @@ def test_processes_writing_at_once_leave_a_valid_file_with_every_entry():
 @needs_emulator
 def test_the_program_tunes_ahead_of_time_and_a_second_run_reads_the_cache(monkeypatch, capsys):
     monkeypatch.setattr(autotune, "timer", fake_timer({0: 2.0, 1: 1.0}))
-    argv = ["--shape", "1,17,2,16", "--dtype", "float32", "--implementation", "emulator"]
+    argv = ["--shape", "1,17,2,16", "--dtype", "float32", "--causal", "both",
+            "--implementation", "emulator"]
     for source in ("tuned", "cache"):
         assert tune.main(argv) == 0
-        [row] = [line.split() for line in capsys.readouterr().out.splitlines()
-                 if line.startswith("1,17,17,2,2,16")]
-        assert row[1:] == ["fwd", "plain", "q32_kv32", "2000.000", "1000.000", "1", source]
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()
+                if line.startswith("1,17,17,2,2,16")]
+        assert [row[1:] for row in rows] == [
+            ["fwd", "float32", features, "q32_kv32", "2000.000", "1000.000", "1", source]
+            for features in ("plain", "causal")]
     assert variants.settings() == {"variant": None, "autotune": None}  # restored
 
 

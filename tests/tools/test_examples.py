@@ -191,9 +191,9 @@ def test_benchmark_table():
 
 def test_benchmark_main_prints_table(capsys, tmp_path):
     path = tmp_path / "bench.json"
-    rows = benchmark.main(["--seq-lens", "32", "--head-dims", "16", "--causal", "on",
+    rows = benchmark.main(["--lengths", "32", "--head-dim", "16", "--causal", "on",
                            "--heads", "2", "--repeats", "1", "--compile-rounds", "1",
-                           "--impls", "flash:xla,jax.nn", "--decode-kv-lens", "48",
+                           "--impls", "flash:xla", "jax.nn", "--decode-kv-lens", "48",
                            "--json", str(path)])
     out = capsys.readouterr().out
     assert [(r.method, r.q_len) for r in rows] == [("flash:xla", None), ("jax.nn", None),
@@ -270,9 +270,9 @@ def test_benchmark_rejects_unknown_method():
 
 def test_benchmark_ratios_and_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    rows = benchmark.main(["--seq-lens", "16,32", "--head-dims", "8", "--causal", "off",
+    rows = benchmark.main(["--lengths", "16", "32", "--head-dim", "8", "--causal", "off",
                            "--heads", "2", "--repeats", "1", "--compile-rounds", "1",
-                           "--impls", "flash:xla,flash:xla+dropout,jax.nn", "--json",
+                           "--impls", "flash:xla", "flash:xla+dropout", "jax.nn", "--json",
                            str(path)])
     out = capsys.readouterr().out
     assert "flash:xla / jax.nn" in out and "memory growth" in out
@@ -330,7 +330,7 @@ def test_benchmark_help_shows_every_default(capsys):
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for default in ("(default: 256,1024,4096,16384)", "(default: 64)", "(default: 2048)",
+    for default in ("(default: [256, 1024, 4096, 16384])", "(default: [64])", "(default: [2048])",
                     "(default: both)", "(default: 5)", "(default: 3)", "(default: --heads)",
                     "(default: flash:xla)", "(default: False)"):
         assert default in text
@@ -341,7 +341,7 @@ def test_benchmark_defaults_time_every_row_here():
     """The default run is short (one head dim) and its decode rows are timed here: their KV
     length is within --run-up-to, and small enough for the emulator."""
     args = benchmark.parse_args([])
-    assert args.head_dims == [64] and args.seq_lens == [256, 1024, 4096, 16384]
+    assert args.head_dim == [64] and args.lengths == [256, 1024, 4096, 16384]
     for kv_len in args.decode_kv_lens:
         for method in benchmark_model.methods():
             assert benchmark_model.is_timed(method, kv_len, 1, args.run_up_to,
@@ -353,14 +353,15 @@ def test_benchmark_defaults_time_every_row_here():
 def test_benchmark_progress_bar_counts_every_step(capsys):
     """One step per compile and per timed round (warm-up included): 2 points x (2 methods x 2
     compile rounds + 1 + 2 rounds), then a compile-only point (64 > --run-up-to): 2 x 2."""
-    benchmark.main(["--seq-lens", "16,64", "--head-dims", "8", "--causal", "off", "--heads", "1",
-                    "--repeats", "2", "--compile-rounds", "2", "--impls", "flash:xla,jax.nn",
+    benchmark.main(["--lengths", "16", "64", "--head-dim", "8", "--causal", "off", "--heads",
+                    "1", "--repeats", "2", "--compile-rounds", "2", "--impls", "flash:xla",
+                    "jax.nn",
                     "--decode-kv-lens", "16", "--run-up-to", "16"])
     err = capsys.readouterr().err
     total = 2 * (2 * 2 + 1 + 2) + 2 * 2
     assert f"{total}/{total}" in err and "benchmark" in err
-    benchmark.main(["--seq-lens", "16", "--head-dims", "8", "--heads", "1", "--repeats", "1",
-                    "--compile-rounds", "1", "--impls", "jax.nn", "--decode-kv-lens", "",
+    benchmark.main(["--lengths", "16", "--head-dim", "8", "--heads", "1", "--repeats", "1",
+                    "--compile-rounds", "1", "--impls", "jax.nn", "--decode-kv-lens",
                     "--no-progress"])
     assert capsys.readouterr().err == ""
 

@@ -18,7 +18,7 @@ SCRIPT = os.path.join(os.path.dirname(TESTS), "benchmarks", "multi_gpu.py")
 def test_multi_gpu_rehearsal_on_host_devices(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--host-devices", "2", "--tiny", "--devices", "1,2",
+        [sys.executable, SCRIPT, "--host-devices", "2", "--tiny", "--devices", "1", "2",
          "--strategies", "ring", "--layouts", "zigzag", "--train-steps", "2",
          "--json", str(out)],
         env=environment(None), capture_output=True, text=True, timeout=600)

@@ -304,8 +304,8 @@ ATTENTION_CASES = [
      "--causal"],
     # cross attention, local window, per-batch lengths (one batch entry with empty rows)
     ["--dtype", "float16", "--head-dim", "32", "--batch", "2", "--q-len", "24", "--kv-len", "70",
-     "--heads", "2", "--kv-heads", "2", "--window", "20,3", "--q-lengths", "24,9",
-     "--kv-lengths", "70,30", "--causal-alignment", "bottom_right"],
+     "--heads", "2", "--kv-heads", "2", "--window", "20,3", "--q-lengths", "24", "9",
+     "--kv-lengths", "70", "30", "--causal-alignment", "bottom_right"],
     # bf16, D with a partial last chunk of lanes (48 = 32 + 16)
     ["--dtype", "bfloat16", "--head-dim", "48", "--q-len", "33", "--heads", "1", "--kv-heads", "1"],
     # split dK and dV kernels (D >= 160); float32: one streamed tile, one simdgroup
@@ -318,7 +318,7 @@ ATTENTION_CASES = [
 
 def make_problem(argv):
     args = profile.make_parser().parse_args(argv)
-    return profile_model.Problem(args, args.dtype[0], args.head_dim[0])
+    return profile_model.Problem(args, args.dtype[0], args.head_dim[0], args.causal == "on")
 
 
 @needs_counting
@@ -539,7 +539,7 @@ def test_split_submissions_share_counts_and_useful_flops():
     from jax_flash_metal import _ext
     problem = make_problem(["--dtype", "float32", "--head-dim", "16", "--batch", "2", "--q-len",
                             "12", "--kv-len", "20", "--heads", "2", "--kv-heads", "1",
-                            "--q-lengths", "12,5", "--window", "4,"])
+                            "--q-lengths", "12", "5", "--window", "4,"])
     whole = profile_model.profile_records(problem, profile_model.PASSES, ["M1"])
     previous = _ext.testing.set_submission_budget(1e-12)
     try:
