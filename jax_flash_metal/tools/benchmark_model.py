@@ -9,6 +9,7 @@ import dataclasses
 import re
 import statistics
 import subprocess
+import sys
 import time
 
 import jax
@@ -189,6 +190,18 @@ def compile_seconds(fn, causal: bool, q, k, v, ct) -> tuple[object, float]:
     return compiled, time.perf_counter() - start
 
 
+def unsupported(fn, dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why the method ``fn`` cannot compile forward+backward in ``dtype`` on this backend (the
+    first line of the error, at a tiny shape), or None."""
+    q, k, v, ct = inputs(batch=1, seq_len=8, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                         dtype=jnp.dtype(dtype))
+    try:
+        compile_seconds(fn, False, q, k, v, ct)
+    except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
+        return str(e).splitlines()[0]
+    return None
+
+
 def compile_pair(fn, causal: bool, q, k, v, ct):
     """(compiled forward, compiled forward+backward, forward+backward compile seconds)."""
     fwd = jax.jit(_forward_backward(fn, causal)[0]).lower(q, k, v).compile()
@@ -285,6 +298,11 @@ def run_benchmark(*, seq_lens, head_dims, causal_modes, method_names=None, batch
     """
     kv_heads = heads if kv_heads is None else kv_heads
     table = methods(method_names)
+    for name in list(table):
+        reason = unsupported(table[name], dtype, heads, kv_heads, min(head_dims))
+        if reason is not None:  # e.g. XLA:CPU has no float16 dot with float32 accumulation
+            print(f"{name}: not run in {jnp.dtype(dtype).name} here: {reason}", file=sys.stderr)
+            del table[name]
     if gpu_timers is None:
         gpu_timers = {"flash:metal": metal_gpu_seconds} if "flash:metal" in table else {}
     rows = {}

@@ -268,6 +268,20 @@ def test_benchmark_rejects_unknown_method():
         benchmark_model.methods(["flash:nonexistent"])
 
 
+def test_benchmark_leaves_out_a_method_that_cannot_compile_the_dtype(monkeypatch, capsys):
+    """A method XLA cannot compile in the dtype (float16 jax.nn on XLA:CPU) is left out with a
+    note naming it and the reason; the others run."""
+    def fails(q, k, v, causal):
+        raise ValueError("no float16 dot here\nmore")
+    table = {"jax.nn": fails, "flash:xla": benchmark_model.methods(["flash:xla"])["flash:xla"]}
+    monkeypatch.setattr(benchmark_model, "methods", lambda names=None: dict(table))
+    rows = benchmark_model.run_benchmark(seq_lens=[16], head_dims=[16], causal_modes=[False],
+                                         batch=1, heads=2, kv_heads=2, repeats=1, run_up_to=16,
+                                         decode_kv_lens=[], dtype="float16")
+    assert [r.method for r in rows] == ["flash:xla"]
+    assert "jax.nn: not run in float16 here: no float16 dot here\n" in capsys.readouterr().err
+
+
 def test_benchmark_ratios_and_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
     rows = benchmark.main(["--lengths", "16", "32", "--head-dim", "8", "--causal", "off",
