@@ -12,6 +12,7 @@ import pytest
 from api_helpers import needs_test_kernels
 from kernel_harness import HEAD_DIMS, needs_counting
 from jax_flash_metal import profile
+from jax_flash_metal.core import dropout
 from jax_flash_metal.tools import roofline
 from jax_flash_metal import _ext as ext
 from jax_flash_metal._ext import emulator
@@ -603,8 +604,9 @@ def test_alibi_moves_the_plain_calls_device_bytes_but_the_slopes():
 def test_dropout_moves_the_plain_calls_device_bytes():
     """Dropout generates its mask in registers: every launch of a dropout call (forward, dQ,
     dK/dV) writes exactly the plain call's device bytes and reads exactly the plain call's plus
-    the dropout operand's 16-byte entry, once per thread and query head it serves (no mask is
-    read or written: none of it scales with the lengths)."""
+    the dropout operand's entry (``dropout.WORDS`` 32-bit words: key, indices, positions), once
+    per thread and query head it serves (no mask is read or written: none of it scales with the
+    lengths)."""
     plain_argv = ["--dtype", "float16", "--head-dim", "32", "--q-len", "40", "--kv-len", "56",
                   "--heads", "4", "--kv-heads", "2", "--causal"]
     runs = {rate: profile_model.run_problem(make_problem([*plain_argv, "--dropout", rate]),
@@ -614,4 +616,5 @@ def test_dropout_moves_the_plain_calls_device_bytes():
         heads_per_thread = 2 if "dkdv" in plain["kernel"] else 1  # the dK/dV loop over G = 2
         entries = plain["threadgroups"] * plain["threads_per_threadgroup"] * heads_per_thread
         assert dropped["device_bytes_written"] == plain["device_bytes_written"]
-        assert dropped["device_bytes_read"] == plain["device_bytes_read"] + 16 * entries
+        assert dropped["device_bytes_read"] == (plain["device_bytes_read"]
+                                                + 4 * dropout.WORDS * entries)
