@@ -411,43 +411,51 @@ std::vector<StageShape> planned_stages(Device& device, const std::string& direct
                           device.gpu_cores(), dropout, variant);
 }
 
+// The arguments of the bindings of one planned problem (over_plan), declared once.
+#define JFM_PLANNING_ARGS                                                                  \
+  nb::arg("direction"), nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"),              \
+      nb::arg("kv_len"), nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"), \
+      nb::arg("implementation") = "emulator", nb::arg("value_head_dim") = nb::none(),      \
+      nb::arg("dropout") = false, nb::arg("variant") = 0
+
+// A binding of one planned problem (JFM_PLANNING_ARGS): f(stages, plan, batch) over the stages
+// and the submissions the handler of `direction` would run on that device.
+template <typename F>
+auto over_plan(F f) {
+  return [f](const std::string& direction, const std::string& dtype, int64_t batch,
+             int64_t q_len, int64_t kv_len, int64_t num_heads, int64_t num_kv_heads,
+             int64_t head_dim, const std::string& implementation,
+             std::optional<int64_t> value_head_dim, bool dropout, int variant) {
+    Device& device = device_named(implementation);
+    const std::vector<StageShape> stages =
+        planned_stages(device, direction, dtype, batch, q_len, kv_len, num_heads, num_kv_heads,
+                       head_dim, value_head_dim, dropout, variant);
+    return f(stages, plan_for(device, stages), batch);
+  };
+}
+
 // The FFI handlers' own working memory (working_memory.h): the formula and the measured figures.
 void bind_working_memory(nb::module_& m) {
-  m.def(
-      "working_memory",
-      [](const std::string& direction, const std::string& dtype, int64_t batch, int64_t q_len,
-         int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-         const std::string& implementation, std::optional<int64_t> value_head_dim,
-         bool dropout, int variant) {
-        Device& device = device_named(implementation);
-        size_t dispatches = 0;
-        for (const ChunkedSubmission& chunks :
-             plan_for(device, planned_stages(device, direction, dtype, batch, q_len, kv_len,
-                                             num_heads, num_kv_heads, head_dim, value_head_dim,
-                                             dropout, variant))) {
-          dispatches += chunks.size();
-        }
-        return argument_bytes(dispatches, batch);
-      },
-      nb::arg("direction"), nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"),
-      nb::arg("kv_len"), nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
-      nb::arg("implementation") = "emulator", nb::arg("value_head_dim") = nb::none(),
-      nb::arg("dropout") = false, nb::arg("variant") = 0,
-      "int: bytes of host memory the FFI handler allocates for the kernels' arguments of this "
-      "call (arguments as dispatch_plan's; one parameter block per dispatch of the plan and "
-      "the copied q/kv lengths), outside XLA's memory analysis. A Metal call may also stage "
-      "host ranges it cannot wrap in place: take_working_memory() reports those as measured.");
+  m.def("working_memory",
+        over_plan([](const std::vector<StageShape>&, const std::vector<ChunkedSubmission>& plan,
+                     int64_t batch) {
+          size_t dispatches = 0;
+          for (const ChunkedSubmission& chunks : plan) dispatches += chunks.size();
+          return argument_bytes(dispatches, batch);
+        }),
+        JFM_PLANNING_ARGS,
+        "int: bytes of host memory the FFI handler allocates for the kernels' arguments of this "
+        "call (arguments as dispatch_plan's; one parameter block per dispatch of the plan and "
+        "the copied q/kv lengths), outside XLA's memory analysis. A Metal call may also stage "
+        "host ranges it cannot wrap in place: take_working_memory() reports those as measured.");
   m.def(
       "take_working_memory",
       [] {
         const WorkingMemory w = take_working_memory();
         nb::dict d;
-        d["calls"] = w.calls;
-        d["last_bytes"] = w.last_bytes;
-        d["peak_bytes"] = w.peak_bytes;
-        d["staging_calls"] = w.staging_calls;
-        d["last_staging_bytes"] = w.last_staging_bytes;
-        d["peak_staging_bytes"] = w.peak_staging_bytes;
+#define JFM_WORKING_MEMORY_ITEM(name) d[#name] = w.name;
+        JFM_WORKING_MEMORY_FIELDS(JFM_WORKING_MEMORY_ITEM)
+#undef JFM_WORKING_MEMORY_ITEM
         return d;
       },
       "dict: the FFI handlers' own working memory since the last take (then zeroed): calls "
@@ -468,34 +476,23 @@ void bind_planning(nb::module_& m) {
       "}: groups (x, y, z), multiply_adds an estimate. Dispatch x covers row blocks "
       "block_offset.., y heads head_offset.., z batch elements batch_offset... ValueError for "
       "bad names.";
-  m.def(
-      "dispatch_plan",
-      [](const std::string& direction, const std::string& dtype, int64_t batch, int64_t q_len,
-         int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-         const std::string& implementation, std::optional<int64_t> value_head_dim,
-         bool dropout, int variant) {
-        Device& device = device_named(implementation);
-        const std::vector<StageShape> stages =
-            planned_stages(device, direction, dtype, batch, q_len, kv_len, num_heads,
-                           num_kv_heads, head_dim, value_head_dim, dropout, variant);
-        nb::list submissions;
-        for (const ChunkedSubmission& chunks : plan_for(device, stages)) {
-          nb::list dispatches;
-          for (const Chunk& c : chunks) {
-            const StageShape& s = stages[c.stage];
-            nb::dict d;
-            JFM_DISPATCH_FIELDS(JFM_SET_FIELD)
-            dispatches.append(d);
+  m.def("dispatch_plan",
+        over_plan([](const std::vector<StageShape>& stages,
+                     const std::vector<ChunkedSubmission>& plan, int64_t) {
+          nb::list submissions;
+          for (const ChunkedSubmission& chunks : plan) {
+            nb::list dispatches;
+            for (const Chunk& c : chunks) {
+              const StageShape& s = stages[c.stage];
+              nb::dict d;
+              JFM_DISPATCH_FIELDS(JFM_SET_FIELD)
+              dispatches.append(d);
+            }
+            submissions.append(dispatches);
           }
-          submissions.append(dispatches);
-        }
-        return submissions;
-      },
-      nb::arg("direction"), nb::arg("dtype"), nb::arg("batch"), nb::arg("q_len"),
-      nb::arg("kv_len"), nb::arg("num_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
-      nb::arg("implementation") = "emulator", nb::arg("value_head_dim") = nb::none(),
-      nb::arg("dropout") = false, nb::arg("variant") = 0,
-      dispatch_plan_doc.c_str());
+          return submissions;
+        }),
+        JFM_PLANNING_ARGS, dispatch_plan_doc.c_str());
   m.def(
       "decode_splits",
       [](const std::string& dtype, int64_t batch, int64_t q_len, int64_t kv_len,

@@ -12,11 +12,16 @@
 
 namespace jfm {
 
+// The fields of WorkingMemory, once (the struct and _ext.take_working_memory's dict): handler
+// calls that ran kernels; the handler's argument memory per call, last and peak; Metal calls
+// that finished; their staging bytes per call, last and peak.
+#define JFM_WORKING_MEMORY_FIELDS(X) \
+  X(calls) X(last_bytes) X(peak_bytes) X(staging_calls) X(last_staging_bytes) X(peak_staging_bytes)
+
 struct WorkingMemory {
-  uint64_t calls = 0;                // handler calls that ran kernels
-  uint64_t last_bytes = 0, peak_bytes = 0;  // the handler's argument memory per call
-  uint64_t staging_calls = 0;        // Metal calls that finished
-  uint64_t last_staging_bytes = 0, peak_staging_bytes = 0;  // Metal staging per call
+#define JFM_WORKING_MEMORY_FIELD(name) uint64_t name = 0;
+  JFM_WORKING_MEMORY_FIELDS(JFM_WORKING_MEMORY_FIELD)
+#undef JFM_WORKING_MEMORY_FIELD
 };
 
 // The argument memory of a call of `dispatches` dispatches over `batch` batch elements: the
