@@ -54,6 +54,7 @@ SECTIONS = ("shard", "context", "train")
 
 
 def parse_args(argv=None):
+    from jax_flash_metal.ring_attention import LAYOUTS, STRATEGIES
     from jax_flash_metal.tools.cli import (HelpFormatter, add_flags, add_problem_flags,
                                            check_problem_flags, positive_int)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -68,12 +69,12 @@ def parse_args(argv=None):
               lengths=[32768, 131072, 524288], head_dim=[128], dtype=["bfloat16"], repeats=5)
     parser.add_argument("--implementation", default=None,
                         help="flash_attention's implementation (default: the platform's chain)")
-    parser.add_argument("--strategies", nargs="+", default=["all_gather", "ring"],
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES),
                         help="sequence_strategy values of the context section")
-    parser.add_argument("--layouts", nargs="+", default=["contiguous", "striped", "zigzag"],
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS),
                         help="sequence_layout values of the context section")
     parser.add_argument("--train-steps", type=int, default=20, help="steps of the train section")
-    parser.add_argument("--host-devices", type=int, default=None,
+    parser.add_argument("--host-devices", type=positive_int, default=None,
                         help="run on this many host (CPU) devices instead (a rehearsal)")
     parser.add_argument("--tiny", action="store_true",
                         help="rehearsal sizes: lengths 256, shard length 256, head dim 32, "
@@ -81,10 +82,14 @@ def parse_args(argv=None):
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() first (one process per GPU)")
     parser.add_argument("--json", default=None, help="also write every row to this JSON file")
-    add_problem_flags(parser, heads=16)
-    parser.set_defaults(kv_heads=4)
+    add_problem_flags(parser, heads=16, kv_heads=4)
     args = parser.parse_args(argv)
     check_problem_flags(parser, args)
+    if args.implementation is not None:
+        from jax_flash_metal import implementations
+        if args.implementation not in implementations.available():
+            parser.error(f"--implementation {args.implementation!r}: not one of "
+                         f"{implementations.available()} here")
     if args.tiny:
         args.lengths, args.shard_length, args.head_dim = [256], 256, [32]
         args.dtype, args.train_steps, args.repeats = ["float32"], 2, 1
@@ -313,7 +318,7 @@ def _opt(x, width, digits, kind="f"):
 
 
 def train_section(r: Runner, counts):
-    jax, np, a = r.jax, r.np, r.args
+    np, a = r.np, r.args
     from jax.sharding import Mesh
     from jax_flash_metal.examples import train_lm
     data = np.frombuffer(train_lm.stdlib_corpus(1 << 18)[0], np.uint8)
@@ -358,6 +363,10 @@ def main(argv=None):
     device = jax.devices()[0]
     print(f"{len(jax.devices())} x {device.device_kind} ({device.platform}), "
           f"{jax.process_count()} process(es), jax {jax.__version__}")
+    skipped = [n for n in args.devices if n > len(jax.devices())]
+    if skipped:
+        print(f"--devices {' '.join(map(str, skipped))}: skipped, more than the "
+              f"{len(jax.devices())} devices present")
     sections = {"shard": shard_section, "context": context_section}
     rows = []
     for dtype in args.dtype:  # the attention sections for each dtype and head dim in turn

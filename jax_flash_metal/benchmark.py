@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import sys
 import textwrap
@@ -87,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--emulator-max-len", type=int, default=256,
                    help="flash:emulator is timed up to this length's query-key pairs (N x N; a "
                         "decode row 1 x N*N); larger: memory only")
-    p.add_argument("--peak-tflops", type=float, default=None,
+    p.add_argument("--peak-tflops", type=_positive_float, default=None,
                    help="peak TFLOP/s to report percentages against (default: estimated on "
                         "Apple silicon with metal, none elsewhere)")
     p.add_argument("--ratio-method", default="flash:xla",
@@ -96,7 +97,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="PNG", help="also save a plot (needs matplotlib)")
     args = p.parse_args(argv)
     check_problem_flags(p, args)
+    try:
+        methods(args.impls)
+    except ValueError as e:
+        p.error(f"--impls: {e}")
+    if args.ratio_method not in methods():
+        p.error(f"--ratio-method: {args.ratio_method!r} is not one of {', '.join(methods())}")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        p.error(f"--json: no folder {os.path.dirname(os.path.abspath(args.json))}")
     return args
+
+
+def _positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
 
 
 def main(argv=None) -> list[Row]:

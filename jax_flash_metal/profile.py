@@ -126,7 +126,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="ALiBi with BLOOM's slopes 2^(-8n/heads); the backward also forms the "
                         "slopes' gradient")
     p.add_argument("--dropout", type=_rate, default=0.0, metavar="RATE",
-                   help="attention dropout rate (a fixed key from --seed; default: none)")
+                   help="attention dropout rate (a fixed key from --seed; 0: none)")
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES),
                    help="which kernels to run: the forward's and/or the backward's")
     p.add_argument("--page-size", nargs="+", type=positive_int, default=None, metavar="N",

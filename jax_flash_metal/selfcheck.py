@@ -527,6 +527,11 @@ def main(argv: list[str] | None = None) -> int:
                         "one; with --quick those named there)")
     args = p.parse_args(argv)
     check_implementation(p, args)
+    head_dims = sorted({dk for dtype, dk, dv in _ext.kernel_families()
+                        if dtype == "f32" and dk == dv})  # the correctness grid's float32
+    if set(args.head_dim) - set(head_dims):
+        p.error(f"--head-dim: the kernels take {head_dims}, not "
+                f"{sorted(set(args.head_dim) - set(head_dims))}")
     report = run(args.implementation, args.head_dim, args.features, args.seq_len, args.repeats,
                  args.quick, args.families)
     print(format_report(report))

@@ -169,13 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     check_implementation(p, args)
     if args.cache:
         os.environ[tuning_cache.ENV] = args.cache
-    if variants.from_env() != variants.AUTO:
-        p.error(f"${variants.ENV} forces a kernel variant: unset it to tune")
-    rows = [row for dtype in args.dtype for causal in CAUSAL[args.causal]
-            for row in tune(args.shape, dtype=dtype, q_len=args.q_len, kv_heads=args.kv_heads,
-                            value_head_dim=args.value_head_dim, causal=causal,
-                            backward=args.backward, implementation=args.implementation,
-                            repeats=args.repeats)]
+    try:
+        if variants.from_env() != variants.AUTO:
+            p.error(f"${variants.ENV} forces a kernel variant: unset it to tune")
+        tuning_cache.store({})  # this program's job is the cache: fail now if it cannot be written
+    except (ValueError, OSError) as e:
+        p.error(f"{e}")
+    try:
+        rows = [row for dtype in args.dtype for causal in CAUSAL[args.causal]
+                for row in tune(args.shape, dtype=dtype, q_len=args.q_len,
+                                kv_heads=args.kv_heads, value_head_dim=args.value_head_dim,
+                                causal=causal, backward=args.backward,
+                                implementation=args.implementation, repeats=args.repeats)]
+    except (ValueError, TypeError) as e:  # a shape the kernels or the API refuse
+        p.error(f"{e}")
     print(format_table(rows))
     print(f"cache: {tuning_cache.path()}" + ("" if args.implementation == "metal" else
                                              " (emulated device: these timings mean nothing)"))

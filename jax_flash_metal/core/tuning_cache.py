@@ -73,7 +73,12 @@ def load(file: str | None = None) -> dict[str, dict]:
         warnings.warn(f"jax_flash_metal: ignoring the tuning cache {file}: not a "
                       f"{FORMAT!r} file", stacklevel=2)
         return {}
-    return {k: e for k, e in data["entries"].items() if _valid_entry(e)}
+    entries = {k: e for k, e in data["entries"].items() if _valid_entry(e)}
+    if len(entries) < len(data["entries"]):
+        warnings.warn(f"jax_flash_metal: the tuning cache {file}: dropped "
+                      f"{len(data['entries']) - len(entries)} entries without a valid variant",
+                      stacklevel=2)
+    return entries
 
 
 @contextlib.contextmanager
@@ -91,9 +96,12 @@ def _locked(file: str):
 
 def store(entries: dict[str, dict], file: str | None = None) -> dict[str, dict]:
     """Merge ``entries`` into the cache file (they win over the file's entries of the same
-    keys) and return the merged entries. Raises OSError when the directory cannot be
-    written."""
-    file = file or path()
+    keys) and return the merged entries. A symbolic link is written through (its target is
+    replaced). Raises OSError when the directory cannot be written or the path exists and is
+    not a regular file (a directory, a device: never replaced)."""
+    file = os.path.realpath(file or path())
+    if os.path.exists(file) and not os.path.isfile(file):
+        raise OSError(f"{file} exists and is not a regular file")
     os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
     with _locked(file):
         merged = {**load(file), **entries}

@@ -13,6 +13,7 @@ variants and ignores the parameter.
 
 from __future__ import annotations
 
+import numbers
 import os
 
 ENV = "JFM_KERNEL_VARIANT"
@@ -24,15 +25,20 @@ _settings: dict[str, object] = {"variant": None, "autotune": None}
 
 
 def configure(*, variant: int | None = None, autotune: bool | None = None) -> None:
-    """Set the process's choice (both settings; an omitted one is None): ``variant`` forces that kernel variant for every call traced
-    afterwards (None: ``$JFM_KERNEL_VARIANT`` or the autotuner decide); ``autotune`` turns the
+    """Set the process's choice (both settings; an omitted one is None): ``variant`` forces that
+    kernel variant for every call traced afterwards (None: ``$JFM_KERNEL_VARIANT`` or the
+    autotuner decide; one past the kernels' variants is refused when a call is lowered, ValueError
+    naming ``variant``); ``autotune`` turns the
     autotuner on (True, also on the emulated device), off (False) or back to
     ``$JFM_AUTOTUNE`` / the default (None). Both take effect for calls traced afterwards (a
     function already compiled by jit keeps its variant). TypeError / ValueError naming the
     argument for anything else."""
-    if variant is not None and (isinstance(variant, bool) or not isinstance(variant, int)
-                                or variant < 0):
-        raise ValueError(f"variant must be a non-negative int or None, got {variant!r}")
+    if variant is not None:
+        if isinstance(variant, bool) or not isinstance(variant, numbers.Integral):
+            raise TypeError(f"variant must be an int or None, got {variant!r}")
+        if variant < 0:
+            raise ValueError(f"variant must be a non-negative kernel variant, got {variant}")
+        variant = int(variant)
     if autotune is not None and not isinstance(autotune, bool):
         raise TypeError(f"autotune must be True, False or None, got {autotune!r}")
     _settings.update(variant=variant, autotune=autotune)

@@ -198,7 +198,8 @@ def _attributes(*, bias_grad=False, alibi_grad=False, logits_soft_cap=None, **pa
                   logits_soft_cap=0.0 if logits_soft_cap is None else logits_soft_cap)
     variants = _ext.tile_variants("fwd")
     if not 0 <= values.get("kernel_variant", 0) < variants:
-        raise ValueError(f"kernel_variant ($JFM_KERNEL_VARIANT) must be in [0, {variants}), "
+        raise ValueError(f"variant (tune.configure(variant=...) or $JFM_KERNEL_VARIANT) must be "
+                         f"in [0, {variants}), "
                          f"got {values['kernel_variant']}")
     return {name: numpy_type(values[name]) for name, numpy_type in _ATTRIBUTES}
 

@@ -77,12 +77,13 @@ def add_flags(parser: argparse.ArgumentParser, notes: dict[str, str] | None = No
         parser.add_argument(*options, dest=dest, default=default, **form)
 
 
-def add_problem_flags(parser: argparse.ArgumentParser, *, heads: int) -> None:
+def add_problem_flags(parser: argparse.ArgumentParser, *, heads: int,
+                      kv_heads: int | None = None) -> None:
     """The problem flags of the benchmarks and the profile: --batch, --heads (default
-    ``heads``, the program's), --kv-heads and --no-progress. ``check_problem_flags``
-    completes them after parsing."""
-    add_flags(parser, notes=dict(kv_heads="default: --heads"), batch=1, heads=heads,
-              kv_heads=None, no_progress=False)
+    ``heads``, the program's), --kv-heads (default ``kv_heads``; None: --heads) and
+    --no-progress. ``check_problem_flags`` completes them after parsing."""
+    add_flags(parser, notes=None if kv_heads else dict(kv_heads="default: --heads"), batch=1,
+              heads=heads, kv_heads=kv_heads, no_progress=False)
 
 
 def check_problem_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from api_helpers import needs_emulator
@@ -136,6 +137,11 @@ def test_the_switches(monkeypatch):
         lowered_variant()
     with pytest.raises(ValueError, match="variant must be"):
         tune.configure(variant=-1)
+    with pytest.raises(TypeError, match="variant must be"):
+        tune.configure(variant="1")
+    tune.configure(variant=np.int64(1))  # any integer type
+    assert variants.settings()["variant"] == 1
+    tune.configure()
 
 
 WRITER = """
@@ -186,3 +192,41 @@ def test_a_models_calls_are_tuned_with_their_own_features(monkeypatch):
         ["kernels=bwd_dq+bwd_dkdv", "dtype=float32", "head_dims=16x16"]]
     assert {r["key"].split("|")[6] for r in rows} == {"features=causal+bias"}
     assert [r["variant"] for r in rows] == [1, 1] and len(entries()) == 2
+
+
+def test_the_cache_never_replaces_what_is_not_a_regular_file(tmp_path):
+    """A cache path that is a directory (or a device) is refused, not replaced; a symbolic link
+    is written through to its target."""
+    with pytest.raises(OSError, match="not a regular file"):
+        tuning_cache.store({"k": {"variant": 1}}, str(tmp_path))
+    assert tmp_path.is_dir()
+    target = tmp_path / "target.json"
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    tuning_cache.store({"k": {"variant": 1}}, str(link))
+    assert link.is_symlink() and tuning_cache.load(str(target)) == {"k": {"variant": 1}}
+
+
+def test_entries_without_a_valid_variant_are_dropped_with_a_warning(tmp_path):
+    file = tmp_path / "t.json"
+    file.write_text(json.dumps({"format": tuning_cache.FORMAT,
+                                "entries": {"a": {"variant": 0}, "b": 5}}))
+    with pytest.warns(UserWarning, match="dropped 1 entries"):
+        assert tuning_cache.load(str(file)) == {"a": {"variant": 0}}
+
+
+@needs_emulator
+@pytest.mark.parametrize("argv,env,match", [
+    (["--shape", "1,64,3,16", "--kv-heads", "2"], {}, "must be a multiple"),
+    (["--shape", "1,64,2,17"], {}, "head_dim 17"),
+    (["--shape", "1,64,2,16"], {"JFM_KERNEL_VARIANT": "abc"}, "JFM_KERNEL_VARIANT"),
+    (["--shape", "1,64,2,16"], {"JFM_TUNE_CACHE": "DIR"}, "not a regular file")])
+def test_the_tune_program_refuses_bad_input_in_one_line(tmp_path, monkeypatch, capsys, argv,
+                                                       env, match):
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(tmp_path) if value == "DIR" else value)
+    if "JFM_TUNE_CACHE" not in env:
+        monkeypatch.setenv("JFM_TUNE_CACHE", str(tmp_path / "t.json"))
+    with pytest.raises(SystemExit) as exit_:
+        tune.main([*argv, "--implementation", "emulator"])
+    assert exit_.value.code == 2 and match in capsys.readouterr().err

@@ -263,6 +263,15 @@ def test_apple_gpu_peak_from_the_roofline_table():
     assert benchmark_model.apple_gpu_peak_tflops("AMD Radeon Pro 5500M", 24)[0] is None
 
 
+@pytest.mark.parametrize("argv,match", [
+    (["--impls", "bogus"], "--impls: unknown"), (["--ratio-method", "bogus"], "--ratio-method"),
+    (["--peak-tflops", "-1"], "must be positive"), (["--json", "/no/such/folder/a.json"], "--json")])
+def test_benchmark_refuses_bad_options_before_measuring(capsys, argv, match):
+    with pytest.raises(SystemExit) as exit_:
+        benchmark.parse_args(argv)
+    assert exit_.value.code == 2 and match in capsys.readouterr().err
+
+
 def test_benchmark_rejects_unknown_method():
     with pytest.raises(ValueError, match="unknown or unavailable"):
         benchmark_model.methods(["flash:nonexistent"])

@@ -99,3 +99,10 @@ def test_a_failing_step_fails_the_report(monkeypatch):
     assert report["steps"]["lane_layout"]["passed"] is False
     assert "RuntimeError: probe exploded" in report["steps"]["lane_layout"]["detail"]
     assert "FAIL lane_layout" in selfcheck.format_report(report)
+
+
+def test_selfcheck_refuses_a_head_dim_without_kernels(capsys):
+    """Before any step runs, naming the option and the head dims the kernels take."""
+    with pytest.raises(SystemExit) as exit_:
+        selfcheck.main(["--implementation", "emulator", "--head-dim", "16", "17"])
+    assert exit_.value.code == 2 and "--head-dim: the kernels take" in capsys.readouterr().err
