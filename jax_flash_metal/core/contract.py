@@ -9,11 +9,24 @@ from __future__ import annotations
 import typing
 from typing import Annotated, Any, Literal, NamedTuple, Sequence, Union
 
+import jax.numpy as jnp
+
 Implementation = Literal["xla", "emulator", "metal", "cudnn"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
 # What ``implementation`` takes: one name, or names to try in order (the first that can run the
 # call runs it).
 ImplementationChoice = Union[Implementation, Sequence[Implementation]]
+# The dtypes with kernels, by the suffix their kernel names carry
+# (flash_attention_<stage>_<suffix>_d<Dk>[_v<Dv>]).
+KERNEL_DTYPE_SUFFIXES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def kernel_suffix(dtype) -> str | None:
+    """The kernel-name suffix of ``dtype`` (a dtype, type or name): "f32", "f16" or "bf16"; None
+    for a dtype without kernels."""
+    return KERNEL_DTYPE_SUFFIXES.get(jnp.dtype(dtype).name)
+
+
 UNBOUNDED = -1  # window bound sentinel, same value as JFM_UNBOUNDED in shaders/attention_params.h
 
 # The main operands of each direction's primitive, before the optional ones (Operands).

@@ -23,11 +23,9 @@ import numpy as np
 from jax.interpreters import mlir
 
 import jax_flash_metal._ext as _ext  # a module import: mypy takes the unbuilt extension as Any
-from ..core.contract import MAIN_OPERANDS, OPERAND_FLAGS, operand_roles
+from ..core.contract import MAIN_OPERANDS, OPERAND_FLAGS, kernel_suffix, operand_roles
 from ..core._jax_private import ShapedArray
 
-_DTYPE_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16",
-                 np.dtype(jax.numpy.bfloat16): "bf16"}
 
 
 def _target(direction: str, implementation: str) -> str:
@@ -140,7 +138,7 @@ def unsupported_reason(implementation: str, direction: str, dtype, head_dim: int
     shaders lack a head dim is reported at trace time rather than when the computation runs.
     """
     dtype = np.dtype(dtype)
-    suffix = _DTYPE_SUFFIX.get(dtype)
+    suffix = kernel_suffix(dtype)
     if suffix is None:
         return (f"flash_attention: dtype {dtype} has no {implementation} kernels "
                 f"(float32, float16, bfloat16 only)")
@@ -181,7 +179,7 @@ def check_supported(implementation: str, direction: str, dtype, head_dim: int,
     reason = unsupported_reason(implementation, direction, dtype, head_dim, value_head_dim)
     if reason is None:
         return
-    raise (ValueError if np.dtype(dtype) in _DTYPE_SUFFIX else TypeError)(reason)
+    raise (ValueError if kernel_suffix(dtype) else TypeError)(reason)
 
 
 # The FFI attributes as the extension lists them (JFM_FFI_ATTRIBUTES, ffi/attention_ffi.h), each
@@ -247,7 +245,7 @@ def lower_fwd(ctx: mlir.LoweringRuleContext, *args, implementation: str, **param
         table = cast(ShapedArray, ctx.avals_in[operand_roles("fwd", params).index("page_table")])
         kv_len = table.shape[1] * k.shape[1]
     _, workspace_elements = _ext.decode_splits(
-        _DTYPE_SUFFIX[np.dtype(q.dtype)], batch, q_len, kv_len, num_heads, k.shape[2],
+        kernel_suffix(q.dtype), batch, q_len, kv_len, num_heads, k.shape[2],
         head_dim, implementation, v.shape[3], params.get("dropout_rate", 0.0) > 0)
     workspace = ShapedArray((workspace_elements,), np.float32)
     avals, args = _contract_operands(ctx, args, "fwd", params)

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from ..core import tolerance, tuning_cache, variants
+from ..core.contract import kernel_suffix
 from . import tuning_problem
 
 _LOG = logging.getLogger("jax_flash_metal")
@@ -67,12 +68,9 @@ def _kernels(problem, implementation: str, variant: int) -> tuple[str, ...]:
 
     p = problem.options
     return tuple(d["kernel"] for submission in _ext.dispatch_plan(
-        problem.direction, _SUFFIX[problem.dtype], problem.batch, problem.q_len,
+        problem.direction, kernel_suffix(problem.dtype), problem.batch, problem.q_len,
         problem.kv_len, problem.heads, problem.kv_heads, problem.head_dim, implementation,
         problem.value_head_dim, p["dropout_rate"] > 0, variant) for d in submission)
-
-
-_SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
 def candidates(problem, implementation: str) -> list[int]:
@@ -111,7 +109,7 @@ def environment(implementation: str) -> dict[str, str]:
 
 def key(problem, implementation: str) -> str:
     """The cache key of a (capped) problem."""
-    stages = dict.fromkeys(k[len("flash_attention_"):].split(f"_{_SUFFIX[problem.dtype]}_d")[0]
+    stages = dict.fromkeys(k[len("flash_attention_"):].split(f"_{kernel_suffix(problem.dtype)}_d")[0]
                            for k in _kernels(problem, implementation, 0))
     return tuning_cache.key(**environment(implementation), kernels="+".join(stages),
                             dtype=problem.dtype,

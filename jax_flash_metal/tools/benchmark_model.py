@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import flash_attention, implementations, reference_attention
+from ..core.contract import kernel_suffix
 from . import roofline
 
 
@@ -141,8 +142,7 @@ def ffi_working_bytes(method: str, batch: int, q_len: int, kv_len: int, heads: i
     if impl not in ("emulator", "metal"):
         return None
     from .._ext import working_memory
-    suffix = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[jnp.dtype(dtype).name]
-    return max(working_memory(direction, suffix, batch, q_len, kv_len, heads, kv_heads,
+    return max(working_memory(direction, kernel_suffix(dtype), batch, q_len, kv_len, heads, kv_heads,
                               head_dim, implementation=impl) for direction in ("fwd", "bwd"))
 
 

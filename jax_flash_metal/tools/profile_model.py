@@ -14,6 +14,7 @@ import numpy as np
 
 from ..attention import flash_attention
 from ..core import validation, variants, visibility
+from ..core.contract import kernel_suffix
 from .roofline import GPUS, model_launch, occupancy
 
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -272,7 +273,7 @@ def kernel_variant(kernel: str) -> int:
 def problem_variants(problem: Problem) -> list[int]:
     """The distinct tile variants of the problem's family over the tiled stages
     (``_ext.kernel_variants``)."""
-    suffix = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[problem.dtype]
+    suffix = kernel_suffix(problem.dtype)
     tile_dim = _ext().tile_head_dim(problem.head_dim, problem.value_head_dim)
     return sorted({v["variant"] for stage in TILED_STAGES
                    for v in _ext().kernel_variants(stage, suffix, tile_dim)})
