@@ -45,6 +45,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: left out of the short CI run (-m 'not slow')")
     config.addinivalue_line("markers", "quick: the minute's install check (-m quick; "
                                        "QUICK_FILES in conftest.py)")
+    config.addinivalue_line("markers", "emulator: names the emulator (api_helpers.needs_emulator)"
+                                       "; skipped without the extension, run on the CPU device")
+    config.addinivalue_line("markers", "host: run on the CPU device (lowers for the emulator "
+                                       "where it is available)")
 
 
 def pytest_generate_tests(metafunc):
@@ -57,9 +61,12 @@ def pytest_collection_modifyitems(config, items):
     """Mark the tests of QUICK_FILES ``quick`` (unless ``slow``); deselect ``large`` cases
     (marked on the test or on one parameter) for the fused implementations, unless
     JFM_TEST_LARGE_ON_ALL=1."""
+    without_emulator = "emulator" not in jax_flash_metal.implementations.available()
     for item in items:
         if item.path.name in QUICK_FILES and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.quick)
+        if without_emulator and item.get_closest_marker("emulator"):
+            item.add_marker(pytest.mark.skip(reason="the emulator needs the compiled extension"))
     if os.environ.get("JFM_TEST_LARGE_ON_ALL") == "1":
         return
     keep, drop = [], []
@@ -91,3 +98,38 @@ def blocks(request, monkeypatch):
         use_xla_schedule(monkeypatch, PATHS[request.param])
         yield request.param
         jax.clear_caches()
+
+
+# The emulator is an FFI call on the host: where the default device is an accelerator (a GPU
+# machine), the tests that run it take the CPU device as their default device, and the rest
+# run on the accelerator.
+HOST_FOLDERS = {"emulator", "fused"}
+
+
+def _runs_on_the_host(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params.values() if callspec else ()
+    return (item.path.parent.name in HOST_FOLDERS
+            or any(item.get_closest_marker(m) is not None for m in ("emulator", "host"))
+            or any(isinstance(p, str) and p == "emulator" for p in params))
+
+
+@pytest.fixture(autouse=True)
+def _host_device_for_the_emulator(request):
+    if jax.default_backend() == "cpu" or not _runs_on_the_host(request.node):
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _full_precision_references():
+    """On an accelerator, float32 matmuls that name no precision (jax.nn's, Flax's and Equinox's,
+    the references some tests compare with) run at full precision, not TF32 as an NVIDIA GPU's
+    default would; the xla implementation names its own (tests/xla/test_precision.py)."""
+    if jax.default_backend() == "cpu":
+        yield
+        return
+    with jax.default_matmul_precision("highest"):
+        yield

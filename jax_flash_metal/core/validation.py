@@ -388,9 +388,9 @@ def check_inputs(query, key, value, bias, mask, options: Options, dropout_broadc
 
 
 def restore_rank(query, out, lse, return_lse):
-    """out (and lse, when ``return_lse``, a bool checked here) without the batch axis that
-    ``check_inputs`` added for a rank-3 query."""
+    """out (and lse, when ``return_lse``, a bool checked here; None where the implementation
+    gives none) without the batch axis that ``check_inputs`` added for a rank-3 query."""
     return_lse = check_bool(return_lse, "return_lse")
     if np.ndim(query) == 3:  # NumPy's: takes a nested list too (jnp.ndim deprecates that)
-        out, lse = out[0], lse[0]
+        out, lse = out[0], None if lse is None else lse[0]
     return (out, lse) if return_lse else out

@@ -7,7 +7,8 @@ block loops of ``attention``, whose block layout copies the whole cache first. T
 is read in place by two matmuls per batch row over all heads (``_block_scores``: the keys
 [Tkv, HKV D] times the queries laid out block-diagonally; ``_weighted_sum``: the probabilities
 [HKV G Tq, Tkv] times the values [Tkv, HKV Dv], keeping the diagonal blocks), with the float32
-scores [B, Tkv, HKV, G, Tq] and their (m, l) in between: a matmul, or a reduction, with the head
+scores [B, Tkv, HKV, G, Tq] and their (m, l) in between (for groups of batch rows one after
+another where all the scores would pass ``SCORE_BYTES``): a matmul, or a reduction, with the head
 as a batch axis made XLA copy the cache into [B, HKV, Tkv, D] (or [B, HKV, D, Tkv]) first, and
 a slice of the cache along its keys is a copy too when it feeds a matmul. The matmuls do HKV
 times the useful multiplies (small next to reading the cache) and weigh every key of every KV
@@ -43,6 +44,7 @@ F32 = tiles.F32
 MAX_QUERY_ROWS = 16  # query rows per batch row that count as decoding
 SPAN = 8192  # keys per span at least: bounds the float32 scores a span keeps
 MAX_SPANS = 32  # longer caches take longer spans (the spans are unrolled)
+SCORE_BYTES = 128 * 2**20  # the fast path's float32 scores kept at once, at most (but one row's)
 
 
 def covers(q, k, operands, schedule, dropout_rate, kv_len) -> bool:
@@ -95,11 +97,13 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
         """[B, Tq, span] -> [B, span, 1, 1, Tq], the scores' axes."""
         return x.transpose(0, 2, 1)[:, :, None, None, :]
 
-    def scores(s, keys):
-        """The scores [B, n, HKV, G, Tq] of keys ``keys`` (int [n]) with their features."""
+    def scores(s, keys, lo=0, hi=batch):
+        """The scores [hi - lo, n, HKV, G, Tq] of batch rows [lo, hi) and keys ``keys``
+        (int [n]) with their features; s: their products q . k."""
         s = features.soft_cap(s * jnp.float32(scale), logits_soft_cap)[0]
         if alibi is not None:
-            s = s + alibi * key_major(band.alibi_distance(jnp.asarray(rows), keys))
+            distance = key_major(band.alibi_distance(jnp.asarray(rows), keys))
+            s = s + (alibi * jnp.broadcast_to(distance, (batch,) + distance.shape[1:]))[lo:hi]
         return s
 
     def span_partials(c, state):
@@ -140,10 +144,21 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
     # where any output is not finite, and only then, the exact reductions run instead.
     keys = np.arange(kv_len, dtype=np.int32)
     kx, vx = (_read(x, 0, kv_len, table, band.kv_lengths) for x in (k, v))
-    visible = key_major(band.mask(jnp.asarray(rows), keys))
-    s = jnp.where(visible, scores(_block_scores(q, kx), keys), -jnp.inf)
-    m, l = tiles.row_statistics(s, axis=1)
-    fast = tiles.Running(m, l, _weighted_sum(jnp.exp(s - m[:, None]), vx))
+    visible = jnp.broadcast_to(key_major(band.mask(jnp.asarray(rows), keys)),
+                               (batch, kv_len, 1, 1, q_len))
+
+    def rows_of(lo, hi):
+        """The fast path's (m, l, acc) of batch rows [lo, hi)."""
+        s = scores(_block_scores(q[lo:hi], kx[lo:hi]), keys, lo, hi)
+        s = jnp.where(visible[lo:hi], s, -jnp.inf)
+        m, l = tiles.row_statistics(s, axis=1)
+        return tiles.Running(m, l, _weighted_sum(jnp.exp(s - m[:, None]), vx[lo:hi]))
+
+    # Batch rows in groups whose float32 scores fit SCORE_BYTES: the groups run one after
+    # another, so the scores of one group at a time are kept.
+    step = max(1, SCORE_BYTES // (kv_len * num_heads * q_len * 4))
+    parts = [rows_of(lo, min(lo + step, batch)) for lo in range(0, batch, step)]
+    fast = tiles.Running(*(jnp.concatenate(x, axis=0) for x in zip(*parts)))
     state = jax.lax.cond(jnp.all(jnp.isfinite(fast.acc)), lambda: fast, exact)
     sinks = (None if operands.sinks is None
              else operands.sinks.astype(F32).reshape(1, kv_heads, groups, 1))

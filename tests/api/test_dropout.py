@@ -18,7 +18,7 @@ import pytest
 from jax.test_util import check_grads
 
 import tolerance
-from api_helpers import make_inputs, needs_test_kernels, run, use_xla_schedule
+from api_helpers import make_inputs, needs_emulator, needs_test_kernels, run, use_xla_schedule
 from jax_flash_metal import dropout_mask, flash_attention, reference_attention
 from jax_flash_metal.core import dropout, mulhi
 from jax_flash_metal.xla import schedule as xla_schedule
@@ -259,6 +259,7 @@ def test_calls_at_global_positions_against_the_oracle(implementation, maps):
                                       dropout_mask=keep, dropout_rate=rate)
 
 
+@needs_emulator
 def test_kernel_plans_with_dropout(ext):
     """On the emulator: a decode-shaped call (one query, a long cache) with dropout runs the
     tiled forward (the decode kernels have no dropout; the plan's decode_splits is 0 for it), and

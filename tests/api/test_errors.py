@@ -138,6 +138,7 @@ def test_unavailable_implementation(name):
         jax.jit(lambda q: flash_attention(q, K, K, implementation=name))(Q)
 
 
+@pytest.mark.host
 def test_environment_variable(monkeypatch):
     """$JAX_FLASH_METAL_IMPLEMENTATION replaces the None default at lowering time."""
     q = jnp.ones((1, 3, 2, 16), jnp.float32)  # shapes used by no other test: fresh lowering

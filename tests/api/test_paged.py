@@ -146,6 +146,7 @@ def _has_counting():
 
 
 @pytest.mark.skipif(not _has_counting(), reason="needs the emulator's counting build")
+@pytest.mark.host
 def test_paged_decode_reads_the_contiguous_caches_bytes():
     """Exact device bytes read by the paged forward's kernels (vector decode, pages in
     shuffled order) are within 1.02x of the same call's on the contiguous cache: K and V are

@@ -14,6 +14,7 @@ import pytest
 import tolerance
 from api_helpers import make_inputs
 from jax_flash_metal import flash_attention
+from jax_flash_metal.core import validation
 from jax_flash_metal.core.contract import StaticParams
 from jax_flash_metal.cudnn import attention as cudnn
 from jax_flash_metal.lowering import dispatch
@@ -189,3 +190,19 @@ def test_default_chain_runs_cudnn_and_matches_the_oracle(case):
     o, vjp = jax.vjp(jax.jit(f), q, k, v)
     got = dict(zip(("o", "dq", "dk", "dv"), (o, *vjp(do))))
     tolerance.assert_all_match_oracle(got, q, k, v, do, names=("o", "dq", "dk", "dv"), **kw)
+
+
+def test_rank_three_query_without_an_lse():
+    """A rank-3 query loses the batch axis added for it also where the implementation gives no
+    LSE (cuDNN): Equinox's attention calls with [T, H, D]."""
+    out = jnp.arange(40.0).reshape(1, 5, 2, 4)
+    got = validation.restore_rank(np.zeros((5, 2, 4)), out, None, False)
+    np.testing.assert_array_equal(got, out[0])
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs an NVIDIA GPU with cuDNN")
+def test_default_chain_takes_a_rank_three_query():
+    q, k, v, do, _ = make_inputs(3, 1, 64, 64, 4, 2, 64, jnp.bfloat16)
+    o, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v)[None], q[0], k[0], v[0])
+    got = dict(zip(("o", "dq", "dk", "dv"), (o, *(x[None] for x in vjp(do)))))
+    tolerance.assert_all_match_oracle(got, q, k, v, do, names=("o", "dq", "dk", "dv"))

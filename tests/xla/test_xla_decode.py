@@ -33,12 +33,15 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=[8192, 256], ids=["one-span", "spans-256"])
+@pytest.fixture(params=[8192, 256], ids=["one-span", "spans-256-row-groups-1"])
 def span(request, monkeypatch):
-    """The decode's span: the default (one span here) or 256 keys (several, the last one
-    overlapping its predecessor); every platform's schedule with the split-KV decode and a
+    """The decode's span: the default (one span here, the fast path's batch rows in one group)
+    or 256 keys (several spans, the last one overlapping its predecessor, and the fast path's
+    batch rows one group each); every platform's schedule with the split-KV decode and a
     dense tile of at most 256 keys, so the decode path runs on cpu and on an accelerator."""
     monkeypatch.setattr(xla_decode, "SPAN", request.param)
+    if request.param == 256:
+        monkeypatch.setattr(xla_decode, "SCORE_BYTES", 1)
     jax.clear_caches()
     for name, schedule in list(xla_schedule.SCHEDULES.items()):
         monkeypatch.setitem(xla_schedule.SCHEDULES, name,
