@@ -58,9 +58,9 @@ def pytest_generate_tests(metafunc):
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests of QUICK_FILES ``quick`` (unless ``slow``); deselect ``large`` cases
-    (marked on the test or on one parameter) for the fused implementations, unless
-    JFM_TEST_LARGE_ON_ALL=1."""
+    """Mark the tests of QUICK_FILES ``quick`` (unless ``slow``); skip those marked
+    ``emulator`` where it is not available; deselect ``large`` cases (marked on the test or on
+    one parameter) for the fused implementations, unless JFM_TEST_LARGE_ON_ALL=1."""
     without_emulator = "emulator" not in jax_flash_metal.implementations.available()
     for item in items:
         if item.path.name in QUICK_FILES and not item.get_closest_marker("slow"):
