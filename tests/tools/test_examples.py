@@ -136,6 +136,7 @@ def test_attention_flops():
     assert benchmark_model.attention_flops(1, 1, 6, 3, 1, True)[0] == 4 * (1 + 2 + 3 + 3 * 3)
 
 
+@pytest.mark.host  # the benchmark lists and runs flash:emulator
 def test_benchmark_decode_rows():
     rows = benchmark_model.run_benchmark(seq_lens=[], head_dims=[16], causal_modes=[True], batch=1,
                                    heads=4, kv_heads=2, repeats=1, run_up_to=64,
@@ -148,6 +149,7 @@ def test_benchmark_decode_rows():
         assert line.split()[:4] == [r.method, "1x64", "16", "no"]
 
 
+@pytest.mark.host
 def test_benchmark_table():
     rows = benchmark_model.run_benchmark(seq_lens=[16, 64], head_dims=[16], causal_modes=[True],
                                    batch=1, heads=2, kv_heads=1, repeats=1, run_up_to=16,

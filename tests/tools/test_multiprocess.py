@@ -49,6 +49,7 @@ def run_processes(implementation, cwd, timeout=300):
     return outs
 
 
+@pytest.mark.host  # the one-device run below may be the emulator
 def test_two_processes_match_one_device(tmp_path):
     from jax_flash_metal.examples import train_lm
 
