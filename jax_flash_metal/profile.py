@@ -67,7 +67,7 @@ import time
 from .core import contract, validation
 from .tools import profile_model
 from .tools.cli import (CAUSAL, HelpFormatter, add_flags, add_problem_flags,
-                        check_problem_flags, positive_int, progress_bar)
+                        check_problem_flags, emulator_on_the_host, positive_int, progress_bar)
 from .tools.profile_model import (NO_COUNTING_MESSAGE, PASSES, Problem, json_keys,
                                   problem_variants, profile_records, variant_records)
 from .tools.profile_tables import format_paged_table, format_tables
@@ -168,6 +168,7 @@ def main(argv=None) -> int:
                          f"--value-head-dim {problem.value_head_dim}: {e}")
     if not profile_model._ext().emulator.has_counting_variant():
         parser.error(NO_COUNTING_MESSAGE)
+    emulator_on_the_host()
     chosen = {}
     for problem in problems:
         listed = problem_variants(problem)

@@ -7,6 +7,8 @@ import argparse
 import sys
 from typing import Any
 
+import jax
+
 from .. import implementations
 
 
@@ -102,12 +104,22 @@ def default_implementation() -> str:
 
 def check_implementation(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--implementation defaulted to metal where available, else emulator; a parser error
-    when the one named is not available here."""
+    when the one named is not available here. The emulator's programs compute on the host
+    (``emulator_on_the_host``)."""
     if args.implementation is None:
         args.implementation = default_implementation()
     if args.implementation not in implementations.available():
         parser.error(f"--implementation {args.implementation} is not available here: "
                      f"{implementations.unavailable_reasons().get(args.implementation, '')}")
+    if args.implementation == "emulator":
+        emulator_on_the_host()
+
+
+def emulator_on_the_host() -> None:
+    """Make the CPU device the program's default device where an accelerator is (a machine with
+    an NVIDIA GPU): the emulator is an FFI call on the host and lowers only for "cpu"."""
+    if jax.default_backend() != "cpu":
+        jax.config.update("jax_default_device", jax.devices("cpu")[0])
 
 
 class _Lines:
