@@ -102,8 +102,8 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
         (int [n]) with their features; s: their products q . k."""
         s = features.soft_cap(s * jnp.float32(scale), logits_soft_cap)[0]
         if alibi is not None:
-            distance = key_major(band.alibi_distance(jnp.asarray(rows), keys))
-            s = s + (alibi * jnp.broadcast_to(distance, (batch,) + distance.shape[1:]))[lo:hi]
+            distance = key_major(band.alibi_distance(jnp.asarray(rows), keys))[lo:hi]
+            s = s + alibi[lo:hi] * distance
         return s
 
     def span_partials(c, state):
@@ -144,8 +144,7 @@ def forward(q, k, v, operands, *, scale, is_causal=False, window_left=-1, window
     # where any output is not finite, and only then, the exact reductions run instead.
     keys = np.arange(kv_len, dtype=np.int32)
     kx, vx = (_read(x, 0, kv_len, table, band.kv_lengths) for x in (k, v))
-    visible = jnp.broadcast_to(key_major(band.mask(jnp.asarray(rows), keys)),
-                               (batch, kv_len, 1, 1, q_len))
+    visible = key_major(band.mask(jnp.asarray(rows), keys))  # [B, Tkv, 1, 1, Tq]
 
     def rows_of(lo, hi):
         """The fast path's (m, l, acc) of batch rows [lo, hi)."""

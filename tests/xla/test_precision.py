@@ -8,14 +8,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from api_helpers import use_xla_schedule
 from jax_flash_metal import flash_attention
 from jax_flash_metal.xla import schedule as xla_schedule
 
 
 @pytest.mark.parametrize("q_len", [300, 1], ids=["blocks", "decode"])
 def test_float32_matmuls_name_full_precision(q_len, monkeypatch):
-    for name, schedule in list(xla_schedule.SCHEDULES.items()):  # the decode path on cpu too
-        monkeypatch.setitem(xla_schedule.SCHEDULES, name, schedule._replace(split_kv_decode=True))
+    # The decode path on cpu too.
+    use_xla_schedule(monkeypatch, xla_schedule.for_platform("cpu")._replace(split_kv_decode=True))
     q = jnp.ones((1, q_len, 2, 16), jnp.float32)
     k = jnp.ones((1, 300, 2, 16), jnp.float32)
 
