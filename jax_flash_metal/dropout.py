@@ -36,4 +36,4 @@ def dropout_mask(dropout_rng, shape, rate):
     rate, seeds = operand(rate, dropout_rng, batch, heads)
     if seeds is None:
         return jnp.ones((batch, heads, q_len, kv_len), bool)
-    return keep(seeds, jnp.arange(q_len, dtype=jnp.int32), 0, kv_len, rate)
+    return keep(seeds, jnp.arange(q_len, dtype=jnp.int32), 0, kv_len, rate, groups=True)

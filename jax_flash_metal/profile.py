@@ -157,6 +157,7 @@ def main(argv=None) -> int:
         parser.error("--page-size needs --passes forward (a paged cache is forward only)")
     if args.page_size and args.kv_lengths is None:  # a paged call has them: so has its baseline
         args.kv_lengths = [args.kv_len or args.q_len] * args.batch
+    emulator_on_the_host()
     problems = [Problem(args, d, h, c) for d in args.dtype for h in args.head_dim
                 for c in CAUSAL[args.causal]]
     page_sizes = args.page_size or ()
@@ -168,7 +169,6 @@ def main(argv=None) -> int:
                          f"--value-head-dim {problem.value_head_dim}: {e}")
     if not profile_model._ext().emulator.has_counting_variant():
         parser.error(NO_COUNTING_MESSAGE)
-    emulator_on_the_host()
     chosen = {}
     for problem in problems:
         listed = problem_variants(problem)

@@ -54,7 +54,7 @@ def _scores(q, k, scale):
 
 def forward(q, k, v, operands=contract.Operands(), *, scale, is_causal=False, window_left=-1,
             window_right=-1, bottom_right=False, logits_soft_cap=None, dropout_rate=0.0,
-            **unused_static):
+            dropout_key_groups=True, **unused_static):
     """Reference forward. q [B,Tq,H,D], k/v [B,Tkv,HKV,D], ``operands``: contract.Operands.
 
     Returns (o [B,Tq,H,D] in q.dtype, lse [B,H,Tq] float32). Also differentiable by plain JAX
@@ -101,7 +101,7 @@ def forward(q, k, v, operands=contract.Operands(), *, scale, is_causal=False, wi
     if x.dropout is not None:  # O = (P Z) V with Z = M / (1 - rate): dropout.dropout_mask's M
         seeds = x.dropout.reshape(batch, num_kv_heads, -1, dropout.WORDS)
         p = p * dropout.weights(seeds, jnp.arange(q_len, dtype=jnp.int32), 0, kv_len,
-                                dropout_rate)
+                                dropout_rate, groups=dropout_key_groups)
     o = _contract("bhgqk,bkhd->bqhgd", p, v.astype(_F32))
     o = nonfinite.poison(o, jnp.einsum("bhgqk,bkhd->bqhgd", m5.astype(_F32),
                                        nonfinite.indicator(v)))

@@ -108,6 +108,13 @@ class _Ring(NamedTuple):
         return piece_length(self.kv_chunk // (2 if self.layout == "zigzag" else 1))
 
     @property
+    def dropout_key_groups(self):
+        """Whether every key piece starts at a multiple of 4 at unit stride in the keep mask's
+        positions (the primitives' ``dropout_key_groups``; ``positions``)."""
+        base = self.kv_chunk // (2 if self.layout == "zigzag" else 1)
+        return not self.striped and base % 4 == 0 and self.kv_piece % 4 == 0
+
+    @property
     def positional(self):
         """Whether any positional rule (causal, a window) applies."""
         p = self.params
@@ -284,7 +291,8 @@ class _Pair(NamedTuple):
         params = ring.params._replace(
             is_causal=False, window_left=UNBOUNDED, window_right=UNBOUNDED, bottom_right=False,
             has_q_lengths=False, has_kv_lengths=False, has_bias=slopes is not None,
-            has_mask=False, has_sinks=False, has_alibi=False)
+            has_mask=False, has_sinks=False, has_alibi=False,
+            dropout_key_groups=ring.dropout_key_groups)
         bias = None if slopes is None else -slopes[:, :, None, None] * self.alibi_distance()[
             :, None]
         operands = Operands(q_segment_ids=q_seg, kv_segment_ids=kv_seg, bias=bias,

@@ -26,7 +26,7 @@ from .attention import flash_attention
 from .core import tuning_cache, variants
 from .lowering import autotune
 from .tools.cli import (CAUSAL, HelpFormatter, add_flags, aligned, check_implementation,
-                        default_implementation)
+                        default_implementation, operand_shape)
 
 
 def configure(*, variant: int | None = None, autotune: bool | None = None) -> None:
@@ -116,7 +116,7 @@ def _lower(b, tq, tkv, h, hkv, d, dv, dtype, causal, backward, implementation) -
     fn = attention
     if backward:
         fn = jax.grad(lambda q, k, v: attention(q, k, v).astype(jnp.float32).sum(), (0, 1, 2))
-    spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    spec = lambda *shape: operand_shape(shape, dtype)
     jax.jit(fn).lower(spec(b, tq, h, d), spec(b, tkv, hkv, d), spec(b, tkv, hkv, dv))
 
 

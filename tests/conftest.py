@@ -22,6 +22,12 @@ os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS"),
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"]))
 
+# Child processes (tests that run Python elsewhere, e.g. cwd="/") import the same package as
+# this one: a relative PYTHONPATH (PYTHONPATH=. over a source tree) would name another folder.
+if os.environ.get("PYTHONPATH"):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        os.path.abspath(p) for p in os.environ["PYTHONPATH"].split(os.pathsep) if p)
+
 # The autotuner (docs/tuning.md) would time every new call's variants on a Mac and write the
 # user's cache; the suite checks variants against the oracle instead (tests/lowering/
 # test_autotune.py turns tuning on for itself).
@@ -116,15 +122,20 @@ def _runs_on_the_host(item) -> bool:
 
 @pytest.fixture(autouse=True)
 def _host_device_for_the_emulator(request):
+    # The programs some tests run move the global default device (tools/cli.py's
+    # emulator_on_the_host); the tests after them get it back.
+    saved = jax.config.jax_default_device
     if jax.default_backend() == "cpu" or not _runs_on_the_host(request.node):
         yield
-        return
-    try:
-        cpu = jax.devices("cpu")[0]
-    except RuntimeError:  # JAX_PLATFORMS names the accelerator only
-        pytest.skip("runs the emulator, on the CPU device, which JAX_PLATFORMS leaves out")
-    with jax.default_device(cpu):
-        yield
+    else:
+        try:
+            cpu = jax.devices("cpu")[0]
+        except RuntimeError:  # JAX_PLATFORMS names the accelerator only
+            pytest.skip("runs the emulator, on the CPU device, which JAX_PLATFORMS leaves out")
+        with jax.default_device(cpu):
+            yield
+    if jax.config.jax_default_device is not saved:
+        jax.config.update("jax_default_device", saved)
 
 
 @pytest.fixture(autouse=True, scope="session")

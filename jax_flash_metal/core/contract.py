@@ -35,9 +35,9 @@ MAIN_OPERANDS = {"fwd": ("q", "k", "v"),
 
 
 # The static params that are no FFI attribute: the implementation chain picks the FFI target,
-# and the fused kernels implement every feature. Moving one into JFM_FFI_ATTRIBUTES
-# (ffi/attention_ffi.h) takes it out of this list.
-HOST_ONLY_PARAMS = ("implementation",)
+# and the fused kernels implement every feature and read the dropout positions themselves.
+# Moving one into JFM_FFI_ATTRIBUTES (ffi/attention_ffi.h) takes it out of this list.
+HOST_ONLY_PARAMS = ("implementation", "dropout_key_groups")
 
 
 class StaticParams(NamedTuple):
@@ -62,6 +62,11 @@ class StaticParams(NamedTuple):
     has_alibi: bool = False
     has_page_table: bool = False
     dropout_rate: float = 0.0
+    # Whether every row's keys lie at unit stride from a multiple of 4 in the keep mask's
+    # positions (the dropout operand's k_stride == 1, k_first % 4 == 0): then the xla
+    # implementation draws one Philox call per 4 keys with no branch per tile
+    # (core/dropout.keep). False only for ring attention's pieces that are not.
+    dropout_key_groups: bool = True
     # The fused kernels' tile variant, or variants.AUTO: the lowering chooses (docs/tuning.md).
     kernel_variant: int = -1
 

@@ -19,7 +19,6 @@ slice of a sequence axis) keep their own key and indices.
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -67,26 +66,27 @@ def keep_scale(rate: float) -> float:
     return float(np.float32(1.0 / (1.0 - rate)))
 
 
-def keep(seeds, rows, key_start, num_keys: int, rate: float, aligned: bool = False):
+def keep(seeds, rows, key_start, num_keys: int, rate: float, *, groups: bool,
+         aligned: bool = False):
     """bool [..., R, num_keys]: the keep mask of the local query rows ``rows`` (int [R]) and
     local keys ``key_start + arange(num_keys)`` for the ``dropout`` operand's entries ``seeds``
     uint32 [..., WORDS], at the global positions the entries map them to. ``key_start``: an
     int, or a traced int32 (``aligned``: known to be a multiple of 4, else one more group of 4
-    keys is generated and sliced)."""
+    keys is generated and sliced). ``groups`` (static): the entries' keys are at unit stride
+    from a multiple of 4 (the primitives' ``dropout_key_groups``), so local groups of 4 keys
+    are global ones and take one Philox call each; otherwise every key takes its own call.
+    Static, not read from the entries: a branch on them would run per tile, and on a GPU a
+    conditional reads its predicate back to the host and stores its result."""
     k0, k1, b, n, q_first, q_stride, k_first, k_stride = (seeds[..., w, None, None]
                                                           for w in range(WORDS))
     rows = q_first + q_stride * jnp.asarray(rows).astype(_U32)[:, None]
-    key = (k0, k1)
-    # Keys at unit stride from a multiple of 4 keep their local groups of 4 (one Philox call
-    # each); any other map needs one call per key.
-    grouped = jnp.all((k_stride == 1) & (k_first % 4 == 0))
     cut = _U32(threshold(rate))
-    return jax.lax.cond(grouped, partial(_grouped, key_start, num_keys, aligned, cut),
-                        partial(_per_key, key_start, num_keys, cut), rows, k_first, k_stride,
-                        n, b, key)
+    if groups:
+        return _grouped(key_start, num_keys, aligned, cut, rows, k_first, n, b, (k0, k1))
+    return _per_key(key_start, num_keys, cut, rows, k_first, k_stride, n, b, (k0, k1))
 
 
-def _grouped(key_start, num_keys, aligned, cut, rows, k_first, k_stride, n, b, key):
+def _grouped(key_start, num_keys, aligned, cut, rows, k_first, n, b, key):
     static = isinstance(key_start, int)
     offset = key_start % 4 if static else 0
     exact = static or aligned
@@ -119,9 +119,10 @@ def _per_key(key_start, num_keys, cut, rows, k_first, k_stride, n, b, key):
                      jnp.where(word == 2, words[2], words[3])) >= cut
 
 
-def weights(seeds, rows, key_start, num_keys, rate, aligned=False):
+def weights(seeds, rows, key_start, num_keys, rate, *, groups, aligned=False):
     """float32 M / (1 - rate) of ``keep``'s block: the factor dropout puts on P."""
-    return jnp.where(keep(seeds, rows, key_start, num_keys, rate, aligned),
+    return jnp.where(keep(seeds, rows, key_start, num_keys, rate, groups=groups,
+                          aligned=aligned),
                      jnp.float32(keep_scale(rate)), jnp.float32(0.0))
 
 

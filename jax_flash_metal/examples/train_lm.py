@@ -43,7 +43,7 @@ import jax_flash_metal
 from jax_flash_metal import flash_attention, implementations, reference_attention
 from jax_flash_metal._extras import needs
 from jax_flash_metal.lowering import dispatch
-from jax_flash_metal.tools.cli import HelpFormatter, count
+from jax_flash_metal.tools.cli import HelpFormatter, count, default_device, emulator_on_the_host
 from jax_flash_metal.ring_attention import shard_map
 
 with needs("examples", "jax_flash_metal.examples.train_lm", ("optax", "tqdm")):
@@ -563,7 +563,9 @@ def main(argv=None) -> dict:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     try:
-        resolved = dispatch.resolve(args.implementation, jax.default_backend())
+        if args.implementation == "emulator":
+            emulator_on_the_host()  # an FFI call on the host: it lowers for "cpu" only
+        resolved = dispatch.resolve(args.implementation, default_device().platform)
     except (ValueError, NotImplementedError) as e:
         raise SystemExit(f"error: {e}") from None
     tiny = args.tiny or resolved == "emulator"

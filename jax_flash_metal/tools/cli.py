@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .. import implementations
 
@@ -120,6 +121,22 @@ def emulator_on_the_host() -> None:
     an NVIDIA GPU): the emulator is an FFI call on the host and lowers only for "cpu"."""
     if jax.default_backend() != "cpu":
         jax.config.update("jax_default_device", jax.devices("cpu")[0])
+
+
+def default_device():
+    """The device new arrays go to: ``jax_default_device`` where set, else the default
+    backend's first."""
+    device = jax.config.jax_default_device
+    if device is None or isinstance(device, str):  # unset, or a platform's name
+        return jax.devices(device)[0]
+    return device
+
+
+def operand_shape(shape, dtype) -> jax.ShapeDtypeStruct:
+    """An abstract operand on ``default_device()``: lowering one without a sharding targets
+    the default backend, not ``emulator_on_the_host``'s device."""
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype),
+                                sharding=jax.sharding.SingleDeviceSharding(default_device()))
 
 
 class _Lines:

@@ -15,6 +15,7 @@ import numpy as np
 from ..attention import flash_attention
 from ..core import validation, variants, visibility
 from ..core.contract import kernel_suffix
+from .cli import operand_shape
 from .roofline import GPUS, model_launch, occupancy
 
 DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -107,10 +108,10 @@ class Problem:
         """The operands' shapes: q, k, v (v with the value head dim), and with ALiBi the
         float32 [heads] slopes."""
         dtype = DTYPES[self.dtype]
-        q = jax.ShapeDtypeStruct((self.batch, self.q_len, self.heads, self.head_dim), dtype)
-        k, v = (jax.ShapeDtypeStruct((self.batch, self.kv_len, self.kv_heads, d), dtype)
+        q = operand_shape((self.batch, self.q_len, self.heads, self.head_dim), dtype)
+        k, v = (operand_shape((self.batch, self.kv_len, self.kv_heads, d), dtype)
                 for d in (self.head_dim, self.value_head_dim))
-        slopes = [jax.ShapeDtypeStruct((self.heads,), jnp.float32)] if self.alibi else []
+        slopes = [operand_shape((self.heads,), jnp.float32)] if self.alibi else []
         return [q, k, v, *slopes]
 
     def dims(self) -> str:

@@ -1,7 +1,7 @@
 """The "xla" implementation, the primitives' default lowering: FlashAttention-2 in jax.numpy / lax.
 
     forward(q, k, v, operands=Operands(), *, scale, is_causal, window_left, window_right,
-            bottom_right, logits_soft_cap, dropout_rate, **unused_static)
+            bottom_right, logits_soft_cap, dropout_rate, dropout_key_groups, **unused_static)
             -> (o, lse, row_max, log_sum)
     backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), *, (the same),
              bias_grad, **unused_static) -> (dq, dk, dv[, dbias])
@@ -39,7 +39,7 @@ CPU = xla_schedule.SCHEDULES["cpu"]
 
 def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=False,
             window_left=-1, window_right=-1, bottom_right=False, logits_soft_cap=None,
-            dropout_rate=0.0, **unused_static):
+            dropout_rate=0.0, dropout_key_groups=True, **unused_static):
     """(o [B, Tq, H, D] in q.dtype, lse, row_max, log_sum float32 [B, H, Tq]); see the module
     docstring. ``operands``: contract.Operands (lengths, segment ids, bias, mask, sinks,
     dropout or None); ``schedule``: ``xla_schedule.Schedule`` (default: the cpu one)."""
@@ -61,7 +61,8 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
         return jnp.zeros(o_shape, q.dtype), lse, lse, jnp.zeros_like(lse)
     prec = blocks.precision(q.dtype, scale, schedule)
     grid, t = blocks.setup(q, k, operands, schedule, is_causal, window_left, window_right,
-                           bottom_right, dropout_rate, backward=False, half=prec.dtype != F32)
+                           bottom_right, (dropout_rate, dropout_key_groups), backward=False,
+                           half=prec.dtype != F32)
     kv_valid = blocks.valid(operands.kv_lengths, kv_len)
     qb = blocks.query_blocks(q, kv_heads, t, blocks.valid(operands.q_lengths, q_len), prec.dtype,
                              prec.q_scale)
@@ -130,8 +131,8 @@ def _tile_counts_forward(grid, vb, num_heads):
 
 def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), *, scale,
              schedule=CPU, is_causal=False, window_left=-1, window_right=-1, bottom_right=False,
-             logits_soft_cap=None, dropout_rate=0.0, bias_grad=False, alibi_grad=False,
-             **unused_static):
+             logits_soft_cap=None, dropout_rate=0.0, dropout_key_groups=True, bias_grad=False,
+             alibi_grad=False, **unused_static):
     """(dq, dk, dv[, dbias][, dslopes]) in the input dtypes (dbias float32 in the bias
     operand's shape, with ``bias_grad``; dslopes float32 [B, H] = sum over (i, j) of
     dS_ij * -|i + off - j|, with ``alibi_grad``), from the forward's o, lse and residuals and
@@ -148,7 +149,8 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
             (operands.bias, bias_grad), (operands.alibi_slopes, alibi_grad)) if wanted]
     prec = blocks.precision(q.dtype, scale, schedule)
     grid, t = blocks.setup(q, k, operands, schedule, is_causal, window_left, window_right,
-                           bottom_right, dropout_rate, backward=True, half=prec.dtype != F32)
+                           bottom_right, (dropout_rate, dropout_key_groups), backward=True,
+                           half=prec.dtype != F32)
     q_valid = blocks.valid(operands.q_lengths, q_len)
     kv_valid = blocks.valid(operands.kv_lengths, kv_len)
     # D from the O given, not as rowsum(P dP) (equal only when O = P V over these keys): ring

@@ -292,10 +292,11 @@ class _Blocks:
     (lengths were given, or the last block is padded).
     """
 
-    def __init__(self, band, t: _Tiling, q_len, kv_len, operands, kv_heads, dropout_rate):
+    def __init__(self, band, t: _Tiling, q_len, kv_len, operands, kv_heads, dropout_static):
         self.band, self.t = band, t
         # The dropout operand as [B, HKV, G, WORDS], like the tiles' query heads.
-        self.dropout, self.dropout_rate = operands.dropout, dropout_rate
+        self.dropout = operands.dropout
+        self.dropout_rate, self.dropout_key_groups = dropout_static
         if self.dropout is not None:
             b, h, _ = self.dropout.shape
             self.dropout = self.dropout.reshape(b, kv_heads, h // kv_heads, dropout.WORDS)
@@ -338,7 +339,7 @@ class _Blocks:
         z = None
         if self.dropout is not None:
             z = dropout.weights(self.dropout, rows, c * self.t.bc, self.t.bc, self.dropout_rate,
-                                aligned=self.t.bc % 4 == 0)
+                                groups=self.dropout_key_groups, aligned=self.t.bc % 4 == 0)
         return features.combine(None if band is None else band[:, None, None], extra), bias, z
 
     def over_query_blocks(self, init, step, finish, rows, counting=None):
@@ -420,7 +421,9 @@ class _Blocks:
 
 
 def setup(q, k, operands, schedule, is_causal, window_left, window_right, bottom_right,
-           dropout_rate, backward, half):
+          dropout_static, backward, half):
+    """(the tiles of a call, its tiling); ``dropout_static``: (dropout_rate,
+    dropout_key_groups)."""
     batch, q_len, _, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     band = visibility.Band(batch, q_len, kv_len, operands.q_lengths, operands.kv_lengths,
@@ -428,7 +431,7 @@ def setup(q, k, operands, schedule, is_causal, window_left, window_right, bottom
                            window_right=window_right, bottom_right=bottom_right)
     t = tiling(q_len, kv_len, schedule, backward=backward,
                long_inner=half and band.left is None and band.right is None)
-    return _Blocks(band, t, q_len, kv_len, operands, kv_heads, dropout_rate), t
+    return _Blocks(band, t, q_len, kv_len, operands, kv_heads, dropout_static), t
 
 
 class _Precision(NamedTuple):

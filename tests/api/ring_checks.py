@@ -63,6 +63,9 @@ CASES = {
     "dropout": dict(dropout_rate=0.5),
     "dropout_causal": dict(is_causal=True, dropout_rate=0.5),
     "pieces_dropout_causal": dict(is_causal=True, dropout_rate=0.5),
+    # Pieces of 2: key pieces that start off a multiple of 4 (ring_attention's
+    # dropout_key_groups False: one Philox call per key in the xla implementation).
+    "pieces2_dropout": dict(dropout_rate=0.5),
 }
 DROPOUT_KEY = jax.random.key(11)
 REORDER = {"striped": (stripe, unstripe), "zigzag": (zigzag, unzigzag)}
@@ -82,7 +85,8 @@ def check(implementation, spec):
 def run(implementation, spec, explicit_mesh):
     name, _, strategy = spec.removeprefix("explicit:").partition("@")
     name, _, layout = name.partition("/")
-    ring_attention.PIECE_LEN = 4 if name.startswith("pieces") else PIECE_LEN
+    ring_attention.PIECE_LEN = (2 if name.startswith("pieces2_") else
+                                4 if name.startswith("pieces") else PIECE_LEN)
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "sp"))
     kw = dict(CASES[name])
     layout = layout or kw.pop("sequence_layout", "contiguous")

@@ -222,10 +222,13 @@ def test_every_rate_with_every_dtype(implementation, rate, dtype):
     check(*inputs(2, DTYPES[dtype]), rate, implementation=implementation, is_causal=True)
 
 
-# Position maps of the dropout operand (q_first, q_stride, k_first, k_stride): unit strides
-# from a multiple of 4 (the keys' groups of 4 stay whole), from an even key (each kernel lane's
-# pair of keys still shares a group) and strided from odd starts (one Philox call per key).
-POSITION_MAPS = {"aligned": (8, 1, 12, 1), "even": (5, 1, 6, 1), "strided": (3, 2, 5, 3)}
+# Position maps of the dropout operand ((q_first, q_stride, k_first, k_stride), and the static
+# dropout_key_groups that goes with them): unit strides from a multiple of 4 (the keys' groups
+# of 4 stay whole; the xla implementation draws them four at a time, or, told nothing, one per
+# key), from an even key (each kernel lane's pair of keys still shares a group) and strided from
+# odd starts (one Philox call per key).
+POSITION_MAPS = {"aligned": ((8, 1, 12, 1), True), "aligned-per-key": ((8, 1, 12, 1), False),
+                 "even": ((5, 1, 6, 1), False), "strided": ((3, 2, 5, 3), False)}
 
 
 @pytest.mark.parametrize("maps", list(POSITION_MAPS))
@@ -236,7 +239,7 @@ def test_calls_at_global_positions_against_the_oracle(implementation, maps):
     from jax_flash_metal.core import validation
     from jax_flash_metal.core.options import Options
     from jax_flash_metal.lowering.primitives import bwd_p, fwd_p
-    q_first, q_stride, k_first, k_stride = POSITION_MAPS[maps]
+    (q_first, q_stride, k_first, k_stride), groups = POSITION_MAPS[maps]
     q, k, v, do, g = inputs(3)
     rate = 0.5
     q, k, v, operands, params = validation.check_inputs(
@@ -244,6 +247,7 @@ def test_calls_at_global_positions_against_the_oracle(implementation, maps):
                                      implementation=implementation))
     operands = operands._replace(dropout=dropout.at_positions(
         operands.dropout, q_first, q_stride, k_first, k_stride))
+    params = params._replace(dropout_key_groups=groups)
     rows, keys = q_first + q_stride * np.arange(TQ), k_first + k_stride * np.arange(TK)
     whole = np.asarray(dropout_mask(KEY, (B, H, rows[-1] + 1, keys[-1] + 1), rate))
     keep = whole[:, :, rows][:, :, :, keys]
@@ -360,3 +364,30 @@ def test_errors_name_the_argument(kwargs, error, match):
     q, k, v, _, _ = inputs(9)
     with pytest.raises(error, match=match):
         flash_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("maps", ["whole call", "strided keys"])
+def test_xla_dropout_branches_nowhere(monkeypatch, maps):
+    """The xla implementation's forward+backward with dropout, in tiles, lowers to no
+    conditional, for grouped keys and per-key ones alike: a branch in a tile would, on a GPU,
+    read its predicate back to the host and store the tile's mask (docs/gpu.md#dropout)."""
+    from jax_flash_metal.core import validation
+    from jax_flash_metal.core.options import Options
+    from jax_flash_metal.lowering.primitives import bwd_p, fwd_p
+    use_xla_schedule(monkeypatch, BLOCKS)
+    q, k, v, do, g = inputs(6)
+    q, k, v, operands, params = validation.check_inputs(
+        q, k, v, None, None, Options(dropout_rate=0.5, dropout_rng=KEY, implementation="xla"))
+    if maps == "strided keys":
+        operands = operands._replace(dropout=dropout.at_positions(operands.dropout, 0, 1, 1, 3))
+        params = params._replace(dropout_key_groups=False)
+
+    def forward_and_backward(q, k, v, do, g):
+        o, lse, row_max, log_sum = fwd_p.bind(q, k, v, *operands.present(), **params._asdict())
+        return bwd_p.bind(q, k, v, o, lse, row_max, log_sum, do, g, *operands.present(),
+                          bias_grad=False, alibi_grad=False, **params._asdict())
+
+    text = jax.jit(forward_and_backward).lower(q, k, v, do, g).as_text()
+    assert "stablehlo.while" in text  # the tiles' loops
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
+    jax.clear_caches()

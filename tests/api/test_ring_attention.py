@@ -55,7 +55,7 @@ DROPOUT_CASES = tuple(f"{case}/{layout}@{strategy}" for strategy in ("all_gather
                       for layout in ("contiguous", "striped", "zigzag")
                       for case in ("dropout", ("pieces_" if layout == "striped" else "")
                                    + "dropout_causal"))
-QUICK_DROPOUT_CASES = DROPOUT_CASES[1::4] + DROPOUT_CASES[2::4]
+QUICK_DROPOUT_CASES = DROPOUT_CASES[1::4] + DROPOUT_CASES[2::4] + ("pieces2_dropout@ring",)
 EMULATOR_DROPOUT_CASES = ("pieces_dropout_causal/striped@all_gather",
                           "dropout_causal/zigzag@ring")
 if hasattr(jax, "set_mesh"):  # the batch Explicit over "data": its global indices

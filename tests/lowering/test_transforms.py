@@ -207,10 +207,11 @@ def test_coerce_params_exact_types():
                           implementation=None, has_segment_ids=False, has_bias=False,
                           has_mask=False, has_sinks=False, logits_soft_cap=None,
                           has_alibi=False, has_page_table=False, dropout_rate=0.0,
+                          dropout_key_groups=True,
                           kernel_variant=-1)  # variants.AUTO: the lowering chooses
     assert [type(x) for x in params.values()] == [float, bool, int, int, bool, bool, bool,
                                                   type(None), bool, bool, bool, bool, type(None),
-                                                  bool, bool, float, int]
+                                                  bool, bool, float, bool, int]
     full = coerce_params(scale=1, is_causal=False, window_left=-1, window_right=-1,
                          bottom_right=False, has_q_lengths=False, has_kv_lengths=False,
                          implementation="xla", has_bias=np.bool_(True),

@@ -11,6 +11,13 @@ from jax_flash_metal import implementations
 from jax_flash_metal.tools import cli
 
 
+@pytest.fixture(autouse=True)
+def _host_device_for_the_emulator():
+    """These tests set the default device themselves: no pin (tests/conftest.py's fixture of
+    this name), whose context would hide the global setting they read."""
+    yield
+
+
 @pytest.fixture
 def restored_default_device():
     saved = jax.config.jax_default_device
@@ -29,3 +36,14 @@ def test_the_emulator_computes_on_the_host(restored_default_device, monkeypatch,
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     cli.check_implementation(argparse.ArgumentParser(), argparse.Namespace(implementation=name))
     assert jax.config.jax_default_device == (jax.devices("cpu")[0] if moved else None)
+
+
+def test_abstract_operands_lower_for_the_default_device(restored_default_device):
+    """The programs lower abstract shapes (``cli.operand_shape``): they must follow the device
+    ``emulator_on_the_host`` chose, which an operand without a sharding would not."""
+    cpu = jax.devices("cpu")[0]
+    jax.config.update("jax_default_device", cpu)
+    spec = cli.operand_shape((2, 3), "bfloat16")
+    assert (spec.shape, spec.dtype, spec.sharding.device_set) == ((2, 3), jax.numpy.bfloat16,
+                                                                   {cpu})
+    assert cli.default_device() == cpu

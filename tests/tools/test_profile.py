@@ -18,6 +18,8 @@ from jax_flash_metal import _ext as ext
 from jax_flash_metal._ext import emulator
 from jax_flash_metal.tools import profile_model
 
+pytestmark = pytest.mark.host  # the profiled calls run the emulator (conftest.py)
+
 ZERO = dict(threadgroup_bytes_read=0, threadgroup_bytes_written=0, mma_ops=0, simd_ops=0,
             barriers=0, fma_ops=0, math_ops=0, threadgroup_memory_bytes=0)
 
