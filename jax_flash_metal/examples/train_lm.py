@@ -305,8 +305,9 @@ def parse_mesh(text: str | None) -> dict[str, int]:
 
 
 def make_mesh(sizes: dict[str, int]) -> Mesh:
-    """The ("data", "sp") mesh over every device of every process."""
-    devices = jax.devices()
+    """The ("data", "sp") mesh over every device of every process, on the default device's
+    platform (the CPU where the emulator runs on a GPU machine)."""
+    devices = jax.devices(default_device().platform)
     if len(devices) != sizes["data"] * sizes["sp"]:
         raise SystemExit(f"--mesh data={sizes['data']},sp={sizes['sp']} needs "
                          f"{sizes['data'] * sizes['sp']} devices, JAX has {len(devices)}")
@@ -571,7 +572,7 @@ def main(argv=None) -> dict:
     tiny = args.tiny or resolved == "emulator"
     cfg = config_from_args(args, tiny)
     print(f"jax_flash_metal {jax_flash_metal.__version__}, jax {jax.__version__}, backend "
-          f"{jax.default_backend()}; attention implementation: {resolved} "
+          f"{default_device().platform}; attention implementation: {resolved} "
           f"({jax_flash_metal.devices().get(resolved, '?')}; available here: "
           f"{', '.join(implementations.available())})")
     if resolved == "emulator":
