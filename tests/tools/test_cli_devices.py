@@ -13,13 +13,9 @@ from jax_flash_metal.tools import cli
 
 @pytest.fixture(autouse=True)
 def _host_device_for_the_emulator():
-    """These tests set the default device themselves: no pin (tests/conftest.py's fixture of
-    this name), whose context would hide the global setting they read."""
-    yield
-
-
-@pytest.fixture
-def restored_default_device():
+    """These tests set the global default device themselves and get it back: no pin
+    (tests/conftest.py's fixture of this name), whose context would hide the setting they
+    read."""
     saved = jax.config.jax_default_device
     yield
     jax.config.update("jax_default_device", saved)
@@ -30,15 +26,14 @@ def restored_default_device():
 @pytest.mark.parametrize("backend,name,moved", [("gpu", "emulator", True),
                                                 ("gpu", "xla", False),
                                                 ("cpu", "emulator", False)])
-def test_the_emulator_computes_on_the_host(restored_default_device, monkeypatch, backend, name,
-                                           moved):
+def test_the_emulator_computes_on_the_host(monkeypatch, backend, name, moved):
     jax.config.update("jax_default_device", None)
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     cli.check_implementation(argparse.ArgumentParser(), argparse.Namespace(implementation=name))
     assert jax.config.jax_default_device == (jax.devices("cpu")[0] if moved else None)
 
 
-def test_abstract_operands_lower_for_the_default_device(restored_default_device):
+def test_abstract_operands_lower_for_the_default_device():
     """The programs lower abstract shapes (``cli.operand_shape``): they must follow the device
     ``emulator_on_the_host`` chose, which an operand without a sharding would not."""
     cpu = jax.devices("cpu")[0]
