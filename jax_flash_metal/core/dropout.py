@@ -36,11 +36,6 @@ FIELDS = ("key0", "key1", "b", "n", "q_first", "q_stride", "k_first", "k_stride"
 WORDS = len(FIELDS)
 
 
-def _mulhilo(a: int, b):
-    """(hi, lo) words of the 64-bit product of the constant ``a`` and uint32 ``b``."""
-    return mulhi.high_word(a, b), b * _U32(a)
-
-
 def philox4x32(counter, key):
     """Philox-4x32-10: four uint32 arrays (the counter words, broadcastable) and two (the key
     words) -> the four uint32 output words, broadcast together."""
@@ -49,8 +44,8 @@ def philox4x32(counter, key):
     for r in range(ROUNDS):
         if r:
             k0, k1 = k0 + _U32(_W0), k1 + _U32(_W1)
-        hi0, lo0 = _mulhilo(_M0, c0)
-        hi1, lo1 = _mulhilo(_M1, c2)
+        hi0, lo0 = mulhi.high_and_low(_M0, c0)
+        hi1, lo1 = mulhi.high_and_low(_M1, c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
     return jnp.broadcast_arrays(c0, c1, c2, c3)
 

@@ -29,7 +29,7 @@ from .. import paging
 from ..core import nonfinite
 from ..core.contract import Operands
 from . import blocks, decode, schedule as xla_schedule
-from .blocks import block, counted, of_pass, weighted
+from .blocks import block, counted, dropout_of_pass, of_pass, weighted
 from . import tiles
 
 F32 = tiles.F32
@@ -89,7 +89,7 @@ def forward(q, k, v, operands=Operands(), *, scale, schedule=CPU, is_causal=Fals
             return tiles.forward_step(state, q, of_pass(p, block(kb, c)),
                                       weighted(p, block(vb, c), grid.hides_pairs), visible,
                                       of_pass(p, bias), logits_soft_cap, prec.score_scale,
-                                      of_pass(p, z, 1.0))
+                                      dropout_of_pass(p, z))
 
         def finish(state, p):  # the counting pass has no sinks
             return tiles.forward_finish(state, of_pass(p, sinks, -jnp.inf))
@@ -184,7 +184,7 @@ def backward(q, k, v, o, lse, row_max, log_sum, do, g_lse, operands=Operands(), 
             of_pass(p, q_r), weighted(p, q_r, hides), *xs, of_pass(p, do_r),
             weighted(p, do_r, hides), of_pass(p, block(max_b, r)),
             of_pass(p, block(log_sum_b, r)), of_pass(p, block(delta_b, r), -1.0)), visible,
-            of_pass(p, bias), logits_soft_cap, prec.score_scale, of_pass(p, z, 1.0),
+            of_pass(p, bias), logits_soft_cap, prec.score_scale, dropout_of_pass(p, z),
             schedule.pinned_transposes)
         rows = dq
         if alibi_grad:  # per row: sum_j dS * -|i + off - j| (0 in the counting pass)

@@ -327,8 +327,7 @@ class _Blocks:
 
     def visible(self, r, c):
         """(visible bool broadcastable to [B, HKV, G, Br, Bc] or None, bias block or None,
-        dropout weights Z [B, HKV, G, Br, Bc] or None) of tile (r, c); the bias includes the
-        ALiBi term."""
+        ``tiles.Dropout`` or None) of tile (r, c); the bias includes the ALiBi term."""
         rows, keys = self._positions(r, c)
         band = self.band.mask(rows, keys, check_rows=self.check_rows,
                               check_keys=self.check_keys)
@@ -338,8 +337,10 @@ class _Blocks:
             bias = alibi if bias is None else bias + alibi
         z = None
         if self.dropout is not None:
-            z = dropout.weights(self.dropout, rows, c * self.t.bc, self.t.bc, self.dropout_rate,
-                                groups=self.dropout_key_groups, aligned=self.t.bc % 4 == 0)
+            z = tiles.Dropout(dropout.keep(self.dropout, rows, c * self.t.bc, self.t.bc,
+                                           self.dropout_rate, groups=self.dropout_key_groups,
+                                           aligned=self.t.bc % 4 == 0),
+                              dropout.keep_scale(self.dropout_rate))
         return features.combine(None if band is None else band[:, None, None], extra), bias, z
 
     def over_query_blocks(self, init, step, finish, rows, counting=None):
@@ -479,6 +480,14 @@ def of_pass(p, x, counting_value=0.0):
     if x is None or isinstance(p, int):
         return x
     return jnp.where(p == 1, counting_value, x)
+
+
+def dropout_of_pass(p, z):
+    """A tile's ``tiles.Dropout`` (or None) in pass ``p``: in the counting pass every entry is
+    kept at weight 1, so the counts see every visible pair."""
+    if z is None:
+        return None
+    return tiles.Dropout(of_pass(p, z.keep, True), of_pass(p, z.scale, 1.0))
 
 
 def weighted(p, x, hides_pairs):

@@ -9,9 +9,10 @@ q, k, v, dO are float32, or all float16/bfloat16 (``xla_schedule``'s ``half_oper
 matmul accumulates in float32, and P and dS enter theirs rounded to the operands' dtype. Scores
 are ``cap(scale * (q . k)) + bias`` (``features.soft_cap``) in float32; with ``scale`` None, q
 arrives multiplied by the softmax scale (float32 operands).
-``dropout``: None, or float32 ``[B, HKV, G, Br, Bc]`` Z = M / (1 - rate) (``dropout.weights``):
-O = (P Z) V, so dV = (P Z)^T dO and dP = (dO V^T) Z; the softmax statistics, and
-D = rowsum(dO O) = rowsum(P dP), are those of the undropped P.
+``dropout``: None, or a ``Dropout``: the keep mask M bool ``[B, HKV, G, Br, Bc]`` and the weight
+1 / (1 - rate) of a kept entry, so Z = M / (1 - rate) (``dropout.keep``): O = (P Z) V, so
+dV = (P Z)^T dO and dP = (dO V^T) Z; the softmax statistics, and D = rowsum(dO O) =
+rowsum(P dP), are those of the undropped P.
 
 Non-finite inputs (docs/design.md#empty-rows-and-non-finite-inputs) cost nothing here: the caller
 passes each operand in the form that makes plain matmuls place NaN exactly. Every operand arrives
@@ -98,9 +99,19 @@ def running_init(q, value_head_dim):
                    jnp.zeros(rows + (value_head_dim,), F32))
 
 
+class Dropout(NamedTuple):
+    """A tile's dropout: keep mask M and the weight of a kept entry (float, or a traced float32
+    scalar), Z = M * scale."""
+
+    keep: jax.Array
+    scale: float | jax.Array
+
+
 def _dropped(p, dropout):
     """P Z, or P without dropout."""
-    return p if dropout is None else p * dropout
+    if dropout is None:
+        return p
+    return p * jnp.where(dropout.keep, jnp.asarray(dropout.scale, F32), F32(0.0))
 
 
 def _merge_statistics(a, b):
@@ -220,6 +231,19 @@ def _key_major(small, big, pinned_transposes):
         dot("bhdgq,bhgqk->bhdk", small_t, big)), -1, -2)
 
 
+def _dp_minus_delta(x: BackwardOperands, dropout):
+    """dP - D = (dO V^T) Z - D, rounded to the operands' dtype. With dropout: scale * dP - D
+    where kept, -D where dropped (NaN where that one is: 0 * E). Formed so, the mask is not in
+    the matmul's epilogue: XLA:GPU fuses c dP - D into the dP matmul as it does dP - D without
+    dropout, where Z dP - D made it store dP as a float32 tile and read it back."""
+    dp = dot("bhgqd,bhkd->bhgqk", x.do, x.v)
+    delta = x.delta[..., None]
+    if dropout is None:
+        return _as_operand(dp - delta, x.do)
+    e = _as_operand(jnp.asarray(dropout.scale, F32) * dp - delta, x.do)
+    return jnp.where(dropout.keep, e, _as_operand(0.0 * e - delta, x.do))
+
+
 def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, scale=None, dropout=None,
                   pinned_transposes=False):
     """(dq unscaled, dk, dv, dS) contributions of one tile: P = ``probabilities`` from the
@@ -234,8 +258,7 @@ def backward_tile(x: BackwardOperands, visible, bias=None, cap=None, scale=None,
     ``pinned_transposes``: as ``xla_schedule``'s (``_key_major``)."""
     s, slope = _scores(x.q, x.k_nan, bias, cap, scale)
     p = _as_operand(probabilities(s, x.row_max, x.log_sum, visible), x.do)
-    dp = _dropped(dot("bhgqd,bhkd->bhgqk", x.do, x.v), dropout)
-    ds = _masked(visible, p * _as_operand(dp - x.delta[..., None], x.do), 0.0)
+    ds = _masked(visible, p * _dp_minus_delta(x, dropout), 0.0)
     ds_raw = ds if slope is None else ds * slope
     return (dot("bhgqk,bhkd->bhgqd", ds_raw, x.k_zeroed),
             _key_major(x.q_zeroed, ds_raw, pinned_transposes),

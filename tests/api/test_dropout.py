@@ -84,19 +84,20 @@ def test_mulhi_in_the_emulator(ext):
     assert [int(h) for h in signed_high] == [(int(a) * int(b)) >> 32 for a, b in zip(sx, sy)]
 
 
-@pytest.mark.parametrize("lowering", ["wide", "halves"])
-def test_mulhi_high_word(lowering):
-    """The high word of Philox's products, lowered through a 64-bit multiply (CPU, CUDA) and
-    through 16-bit halves (other platforms), against Python's integers."""
+@pytest.mark.parametrize("lowering", ["wide", "portable"])
+def test_mulhi_high_and_low(lowering):
+    """Both words of Philox's products, lowered through one 64-bit multiply (CPU, CUDA) and
+    through 16-bit halves and a 32-bit multiply (other platforms), against Python's integers."""
     rng = np.random.default_rng(2)
     b = rng.integers(0, 2 ** 32, 256, dtype=np.uint32)
     b[:3] = [0, 1, 0xFFFFFFFF]
     for a in (0xD2511F53, 0xCD9E8D57, 0xFFFFFFFF, 1):
         if lowering == "wide":
-            got = jax.jit(lambda b, a=a: mulhi.high_word(a, b))(b)
+            got = jax.jit(lambda b, a=a: mulhi.high_and_low(a, b))(b)
         else:
-            got = jax.jit(lambda b, a=a: mulhi._halves(b, a=a))(jnp.asarray(b))
-        assert [int(h) for h in np.asarray(got)] == [(a * int(x)) >> 32 for x in b]
+            got = jax.jit(lambda b, a=a: mulhi._portable(b, a=a))(jnp.asarray(b))
+        assert [int(h) for h in np.asarray(got[0])] == [(a * int(x)) >> 32 for x in b]
+        assert [int(h) for h in np.asarray(got[1])] == [(a * int(x)) % 2 ** 32 for x in b]
 
 
 def test_mask_construction():
