@@ -57,7 +57,8 @@ mulhi_p = Primitive("jax_flash_metal_mulhilo_u32")
 mulhi_p.multiple_results = True
 mulhi_p.def_impl(lambda b, *, a: jax.jit(lambda b: mulhi_p.bind(b, a=a))(b))
 mulhi_p.def_abstract_eval(lambda b, *, a: (b.update(weak_type=False),) * 2)
-batching.defvectorized(mulhi_p)
+batching.primitive_batchers[mulhi_p] = (
+    lambda args, dims, *, a: (mulhi_p.bind(*args, a=a), dims * 2))  # elementwise
 mlir.register_lowering(mulhi_p, mlir.lower_fun(_portable, multiple_results=True))
 for _platform in WIDE_PLATFORMS:
     mlir.register_lowering(mulhi_p, _wide, platform=_platform)

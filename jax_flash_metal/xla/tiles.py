@@ -232,10 +232,11 @@ def _key_major(small, big, pinned_transposes):
 
 
 def _dp_minus_delta(x: BackwardOperands, dropout):
-    """dP - D = (dO V^T) Z - D, rounded to the operands' dtype. With dropout: scale * dP - D
-    where kept, -D where dropped (NaN where that one is: 0 * E). Formed so, the mask is not in
-    the matmul's epilogue: XLA:GPU fuses c dP - D into the dP matmul as it does dP - D without
-    dropout, where Z dP - D made it store dP as a float32 tile and read it back."""
+    """dP Z - D with dP = dO V^T, rounded to the operands' dtype. With dropout it is formed as
+    E = scale * dP - D, then 0 * E - D where dropped (-D, or NaN where E is, as 0 * dP would
+    give): the mask stays out of E, so XLA:GPU fuses E into the dP matmul's epilogue as it does
+    dP - D without dropout (with the mask there, it stored dP as a float32 tile and read it
+    back: docs/gpu.md#dropout)."""
     dp = dot("bhgqd,bhkd->bhgqk", x.do, x.v)
     delta = x.delta[..., None]
     if dropout is None:

@@ -98,6 +98,9 @@ def test_mulhi_high_and_low(lowering):
             got = jax.jit(lambda b, a=a: mulhi._portable(b, a=a))(jnp.asarray(b))
         assert [int(h) for h in np.asarray(got[0])] == [(a * int(x)) >> 32 for x in b]
         assert [int(h) for h in np.asarray(got[1])] == [(a * int(x)) % 2 ** 32 for x in b]
+    rows = jax.vmap(lambda r: mulhi.high_and_low(0xD2511F53, r))(b.reshape(16, 16))
+    assert [int(h) for h in np.asarray(rows[0]).ravel()] == [(0xD2511F53 * int(x)) >> 32
+                                                             for x in b]
 
 
 def test_mask_construction():
