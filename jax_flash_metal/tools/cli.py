@@ -136,8 +136,8 @@ def operand_shape(shape, dtype) -> jax.ShapeDtypeStruct:
     """An abstract operand on ``default_device()``: lowering one without a sharding targets
     the default backend, not ``emulator_on_the_host``'s device."""
     # The newest JAX deprecates the class for the factory; older releases have only the class.
-    single = getattr(jax.sharding, "make_single_device_sharding",
-                     jax.sharding.SingleDeviceSharding)
+    single = (getattr(jax.sharding, "make_single_device_sharding", None)
+              or jax.sharding.SingleDeviceSharding)
     return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=single(default_device()))
 
 
